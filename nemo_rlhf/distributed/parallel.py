@@ -1,0 +1,293 @@
+"""Process groups and megatron's ``parallel_state``: the one place that touches them.
+
+:func:`initialize_distributed` reads the launcher's environment (torchrun or SLURM),
+initialises ``torch.distributed`` (gloo without CUDA, NCCL with), megatron's model-parallel
+groups and the tensor-parallel RNG tracker, and returns a :class:`ParallelDims` -- the
+object the rest of the package is handed (torchtitan's ParallelDims habit). Everything
+outside ``nemo_rlhf/distributed/`` reads ranks and groups from that object, never from
+megatron's global getters.
+
+:func:`validate_parallel_layout` checks the layout against the world size and the model
+before any model is built, with errors that name the config keys and the values that
+would work.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nemo_rlhf.distributed.launch_env import LaunchEnv, read_launch_env
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout (config group ``parallel``). Data parallel size is derived."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks a layer's weights are split across (megatron TP)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages the layers are split into (megatron PP)."""
+    backend: str = "auto"
+    """``auto`` (nccl with CUDA, gloo without), ``gloo`` or ``nccl``."""
+    timeout_minutes: int = 30
+    """Collective timeout."""
+
+    def __post_init__(self) -> None:
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "timeout_minutes"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{key}={value!r}: must be an integer >= 1")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(
+                f"parallel.backend={self.backend!r}: valid choices are 'auto', 'gloo', 'nccl'"
+            )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_parallel_layout(
+    parallel: ParallelConfig,
+    world_size: int,
+    num_layers: int | None = None,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    vocab_size: int | None = None,
+) -> int:
+    """Check a TP/PP layout against the world size and the model; return the DP size.
+
+    Raises:
+        ValueError: naming the offending key (``parallel.tensor_model_parallel_size``,
+            ``parallel.pipeline_model_parallel_size``, ``model.num_layers``, ...), its value
+            and the values that would work.
+    """
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if world_size % tp != 0 or tp > world_size:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size={tp} does not divide the world size "
+            f"{world_size}; valid values: {_divisors(world_size)}"
+        )
+    if world_size % (tp * pp) != 0:
+        valid = [d for d in _divisors(world_size // tp)]
+        raise ValueError(
+            f"parallel.pipeline_model_parallel_size={pp} with tensor_model_parallel_size={tp}: "
+            f"tp*pp={tp * pp} does not divide the world size {world_size}; valid "
+            f"pipeline_model_parallel_size values for this TP: {valid}"
+        )
+    if num_layers is not None and num_layers % pp != 0:
+        raise ValueError(
+            f"model.num_layers={num_layers} is not divisible by "
+            f"parallel.pipeline_model_parallel_size={pp}; valid PP sizes for this model: "
+            f"{[d for d in _divisors(num_layers) if world_size % (tp * d) == 0]}"
+        )
+    if num_attention_heads is not None and num_attention_heads % tp != 0:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size={tp} must divide "
+            f"model.num_attention_heads={num_attention_heads}; valid TP sizes: "
+            f"{[d for d in _divisors(num_attention_heads) if world_size % d == 0]}"
+        )
+    groups = num_query_groups or num_attention_heads
+    if groups is not None and groups % tp != 0:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size={tp} must divide "
+            f"model.num_query_groups={groups} (KV heads); valid TP sizes: "
+            f"{[d for d in _divisors(groups) if world_size % d == 0]}"
+        )
+    return world_size // (tp * pp)
+
+
+@dataclass
+class ParallelDims:
+    """The parallel layout of this process, built once and passed explicitly.
+
+    Group attributes are ``torch.distributed`` process groups; ``*_rank`` are this process's
+    ranks inside them; ``*_size`` the group sizes.
+    """
+
+    world_size: int
+    rank: int
+    local_rank: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_group: object
+    pp_group: object
+    dp_group: object
+    mp_group: object
+    """Model-parallel group (TP x PP): ranks that hold one copy of the model."""
+    embedding_group: object
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the embedding (first pipeline stage)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the output layer and value head (last pipeline stage)."""
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def pp_last_rank(self) -> int:
+        """Global rank of the last pipeline stage in this rank's pipeline."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_last_rank()
+
+    @property
+    def pp_first_rank(self) -> int:
+        """Global rank of the first pipeline stage in this rank's pipeline."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_pipeline_model_parallel_first_rank()
+
+    @property
+    def tp_src_rank(self) -> int:
+        """Global rank of TP rank 0 in this rank's TP group (broadcast source)."""
+        from megatron.core import parallel_state as ps
+
+        return ps.get_tensor_model_parallel_src_rank()
+
+    @property
+    def dp_src_rank(self) -> int:
+        """Global rank of DP rank 0 in this rank's DP group."""
+        return dist.get_global_rank(self.dp_group, 0) if self.world_size > 1 else 0
+
+    def describe(self) -> dict:
+        """JSON-able summary: ``{"tp": .., "pp": .., "dp": .., "world_size": ..}``."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world_size": self.world_size}
+
+
+def _make_dims(local_rank: int) -> ParallelDims:
+    from megatron.core import parallel_state as ps
+
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return ParallelDims(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(),
+        mp_group=ps.get_model_parallel_group(),
+        embedding_group=ps.get_embedding_group(check_initialized=False),
+        device=device,
+    )
+
+
+def initialize_distributed(
+    parallel: ParallelConfig,
+    seed: int = 1234,
+    num_layers: int | None = None,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    launch_env: LaunchEnv | None = None,
+) -> ParallelDims:
+    """Initialise torch.distributed, megatron's parallel state and the TP RNG tracker.
+
+    Idempotent for the same layout: if torch.distributed is already initialised (e.g. by
+    a test harness), only megatron's state is (re)built on the existing default group.
+
+    Args:
+        parallel: the layout; validated against the world size and the model first.
+        seed: base seed; megatron's tracker derives the TP-rank seeds from it.
+        num_layers, num_attention_heads, num_query_groups: model facts for validation.
+        launch_env: overrides the environment (tests).
+
+    Raises:
+        ValueError: bad layout (see :func:`validate_parallel_layout`), raised before any
+            process group is created.
+    """
+    env = launch_env or read_launch_env()
+    validate_parallel_layout(parallel, env.world_size, num_layers, num_attention_heads,
+                             num_query_groups)
+    from nemo_rlhf.distributed import cpu_compat
+
+    cpu_compat.activate_if_no_cuda()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    backend = parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        if env.launcher == "single" and env.master_port == 0:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        else:
+            init_method = f"tcp://{env.master_addr}:{env.master_port}"
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(minutes=parallel.timeout_minutes),
+        )
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        distributed_timeout_minutes=parallel.timeout_minutes,
+        create_gloo_process_groups=backend == "nccl",
+    )
+    set_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return _make_dims(env.local_rank)
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and, through megatron, the TP tracker)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's groups and the default process group."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reseed_model_parallel(seed: int) -> None:
+    """Re-seed every generator and megatron's TP RNG tracker (same weights on rebuild)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    set_seed(seed)
+    model_parallel_cuda_manual_seed(seed)

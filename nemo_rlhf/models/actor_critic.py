@@ -1,0 +1,165 @@
+"""Actor and Critic on one megatron-core GPT backbone (and the reward model's scalar head).
+
+:class:`ActorCriticModel` is megatron's ``GPTModel`` plus a value head (hidden -> 1) on
+the last pipeline stage: the Actor's vocab-parallel logits and the Critic's values come
+from the same forward over the same weights (InstructGPT's PPO setup with a shared
+backbone, as in NeMo-Aligner's "critic on actor" option; Ouyang et al. 2022 sec. 3.5).
+:class:`RewardModel` is the same backbone with a scalar head read at the last valid token
+and no output layer call.
+
+Shapes: inputs are batch-first ``input_ids [batch, seq]``; on the last stage the forward
+returns ``(logits [batch, seq, padded_vocab/tp], values [batch, seq] float32)``; other
+stages return megatron's hidden states ``[seq, batch, hidden]`` for the next stage.
+
+The value head's weights are fp32 whatever the model precision and are part of
+``sharded_state_dict()`` (replicated across TP, present on the last stage only).
+Simplified: sequence parallelism and context parallelism are not wired in (the value head
+would need the sequence-parallel gather); virtual pipeline stages are not used.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from nemo_rlhf.models.config import ModelConfig, build_transformer_config
+
+
+class ActorCriticModel(GPTModel):
+    """megatron ``GPTModel`` with a value head sharing the backbone.
+
+    Args:
+        config: megatron ``TransformerConfig``.
+        model_cfg: the project's :class:`ModelConfig` (vocab, positions, tying).
+        pre_process / post_process: whether this pipeline stage holds the embedding /
+            the output layer and value head.
+        layer_spec: megatron layer spec (local spec, or TE's when installed).
+    """
+
+    head_name = "value_head"
+
+    def __init__(self, config: TransformerConfig, model_cfg: ModelConfig, pre_process: bool,
+                 post_process: bool, layer_spec=None):
+        super().__init__(
+            config=config,
+            transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(
+                normalization=model_cfg.normalization),
+            vocab_size=model_cfg.padded_vocab_size,
+            max_sequence_length=model_cfg.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=model_cfg.share_embeddings_and_output_weights,
+            position_embedding_type=model_cfg.position_embedding_type,
+            rotary_base=model_cfg.rotary_base,
+        )
+        self.model_cfg = model_cfg
+        self.compute_values = True
+        """When False the last stage returns logits only (rollout / reference passes)."""
+        if post_process:
+            head = torch.nn.Linear(config.hidden_size, 1, bias=True, dtype=torch.float32)
+            with torch.no_grad():
+                if model_cfg.value_head_init_std > 0:
+                    head.weight.normal_(0.0, model_cfg.value_head_init_std)
+                else:
+                    head.weight.zero_()
+                head.bias.zero_()
+            setattr(self, self.head_name, head)
+
+    def _head(self) -> torch.nn.Linear:
+        return getattr(self, self.head_name)
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        logits = super()._postprocess(hidden_states, *args, **kwargs)
+        if not self.post_process or not self.compute_values or kwargs.get("inference_context"):
+            return logits
+        values = self._head()(hidden_states.float()).squeeze(-1).transpose(0, 1).contiguous()
+        return logits, values
+
+
+class RewardModel(ActorCriticModel):
+    """GPT backbone + scalar reward head (Bradley-Terry RM, Ouyang et al. 2022 sec. 3.5).
+
+    The last stage returns per-token scalar rewards ``[batch, seq]`` float32; the score of a
+    sequence is read at its last valid token (:func:`gather_last_token`). The output layer
+    exists (so an RM can start from an SFT checkpoint and keep its keys) but is not called.
+    """
+
+    head_name = "reward_head"
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        if not self.post_process:
+            return hidden_states
+        return self._head()(hidden_states.float()).squeeze(-1).transpose(0, 1).contiguous()
+
+
+def gather_last_token(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Pick ``values[b, lengths[b]-1]`` for right-padded rows.
+
+    Args:
+        values: ``[batch, seq]``.
+        lengths: ``[batch]`` int, number of valid tokens per row (>= 1).
+
+    Returns:
+        ``[batch]`` tensor.
+
+    Raises:
+        ValueError: if a length is < 1 or > seq.
+    """
+    if (lengths < 1).any() or (lengths > values.shape[1]).any():
+        raise ValueError(f"lengths must be in [1, {values.shape[1]}], got {lengths.tolist()}")
+    idx = (lengths.long() - 1).unsqueeze(1)
+    return values.gather(1, idx).squeeze(1)
+
+
+def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str = "actor_critic",
+                seed: Optional[int] = None) -> torch.nn.Module:
+    """Build this rank's pipeline stage of an actor-critic or reward model.
+
+    Args:
+        model_cfg: architecture; ``vocab_size`` must be set.
+        dims: :class:`nemo_rlhf.distributed.ParallelDims` of this process.
+        precision: ``trainer.precision`` (``32``, ``bf16-mixed``, ``fp16-mixed``).
+        kind: ``actor_critic`` or ``reward``.
+        seed: if given, re-seed megatron's TP RNG tracker first, so two builds give the
+            same weights (tests; reference copies).
+
+    Raises:
+        ValueError: unknown ``kind``, or a padded vocabulary not divisible by TP.
+    """
+    classes = {"actor_critic": ActorCriticModel, "reward": RewardModel}
+    if kind not in classes:
+        raise ValueError(f"model kind {kind!r}: valid kinds are {sorted(classes)}")
+    if model_cfg.padded_vocab_size % dims.tp:
+        raise ValueError(
+            f"padded vocabulary {model_cfg.padded_vocab_size} is not divisible by "
+            f"parallel.tensor_model_parallel_size={dims.tp}: set model.make_vocab_size_divisible_by "
+            f"to a multiple of {dims.tp}"
+        )
+    if seed is not None:
+        from nemo_rlhf.distributed.parallel import reseed_model_parallel
+
+        reseed_model_parallel(seed)
+    config = build_transformer_config(model_cfg, dims.tp, dims.pp, precision)
+    model = classes[kind](config, model_cfg, pre_process=dims.is_first_stage,
+                          post_process=dims.is_last_stage, layer_spec=_layer_spec(model_cfg))
+    return model.to(dims.device)
+
+
+def _layer_spec(model_cfg: ModelConfig):
+    """Transformer-engine layer spec when TE is importable on a GPU, else the local spec."""
+    if torch.cuda.is_available():
+        try:
+            from megatron.core.models.gpt.gpt_layer_specs import (
+                get_gpt_layer_with_transformer_engine_spec,
+            )
+            import transformer_engine  # noqa: F401
+
+            return get_gpt_layer_with_transformer_engine_spec()
+        except ImportError:
+            pass
+    return get_gpt_layer_local_spec(normalization=model_cfg.normalization)

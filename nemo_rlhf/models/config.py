@@ -1,0 +1,202 @@
+"""Model architecture config (Hydra group ``model/``) and its translation to megatron-core.
+
+Presets live in ``conf/model/*.yaml`` (``tiny`` for tests, ``llama`` for Llama-style
+RMSNorm/SwiGLU/RoPE/GQA without biases, ``gpt2`` for LayerNorm/GELU/learned positions,
+``qwen2`` for Llama-style with QKV biases); each YAML extends :class:`ModelConfig`.
+:func:`load_model_preset` reads one by name and is what tests use outside Hydra.
+
+The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` that does not
+depend on TP, so checkpoints reshard across TP sizes; the padded rows are masked out of
+log-probs and sampling (``ModelConfig.vocab_size`` is the real vocabulary).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
+
+
+@dataclass
+class ModelConfig:
+    """GPT architecture (config group ``model``)."""
+
+    name: str = "tiny"
+    """Preset name, recorded in checkpoints and metadata."""
+    num_layers: int = 2
+    """Transformer layers; must be divisible by ``parallel.pipeline_model_parallel_size``."""
+    hidden_size: int = 64
+    """Model width."""
+    num_attention_heads: int = 4
+    """Query heads; must be divisible by TP."""
+    num_query_groups: Optional[int] = None
+    """KV heads for grouped-query attention (None: = num_attention_heads); divisible by TP."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width (None: 4 * hidden_size)."""
+    kv_channels: Optional[int] = None
+    """Per-head width (None: hidden_size / num_attention_heads)."""
+    vocab_size: int = 0
+    """Real vocabulary size; 0 = take it from the tokenizer."""
+    make_vocab_size_divisible_by: int = 128
+    """Embedding rows are padded to a multiple of this (independent of TP)."""
+    max_position_embeddings: int = 256
+    """Longest sequence (prompt + response) in tokens."""
+    normalization: str = "RMSNorm"
+    """``RMSNorm`` or ``LayerNorm``."""
+    layernorm_epsilon: float = 1e-5
+    """Norm epsilon."""
+    activation: str = "swiglu"
+    """``swiglu`` (gated SiLU), ``gelu`` (erf) or ``gelu_tanh`` (GPT-2's gelu_new)."""
+    position_embedding_type: str = "rope"
+    """``rope`` or ``learned_absolute``."""
+    rotary_base: int = 10000
+    """RoPE theta."""
+    add_bias_linear: bool = False
+    """Biases on all linear layers (GPT-2 style)."""
+    add_qkv_bias: bool = False
+    """Biases on the QKV projection only (Qwen2 style)."""
+    share_embeddings_and_output_weights: bool = False
+    """Tie the input embedding and the output layer."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention/MLP (RLHF usually trains with 0)."""
+    attention_dropout: float = 0.0
+    """Attention-probability dropout."""
+    init_method_std: float = 0.02
+    """Std of the normal weight init."""
+    value_head_init_std: float = 0.0
+    """Std of the value head's weight init; 0 starts with values == bias == 0."""
+
+    def __post_init__(self) -> None:
+        _choice("model.normalization", self.normalization, NORMALIZATIONS)
+        _choice("model.activation", self.activation, ACTIVATIONS)
+        _choice("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                    "make_vocab_size_divisible_by"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)}: must be >= 1")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by "
+                f"model.num_attention_heads={self.num_attention_heads}; set model.kv_channels"
+            )
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"model.num_query_groups={self.num_query_groups}"
+            )
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Embedding rows: ``vocab_size`` rounded up to ``make_vocab_size_divisible_by``."""
+        if self.vocab_size < 1:
+            raise ValueError("model.vocab_size is not set (0): set it or load a tokenizer first")
+        m = self.make_vocab_size_divisible_by
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    def fingerprint(self) -> dict:
+        """Architecture facts that must match for weights to load (checkpoint fingerprint)."""
+        from dataclasses import asdict
+
+        d = asdict(self)
+        for k in ("name", "hidden_dropout", "attention_dropout", "init_method_std",
+                  "value_head_init_std", "max_position_embeddings"):
+            d.pop(k)
+        return d
+
+
+def _choice(key: str, value, valid) -> None:
+    if value not in valid:
+        raise ValueError(f"{key}={value!r}: valid choices are {list(valid)}")
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """Parameter dtype of ``trainer.precision`` (``32`` -> fp32, ``bf16-mixed`` -> bf16,
+    ``fp16-mixed`` -> fp16).
+
+    Raises:
+        ValueError: naming ``trainer.precision`` and the valid choices.
+    """
+    precision = str(precision)
+    _choice("trainer.precision", precision, PRECISIONS)
+    return {"32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: str = "32"):
+    """megatron-core ``TransformerConfig`` for a model and a parallel layout.
+
+    Weights are created on the CPU (``use_cpu_initialization``) and moved to the device by
+    the caller; all CUDA-only fusions are off.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = precision_dtype(precision)
+    swiglu = model.activation == "swiglu"
+    act = {"swiglu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh}[model.activation]
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        kv_channels=model.kv_channels,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        normalization=model.normalization,
+        layernorm_epsilon=model.layernorm_epsilon,
+        gated_linear_unit=swiglu,
+        activation_func=act,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        init_method_std=model.init_method_std,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        deallocate_pipeline_outputs=False,
+        # Losses are already divided by global token counts (passed in), so neither the
+        # pipeline schedule nor DDP may rescale them by micro-batch or DP counts.
+        calculate_per_token_loss=True,
+    )
+
+
+def load_model_preset(name: str, **overrides) -> ModelConfig:
+    """Read ``conf/model/<name>.yaml`` into a :class:`ModelConfig` (outside Hydra).
+
+    Raises:
+        ValueError: unknown preset; the message names ``model`` and lists the valid presets.
+    """
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / "model" / f"{name}.yaml"
+    if not path.is_file():
+        valid = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+        raise ValueError(f"model={name!r}: unknown model preset; valid presets: {valid}")
+    schema = OmegaConf.structured(ModelConfig)
+    merged = OmegaConf.merge(schema, OmegaConf.load(path), overrides)
+    return OmegaConf.to_object(merged)

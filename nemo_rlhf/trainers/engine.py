@@ -1,0 +1,149 @@
+"""Forward/backward through megatron's pipeline schedule, with megatron DDP.
+
+One call of :func:`forward_backward` runs a list of micro-batches through
+``get_forward_backward_func()`` (no pipelining for PP=1, 1F1B for PP>1). The loss function
+gets the last stage's model output and the micro-batch and returns
+``(loss, stats)`` where ``loss`` is already divided by the **global** token count of the
+whole mini-batch (across micro-batches and DP ranks), so the schedule and DDP are told not
+to rescale it (``calculate_per_token_loss``) and DDP sums gradients over DP ranks.
+
+Batches are batch-first dicts of tensors; every micro-batch of one call must have the same
+``[micro_batch_size, seq]`` shape (pipeline stages exchange fixed-size activations).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+LossFn = Callable[[object, dict], tuple[torch.Tensor, dict]]
+
+
+def wrap_ddp(model: torch.nn.Module, grad_reduce_in_fp32: bool = True) -> torch.nn.Module:
+    """Wrap a model stage in megatron-core ``DistributedDataParallel``.
+
+    Gradients accumulate into fp32 ``param.main_grad`` buffers (``grad_reduce_in_fp32``)
+    and are summed over the DP group by :func:`finalize_grads`.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model inside DDP wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def position_ids_for(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids ``[batch, seq]`` int64 counting only valid tokens (left padding safe).
+
+    Args:
+        attention_mask: ``[batch, seq]`` bool/int, True/1 for real tokens.
+    """
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp(min=0)
+
+
+def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """megatron attention mask ``[batch, 1, seq, seq]`` bool, True = masked out.
+
+    Causal plus padding: a query never attends to a later position or to a padded key.
+    Padded query rows attend to themselves only (their outputs are ignored), which keeps
+    the softmax finite.
+    """
+    b, s = attention_mask.shape
+    valid = attention_mask.bool()
+    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal.unsqueeze(0) & valid.unsqueeze(1)
+    eye = torch.eye(s, dtype=torch.bool, device=attention_mask.device).unsqueeze(0)
+    allowed = allowed | eye
+    return (~allowed).unsqueeze(1)
+
+
+def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Run one stage's forward on a batch-first batch.
+
+    Args:
+        input_ids: ``[batch, seq]`` int64.
+        attention_mask: ``[batch, seq]``, 1 for real tokens (left or right padding).
+
+    Returns:
+        Last stage: the model's output (``(logits, values)`` or rewards); other stages:
+        hidden states for the next stage.
+    """
+    return model(input_ids, position_ids_for(attention_mask), causal_padding_mask(attention_mask))
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    micro_batches: list[dict],
+    loss_fn: Optional[LossFn],
+    forward_only: bool = False,
+) -> list[dict]:
+    """Run micro-batches through megatron's schedule; return the per-micro-batch stats.
+
+    Args:
+        model: one pipeline stage (DDP-wrapped or bare).
+        micro_batches: dicts with ``input_ids`` and ``attention_mask`` ``[mbs, seq]`` plus
+            whatever ``loss_fn`` reads; all the same shape.
+        loss_fn: ``(output, micro_batch) -> (loss, stats)``; ``loss`` is a scalar already
+            normalised by the global token count. If None (forward only), the stats hold
+            the raw output under ``"output"``.
+        forward_only: no backward pass (evaluation, old log-probs, reference log-probs).
+
+    Returns:
+        On the last pipeline stage, one stats dict per micro-batch; elsewhere ``[]``.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    mbs, seq = micro_batches[0]["input_ids"].shape
+    for i, mb in enumerate(micro_batches):
+        if tuple(mb["input_ids"].shape) != (mbs, seq):
+            raise ValueError(
+                f"micro-batch {i} has shape {tuple(mb['input_ids'].shape)}, expected {(mbs, seq)}"
+            )
+    it = iter(micro_batches)
+
+    def step(data_iterator, stage):
+        mb = next(data_iterator)
+        out = model_forward(stage, mb["input_ids"], mb["attention_mask"])
+
+        def loss_func(output):
+            if loss_fn is None:
+                zero = torch.zeros((), dtype=torch.float32)
+                return zero, torch.tensor(1, dtype=torch.int), {"output": output}
+            loss, stats = loss_fn(output, mb)
+            return loss, torch.tensor(1, dtype=torch.int), stats
+
+        return out, loss_func
+
+    cfg = unwrap(model).config
+    results = get_forward_backward_func()(
+        forward_step_func=step,
+        data_iterator=it,
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq,
+        micro_batch_size=mbs,
+        forward_only=forward_only,
+    )
+    del cfg
+    return list(results or [])
+
+
+def finalize_grads(model: torch.nn.Module) -> None:
+    """All-reduce gradients over DP (sum), and tied-embedding grads across PP stages."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([model])
