@@ -1,0 +1,20 @@
+"""Distributed checkpoints: atomic save, resume, resharding (see :mod:`.io`)."""
+
+from nemo_rlhf.checkpoint.io import (
+    CheckpointError,
+    find_latest_checkpoint,
+    is_complete,
+    list_checkpoints,
+    load_checkpoint,
+    load_model_weights,
+    read_metadata,
+    read_trainer_state,
+    save_checkpoint,
+    step_dir,
+)
+
+__all__ = [
+    "CheckpointError", "find_latest_checkpoint", "is_complete", "list_checkpoints",
+    "load_checkpoint", "load_model_weights", "read_metadata", "read_trainer_state",
+    "save_checkpoint", "step_dir",
+]

@@ -149,7 +149,12 @@ class MixedPrecisionOptimizer:
         ]
         decay, no_decay = [], []
         for p, m in zip(self.params, self.masters):
-            (no_decay if p.ndim < 2 else decay).append(m)
+            (no_decay if p.ndim < 2 else decay).append((p, m))
+        # model params / masters in the optimizer's own order (checkpoints map state by it)
+        self.ordered_params = [p for p, _ in decay + no_decay]
+        self.ordered_masters = [m for _, m in decay + no_decay]
+        decay = [m for _, m in decay]
+        no_decay = [m for _, m in no_decay]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay},
              {"params": no_decay, "weight_decay": 0.0}],

@@ -1,0 +1,403 @@
+"""Distributed, reshardable checkpoints with atomic publication.
+
+Layout of ``<root>/step_<N>/``::
+
+    dist/                  megatron dist_checkpointing: model (incl. value/reward head) and
+                           optimizer state (Adam moments, fp32 masters) as sharded tensors,
+                           so a checkpoint written at one TP/PP/DP loads at another
+    rng/rank_<r>.pt        python, numpy, torch and megatron TP-tracker RNG states per rank
+    trainer_state.json     counters, sampler position, KL controller, reward stats, ...
+    config.yaml            the run's resolved config
+    metadata.json          step, parallel layout, fingerprint, optimizer step count
+    COMPLETE               written last, before the rename
+
+Publication: every rank writes into ``<root>/.tmp_step_<N>``; after a barrier rank 0
+writes ``metadata.json`` and ``COMPLETE``, renames the folder to ``step_<N>`` and then
+replaces ``<root>/latest`` (a one-line text file) by an atomic rename. A crash at any point
+leaves either the previous checkpoint or the new one; a folder without ``COMPLETE`` is
+never picked (:func:`find_latest_checkpoint`).
+
+Simplified: one shared filesystem is assumed (every rank sees ``root``); asynchronous
+saving is not used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+HEAD_KEYS = ("value_head.", "reward_head.")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupt or does not match the run."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """``<root>/step_<step>``."""
+    return Path(root) / f"step_{int(step)}"
+
+
+def is_complete(path: Path) -> bool:
+    """Whether ``path`` is a published checkpoint (has the COMPLETE marker)."""
+    return (Path(path) / COMPLETE).is_file()
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path, bool]]:
+    """``(step, path, complete)`` for every ``step_<N>`` folder under ``root``, by step."""
+    root = Path(root)
+    out = []
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
+                out.append((int(p.name[5:]), p, is_complete(p)))
+    return sorted(out)
+
+
+def find_latest_checkpoint(root: Path) -> Optional[Path]:
+    """Newest complete checkpoint under ``root`` (``latest`` if it is valid), else None."""
+    root = Path(root)
+    latest = root / LATEST
+    complete = [p for _, p, ok in list_checkpoints(root) if ok]
+    if latest.is_file():
+        named = root / latest.read_text().strip()
+        if is_complete(named) and (not complete or named == complete[-1]):
+            return named
+    return complete[-1] if complete else None
+
+
+# --- RNG ------------------------------------------------------------------------------
+
+def rng_state() -> dict:
+    """Python, numpy, torch CPU (and CUDA) and megatron TP-tracker RNG states."""
+    from megatron.core import tensor_parallel
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    try:
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    except Exception:  # noqa: BLE001 - tracker not initialised (single-process tools)
+        state["tracker"] = None
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Inverse of :func:`rng_state`."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("tracker") is not None:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# --- sharded state --------------------------------------------------------------------
+
+def _model_sharded_state_dict(model) -> dict:
+    from nemo_rlhf.trainers.engine import unwrap
+
+    return unwrap(model).sharded_state_dict(prefix="model.")
+
+
+def _optimizer_sharded_state_dict(model_sd: dict, optimizer) -> tuple[dict, int]:
+    """Adam moments and fp32 masters as ShardedTensors keyed like the model params."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state,
+    )
+
+    opt = optimizer.optimizer
+    ordered = optimizer.ordered_params
+    id_map = get_param_id_to_sharded_param_map(model_sd, ordered)
+    sd = opt.state_dict()
+    steps = [int(s["step"]) for s in sd["state"].values() if "step" in s]
+    optim_state_to_sharding_state(sd, id_map, exclude_keys=("step",))
+    out = {"optimizer": sd}
+    masters = {}
+    for i, (p, m) in enumerate(zip(ordered, optimizer.ordered_masters)):
+        if m is not p and i in id_map:
+            masters[i] = make_sharded_optimizer_tensor(id_map[i], m, prefix="optimizer.master")
+    out["masters"] = masters
+    return out, (max(steps) if steps else 0)
+
+
+def _materialize_adam_state(optimizer) -> None:
+    opt = optimizer.optimizer
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state[p]
+            if "exp_avg" not in st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model,
+    optimizer=None,
+    trainer_state: Optional[dict] = None,
+    config: Optional[dict] = None,
+    dims=None,
+    fingerprint: Optional[dict] = None,
+) -> Path:
+    """Write ``<root>/step_<step>`` on every rank and publish it atomically.
+
+    Args:
+        root: checkpoint folder (``<exp_dir>/checkpoints``), shared by all ranks.
+        step: the step counter stored in the name.
+        model: this rank's model stage (DDP-wrapped or bare).
+        optimizer: a :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer` or None.
+        trainer_state: JSON-able dict (counters, sampler position, KL state, ...).
+        config: the resolved run config (a plain dict), written as ``config.yaml``.
+        dims: :class:`ParallelDims` (the layout is recorded in ``metadata.json``).
+        fingerprint: facts a resume must match (model, tokenizer, data, reference).
+
+    Returns:
+        The published ``step_<step>`` path.
+    """
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    final = step_dir(root, step)
+    tmp = root / f".tmp_step_{int(step)}"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "dist").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    _barrier()
+    sharded = {**_model_sharded_state_dict(model)}
+    opt_step = 0
+    extra = {}
+    if optimizer is not None:
+        opt_sd, opt_step = _optimizer_sharded_state_dict(sharded, optimizer)
+        sharded["optimizer"] = opt_sd["optimizer"]
+        sharded["optimizer_masters"] = opt_sd["masters"]
+        extra = {"scheduler": optimizer.scheduler.state_dict(),
+                 "scaler": optimizer.scaler.state_dict() if optimizer.scaler else None}
+    dist_checkpointing.save(sharded, str(tmp / "dist"))
+    torch.save({"rng": rng_state()}, tmp / "rng" / f"rank_{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        meta = {
+            "step": int(step),
+            "time": time.time(),
+            "parallel": dims.describe() if dims is not None else None,
+            "optimizer_step": opt_step,
+            "has_optimizer": optimizer is not None,
+            "optimizer_extra": extra,
+            "fingerprint": fingerprint or {},
+        }
+        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {}, indent=2))
+        if config is not None:
+            from omegaconf import OmegaConf
+
+            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+        _atomic_write_text(tmp / COMPLETE, f"{int(step)}\n")
+        if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
+            trash = root / f".trash_step_{int(step)}_{os.getpid()}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _atomic_write_text(root / LATEST, final.name + "\n")
+    _barrier()
+    return final
+
+
+def read_metadata(path: Path) -> dict:
+    """``metadata.json`` of a checkpoint.
+
+    Raises:
+        CheckpointError: not a complete checkpoint.
+    """
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
+    return json.loads((path / "metadata.json").read_text())
+
+
+def read_trainer_state(path: Path) -> dict:
+    """``trainer_state.json`` of a checkpoint."""
+    return json.loads((Path(path) / "trainer_state.json").read_text())
+
+
+def _checkpoint_keys(path: Path) -> set[str]:
+    from megatron.core import dist_checkpointing
+
+    return set(dist_checkpointing.load_tensors_metadata(str(Path(path) / "dist")).keys())
+
+
+def _drop_missing_heads(sharded: dict, available: set[str], init_heads: bool, path: Path) -> list:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    missing = [k for k, v in sharded.items()
+               if isinstance(v, ShardedTensor) and v.key not in available]
+    heads = [k for k in missing if any(h in k for h in HEAD_KEYS)]
+    other = [k for k in missing if k not in heads]
+    if other:
+        raise CheckpointError(
+            f"{path}: checkpoint lacks model tensors {other[:8]}{'...' if len(other) > 8 else ''}"
+            " (different architecture?)"
+        )
+    if heads and not init_heads:
+        raise CheckpointError(
+            f"{path}: checkpoint has no {sorted(set(k.split('.')[1] for k in heads))} weights; "
+            "pass init_heads=True (e.g. `init_value_head: true`) to initialise the head "
+            "instead of loading it"
+        )
+    for k in heads:
+        sharded.pop(k)
+    return heads
+
+
+def load_model_weights(path: Path, model, init_heads: bool = False,
+                       skip_heads: bool = False) -> list[str]:
+    """Load model weights (any TP/PP layout) from a checkpoint into this rank's stage.
+
+    Args:
+        init_heads: a value/reward head missing from the checkpoint keeps its fresh
+            initialisation instead of raising.
+        skip_heads: do not load head weights even if present (e.g. an RM started from an
+            actor checkpoint, or a PPO critic head re-initialised on purpose).
+
+    Returns:
+        Keys of head tensors that were not loaded.
+
+    Raises:
+        CheckpointError: incomplete checkpoint, missing non-head tensors, or a missing head
+            without ``init_heads``.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    read_metadata(path)
+    sharded = _model_sharded_state_dict(model)
+    available = _checkpoint_keys(path)
+    skipped = []
+    if skip_heads:
+        skipped = [k for k in list(sharded) if any(h in k for h in HEAD_KEYS)]
+        for k in skipped:
+            sharded.pop(k)
+    skipped += _drop_missing_heads(sharded, available, init_heads or skip_heads, path)
+    loaded = dist_checkpointing.load(sharded, str(path / "dist"))
+    _copy_into_model(model, loaded)
+    return skipped
+
+
+def _copy_into_model(model, loaded: dict) -> None:
+    from nemo_rlhf.trainers.engine import unwrap
+
+    state = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
+    missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")
+               and not any(k.startswith(h) for h in HEAD_KEYS)]
+    if missing or unexpected:
+        raise CheckpointError(f"state mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
+
+
+def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
+                    load_rng: bool = True) -> dict:
+    """Load model, optimizer, scheduler and RNG from ``path``; return the trainer state.
+
+    The checkpoint may have been written with another TP/PP/DP layout (resharding is done
+    by dist_checkpointing). RNG states are restored only when the layout is unchanged
+    (otherwise a rank has no state of its own to restore).
+
+    Raises:
+        CheckpointError: see :func:`load_model_weights`; also a checkpoint without optimizer
+            state when an optimizer is passed.
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    meta = read_metadata(path)
+    sharded = _model_sharded_state_dict(model)
+    available = _checkpoint_keys(path)
+    _drop_missing_heads(sharded, available, init_heads, path)
+    if optimizer is not None:
+        if not meta.get("has_optimizer"):
+            raise CheckpointError(f"{path}: holds no optimizer state")
+        _materialize_adam_state(optimizer)
+        opt_sd, _ = _optimizer_sharded_state_dict(sharded, optimizer)
+        sharded["optimizer"] = opt_sd["optimizer"]
+        sharded["optimizer_masters"] = opt_sd["masters"]
+    loaded = dist_checkpointing.load(sharded, str(path / "dist"))
+    _copy_into_model(model, loaded)
+    if optimizer is not None:
+        _restore_optimizer(optimizer, loaded, meta)
+    rng_file = path / "rng" / f"rank_{_rank()}.pt"
+    if load_rng and rng_file.is_file() and _same_layout(meta):
+        set_rng_state(torch.load(rng_file, weights_only=False)["rng"])
+    return read_trainer_state(path)
+
+
+def _same_layout(meta: dict) -> bool:
+    from megatron.core import parallel_state as ps
+
+    layout = meta.get("parallel") or {}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return (layout.get("world_size") == world
+            and layout.get("tp") == ps.get_tensor_model_parallel_world_size()
+            and layout.get("pp") == ps.get_pipeline_model_parallel_world_size())
+
+
+def _restore_optimizer(optimizer, loaded: dict, meta: dict) -> None:
+    opt = optimizer.optimizer
+    sd = loaded["optimizer"]
+    step = float(meta.get("optimizer_step", 0))
+    current = opt.state_dict()
+    for pid, st in sd["state"].items():
+        st["step"] = torch.tensor(step)
+    current["state"] = sd["state"]
+    opt.load_state_dict(current)
+    with torch.no_grad():
+        for i, m in loaded.get("optimizer_masters", {}).items():
+            optimizer.ordered_masters[int(i)].copy_(m)
+    extra = meta.get("optimizer_extra") or {}
+    if extra.get("scheduler"):
+        optimizer.scheduler.load_state_dict(extra["scheduler"])
+    if extra.get("scaler") and optimizer.scaler is not None:
+        optimizer.scaler.load_state_dict(extra["scaler"])
