@@ -1,0 +1,256 @@
+"""Typed config of the PPO main job (``conf/ppo.yaml``), NeMo-Aligner key names where they exist.
+
+Fixed rules are checked in ``__post_init__``; rules that need the world size (batch sizes
+vs DP size) in :func:`validate_batch_sizes`, called before anything is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from nemo_rlhf.data.datasets import DataConfig
+from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.models.config import PRECISIONS, ModelConfig
+from nemo_rlhf.rollout.config import RolloutConfig
+from nemo_rlhf.trainers.optim import OptimizerConfig
+
+
+@dataclass
+class TrainerConfig:
+    """Loop control (group ``trainer``)."""
+
+    precision: str = "32"
+    """``32``, ``bf16-mixed`` or ``fp16-mixed``."""
+    max_steps: int = 20
+    """PPO steps (one step = rollout + ppo_epochs of updates)."""
+    seed: int = 1234
+    """Base seed (rollout sampling, shuffling, init)."""
+    val_check_interval: int = 5
+    """Evaluate on the held-out set every N steps (0: never; also at the end)."""
+    log_every: int = 1
+    """Console line every N steps."""
+    sample_table_every: int = 5
+    """Print a table of sample prompts/responses/rewards every N steps (0: never)."""
+    critic_warmup_steps: int = 0
+    """First N steps update the value head only (policy loss off)."""
+    max_time_per_run: Optional[float] = None
+    """Seconds; save and exit with the requeue code before this wall time (None: off)."""
+    max_consecutive_nonfinite: int = 3
+    """Stop after this many consecutive skipped (NaN/Inf) updates."""
+    max_eval_samples: int = 200
+    """Cap on evaluated held-out prompts."""
+
+    def __post_init__(self) -> None:
+        if str(self.precision) not in PRECISIONS:
+            raise ValueError(f"trainer.precision={self.precision!r}: valid choices are {list(PRECISIONS)}")
+        self.precision = str(self.precision)
+        if self.max_steps < 0:
+            raise ValueError(f"trainer.max_steps={self.max_steps}: must be >= 0")
+
+
+@dataclass
+class PPOAlgoConfig:
+    """PPO hyper-parameters (group ``ppo``; NeMo-Aligner's ``model.ppo`` names)."""
+
+    num_rollout_samples: int = 32
+    """Prompts rolled out per PPO step, across all DP ranks."""
+    global_batch_size: int = 16
+    """Samples per optimizer step (a mini-batch), across all DP ranks."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one rank."""
+    forward_micro_batch_size: int = 8
+    """Samples per forward-only pass (old log-probs, values, reference)."""
+    ppo_epochs: int = 2
+    """Passes over the rollout per step."""
+    ratio_eps: float = 0.2
+    """Policy clip range epsilon."""
+    ratio_eps_low: Optional[float] = None
+    """Asymmetric lower clip (None: ratio_eps)."""
+    ratio_eps_high: Optional[float] = None
+    """Asymmetric upper clip (None: ratio_eps)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages (None: off)."""
+    value_clip: Optional[float] = 0.2
+    """Value clip range around the old values (None: off)."""
+    value_loss_coef: float = 0.5
+    """vf_coef in loss = policy + vf_coef * value - entropy_bonus * entropy."""
+    entropy_bonus: float = 0.0
+    """Entropy coefficient."""
+    discount_factor: float = 1.0
+    """GAE gamma."""
+    gae_lambda: float = 0.95
+    """GAE lambda."""
+    normalize_advantages: bool = True
+    """Whiten advantages over valid tokens (statistics all-reduced over DP)."""
+    missing_eos_penalty: Optional[float] = None
+    """Added to the score of truncated responses (None: off)."""
+    shuffle: bool = True
+    """Shuffle the rollout before splitting it into mini-batches."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_rollout_samples", "global_batch_size", "micro_batch_size",
+                    "forward_micro_batch_size", "ppo_epochs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"ppo.{key}={getattr(self, key)}: must be >= 1")
+        if not 0 < self.ratio_eps < 1:
+            raise ValueError(f"ppo.ratio_eps={self.ratio_eps}: must be in (0, 1)")
+        if not 0 <= self.discount_factor <= 1 or not 0 <= self.gae_lambda <= 1:
+            raise ValueError("ppo.discount_factor and ppo.gae_lambda must be in [0, 1]")
+
+
+@dataclass
+class KLConfig:
+    """KL penalty in the reward (group ``kl``)."""
+
+    type: str = "adaptive"
+    """``fixed`` or ``adaptive`` (Ziegler et al. 2019)."""
+    initial_policy_kl_penalty: float = 0.05
+    """Initial beta."""
+    target: float = 6.0
+    """Adaptive: target KL per sequence (nats, summed over the response)."""
+    horizon: int = 10000
+    """Adaptive: horizon in samples."""
+    estimator: str = "k1"
+    """``k1``, ``k2`` or ``k3``."""
+    clamp: Optional[float] = None
+    """Clamp the per-token KL to [-clamp, clamp] (None: off)."""
+
+
+@dataclass
+class RewardFunctionSpec:
+    """One rule-based reward source."""
+
+    name: str = "arithmetic_exact_match"
+    """Registered name or ``module:function``."""
+    weight: float = 1.0
+    """Weight in the sum of sources."""
+
+
+@dataclass
+class RewardConfig:
+    """Where scores come from (group ``reward``): the served RM and/or reward functions."""
+
+    rm_url: Optional[str] = None
+    """RM service URL (``http://host:port``)."""
+    rm_address_file: Optional[str] = None
+    """File the RM server writes its address to (used when rm_url is None)."""
+    rm_weight: float = 1.0
+    """Weight of the RM score in the sum of sources."""
+    functions: list[RewardFunctionSpec] = field(default_factory=list)
+    """Rule-based sources (e.g. the task's checker)."""
+    timeout_s: float = 60.0
+    """Per-request timeout."""
+    max_retries: int = 3
+    """Retries before a scoring error stops training."""
+    wait_for_server_s: float = 300.0
+    """Deadline for the RM server's /health at start-up."""
+    normalization: str = "none"
+    """``none``, ``fixed`` (RM checkpoint's stats) or ``running``."""
+    clip: Optional[float] = None
+    """Clip normalised scores to [-clip, clip] (None: off)."""
+
+
+@dataclass
+class ReferenceConfig:
+    """The frozen reference policy (group ``reference``)."""
+
+    mode: str = "offload"
+    """``offload`` (host copy swapped into the backbone) or ``colocated`` (resident copy)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("offload", "colocated"):
+            raise ValueError(f"reference.mode={self.mode!r}: valid choices are ['offload', 'colocated']")
+
+
+@dataclass
+class ExpManagerConfig:
+    """Experiment folder, checkpoints and resume (group ``exp_manager``)."""
+
+    exp_dir: str = "experiments/ppo"
+    """Everything of the run goes here (TensorBoard, checkpoints, config)."""
+    init_from: Optional[str] = None
+    """Checkpoint of the initial (SFT) policy; also the reference weights."""
+    init_value_head: bool = True
+    """Initialise the value head if ``init_from`` has none (an SFT checkpoint)."""
+    save_interval: int = 10
+    """Save every N steps (and at the end); 0: only at the end."""
+    keep_last: int = 2
+    """Checkpoints kept (>= 2)."""
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint), ``none``, or a checkpoint path."""
+    ignore_fingerprint: bool = False
+    """Resume even if the model/tokenizer/data fingerprint differs."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 2:
+            raise ValueError(f"exp_manager.keep_last={self.keep_last}: must be >= 2")
+
+
+@dataclass
+class GuardConfig:
+    """Reward-hacking guard (group ``guards``): warn or stop when the signs appear."""
+
+    action: str = "warn"
+    """``off``, ``warn`` or ``stop`` (save a checkpoint and stop)."""
+    window: int = 5
+    """Steps compared: first vs last of the window."""
+    max_length_growth: float = 1.5
+    """Trigger when reward rises while response length grows by more than this factor."""
+    max_repetition: float = 0.5
+    """Trigger when reward rises while the n-gram repetition rate exceeds this."""
+    kl_ceiling: float = 50.0
+    """Trigger when kl_mean (per sequence) exceeds this, whatever the reward does."""
+
+    def __post_init__(self) -> None:
+        if self.action not in ("off", "warn", "stop"):
+            raise ValueError(f"guards.action={self.action!r}: valid choices are ['off', 'warn', 'stop']")
+
+
+@dataclass
+class PPOConfig:
+    """The whole PPO job."""
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=lambda: DataConfig(
+        train_file="data/demo/ppo_prompts.jsonl", val_file="data/demo/eval.jsonl",
+        tokenizer_dir="data/demo/tokenizer"))
+    """``train_file``: PPO prompts; ``val_file``: held-out evaluation prompts."""
+    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+    guards: GuardConfig = field(default_factory=GuardConfig)
+
+
+def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int) -> None:
+    """Rollout, global and micro batch sizes against the DP size.
+
+    Raises:
+        ValueError: naming the key, its value and what would work.
+    """
+    if ppo.num_rollout_samples % dp:
+        raise ValueError(f"ppo.num_rollout_samples={ppo.num_rollout_samples} is not divisible by "
+                         f"the data-parallel size {dp}")
+    if ppo.global_batch_size % dp:
+        raise ValueError(f"ppo.global_batch_size={ppo.global_batch_size} is not divisible by the "
+                         f"data-parallel size {dp}")
+    if ppo.num_rollout_samples % ppo.global_batch_size:
+        raise ValueError(f"ppo.num_rollout_samples={ppo.num_rollout_samples} is not a multiple of "
+                         f"ppo.global_batch_size={ppo.global_batch_size}")
+    per_rank = ppo.global_batch_size // dp
+    if per_rank % ppo.micro_batch_size:
+        raise ValueError(f"ppo.global_batch_size/dp = {per_rank} is not a multiple of "
+                         f"ppo.micro_batch_size={ppo.micro_batch_size}; valid micro batch sizes: "
+                         f"{[d for d in range(1, per_rank + 1) if per_rank % d == 0]}")
+    rollout_per_rank = ppo.num_rollout_samples // dp
+    if rollout_per_rank % ppo.forward_micro_batch_size:
+        raise ValueError(
+            f"ppo.num_rollout_samples/dp = {rollout_per_rank} is not a multiple of "
+            f"ppo.forward_micro_batch_size={ppo.forward_micro_batch_size}; valid: "
+            f"{[d for d in range(1, rollout_per_rank + 1) if rollout_per_rank % d == 0]}")

@@ -1,0 +1,76 @@
+"""Stability toolbox: n-gram repetition and the reward-hacking guard.
+
+The guard watches the signs the PPO-RLHF literature lists for reward hacking (the seed
+chapter's failure table): over a window of steps the reward rises while responses get
+much longer or more repetitive, or the KL to the reference exceeds a ceiling. It either
+warns or asks the trainer to save and stop, with a message naming the metric and values.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional
+
+
+def ngram_repetition_rate(tokens: list[int], n: int = 3) -> float:
+    """Fraction of the n-grams of ``tokens`` that repeat an earlier n-gram (0 = none).
+
+    Sequences shorter than ``n + 1`` tokens have rate 0.
+    """
+    if len(tokens) < n + 1:
+        return 0.0
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams)
+
+
+class RewardHackingGuard:
+    """Window check on ``reward_mean``, ``response_length``, ``repetition`` and ``kl_mean``.
+
+    Args:
+        window: steps between the compared first and last entries.
+        max_length_growth: length ratio last/first that, with a rising reward, triggers.
+        max_repetition: repetition rate that, with a rising reward, triggers.
+        kl_ceiling: kl_mean above this triggers on its own.
+    """
+
+    def __init__(self, window: int, max_length_growth: float, max_repetition: float,
+                 kl_ceiling: float):
+        self.window = window
+        self.max_length_growth = max_length_growth
+        self.max_repetition = max_repetition
+        self.kl_ceiling = kl_ceiling
+        self.history: deque = deque(maxlen=max(window, 2))
+
+    def update(self, step: int, metrics: dict) -> Optional[str]:
+        """Record a step; return a message if a trigger fired, else None."""
+        entry = {k: float(metrics.get(k, 0.0)) for k in
+                 ("reward_mean", "response_length", "repetition", "kl_mean")}
+        entry["step"] = step
+        self.history.append(entry)
+        if entry["kl_mean"] > self.kl_ceiling:
+            return (f"kl_mean={entry['kl_mean']:.3f} exceeds guards.kl_ceiling="
+                    f"{self.kl_ceiling} at step {step}")
+        if len(self.history) < self.history.maxlen:
+            return None
+        first, last = self.history[0], self.history[-1]
+        if last["reward_mean"] <= first["reward_mean"]:
+            return None
+        length_ratio = last["response_length"] / max(first["response_length"], 1e-6)
+        if length_ratio > self.max_length_growth:
+            return (f"reward_mean rose {first['reward_mean']:.3f}->{last['reward_mean']:.3f} "
+                    f"while response_length grew {first['response_length']:.1f}->"
+                    f"{last['response_length']:.1f} (x{length_ratio:.2f} > "
+                    f"guards.max_length_growth={self.max_length_growth}) over steps "
+                    f"{first['step']}-{last['step']}")
+        if last["repetition"] > self.max_repetition:
+            return (f"reward_mean rose {first['reward_mean']:.3f}->{last['reward_mean']:.3f} "
+                    f"while n-gram repetition reached {last['repetition']:.3f} (> "
+                    f"guards.max_repetition={self.max_repetition}) at step {last['step']}")
+        return None
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.history.clear()
+        self.history.extend(sd.get("history", []))

@@ -1,0 +1,111 @@
+"""The frozen Reference policy: offloaded to host memory and swapped into the backbone.
+
+``offload`` (default): this rank's shard of the initial policy's weights lives in host
+memory (pinned when CUDA is present), one copy per rank. To compute reference log-probs
+the reference weights are copied into the shared backbone's parameters, a forward-only
+pass runs, and the actor's weights (stashed in a preallocated host buffer) are copied
+back: no extra accelerator memory, and the actor's weights come back bit-identical.
+
+``colocated``: a second, frozen model stage holds the reference weights on the device:
+no copies per step, one more model's worth of memory.
+
+The value head is not part of the reference (its values are never used).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from nemo_rlhf.trainers.engine import unwrap
+
+
+def _host_buffer(t: torch.Tensor) -> torch.Tensor:
+    buf = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                      pin_memory=torch.cuda.is_available())
+    return buf
+
+
+def _backbone_params(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in unwrap(model).named_parameters()
+            if not n.startswith(("value_head.", "reward_head."))}
+
+
+class ReferencePolicy:
+    """Reference weights for one model stage.
+
+    Args:
+        model: the actor-critic stage whose *current* weights become the reference
+            (build it from the initial checkpoint, then create this before any update).
+        mode: ``offload`` or ``colocated``.
+        build_fn: ``() -> model stage`` used by ``colocated`` to build the resident copy.
+    """
+
+    def __init__(self, model, mode: str = "offload", build_fn=None):
+        if mode not in ("offload", "colocated"):
+            raise ValueError(f"reference.mode={mode!r}: valid choices are ['offload', 'colocated']")
+        self.mode = mode
+        self.model = model
+        if mode == "offload":
+            params = _backbone_params(model)
+            self.ref = {}
+            self.stash = {}
+            for n, p in params.items():
+                self.ref[n] = _host_buffer(p)
+                self.ref[n].copy_(p.detach())
+                self.stash[n] = _host_buffer(p)
+            self.resident = None
+        else:
+            if build_fn is None:
+                raise ValueError("reference.mode=colocated needs a build_fn for the resident copy")
+            self.resident = build_fn()
+            src = _backbone_params(model)
+            with torch.no_grad():
+                for n, p in _backbone_params(self.resident).items():
+                    p.copy_(src[n])
+                    p.requires_grad_(False)
+            unwrap(self.resident).compute_values = False
+            self.resident.eval()
+
+    def host_bytes(self) -> int:
+        """Host memory held (bytes): reference copy plus the stash buffer (offload)."""
+        if self.mode != "offload":
+            return 0
+        return sum(t.numel() * t.element_size() for t in list(self.ref.values()) + list(self.stash.values()))
+
+    @contextlib.contextmanager
+    def swapped_in(self):
+        """Yield a model stage that computes with the reference weights.
+
+        ``offload``: the actor's own stage with reference weights copied in; the actor's
+        weights are restored on exit (also on error). ``colocated``: the resident copy.
+        """
+        if self.mode == "colocated":
+            yield self.resident
+            return
+        params = _backbone_params(self.model)
+        with torch.no_grad():
+            for n, p in params.items():
+                self.stash[n].copy_(p.detach(), non_blocking=True)
+                p.copy_(self.ref[n], non_blocking=True)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(self.stash[n], non_blocking=True)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+    def state_fingerprint(self) -> str:
+        """Hash of the reference weights (a checkpoint fingerprint field)."""
+        import hashlib
+
+        h = hashlib.sha256()
+        src = self.ref if self.mode == "offload" else {
+            n: p.detach().cpu() for n, p in _backbone_params(self.resident).items()}
+        for n in sorted(src):
+            h.update(n.encode())
+            h.update(src[n].float().sum().item().hex().encode())
+        return h.hexdigest()[:16]

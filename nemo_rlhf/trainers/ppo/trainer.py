@@ -1,0 +1,509 @@
+"""The PPO-RLHF trainer: the six steps of InstructGPT's PPO on one shared backbone.
+
+Per step: (1) prompts from a resumable sampler; (2) rollout with the actor (KV cache);
+(3) scores from the served RM and/or reward functions; (4) reference log-probs with the
+reference weights swapped into the backbone; (5) old log-probs and values from one
+forward-only pass (so the ratio is exactly 1 on the first mini-batch), token rewards
+``-beta*KL`` plus the score at the last response token, GAE; (6) ``ppo_epochs`` over
+mini-batches through megatron's pipeline schedule, one optimizer step per mini-batch,
+loss = policy + vf_coef * value - entropy_bonus * entropy; then the KL controller update.
+
+Layout: every rank generates (TP/PP ranks of a DP group cooperate), scores are fetched
+once per model-parallel group and broadcast; PPO math runs on the last pipeline stage,
+which holds logits and values. Metrics are reduced over DP and reported by one rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_rlhf.algorithms import ppo as P
+from nemo_rlhf.trainers.engine import forward_backward, finalize_grads, unwrap
+from nemo_rlhf.trainers.ppo.config import PPOConfig
+
+log = logging.getLogger("nemo_rlhf.ppo")
+
+
+class PromptSampler:
+    """Seeded, resumable order over prompt indices; each DP rank takes its slice.
+
+    State: ``consumed_samples`` (global) and ``epoch``; the permutation of an epoch is a
+    function of ``(seed, epoch)``, so a resume continues with exactly the next prompts.
+    """
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        if n < 1:
+            raise ValueError("the prompt dataset is empty")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.consumed_samples = 0
+
+    def _order(self, epoch: int) -> list[int]:
+        if getattr(self, "_cached", (None,))[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + epoch)
+                order = torch.randperm(self.n, generator=g).tolist()
+            else:
+                order = list(range(self.n))
+            self._cached = (epoch, order)
+        return self._cached[1]
+
+    def next_global_batch(self, size: int) -> list[int]:
+        """The next ``size`` prompt indices (wrapping into the next epoch)."""
+        out = []
+        while len(out) < size:
+            epoch, pos = divmod(self.consumed_samples, self.n)
+            out.append(self._order(epoch)[pos])
+            self.consumed_samples += 1
+        return out
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // self.n
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "epoch": self.epoch}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.consumed_samples = int(sd["consumed_samples"])
+
+
+class Timers:
+    """Wall-clock seconds per named phase of the current step."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = {f"timing/{k}_s": v for k, v in self.times.items()}, {}
+        return out
+
+
+def _chunks(n: int, size: int) -> list[slice]:
+    return [slice(i, i + size) for i in range(0, n, size)]
+
+
+class PPOTrainer:
+    """Owns the actor-critic stage, optimizer, reference, reward and sampler.
+
+    Args:
+        cfg: the validated :class:`PPOConfig`.
+        dims: :class:`~nemo_rlhf.distributed.ParallelDims`.
+        model: DDP-wrapped actor-critic stage holding the initial policy's weights.
+        optimizer: :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer` over it.
+        reference: :class:`~nemo_rlhf.trainers.ppo.reference.ReferencePolicy`.
+        reward: a ``CombinedReward`` (called on model-parallel rank 0 of each DP group).
+        tokenizer: encode/decode and the special token ids.
+        prompts / eval_prompts: lists of ``PromptSample`` (prompt_ids, prompt, extras).
+        logger: metrics sink (``log_metrics(dict, step)``, ``log_text``), reporter rank only.
+    """
+
+    def __init__(self, cfg: PPOConfig, dims, model, optimizer, reference, reward, tokenizer,
+                 prompts: list, eval_prompts: Optional[list], logger=None):
+        self.cfg, self.dims, self.model, self.optimizer = cfg, dims, model, optimizer
+        self.reference, self.reward, self.tok = reference, reward, tokenizer
+        self.prompts, self.eval_prompts, self.logger = prompts, eval_prompts or [], logger
+        self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.initial_policy_kl_penalty,
+                                            cfg.kl.target, cfg.kl.horizon)
+        self.sampler = PromptSampler(len(prompts), cfg.trainer.seed, cfg.ppo.shuffle)
+        self.step = 0
+        self.nonfinite_in_a_row = 0
+        self.timers = Timers()
+        self.encoded = [p.prompt_ids for p in prompts]
+        self.eval_encoded = [p.prompt_ids for p in self.eval_prompts]
+        self.initial_eval = None  # (responses, rm scores) of the initial policy
+        self.is_mp_src = dims.tp_rank == 0 and dims.pp_rank == 0
+        flags = [None] * dims.world_size
+        dist.all_gather_object(flags, dims.dp_rank == 0 and dims.tp_rank == 0 and dims.is_last_stage)
+        self.reporter = flags.index(True)
+        self.is_reporter = dims.rank == self.reporter
+
+    # --- helpers ---------------------------------------------------------------------
+    def _mp_broadcast(self, obj):
+        """Broadcast a picklable object from model-parallel rank 0 to its TP x PP group."""
+        if self.dims.tp * self.dims.pp == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.dims.mp_group, 0),
+                                   group=self.dims.mp_group)
+        return box[0]
+
+    def _to_reporter(self, obj):
+        """Move an object computed on the last stage (dp0, tp0) to global rank 0."""
+        if self.reporter == 0:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.reporter)
+        return box[0]
+
+    def _dp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.dims.dp > 1:
+            dist.all_reduce(t, group=self.dims.dp_group)
+        return t
+
+    def _dp_reduce_stats(self, stats: dict) -> dict:
+        if self.dims.dp == 1:
+            return stats
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        for k in sorted(stats):
+            t = stats[k].clone()
+            dist.all_reduce(t, op=ops[P.stat_reduce_op(k)], group=self.dims.dp_group)
+            stats[k] = t
+        return stats
+
+    def _rollout_cfg(self, greedy: bool = False):
+        from dataclasses import replace
+
+        seed = self.cfg.rollout.seed + 1000003 * self.step + 7919 * self.dims.dp_rank
+        return replace(self.cfg.rollout, greedy=greedy or self.cfg.rollout.greedy, seed=seed)
+
+    def _generate(self, prompt_ids: list[list[int]], greedy: bool = False):
+        from nemo_rlhf.rollout import generate
+
+        m = unwrap(self.model)
+        m.eval()
+        try:
+            return generate(m, self.dims, prompt_ids, self._rollout_cfg(greedy),
+                            eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id,
+                            vocab_size=self.cfg.model.vocab_size,
+                            max_sequence_length=self.cfg.model.max_position_embeddings,
+                            decode_fn=self.tok.decode)
+        finally:
+            m.compute_values = True
+            m.train()
+
+    def _response_texts(self, batch) -> list[str]:
+        out = []
+        for ids, mask in zip(batch.response_ids.tolist(), batch.response_mask.tolist()):
+            toks = [t for t, m in zip(ids, mask) if m and t != self.tok.eos_id]
+            out.append(self.tok.decode(toks))
+        return out
+
+    # --- the six steps -----------------------------------------------------------------
+    def sample_prompts(self) -> list[int]:
+        """Step 1: this DP rank's slice of the next global prompt batch."""
+        n = self.cfg.ppo.num_rollout_samples
+        idx = self.sampler.next_global_batch(n)
+        per = n // self.dims.dp
+        return idx[self.dims.dp_rank * per:(self.dims.dp_rank + 1) * per]
+
+    def score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
+        """Step 3: scores ``[B]`` float32 from the reward sources (MP rank 0, broadcast)."""
+        result = None
+        if self.is_mp_src:
+            rows = [self.prompts[i] for i in idx]
+            out = self.reward.score([r.prompt for r in rows], self._response_texts(batch),
+                                    [r.extras for r in rows])
+            result = (out.scores, out.metrics(prefix="reward/"))
+        return self._mp_broadcast(result)
+
+    def _forward_logprobs(self, model, batch, with_values: bool):
+        """Forward-only over the rollout in micro-batches: logprobs (and values) [B, R]."""
+        from nemo_rlhf.rollout import response_logprobs
+
+        P_len = batch.prompt_length
+        temp = self.cfg.rollout.temperature
+
+        def loss_fn(output, mb):
+            logits, values = output if isinstance(output, tuple) else (output, None)
+            lp, _ = response_logprobs(logits, (mb["input_ids"], P_len), self.dims, temp)
+            out = {"logprobs": lp}
+            if with_values and values is not None:
+                R = lp.shape[1]
+                out["values"] = values[:, P_len - 1:P_len - 1 + R].float()
+            return torch.zeros(()), out
+
+        mbs = self.cfg.ppo.forward_micro_batch_size
+        micro = [{"input_ids": batch.input_ids[s], "attention_mask": batch.attention_mask[s]}
+                 for s in _chunks(batch.input_ids.shape[0], mbs)]
+        with torch.no_grad():
+            res = forward_backward(model, micro, loss_fn, forward_only=True)
+        if not res:
+            return None
+        out = {k: torch.cat([r[k] for r in res]) for k in res[0]}
+        return out
+
+    def compute_old_and_reference(self, batch) -> Optional[dict]:
+        """Steps 4-5a: old log-probs and values (actor), reference log-probs (swapped in)."""
+        unwrap(self.model).compute_values = True
+        with self.timers("old_logprobs_values"):
+            old = self._forward_logprobs(self.model, batch, with_values=True)
+        with self.timers("reference_logprobs"), self.reference.swapped_in() as ref_model:
+            unwrap(ref_model).compute_values = False
+            ref = self._forward_logprobs(ref_model, batch, with_values=False)
+            unwrap(ref_model).compute_values = True
+        if old is None:
+            return None
+        return {"old_logprobs": old["logprobs"], "values": old["values"],
+                "ref_logprobs": ref["logprobs"]}
+
+    def compute_advantages(self, batch, scores, fwd) -> tuple[dict, dict]:
+        """Step 5b (last stage): token rewards, GAE, whitening. Returns tensors and metrics."""
+        mask = batch.response_mask
+        c = self.cfg
+        rewards, kl = P.compute_token_rewards(
+            fwd["old_logprobs"], fwd["ref_logprobs"], scores, mask, self.kl_ctl.value,
+            kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
+            missing_eos_penalty=c.ppo.missing_eos_penalty)
+        adv, ret = P.compute_gae(rewards, fwd["values"], mask, c.ppo.discount_factor,
+                                 c.ppo.gae_lambda)
+        raw_adv = adv
+        if c.ppo.normalize_advantages:
+            adv = P.masked_whiten(adv, mask, reduce_fn=self._whiten_reduce)
+        seq_kl = torch.where(mask, kl, 0.0).sum(-1)
+        B = torch.tensor(float(mask.shape[0]))
+        sums = torch.stack([seq_kl.sum(), scores.sum(), torch.where(mask, rewards, 0.0).sum(),
+                            mask.sum().float(), batch.truncated.float().sum(), B,
+                            torch.where(mask, raw_adv, 0.0).sum(), torch.where(mask, ret, 0.0).sum(),
+                            torch.where(mask, ret, 0.0).pow(2).sum(), (scores ** 2).sum()])
+        sums = self._dp_sum(sums)
+        n_tok, n_seq = sums[3], sums[5]
+        ret_mean = sums[7] / n_tok
+        metrics = {
+            "kl_mean": float(sums[0] / n_seq),
+            "reward_mean": float(sums[1] / n_seq),
+            "reward_std": float((sums[9] / n_seq - (sums[1] / n_seq) ** 2).clamp_min(0).sqrt()),
+            "token_reward_sum_mean": float(sums[2] / n_seq),
+            "response_length": float(n_tok / n_seq),
+            "truncated_fraction": float(sums[4] / n_seq),
+            "advantages_mean": float(sums[6] / n_tok),
+            "returns_mean": float(ret_mean),
+            "returns_std": float((sums[8] / n_tok - ret_mean ** 2).clamp_min(0).sqrt()),
+            "beta": float(self.kl_ctl.value),
+        }
+        return {"advantages": adv, "returns": ret, "kl": kl}, metrics
+
+    def _whiten_reduce(self, s, sq, n):
+        t = self._dp_sum(torch.stack([s, sq, n]).float())
+        return t[0], t[1], t[2]
+
+    def _ppo_loss_fn(self, n_tokens: torch.Tensor, P_len: int, value_only: bool):
+        from nemo_rlhf.rollout import response_logprobs
+
+        c = self.cfg.ppo
+
+        def fn(output, mb):
+            logits, values = output
+            lp, ent = response_logprobs(logits, (mb["input_ids"], P_len), self.dims,
+                                        self.cfg.rollout.temperature)
+            R = lp.shape[1]
+            v = values[:, P_len - 1:P_len - 1 + R]
+            m = mb["response_mask"]
+            pl, pstats = P.policy_loss(lp, mb["old_logprobs"], mb["advantages"], m, n_tokens,
+                                       clip_eps=c.ratio_eps, clip_eps_low=c.ratio_eps_low,
+                                       clip_eps_high=c.ratio_eps_high, dual_clip=c.dual_clip)
+            vl, vstats = P.value_loss(v, mb["old_values"], mb["returns"], m, n_tokens,
+                                      clip_range=c.value_clip)
+            ent_b = P.entropy_bonus(ent, m, n_tokens)
+            loss = c.value_loss_coef * vl
+            if not value_only:
+                loss = loss + pl - c.entropy_bonus * ent_b
+            stats = {**pstats, **{k: v_ for k, v_ in vstats.items() if k != "valid_tokens"}}
+            scale = n_tokens.float()
+            stats["policy_loss_sum"] = pl.detach() * scale
+            stats["value_loss_sum"] = vl.detach() * scale
+            stats["entropy_sum"] = ent_b.detach() * scale
+            return loss, stats
+
+        return fn
+
+    def update(self, batch, fwd, adv) -> dict:
+        """Step 6: ``ppo_epochs`` x mini-batches, one optimizer step each."""
+        c = self.cfg.ppo
+        B = batch.input_ids.shape[0]
+        per_rank = c.global_batch_size // self.dims.dp
+        tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                   "response_mask": batch.response_mask}
+        if fwd is not None:
+            tensors.update(old_logprobs=fwd["old_logprobs"], old_values=fwd["values"],
+                           advantages=adv["advantages"], returns=adv["returns"])
+        value_only = self.step < self.cfg.trainer.critic_warmup_steps
+        all_stats, norms, skipped = [], [], 0
+        g = torch.Generator().manual_seed(self.cfg.trainer.seed + self.step)
+        for _ in range(c.ppo_epochs):
+            order = torch.randperm(B, generator=g) if c.shuffle else torch.arange(B)
+            for mb_slice in _chunks(B, per_rank):
+                idx = order[mb_slice]
+                n_tokens = self._dp_sum(batch.response_mask[idx].sum().float().reshape(1))[0]
+                micro = [{k: v[idx[s]] for k, v in tensors.items()}
+                         for s in _chunks(len(idx), c.micro_batch_size)]
+                self.optimizer.zero_grad()
+                res = forward_backward(self.model, micro,
+                                       self._ppo_loss_fn(n_tokens, batch.prompt_length, value_only))
+                finalize_grads(self.model)
+                stepped, norm = self.optimizer.step()
+                norms.append(norm)
+                skipped += int(not stepped)
+                self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
+                if res:
+                    all_stats.append(self._dp_reduce_stats(P.merge_token_stats(res)))
+        out = {}
+        if all_stats:
+            first = P.finalize_token_stats(all_stats[0])
+            out["first_minibatch/ratio_max"] = first.get("ratio_max", float("nan"))
+            out["first_minibatch/ratio_min"] = first.get("ratio_min", float("nan"))
+            merged = P.finalize_token_stats(P.merge_token_stats(all_stats))
+            for k, v in merged.items():
+                if k != "valid_tokens":
+                    out[k] = v
+        out["grad_norm"] = float(sum(norms) / max(len(norms), 1))
+        out["skipped_updates"] = skipped
+        out["lr"] = self.optimizer.lr
+        return out
+
+    # --- one step --------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """Run the six steps once; return the step's metrics (valid on the reporter)."""
+        t0 = time.perf_counter()
+        idx = self.sample_prompts()
+        with self.timers("rollout"):
+            batch = self._generate([self.encoded[i] for i in idx])
+        gen_tokens = self._dp_sum(batch.response_mask.sum().float().reshape(1))[0]
+        with self.timers("reward"):
+            scores, reward_metrics = self.score(idx, batch)
+        fwd = self.compute_old_and_reference(batch)
+        adv, metrics = None, {}
+        if fwd is not None:
+            with self.timers("advantages"):
+                adv, metrics = self.compute_advantages(batch, scores, fwd)
+                from nemo_rlhf.rollout import logprob_diff_stats
+
+                metrics.update(logprob_diff_stats(batch.logprobs, fwd["old_logprobs"],
+                                                  batch.response_mask))
+                metrics["explained_variance"] = float(P.explained_variance(
+                    fwd["values"], adv["returns"], batch.response_mask))
+                reps = [P_rep for P_rep in self._repetition(batch)]
+                metrics["repetition"] = float(sum(reps) / max(len(reps), 1))
+                metrics["response_length_max"] = float(batch.response_lengths.max())
+        with self.timers("train"):
+            metrics.update(self.update(batch, fwd, adv))
+        metrics = self._to_reporter({**metrics, **reward_metrics} if fwd is not None else None) or {}
+        kl_mean = self._bcast_float(metrics.get("kl_mean", 0.0))
+        self.kl_ctl.update(kl_mean, self.cfg.ppo.num_rollout_samples)
+        metrics.update(self.timers.pop())
+        elapsed = time.perf_counter() - t0
+        metrics["timing/step_s"] = elapsed
+        metrics["generated_tokens_per_s"] = float(gen_tokens) / max(metrics.get("timing/rollout_s", elapsed), 1e-9)
+        metrics["episodes_per_s"] = self.cfg.ppo.num_rollout_samples / elapsed
+        metrics["consumed_samples"] = self.sampler.consumed_samples
+        self._last_batch = (idx, batch, scores)
+        return metrics
+
+    def _bcast_float(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64)
+        dist.broadcast(t, src=0)
+        return float(t[0])
+
+    def _repetition(self, batch) -> list[float]:
+        from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
+
+        return [ngram_repetition_rate([t for t, m in zip(ids, mk) if m])
+                for ids, mk in zip(batch.response_ids.tolist(), batch.response_mask.tolist())]
+
+    # --- evaluation ----------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Greedy decoding on the held-out set: accuracy by the checker(s), RM reward,
+        length, repetition, win rate vs the initial policy judged by the reward."""
+        if not self.eval_prompts:
+            return {}
+        n = min(len(self.eval_prompts), self.cfg.trainer.max_eval_samples)
+        mine = list(range(self.dims.dp_rank, n, self.dims.dp))
+        batch = self._generate([self.eval_encoded[i] for i in mine], greedy=True)
+        texts = self._response_texts(batch)
+        reps = self._repetition(batch)
+        result = None
+        if self.is_mp_src:
+            rows = [self.eval_prompts[i] for i in mine]
+            out = self.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
+                                    update_stats=False)
+            result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
+                      "per_source": {k: v.tolist() for k, v in out.per_source.items()},
+                      "lengths": batch.response_lengths.tolist(), "rep": reps}
+        gathered = [None] * self.dims.world_size
+        dist.all_gather_object(gathered, result)
+        rows = [g for g in gathered if g is not None]
+        # one copy per DP rank (the MP sources): merge in index order
+        merged = {}
+        for r in rows:
+            for j, i in enumerate(r["idx"]):
+                merged[i] = {"text": r["texts"][j], "score": r["scores"][j],
+                             "src": {k: v[j] for k, v in r["per_source"].items()},
+                             "len": r["lengths"][j], "rep": r["rep"][j]}
+        items = [merged[i] for i in sorted(merged)]
+        metrics = {
+            "eval/reward": sum(x["score"] for x in items) / len(items),
+            "eval/response_length": sum(x["len"] for x in items) / len(items),
+            "eval/repetition": sum(x["rep"] for x in items) / len(items),
+        }
+        for name in items[0]["src"]:
+            metrics[f"eval/{name}"] = sum(x["src"][name] for x in items) / len(items)
+        if self.initial_eval is None:
+            self.initial_eval = items
+        else:
+            wins = [1.0 if a["score"] > b["score"] else 0.5 if a["score"] == b["score"] else 0.0
+                    for a, b in zip(items, self.initial_eval)]
+            metrics["eval/win_rate_vs_initial"] = sum(wins) / len(wins)
+        self._eval_items = items
+        return metrics
+
+    def sample_table(self, n: int = 4) -> list[dict]:
+        """A few (prompt, response, reward) rows of the last rollout (this rank's)."""
+        idx, batch, scores = self._last_batch
+        texts = self._response_texts(batch)
+        return [{"prompt": self.prompts[i].prompt, "response": texts[j],
+                 "reward": float(scores[j])} for j, i in enumerate(idx[:n])]
+
+    # --- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """JSON-able trainer state for checkpoints."""
+        return {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "kl_controller": self.kl_ctl.state_dict(),
+            "reward": _jsonable(self.reward.state_dict()) if self.reward else {},
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "initial_eval": self.initial_eval,
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step = int(sd["step"])
+        self.sampler.load_state_dict(sd["sampler"])
+        self.kl_ctl.load_state_dict(sd["kl_controller"])
+        if sd.get("reward") and self.reward is not None:
+            self.reward.load_state_dict(sd["reward"])
+        self.nonfinite_in_a_row = int(sd.get("nonfinite_in_a_row", 0))
+        self.initial_eval = sd.get("initial_eval")
+
+
+def _jsonable(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def config_to_dict(cfg: PPOConfig) -> dict:
+    """The resolved config as a plain dict (for checkpoints and the experiment folder)."""
+    return asdict(cfg)
+
+
+__all__ = ["PPOTrainer", "PromptSampler", "config_to_dict"]
+
