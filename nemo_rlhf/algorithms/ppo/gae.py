@@ -1,0 +1,128 @@
+"""Generalized Advantage Estimation over masked, batch-first response tokens.
+
+Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
+Estimation", eq. 11-16: ``delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)``,
+``A_t = sum_l (gamma * lam)^l delta_{t+l}``, computed backwards as
+``A_t = delta_t + gamma * lam * A_{t+1}``; returns (value targets) ``R_t = A_t + V(s_t)``
+(the TD(lambda) return, as in TRL/verl).
+
+Masking: masked positions are skipped, i.e. the recursion runs over the valid tokens of
+each row in order, as if the padding were not there. The value after the last valid token
+is 0 (a finished or truncated response is treated as terminal: no bootstrap from padding
+or from a value the critic never saw). Rewards/values at masked positions are never read,
+so left padding, right padding, and NaN/Inf in padding do not change the result.
+
+Simplified / left out: no bootstrap for truncated responses (the usual RLHF choice: the
+score is given at the last token), no ``dones`` inside a row (one episode per row).
+Outputs are detached: advantages and returns are targets, not differentiated through.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from nemo_rlhf.algorithms.ppo.core import _bool_mask, _check_2d, _check_same_shape, _fp32, _select
+
+__all__ = ["compute_gae", "compute_gae_reference"]
+
+
+def _check_gae_coefs(gamma: float, lam: float) -> None:
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must be in [0, 1], got {lam}")
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns, vectorised over the batch (loop over time).
+
+    Formula: Schulman et al. 2016, eq. 11-16 (see module docstring); masked positions
+    are skipped and ``V`` after the last valid token is 0.
+
+    Args:
+        rewards: ``[batch, response_len]`` per-token rewards, any float dtype.
+        values: ``[batch, response_len]`` critic values ``V(s_t)``, any float dtype.
+        response_mask: ``[batch, response_len]`` bool or 0/1.
+        gamma: discount, in ``[0, 1]``.
+        lam: GAE lambda, in ``[0, 1]``.
+
+    Returns:
+        ``(advantages, returns)``, both ``[batch, response_len]`` fp32, detached, exactly 0
+        on masked positions; ``returns = advantages + values`` on valid positions.
+
+    Raises:
+        ValueError: shape mismatches, or ``gamma``/``lam`` outside ``[0, 1]``.
+    """
+    _check_2d(response_mask)
+    _check_gae_coefs(gamma, lam)
+    r = _fp32(rewards, "rewards").detach()
+    v = _fp32(values, "values").detach()
+    _check_same_shape(response_mask, "response_mask", rewards=r, values=v)
+    mask = _bool_mask(response_mask)
+    r = _select(mask, r)
+    v = _select(mask, v)
+
+    batch, length = mask.shape
+    advantages = torch.zeros_like(r)
+    next_value = torch.zeros(batch, dtype=torch.float32, device=r.device)
+    next_adv = torch.zeros_like(next_value)
+    for t in range(length - 1, -1, -1):
+        valid = mask[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        adv = delta + gamma * lam * next_adv
+        # Masked step: output 0 and carry (next_value, next_adv) through unchanged.
+        advantages[:, t] = torch.where(valid, adv, torch.zeros_like(adv))
+        next_value = torch.where(valid, v[:, t], next_value)
+        next_adv = torch.where(valid, adv, next_adv)
+    returns = _select(mask, advantages + v)
+    return advantages, returns
+
+
+def compute_gae_reference(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Plain Python loop over every ``(b, t)``: the readable definition ``compute_gae``
+    is tested against. Same arguments, returns and errors as ``compute_gae``; slow.
+
+    For each row it lists the valid positions, then runs the textbook backward
+    recursion (Schulman et al. 2016, eq. 11-16) over them with ``V`` = 0 after the last.
+    """
+    _check_2d(response_mask)
+    _check_gae_coefs(gamma, lam)
+    _check_same_shape(response_mask, "response_mask", rewards=rewards, values=values)
+    r = _fp32(rewards, "rewards").detach().cpu().tolist()
+    v = _fp32(values, "values").detach().cpu().tolist()
+    mask = _bool_mask(response_mask).cpu().tolist()
+    batch = len(mask)
+    length = len(mask[0]) if batch else 0
+
+    adv_out: List[List[float]] = [[0.0] * length for _ in range(batch)]
+    ret_out: List[List[float]] = [[0.0] * length for _ in range(batch)]
+    for b in range(batch):
+        positions = [t for t in range(length) if mask[b][t]]
+        next_value = 0.0
+        next_adv = 0.0
+        for t in reversed(positions):
+            delta = r[b][t] + gamma * next_value - v[b][t]
+            adv = delta + gamma * lam * next_adv
+            adv_out[b][t] = adv
+            ret_out[b][t] = adv + v[b][t]
+            next_value = v[b][t]
+            next_adv = adv
+    device = rewards.device
+    shape = tuple(response_mask.shape)
+    advantages = torch.tensor(adv_out, dtype=torch.float32, device=device).reshape(shape)
+    returns = torch.tensor(ret_out, dtype=torch.float32, device=device).reshape(shape)
+    return advantages, returns

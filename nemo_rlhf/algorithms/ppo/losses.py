@@ -1,0 +1,376 @@
+"""PPO losses (policy, value, entropy) with global-token normalisation, and their stats.
+
+* Policy: clipped surrogate of Schulman et al. 2017, "Proximal Policy Optimization
+  Algorithms", eq. 7; asymmetric ``clip_eps_low``/``clip_eps_high`` ("clip-higher", DAPO,
+  Yu et al. 2025); dual-clip for negative advantages, Ye et al. 2020, "Mastering Complex
+  Control in MOBA Games with Deep RL" (arXiv:1912.09729, dual-clip PPO; as in verl's
+  ``compute_policy_loss`` with ``clip_ratio_c``).
+* Value: clipped value loss of OpenAI baselines' PPO2 / TRL / verl,
+  ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
+* Entropy: mean token entropy, returned as a bonus (the caller subtracts ``coef * bonus``).
+
+Normalisation: every loss is a SUM over valid tokens divided by ``global_valid_tokens``,
+the number of valid tokens across ALL micro-batches and data-parallel ranks of the
+mini-batch (passed in). Summing the micro-batch losses (and gradients) therefore gives the
+same total however the mini-batch is split (NeMo-RL's LossFunction convention).
+
+Stats are returned as detached 0-d fp32 tensors (no host sync), as token SUMS plus the
+count so they aggregate correctly over micro-batches and ranks. Key convention:
+
+* ``valid_tokens``: count (reduce by SUM);
+* ``<name>_sum``: token sum (reduce by SUM); ``finalize_token_stats`` turns it into
+  ``<name>`` = sum / valid_tokens;
+* ``<name>_max`` / ``<name>_min``: reduce by MAX / MIN, reported as is.
+
+Use ``merge_token_stats`` over micro-batches (a trainer all-reduces with the op given by
+``stat_reduce_op``) and then ``finalize_token_stats``.
+
+NaN safety: masked slots of every input are replaced by 0 with ``torch.where`` before any
+arithmetic, so NaN/Inf there gives the same finite loss as a 0 there, and a zero (finite)
+gradient. The policy log-ratio is clamped to [-20, 20] before ``exp`` (as verl does) so a
+wild valid token cannot overflow to Inf.
+
+Simplified / left out: no token-level vs sequence-level aggregation modes (always
+token-sum / global tokens), no KL-in-loss term (the KL is in the reward), no GRPO/GSPO
+sequence-level ratios.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, Optional, Tuple, Union
+
+import torch
+
+from nemo_rlhf.algorithms.ppo.core import (
+    _bool_mask,
+    _check_2d,
+    _check_same_shape,
+    _fp32,
+    _select,
+    masked_sum,
+)
+from nemo_rlhf.algorithms.ppo.kl import KL_ESTIMATORS
+
+__all__ = [
+    "entropy_bonus",
+    "explained_variance",
+    "finalize_token_stats",
+    "merge_token_stats",
+    "policy_loss",
+    "stat_reduce_op",
+    "value_loss",
+]
+
+#: Bound on ``logp - old_logp`` before ``exp`` (verl clamps to the same range).
+LOG_RATIO_CLAMP = 20.0
+
+GlobalCount = Union[int, float, torch.Tensor]
+Stats = Dict[str, torch.Tensor]
+
+
+def _global_count(global_valid_tokens: GlobalCount, device: torch.device) -> torch.Tensor:
+    if isinstance(global_valid_tokens, torch.Tensor):
+        if global_valid_tokens.numel() != 1:
+            raise ValueError("global_valid_tokens must be a number or a 1-element tensor")
+        return global_valid_tokens.detach().to(device=device, dtype=torch.float32).reshape(())
+    value = float(global_valid_tokens)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"global_valid_tokens must be > 0, got {global_valid_tokens}")
+    return torch.tensor(value, dtype=torch.float32, device=device)
+
+
+def _prepare(
+    response_mask: torch.Tensor, **tensors: torch.Tensor
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Check shapes, cast to fp32, zero the masked slots (NaN-safe)."""
+    _check_2d(response_mask)
+    cast = {name: _fp32(t, name) for name, t in tensors.items()}
+    _check_same_shape(response_mask, "response_mask", **cast)
+    mask = _bool_mask(response_mask)
+    return mask, {name: _select(mask, t) for name, t in cast.items()}
+
+
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    return mask.sum().to(torch.float32)
+
+
+def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
+    fill = torch.tensor(-math.inf if largest else math.inf, dtype=x.dtype, device=x.device)
+    filled = torch.where(mask, x, fill)
+    if filled.numel() == 0:
+        return fill
+    return filled.amax() if largest else filled.amin()
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    global_valid_tokens: GlobalCount,
+    clip_eps: float = 0.2,
+    clip_eps_low: Optional[float] = None,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+) -> Tuple[torch.Tensor, Stats]:
+    """PPO clipped-surrogate policy loss, summed over valid tokens / global token count.
+
+    Formula (Schulman et al. 2017, eq. 7), per valid token, ``ratio = exp(logp - old_logp)``::
+
+        objective = min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+        dual-clip (Ye et al. 2020), only where A < 0:
+        objective = max(objective, dual_clip * A)
+        loss_token = -objective
+
+    ``loss = sum_valid(loss_token) / global_valid_tokens``.
+
+    Args:
+        logprobs: ``[batch, response_len]`` current log-probs (differentiated), any float.
+        old_logprobs: ``[batch, response_len]`` log-probs at rollout time, any float.
+        advantages: ``[batch, response_len]`` (usually whitened), any float.
+        response_mask: ``[batch, response_len]`` bool or 0/1.
+        global_valid_tokens: valid tokens across all micro-batches and DP ranks of the
+            mini-batch (> 0; int, float or 1-element tensor, not checked if a tensor).
+        clip_eps: default for both clip sides.
+        clip_eps_low / clip_eps_high: override the lower / upper side.
+        dual_clip: constant ``c > 1`` of dual-clip PPO, or None to disable.
+
+    Returns:
+        ``(loss, stats)``: ``loss`` is a 0-d fp32 tensor; ``stats`` (detached 0-d fp32, see
+        module docstring) has ``valid_tokens``, ``clip_fraction_sum`` (tokens whose
+        objective came from the clipped ratio), ``dual_clip_fraction_sum`` (tokens capped
+        by dual-clip), ``approx_kl_sum`` (k3 of new vs old: ``exp(old - new) - (old - new)
+        - 1``), ``ratio_mean_sum``, ``ratio_max`` and ``ratio_min`` (-inf / +inf when no
+        token is valid).
+
+    Raises:
+        ValueError: shape mismatches, ``eps_low`` outside ``[0, 1)``, ``eps_high < 0``,
+            ``dual_clip <= 1``, ``global_valid_tokens <= 0``.
+    """
+    eps_low = clip_eps if clip_eps_low is None else clip_eps_low
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if not 0.0 <= eps_low < 1.0:
+        raise ValueError(f"clip_eps_low (or clip_eps) must be in [0, 1), got {eps_low}")
+    if not eps_high >= 0.0:
+        raise ValueError(f"clip_eps_high (or clip_eps) must be >= 0, got {eps_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (Ye et al. 2020), got {dual_clip}")
+
+    mask, t = _prepare(
+        response_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
+    )
+    denom = _global_count(global_valid_tokens, mask.device)
+    adv = t["advantages"]
+    log_ratio = (t["logprobs"] - t["old_logprobs"]).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    objective = torch.minimum(unclipped, clipped)
+    clip_hit = clipped < unclipped
+    dual_hit = torch.zeros_like(mask)
+    if dual_clip is not None:
+        floor = dual_clip * adv
+        dual_hit = (adv < 0) & (objective < floor)
+        objective = torch.where(dual_hit, floor, objective)
+    loss = masked_sum(-objective, mask) / denom
+
+    with torch.no_grad():
+        ratio_d = ratio.detach()
+        approx_kl = KL_ESTIMATORS["k3"](t["logprobs"].detach(), t["old_logprobs"].detach())
+        stats: Stats = {
+            "valid_tokens": _count(mask),
+            "clip_fraction_sum": _count(clip_hit & mask),
+            "dual_clip_fraction_sum": _count(dual_hit & mask),
+            "approx_kl_sum": masked_sum(approx_kl, mask),
+            "ratio_mean_sum": masked_sum(ratio_d, mask),
+            "ratio_max": _masked_extreme(ratio_d, mask, largest=True),
+            "ratio_min": _masked_extreme(ratio_d, mask, largest=False),
+        }
+    return loss, stats
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    global_valid_tokens: GlobalCount,
+    clip_range: Optional[float] = 0.2,
+) -> Tuple[torch.Tensor, Stats]:
+    """Clipped value loss, summed over valid tokens / global token count.
+
+    Formula (OpenAI baselines PPO2, as in TRL/verl), per valid token::
+
+        V_clip = clip(V, V_old - c, V_old + c)
+        loss_token = 0.5 * max((V - R)^2, (V_clip - R)^2)      # c = clip_range
+        loss_token = 0.5 * (V - R)^2                           # clip_range is None
+
+    Args:
+        values: ``[batch, response_len]`` current critic values (differentiated).
+        old_values: ``[batch, response_len]`` values at rollout time.
+        returns: ``[batch, response_len]`` value targets (from ``compute_gae``).
+        response_mask: ``[batch, response_len]`` bool or 0/1.
+        global_valid_tokens: as in ``policy_loss``.
+        clip_range: ``c`` > 0, or None for the unclipped loss.
+
+    Returns:
+        ``(loss, stats)``: 0-d fp32 loss; stats ``valid_tokens``,
+        ``value_clip_fraction_sum`` (tokens where the clipped term was strictly larger,
+        i.e. chosen), ``value_error_sq_sum`` (``(V - R)^2``). All detached 0-d fp32.
+
+    Raises:
+        ValueError: shape mismatches, ``clip_range <= 0``, ``global_valid_tokens <= 0``.
+    """
+    if clip_range is not None and not clip_range > 0:
+        raise ValueError(f"clip_range must be > 0 or None, got {clip_range}")
+    mask, t = _prepare(response_mask, values=values, old_values=old_values, returns=returns)
+    denom = _global_count(global_valid_tokens, mask.device)
+    v, v_old, ret = t["values"], t["old_values"], t["returns"]
+    err_sq = (v - ret) ** 2
+    if clip_range is None:
+        per_token = err_sq
+        clip_hit = torch.zeros_like(mask)
+    else:
+        v_clipped = v_old + torch.clamp(v - v_old, -clip_range, clip_range)
+        err_sq_clipped = (v_clipped - ret) ** 2
+        per_token = torch.maximum(err_sq, err_sq_clipped)
+        clip_hit = err_sq_clipped > err_sq
+    loss = 0.5 * masked_sum(per_token, mask) / denom
+    with torch.no_grad():
+        stats: Stats = {
+            "valid_tokens": _count(mask),
+            "value_clip_fraction_sum": _count(clip_hit & mask),
+            "value_error_sq_sum": masked_sum(err_sq.detach(), mask),
+        }
+    return loss, stats
+
+
+def entropy_bonus(
+    entropy: torch.Tensor, response_mask: torch.Tensor, global_valid_tokens: GlobalCount
+) -> torch.Tensor:
+    """Token entropy summed over valid tokens / global token count (a bonus: maximise it).
+
+    The trainer's total loss is ``policy + vf_coef * value - entropy_coef * bonus``
+    (Schulman et al. 2017, eq. 9).
+
+    Args:
+        entropy: ``[batch, response_len]`` per-token entropy of the current policy.
+        response_mask: ``[batch, response_len]`` bool or 0/1.
+        global_valid_tokens: as in ``policy_loss``.
+
+    Returns:
+        0-d fp32 tensor (differentiable w.r.t. ``entropy``).
+
+    Raises:
+        ValueError: shape mismatch or ``global_valid_tokens <= 0``.
+    """
+    mask, t = _prepare(response_mask, entropy=entropy)
+    denom = _global_count(global_valid_tokens, mask.device)
+    return masked_sum(t["entropy"], mask) / denom
+
+
+def explained_variance(
+    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """``1 - Var[R - V] / Var[R]`` over valid tokens (unbiased variances), as in OpenAI
+    baselines' ``explained_variance`` and verl's ``vf_explained_var``.
+
+    1 = perfect critic, 0 = no better than a constant, < 0 = worse. Computed on the tokens
+    given (one rank's batch); no sync, no raise.
+
+    Args:
+        values: ``[batch, response_len]`` critic values.
+        returns: ``[batch, response_len]`` targets.
+        response_mask: ``[batch, response_len]`` bool or 0/1.
+
+    Returns:
+        Detached 0-d fp32 tensor; NaN when fewer than 2 tokens are valid or ``Var[R] == 0``.
+
+    Raises:
+        ValueError: shape mismatch.
+    """
+    mask, t = _prepare(response_mask, values=values, returns=returns)
+    with torch.no_grad():
+        ret = t["returns"].detach()
+        diff = ret - t["values"].detach()
+        n = _count(mask)
+
+        def var(x: torch.Tensor) -> torch.Tensor:
+            mean = masked_sum(x, mask) / n.clamp_min(1)
+            centred = _select(mask, x - mean)
+            return (centred * centred).sum() / (n - 1).clamp_min(1)
+
+        var_r = var(ret)
+        ev = 1.0 - var(diff) / var_r.clamp_min(torch.finfo(torch.float32).tiny)
+        ok = (n >= 2) & (var_r > 0)
+        return torch.where(ok, ev, torch.full_like(ev, math.nan))
+
+
+# --------------------------------------------------------------------------------------
+# Stats aggregation
+# --------------------------------------------------------------------------------------
+
+
+def stat_reduce_op(key: str) -> str:
+    """How a stat key aggregates across micro-batches / ranks: ``"sum"``, ``"max"``, ``"min"``.
+
+    Raises:
+        ValueError: for a key that follows none of the conventions.
+    """
+    if key == "valid_tokens" or key.endswith("_sum"):
+        return "sum"
+    if key.endswith("_max"):
+        return "max"
+    if key.endswith("_min"):
+        return "min"
+    raise ValueError(
+        f"stat key {key!r} must be 'valid_tokens' or end with '_sum', '_max' or '_min'"
+    )
+
+
+def merge_token_stats(stats_list: Iterable[Stats]) -> Stats:
+    """Combine stats dicts from several micro-batches (SUM / MAX / MIN by key suffix).
+
+    Every dict must have the same keys (from the same loss function).
+
+    Raises:
+        ValueError: empty input, or dicts with different keys.
+    """
+    stats_list = list(stats_list)
+    if not stats_list:
+        raise ValueError("merge_token_stats needs at least one stats dict")
+    keys = set(stats_list[0])
+    for s in stats_list[1:]:
+        if set(s) != keys:
+            raise ValueError(f"stats dicts have different keys: {sorted(keys)} vs {sorted(s)}")
+    merged: Stats = {}
+    for key in stats_list[0]:
+        stacked = torch.stack([s[key].detach().to(torch.float32).reshape(()) for s in stats_list])
+        op = stat_reduce_op(key)
+        reducer = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}[op]
+        merged[key] = reducer(stacked)
+    return merged
+
+
+def finalize_token_stats(stats: Stats) -> Dict[str, float]:
+    """Turn (merged, all-reduced) stats into logged floats.
+
+    ``<name>_sum`` becomes ``<name>`` = sum / valid_tokens (NaN when valid_tokens is 0);
+    ``_max`` / ``_min`` keys and ``valid_tokens`` are reported unchanged. Reads values on
+    the host (one sync).
+
+    Raises:
+        ValueError: if ``valid_tokens`` is missing.
+    """
+    if "valid_tokens" not in stats:
+        raise ValueError("stats must contain 'valid_tokens'")
+    count = float(stats["valid_tokens"])
+    out: Dict[str, float] = {}
+    for key, value in stats.items():
+        op = stat_reduce_op(key)
+        if key != "valid_tokens" and op == "sum":
+            out[key[: -len("_sum")]] = float(value) / count if count > 0 else math.nan
+        else:
+            out[key] = float(value)
+    return out
