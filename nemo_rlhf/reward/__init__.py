@@ -1,0 +1,54 @@
+"""Rewards: the served reward model (server, client), reward functions, normalisation.
+
+Names are imported lazily, so ``import nemo_rlhf.reward.server`` in the RM process does
+not pull in torch (``functions`` and ``normalization`` need it; the server and client
+do not).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    # batching.py: the scorer interface and the dynamic batcher
+    "ScoreItem": "batching",
+    "Scorer": "batching",
+    "DynamicBatcher": "batching",
+    "validate_token_ids": "batching",
+    # server.py
+    "RMServerConfig": "server",
+    "serve": "server",
+    "build_app": "server",
+    # client.py
+    "RewardModelClient": "client",
+    "RewardServiceError": "client",
+    # functions.py
+    "CombinedReward": "functions",
+    "RemoteRewardModel": "functions",
+    "RewardFunctionScorer": "functions",
+    "RewardOutput": "functions",
+    "WeightedSource": "functions",
+    "arithmetic_exact_match": "functions",
+    "two_digit_addition": "functions",
+    "get_reward_function": "functions",
+    "register_reward_function": "functions",
+    "registered_reward_functions": "functions",
+    # normalization.py
+    "RewardNormalizationConfig": "normalization",
+    "RewardNormalizer": "normalization",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'nemo_rlhf.reward' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"nemo_rlhf.reward.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

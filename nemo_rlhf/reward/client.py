@@ -1,0 +1,256 @@
+"""HTTP client of the reward-model server (:mod:`nemo_rlhf.reward.server`).
+
+The one rule: a score that could not be obtained is an error, never a default. Every
+failure ends in :class:`RewardServiceError` whose message names the URL and what failed
+(connection refused, timeout, HTTP status with the server's message, malformed reply,
+wrong number of scores).
+
+Retries: connection errors, timeouts and 5xx are retried with exponential backoff
+(``backoff_s * 2**k`` seconds before retry k+1); 4xx are not (the request itself is
+wrong). Scoring is a pure function of the request, so retrying a POST is safe.
+
+Simplified on purpose: synchronous (the PPO trainer calls it between phases); chunks of a
+large request are sent one after another, not concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import time
+from typing import Any, Mapping, Sequence
+
+import httpx
+
+from nemo_rlhf.reward.batching import ScoreItem
+
+__all__ = ["RewardModelClient", "RewardServiceError"]
+
+
+class RewardServiceError(RuntimeError):
+    """The reward service could not produce scores; the message names the URL and the cause."""
+
+
+def _server_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:500] or "(empty body)"
+    if isinstance(body, dict):
+        for key in ("error", "detail", "status"):
+            if key in body:
+                field = body.get("field")
+                return f"{body[key]}" + (f" (field {field})" if field and key == "error" else "")
+    return json.dumps(body)[:500]
+
+
+class RewardModelClient:
+    """Client of one reward-model server.
+
+    Args:
+        url: server base URL, ``http://host:port``.
+        timeout_s: per-attempt timeout in seconds (connect, read, write each).
+        max_retries: retries after the first attempt on connection errors, timeouts and
+            5xx; 0 disables retries.
+        backoff_s: sleep before the first retry in seconds; doubles each retry.
+        auth_token: bearer token for servers started with ``auth_token_env``; None: none.
+        chunk_size: most items per ``POST /score``; larger lists are split into
+            sequential requests. None: one request (the server's
+            ``max_items_per_request`` must then allow it).
+        transport: an ``httpx`` transport, for tests only.
+
+    Thread-safe: one client may be shared by threads.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        auth_token: str | None = None,
+        chunk_size: int | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"RewardModelClient: url={url!r}; valid: http://host:port")
+        if timeout_s <= 0:
+            raise ValueError(f"RewardModelClient: timeout_s={timeout_s}; valid: a number of seconds > 0")
+        if max_retries < 0:
+            raise ValueError(f"RewardModelClient: max_retries={max_retries}; valid: an int >= 0")
+        if backoff_s < 0:
+            raise ValueError(f"RewardModelClient: backoff_s={backoff_s}; valid: a number of seconds >= 0")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"RewardModelClient: chunk_size={chunk_size}; valid: None or an int >= 1")
+        self.url = url.rstrip("/")
+        self.timeout_s = float(timeout_s)
+        self.max_retries = int(max_retries)
+        self.backoff_s = float(backoff_s)
+        self.chunk_size = chunk_size
+        headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self._http = httpx.Client(
+            base_url=self.url, timeout=httpx.Timeout(self.timeout_s), headers=headers, transport=transport
+        )
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def from_address_file(
+        cls, path: str, wait_s: float = 0.0, poll_s: float = 0.1, **kwargs: Any
+    ) -> "RewardModelClient":
+        """A client for the address a server wrote to ``path`` (see ``RMServerConfig.address_file``).
+
+        Waits up to ``wait_s`` seconds for the file to appear. ``kwargs`` go to the
+        constructor. Raises :class:`RewardServiceError` naming the path when no valid
+        address shows up in time.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    address = f.read().strip()
+                valid = address.startswith(("http://", "https://"))
+                problem = None if valid else f"unexpected content {address[:100]!r}"
+            except FileNotFoundError:
+                problem = "file does not exist"
+            if problem is None:
+                return cls(address, **kwargs)
+            if time.monotonic() >= deadline:
+                raise RewardServiceError(
+                    f"no reward service address in {os.path.abspath(path)} after {wait_s} s: {problem}"
+                )
+            time.sleep(poll_s)
+
+    def close(self) -> None:
+        """Closes the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> "RewardModelClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ requests
+    def _request(self, method: str, path: str, payload: Any = None, retry: bool = True) -> httpx.Response:
+        """One call with retries; returns a 2xx response or raises RewardServiceError."""
+        attempts = self.max_retries + 1 if retry else 1
+        content = json.dumps(payload).encode() if payload is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else None
+        last = "no attempt made"
+        for attempt in range(attempts):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            try:
+                resp = self._http.request(method, path, content=content, headers=headers)
+            except httpx.ConnectError as exc:
+                last = f"connection failed ({exc})"
+                continue
+            except httpx.TimeoutException as exc:
+                last = f"timed out after {self.timeout_s} s ({type(exc).__name__})"
+                continue
+            except httpx.TransportError as exc:  # server died mid-reply, connection reset, ...
+                last = f"connection broken ({type(exc).__name__}: {exc})"
+                continue
+            if resp.status_code >= 500:
+                last = f"HTTP {resp.status_code}: {_server_message(resp)}"
+                continue
+            if resp.status_code >= 400:
+                raise RewardServiceError(
+                    f"reward service {self.url}{path}: HTTP {resp.status_code}: {_server_message(resp)}"
+                )
+            return resp
+        raise RewardServiceError(f"reward service {self.url}{path}: {last} (gave up after {attempts} attempt(s))")
+
+    def _json(self, resp: httpx.Response, path: str) -> Any:
+        try:
+            return resp.json()
+        except ValueError:
+            raise RewardServiceError(
+                f"reward service {self.url}{path}: malformed reply (not JSON): {resp.text[:200]!r}"
+            ) from None
+
+    def score(self, items: Sequence[ScoreItem | Mapping[str, Any]]) -> list[float]:
+        """Scores ``items``: ``ScoreItem`` s or dicts in the wire form
+        (``{"prompt", "response"}`` or ``{"prompt_ids", "response_ids"}``).
+
+        Returns one float per item, in order (``[]`` for no items). Raises
+        :class:`RewardServiceError` on any failure after retries; never returns a
+        default score.
+        """
+        wire = [it.to_json() if isinstance(it, ScoreItem) else dict(it) for it in items]
+        step = self.chunk_size or max(len(wire), 1)
+        scores: list[float] = []
+        for lo in range(0, len(wire), step):
+            scores.extend(self._score_chunk(wire[lo : lo + step]))
+        return scores
+
+    def score_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:
+        """``score`` for parallel lists of prompt and response strings: ``[batch]`` floats."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"score_texts: {len(prompts)} prompts but {len(responses)} responses")
+        return self.score([{"prompt": p, "response": r} for p, r in zip(prompts, responses)])
+
+    def _score_chunk(self, wire: list[dict[str, Any]]) -> list[float]:
+        resp = self._request("POST", "/score", {"items": wire})
+        body = self._json(resp, "/score")
+        where = f"reward service {self.url}/score"
+        if not isinstance(body, dict) or "scores" not in body:
+            raise RewardServiceError(f"{where}: malformed reply (no 'scores' list): {str(body)[:200]}")
+        scores = body["scores"]
+        if not isinstance(scores, list):
+            raise RewardServiceError(f"{where}: malformed reply ('scores' is {type(scores).__name__}, not a list)")
+        if len(scores) != len(wire):
+            raise RewardServiceError(f"{where}: wrong number of scores: got {len(scores)} for {len(wire)} items")
+        for i, s in enumerate(scores):
+            if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s):
+                raise RewardServiceError(f"{where}: malformed reply (score {i} is {s!r}, not a finite float)")
+        return [float(s) for s in scores]
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """One ``GET /health`` without retries: (HTTP status, body). Raises
+        :class:`RewardServiceError` when the server cannot be reached."""
+        try:
+            resp = self._http.get("/health", timeout=min(self.timeout_s, 5.0))
+        except httpx.HTTPError as exc:
+            raise RewardServiceError(f"reward service {self.url}/health: {type(exc).__name__}: {exc}") from None
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {"raw": resp.text[:200]}
+        return resp.status_code, body if isinstance(body, dict) else {"raw": body}
+
+    def wait_until_healthy(self, deadline_s: float = 600.0, poll_s: float = 0.25) -> dict[str, Any]:
+        """Polls ``GET /health`` until it answers 200 ``ready``, for at most ``deadline_s``
+        seconds; returns the health body. Raises :class:`RewardServiceError` naming the URL
+        and the last status seen (e.g. ``HTTP 503 {'status': 'loading'}`` or a connection
+        error)."""
+        deadline = time.monotonic() + deadline_s
+        last = "never polled"
+        while True:
+            try:
+                status, body = self.health()
+                if status == 200 and body.get("status") == "ready":
+                    return body
+                last = f"HTTP {status} {body}"
+            except RewardServiceError as exc:
+                last = str(exc)
+            if time.monotonic() + poll_s > deadline:
+                raise RewardServiceError(f"reward service {self.url} not healthy after {deadline_s} s; last status: {last}")
+            time.sleep(poll_s)
+
+    def metadata(self) -> dict[str, Any]:
+        """``GET /metadata`` (retried like ``score``): ``{"scorer": ..., "server": ...,
+        "stats": ...}``. The scorer part holds e.g. ``reward_mean``/``reward_std``."""
+        body = self._json(self._request("GET", "/metadata"), "/metadata")
+        if not isinstance(body, dict) or "scorer" not in body:
+            raise RewardServiceError(f"reward service {self.url}/metadata: malformed reply (no 'scorer'): {str(body)[:200]}")
+        return body
+
+    def stats(self) -> dict[str, Any]:
+        """``GET /stats``: batching counters (``batches``, ``items_scored``, ``requests``, ...)."""
+        body = self._json(self._request("GET", "/stats"), "/stats")
+        if not isinstance(body, dict):
+            raise RewardServiceError(f"reward service {self.url}/stats: malformed reply: {str(body)[:200]}")
+        return body

@@ -1,0 +1,94 @@
+"""A reward-model server with a fake scorer, run as a subprocess by the reward tests.
+
+    python tests/unit/_rm_server_proc.py --address-file F [--port P] [--load-delay-s S] ...
+
+The fake scorer is deterministic (:func:`expected_score`), so a test can compare served
+scores with in-process ones. Special responses: one containing ``RAISE`` makes the batch
+fail; one containing ``SLOW`` makes the batch take 5 s (to kill the server mid-request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import zlib
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from nemo_rlhf.reward.batching import ScoreItem  # noqa: E402
+from nemo_rlhf.reward.server import RMServerConfig, serve  # noqa: E402
+
+VOCAB_SIZE = 1000
+
+
+def expected_score(item: ScoreItem) -> float:
+    """len(response) + a hash-derived fraction of (prompt, response), in [len, len+1)."""
+    if item.is_tokens:
+        prompt, response = ",".join(map(str, item.prompt_ids)), ",".join(map(str, item.response_ids))
+        length = len(item.response_ids)
+    else:
+        prompt, response, length = item.prompt, item.response, len(item.response)
+    return float(length) + zlib.crc32(f"{prompt}\x00{response}".encode()) / 2**32
+
+
+class HashScorer:
+    """Fake RM: costs ``call_ms`` per call plus ``item_ms`` per item; scores by expected_score."""
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self, call_ms: float = 0.0, item_ms: float = 0.0) -> None:
+        self.call_ms, self.item_ms = call_ms, item_ms
+
+    def score_batch(self, items: list[ScoreItem]) -> list[float]:
+        for it in items:
+            if not it.is_tokens and "RAISE" in it.response:
+                raise RuntimeError("fake scorer exploded on purpose")
+            if not it.is_tokens and "SLOW" in it.response:
+                time.sleep(5.0)
+        time.sleep((self.call_ms + self.item_ms * len(items)) / 1000.0)
+        return [expected_score(it) for it in items]
+
+    def metadata(self) -> dict:
+        return {"model_name": "hash-scorer", "checkpoint_path": "/fake/rm", "checkpoint_step": 7,
+                "tokenizer": "fake-bytes", "reward_mean": 2.0, "reward_std": 4.0}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--address-file", required=True)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--load-delay-s", type=float, default=0.0)
+    p.add_argument("--release-file", default=None, help="loading lasts until this file exists")
+    p.add_argument("--fail-load", action="store_true")
+    p.add_argument("--call-ms", type=float, default=0.0)
+    p.add_argument("--item-ms", type=float, default=0.0)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-wait-ms", type=float, default=5.0)
+    p.add_argument("--max-items-per-request", type=int, default=1024)
+    p.add_argument("--max-text-chars", type=int, default=65536)
+    p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    p.add_argument("--auth-token-env", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="[rm-server] %(levelname)s %(message)s")
+    cfg = RMServerConfig(
+        port=args.port, max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms,
+        max_items_per_request=args.max_items_per_request, max_text_chars=args.max_text_chars,
+        max_body_bytes=args.max_body_bytes, auth_token_env=args.auth_token_env, address_file=args.address_file,
+    )
+
+    def factory() -> HashScorer:
+        time.sleep(args.load_delay_s)
+        while args.release_file and not os.path.exists(args.release_file):
+            time.sleep(0.02)
+        if args.fail_load:
+            raise RuntimeError("fake checkpoint is corrupt")
+        return HashScorer(args.call_ms, args.item_ms)
+
+    serve(factory, cfg)
+
+
+if __name__ == "__main__":
+    main()

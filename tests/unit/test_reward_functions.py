@@ -1,0 +1,141 @@
+"""Reward functions, their registry, and CombinedReward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_rlhf.reward.client import RewardServiceError
+from nemo_rlhf.reward.functions import (
+    CombinedReward,
+    RemoteRewardModel,
+    RewardFunctionScorer,
+    WeightedSource,
+    arithmetic_exact_match,
+    first_integer,
+    get_reward_function,
+    registered_reward_functions,
+    two_digit_addition,
+)
+from nemo_rlhf.reward.normalization import RewardNormalizer
+
+
+def length_reward(prompts, responses, extras):
+    """A module-level function reachable by dotted path."""
+    return [float(len(r)) for r in responses]
+
+
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("21", "21", 1.0),
+        (" 21\n", "21", 1.0),
+        ("21.", "21", 1.0),
+        ("21\n4+5=9", "21", 1.0),
+        ("36", "21", 0.0),
+        ("", "21", 0.0),
+        ("-3", "-3", 1.0),
+        ("-3", "3", 0.0),
+        ("3", "-3", 0.0),
+        ("210", "21", 0.0),
+        ("21.5", "21", 0.0),
+        ("is 21", "21", 0.0),
+        ("twenty-one", "21", 0.0),
+    ],
+)
+def test_arithmetic_exact_match_hand_examples(response, answer, expected):
+    assert arithmetic_exact_match(["3+3*6="], [response], [{"prompt": "3+3*6=", "answer": answer}]) == [expected]
+
+
+def test_arithmetic_exact_match_batch_and_missing_answer():
+    assert arithmetic_exact_match(["1+1=", "2*3="], ["2", "5"], [{"answer": 2}, {"answer": "6"}]) == [1.0, 0.0]
+    with pytest.raises(KeyError, match=r"extras\[1\] has no 'answer'"):
+        arithmetic_exact_match(["a", "b"], ["1", "2"], [{"answer": "1"}, {"question": "b"}])
+    with pytest.raises(ValueError, match=r"extras\[0\]\['answer'\]='x' is not an integer"):
+        arithmetic_exact_match(["a"], ["1"], [{"answer": "x"}])
+    with pytest.raises(ValueError, match="same length"):
+        arithmetic_exact_match(["a"], ["1", "2"], [{"answer": "1"}])
+
+
+def test_two_digit_addition_reads_answer_from_extras_or_prompt():
+    prompt = "What is 26+28? Answer with just the number."
+    responses = ["54", "The answer is 54.", "26+28=54", "55", ""]
+    assert two_digit_addition([prompt] * 5, responses, [{}] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert two_digit_addition([prompt], ["54"], [{"answer": "54"}]) == [1.0]
+    with pytest.raises(ValueError, match=r"extras\[0\] has no 'answer' and prompts\[0\] has no 'a\+b'"):
+        two_digit_addition(["Say hi"], ["hi"], [{}])
+
+
+def test_first_integer():
+    assert first_integer("x = -12 and 3") == -12
+    assert first_integer("x = -12 and 3", anchored=True) is None
+    assert first_integer("  7 apples", anchored=True) == 7
+    assert first_integer("1.25") is None and first_integer("") is None
+
+
+def test_registry_lookup_by_name_and_dotted_path_and_errors():
+    assert {"arithmetic_exact_match", "two_digit_addition"} <= set(registered_reward_functions())
+    assert get_reward_function("arithmetic_exact_match") is arithmetic_exact_match
+    assert get_reward_function(f"{__name__}:length_reward") is length_reward
+    assert get_reward_function("nemo_rlhf.reward.functions:two_digit_addition") is two_digit_addition
+    with pytest.raises(KeyError, match="unknown reward function 'exact_match'; registered: .*arithmetic_exact_match.*two_digit_addition"):
+        get_reward_function("exact_match")
+    with pytest.raises(ImportError, match="cannot import module 'no_such_pkg.mod'"):
+        get_reward_function("no_such_pkg.mod:fn")
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        get_reward_function("nemo_rlhf.reward.functions:nope")
+    with pytest.raises(TypeError, match="not a callable"):
+        get_reward_function("nemo_rlhf.reward.functions:_REGISTRY")
+
+
+class FakeClient:
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+
+    def score_texts(self, prompts, responses):
+        if self.fail:
+            raise RewardServiceError("reward service http://127.0.0.1:1/score: connection failed")
+        return [2.0 + len(r) for r in responses]
+
+
+def test_combined_reward_sums_weighted_normalised_sources_and_reports_each():
+    reward = CombinedReward([
+        WeightedSource("rm", RemoteRewardModel(FakeClient()), weight=0.5,
+                       normalizer=RewardNormalizer("fixed", mean=2.0, std=2.0)),
+        WeightedSource("exact_match", RewardFunctionScorer("arithmetic_exact_match"), weight=1.0),
+    ])
+    out = reward.score(["1+1=", "2+2="], ["2", "five"], [{"answer": "2"}, {"answer": "4"}])
+    # rm raw: [3, 6] -> normalised [0.5, 2.0] -> weighted [0.25, 1.0]; exact match [1, 0]
+    assert out.scores.tolist() == [1.25, 1.0] and out.scores.dtype == torch.float32
+    assert out.per_source["rm"].tolist() == [3.0, 6.0]
+    assert out.per_source_normalized["rm"].tolist() == [0.5, 2.0]
+    assert out.per_source["exact_match"].tolist() == [1.0, 0.0]
+    assert out.metrics() == {"reward/total": 1.125, "reward/rm": 4.5, "reward/rm_normalized": 1.25,
+                             "reward/exact_match": 0.5, "reward/exact_match_normalized": 0.5}
+
+
+def test_combined_reward_propagates_rm_failure_and_rejects_bad_source_output():
+    failing = CombinedReward([WeightedSource("rm", RemoteRewardModel(FakeClient(fail=True)))])
+    with pytest.raises(RewardServiceError, match="connection failed"):
+        failing.score(["p"], ["r"])
+    short = CombinedReward([WeightedSource("f", RewardFunctionScorer(lambda p, r, e: [1.0] * (len(p) - 1)))])
+    with pytest.raises(ValueError, match="returned 1 rewards for 2 samples"):
+        short.score(["a", "b"], ["c", "d"])
+    nan = CombinedReward([WeightedSource("f", RewardFunctionScorer(lambda p, r, e: [float("nan")] * len(p)))])
+    with pytest.raises(ValueError, match="expected a finite float"):
+        nan.score(["a"], ["b"])
+    with pytest.raises(ValueError, match="duplicate source names"):
+        CombinedReward([WeightedSource("a", FakeClient()), WeightedSource("a", FakeClient())])
+
+
+def test_combined_reward_state_dict_carries_running_stats():
+    def make():
+        return CombinedReward([WeightedSource("len", RewardFunctionScorer(length_reward), normalizer=RewardNormalizer("running"))])
+
+    a = make()
+    a.score(["p"] * 3, ["a", "bbb", "cccccc"])
+    b = make()
+    b.load_state_dict(a.state_dict())
+    assert torch.equal(a.score(["p"], ["dd"]).scores, b.score(["p"], ["dd"]).scores)
+    with pytest.raises(KeyError, match="no state for source 'len'"):
+        make().load_state_dict({})

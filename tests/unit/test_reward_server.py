@@ -1,0 +1,287 @@
+"""The reward-model server as a real subprocess on a free loopback port, with its client.
+
+Every subprocess is stopped in a ``finally`` (terminate, then kill).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from nemo_rlhf.reward.batching import ScoreItem
+from nemo_rlhf.reward.client import RewardModelClient, RewardServiceError
+
+HELPER = Path(__file__).with_name("_rm_server_proc.py")
+REPO = Path(__file__).resolve().parents[2]
+TOKEN_ENV = "NEMO_RLHF_TEST_RM_TOKEN"
+TOKEN = "s3cret-test-token"
+
+_spec = importlib.util.spec_from_file_location("_rm_server_proc", HELPER)
+fake = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+@contextlib.contextmanager
+def running_server(tmp_path: Path, name: str, *args: str, env: dict | None = None):
+    """Starts the helper server; yields (process, address-file path, log path); always stops it."""
+    addr, log_path = tmp_path / f"{name}.addr", tmp_path / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(HELPER), "--address-file", str(addr), *args],
+            cwd=REPO, env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        yield proc, addr, log_path
+    finally:
+        _stop(proc)
+
+
+def _client(url: str, **kw) -> RewardModelClient:
+    kw = {"timeout_s": 10.0, "max_retries": 1, "backoff_s": 0.05, "auth_token": TOKEN, **kw}
+    return RewardModelClient(url, **kw)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One shared server: auth on, 10 ms per scorer call, 20 ms batching window, small limits."""
+    tmp = tmp_path_factory.mktemp("rm_server")
+    args = ["--call-ms", "10", "--max-wait-ms", "20", "--max-batch-size", "64", "--max-items-per-request", "32",
+            "--max-text-chars", "100", "--max-body-bytes", "65536", "--auth-token-env", TOKEN_ENV]
+    with running_server(tmp, "shared", *args, env={TOKEN_ENV: TOKEN}) as (proc, addr, log):
+        try:
+            client = RewardModelClient.from_address_file(str(addr), wait_s=30, auth_token=TOKEN)
+        except RewardServiceError:
+            pytest.fail(f"server did not start; log:\n{log.read_text()}")
+        client.close()
+        yield SimpleNamespace(url=client.url, addr=addr, proc=proc)
+
+
+@pytest.fixture
+def client(server):
+    with _client(server.url) as c:
+        yield c
+
+
+def _good(client: RewardModelClient) -> None:
+    item = ScoreItem(prompt="p", response="good")
+    assert client.score([item]) == [fake.expected_score(item)]
+
+
+# --------------------------------------------------------------------------- happy path
+def test_served_scores_equal_in_process_scores(client):
+    items = [ScoreItem(prompt=f"q{i}", response="r" * i) for i in range(10)]
+    items += [ScoreItem(prompt_ids=[1, 2, 3], response_ids=[4, 5]), ScoreItem(prompt="", response="")]
+    assert client.score(items) == [fake.expected_score(it) for it in items]
+    assert client.score([]) == []
+
+
+def test_address_file_holds_real_port_and_metadata_reports_scorer_and_server(server, client):
+    address = server.addr.read_text().strip()
+    assert address == server.url and not address.endswith(":0")
+    meta = client.metadata()
+    assert meta["scorer"]["checkpoint_step"] == 7 and meta["scorer"]["reward_std"] == 4.0
+    assert meta["server"]["address"] == address and meta["server"]["port"] == int(address.rsplit(":", 1)[1])
+    assert meta["server"]["max_batch_size"] == 64 and meta["server"]["auth"] is True
+    assert TOKEN not in json.dumps(meta)  # the env var NAME is reported, never the token
+
+
+def test_sixteen_concurrent_clients_get_own_scores_in_order_and_are_batched(server, client):
+    before = client.stats()
+    n_clients = 16
+    barrier = threading.Barrier(n_clients)
+    results: dict[int, list[float]] = {}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        items = [ScoreItem(prompt=f"client {k}", response="x" * (k + j)) for j in range(3)]
+        try:
+            with _client(server.url) as c:
+                c.health()  # open the connection before the start line
+                barrier.wait(10)
+                results[k] = c.score(items)
+            assert results[k] == [fake.expected_score(it) for it in items]
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n_clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert sorted(results) == list(range(n_clients))
+    after = client.stats()
+    requests = after["requests"] - before["requests"]
+    batches = after["batches"] - before["batches"]
+    assert requests == n_clients
+    assert after["items_scored"] - before["items_scored"] == 3 * n_clients
+    assert batches < requests, f"{requests} concurrent requests were scored in {batches} batches"
+
+
+# --------------------------------------------------------------------------- bad requests
+def _items(*items) -> bytes:
+    return json.dumps({"items": list(items)}).encode()
+
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+BAD_REQUESTS = {
+    # name: (body bytes, headers, expected status, substrings of the error message)
+    "empty_batch": (_items(), AUTH, 422, ["items", "empty"]),
+    "missing_items": (b"{}", AUTH, 422, ["items"]),
+    "missing_field": (_items({"prompt": "a", "response": "b"}, {"prompt": "a"}), AUTH, 422, ["items[1].response", "missing"]),
+    "no_form": (_items({}), AUTH, 422, ["items[0]", "prompt", "prompt_ids"]),
+    "unknown_field": (_items({"prompt": "a", "respnse": "b"}), AUTH, 422, ["items[0].respnse", "unknown"]),
+    "non_string_text": (_items({"prompt": "a", "response": 5}), AUTH, 422, ["items[0].response", "string"]),
+    "negative_token_id": (_items({"prompt_ids": [1, -2], "response_ids": [3]}), AUTH, 422, ["items[0].prompt_ids[1]", "-2"]),
+    "token_id_over_vocab": (_items({"prompt_ids": [1], "response_ids": [3, 1000]}), AUTH, 422, ["items[0].response_ids[1]", "1000"]),
+    "non_int_token_id": (_items({"prompt_ids": [1.5], "response_ids": [3]}), AUTH, 422, ["items[0].prompt_ids[0]", "int"]),
+    "text_over_limit": (_items({"prompt": "a", "response": "x" * 101}), AUTH, 413, ["items[0].response", "max_text_chars=100"]),
+    "too_many_items": (_items(*[{"prompt": "a", "response": "b"}] * 33), AUTH, 413, ["max_items_per_request=32"]),
+    "body_over_limit": (_items({"prompt": "a", "response": "x" * 70_000}), AUTH, 413, ["max_body_bytes=65536"]),
+    "invalid_json": (b'{"items": [', AUTH, 400, ["not valid JSON"]),
+    "not_an_object": (b"[1, 2]", AUTH, 422, ["JSON object"]),
+    "wrong_token": (_items({"prompt": "a", "response": "b"}), {"Authorization": "Bearer nope"}, 401, ["wrong bearer token"]),
+    "missing_token": (_items({"prompt": "a", "response": "b"}), {}, 401, ["missing bearer token"]),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_REQUESTS))
+def test_bad_request_gets_4xx_with_message_and_server_keeps_serving(server, client, kind):
+    body, headers, status, needles = BAD_REQUESTS[kind]
+    resp = httpx.post(f"{server.url}/score", content=body, headers={"Content-Type": "application/json", **headers}, timeout=10)
+    assert resp.status_code == status, resp.text
+    message = resp.json()["error"]
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+    _good(client)
+
+
+def test_client_raises_on_4xx_with_server_message_without_retry(server, client):
+    before = client.stats()["requests"]
+    with pytest.raises(RewardServiceError, match=r"HTTP 422.*items\[0\]\.response") as info:
+        client.score([{"prompt": "a", "response": 3}])
+    assert server.url in str(info.value)
+    with pytest.raises(RewardServiceError, match="HTTP 401.*wrong bearer token"):
+        _client(server.url, auth_token="nope").score([ScoreItem(prompt="a", response="b")])
+    assert client.stats()["requests"] == before  # rejected before queueing
+    _good(client)
+
+
+def test_scorer_exception_is_500_with_message_never_a_default_score(server, client):
+    resp = httpx.post(f"{server.url}/score", json={"items": [{"prompt": "a", "response": "RAISE"}]}, headers=AUTH, timeout=10)
+    assert resp.status_code == 500 and "exploded on purpose" in resp.json()["error"]
+    with pytest.raises(RewardServiceError, match=r"HTTP 500.*exploded on purpose.*2 attempt"):
+        client.score([ScoreItem(prompt="a", response="fine"), ScoreItem(prompt="a", response="RAISE")])
+    _good(client)
+
+
+# --------------------------------------------------------------------------- failures
+def test_wrong_port_error_after_retries_names_url():
+    url = f"http://127.0.0.1:{_free_port()}"
+    with _client(url, max_retries=2, backoff_s=0.01) as c:
+        with pytest.raises(RewardServiceError) as info:
+            c.score([ScoreItem(prompt="a", response="b")])
+    message = str(info.value)
+    assert url in message and "connection failed" in message and "3 attempt" in message
+
+
+def test_killed_server_mid_run_makes_client_raise_nothing_scored(tmp_path):
+    with running_server(tmp_path, "killed") as (proc, addr, _log):
+        with RewardModelClient.from_address_file(str(addr), wait_s=30, max_retries=1, backoff_s=0.05, timeout_s=10) as c:
+            item = ScoreItem(prompt="a", response="b")
+            assert c.score([item]) == [fake.expected_score(item)]
+            outcome: dict = {}
+
+            def in_flight() -> None:
+                try:
+                    outcome["scores"] = c.score([ScoreItem(prompt="a", response="SLOW")])
+                except RewardServiceError as exc:
+                    outcome["error"] = exc
+
+            t = threading.Thread(target=in_flight)
+            t.start()
+            time.sleep(0.5)  # the request is now inside the 5 s scorer call
+            proc.kill()
+            proc.wait(5)
+            t.join(15)
+            assert "scores" not in outcome and c.url in str(outcome["error"])
+            with pytest.raises(RewardServiceError, match="connection failed") as info:
+                c.score([item])  # between calls: the server is gone
+            assert c.url in str(info.value)
+
+
+def test_health_is_503_while_loading_then_200_and_address_file_written_when_ready(tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    release = tmp_path / "release"
+    with running_server(tmp_path, "loading", "--port", str(port), "--release-file", str(release)) as (proc, addr, log):
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                resp = httpx.get(f"{url}/health", timeout=2)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                time.sleep(0.05)
+        assert resp.status_code == 503 and resp.json() == {"status": "loading"}
+        assert not addr.exists()
+        score = httpx.post(f"{url}/score", json={"items": [{"prompt": "a", "response": "b"}]}, timeout=5)
+        assert score.status_code == 503 and "loading" in score.json()["error"]
+        release.touch()  # the model finishes loading
+        with RewardModelClient(url) as c:
+            assert c.wait_until_healthy(deadline_s=20, poll_s=0.05) == {"status": "ready"}
+        assert addr.read_text().strip() == url
+        proc.terminate()
+        proc.wait(10)
+        assert not addr.exists(), "a stopped server must remove its address file"
+
+
+def test_wait_until_healthy_deadline_names_url_and_last_status():
+    url = f"http://127.0.0.1:{_free_port()}"
+    with RewardModelClient(url) as c:
+        with pytest.raises(RewardServiceError, match=r"not healthy after 0.3 s; last status: .*ConnectError") as info:
+            c.wait_until_healthy(deadline_s=0.3, poll_s=0.05)
+    assert url in str(info.value)
+
+
+def test_scorer_load_failure_stops_server_with_nonzero_exit(tmp_path):
+    with running_server(tmp_path, "broken", "--fail-load") as (proc, addr, log):
+        assert proc.wait(20) != 0
+        assert "fake checkpoint is corrupt" in log.read_text()
+        assert not addr.exists()
+
+
+def test_server_refuses_to_start_when_token_env_is_unset(tmp_path, monkeypatch):
+    env_name = "NEMO_RLHF_TEST_UNSET_TOKEN"
+    monkeypatch.delenv(env_name, raising=False)
+    with running_server(tmp_path, "notoken", "--auth-token-env", env_name) as (proc, addr, log):
+        assert proc.wait(20) != 0
+        assert env_name in log.read_text() and not addr.exists()
