@@ -217,11 +217,12 @@ class PPOTrainer:
         from nemo_rlhf.rollout import response_logprobs
 
         P_len = batch.prompt_length
-        temp = self.cfg.rollout.temperature
+        temp = self.cfg.rollout.logprob_temperature
 
         def loss_fn(output, mb):
             logits, values = output if isinstance(output, tuple) else (output, None)
-            lp, _ = response_logprobs(logits, (mb["input_ids"], P_len), self.dims, temp)
+            lp, _ = response_logprobs(logits, (mb["input_ids"], P_len), self.dims, temp,
+                                      vocab_size=self.cfg.model.vocab_size, compute_entropy=False)
             out = {"logprobs": lp}
             if with_values and values is not None:
                 R = lp.shape[1]
@@ -300,7 +301,8 @@ class PPOTrainer:
         def fn(output, mb):
             logits, values = output
             lp, ent = response_logprobs(logits, (mb["input_ids"], P_len), self.dims,
-                                        self.cfg.rollout.temperature)
+                                        self.cfg.rollout.logprob_temperature,
+                                        vocab_size=self.cfg.model.vocab_size)
             R = lp.shape[1]
             v = values[:, P_len - 1:P_len - 1 + R]
             m = mb["response_mask"]

@@ -1,0 +1,156 @@
+"""PPO trainer behaviour on one rank (run in a spawned process for isolation)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+from tests.ppo_helpers import compose_ppo, make_demo_data
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank: int, tmp: str):
+    from nemo_rlhf.train_ppo import build
+    from nemo_rlhf.trainers.engine import unwrap
+    from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    cfg = compose_ppo(data, tmp / "exp", "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]",
+                      "rollout.temperature=0.7", "rollout.top_p=0.9", "optim.lr=1e-3")
+    trainer = build(cfg)
+    out = {}
+    batch = trainer._generate([trainer.encoded[i] for i in range(8)])
+    ref0 = trainer.compute_old_and_reference(batch)["ref_logprobs"]
+    out["rollout_vs_train"] = (trainer.compute_old_and_reference(batch)["old_logprobs"]
+                               - batch.logprobs).abs()[batch.response_mask].max().item()
+
+    orig = _params(trainer.model)
+    with torch.no_grad():  # make the actor differ from the reference before swapping
+        for p in trainer.model.parameters():
+            p.add_(0.01)
+    before = _params(trainer.model)
+    with trainer.reference.swapped_in() as m:
+        assert m is unwrap(trainer.model)
+        out["swap_changed_weights"] = any(
+            not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    out["swap_restores_bit_identical"] = all(
+        torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    with torch.no_grad():
+        for n, p in trainer.model.named_parameters():
+            p.copy_(orig[n])
+    before = orig
+
+    def make_stage():
+        from nemo_rlhf.models.actor_critic import build_model
+
+        return build_model(cfg.model, trainer.dims, cfg.trainer.precision, seed=99)
+
+    offload = trainer.reference
+    trainer.reference = ReferencePolicy(unwrap(trainer.model), "colocated", build_fn=make_stage)
+    ref_coloc = trainer.compute_old_and_reference(batch)["ref_logprobs"]
+    trainer.reference = offload
+    out["offload_vs_colocated_maxdiff"] = (ref_coloc - ref0).abs().max().item()
+
+    metrics = [trainer.train_step() for _ in range(3)]
+    out["ratio_first_minibatch"] = (metrics[0]["first_minibatch/ratio_max"],
+                                    metrics[0]["first_minibatch/ratio_min"])
+    out["metric_keys"] = sorted(metrics[0])
+    after = _params(trainer.model)
+    out["actor_changed"] = any(not torch.equal(after[n], before[n]) for n in before
+                               if "value_head" not in n)
+    ref_after = trainer.compute_old_and_reference(batch)["ref_logprobs"]
+    out["ref_after_updates_maxdiff"] = (ref_after - ref0).abs().max().item()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_worker, world_size=1, tmp=str(tmp_path_factory.mktemp("ppo1")))[0]
+
+
+def test_ratio_is_one_on_first_minibatch(results):
+    rmax, rmin = results["ratio_first_minibatch"]
+    assert abs(rmax - 1) < 1e-6 and abs(rmin - 1) < 1e-6
+
+
+def test_sampling_logprobs_match_training_forward(results):
+    assert results["rollout_vs_train"] <= 1e-5
+
+
+def test_reference_swap_changes_then_restores_actor_weights_bit_identically(results):
+    assert results["swap_changed_weights"] is True
+    assert results["swap_restores_bit_identical"] is True
+
+
+def test_reference_logprobs_unchanged_after_actor_updates(results):
+    assert results["actor_changed"], "the actor must have been updated for this test to mean anything"
+    assert results["ref_after_updates_maxdiff"] == 0.0
+
+
+def test_offload_and_colocated_reference_give_same_logprobs(results):
+    assert results["offload_vs_colocated_maxdiff"] <= 1e-6
+
+
+def test_step_reports_the_metrics_users_read(results):
+    for key in ("reward_mean", "kl_mean", "response_length", "entropy", "value_loss",
+                "clip_fraction", "approx_kl", "grad_norm", "beta", "explained_variance",
+                "policy_loss", "lr", "rollout_train_logprob_diff_max", "timing/rollout_s",
+                "generated_tokens_per_s", "truncated_fraction", "ratio_max"):
+        assert key in results["metric_keys"], key
+
+
+# --- the RM service dies mid-run -------------------------------------------------------
+
+def _rm_dies_worker(rank: int, tmp: str, url: str, pid: int):
+    import signal
+
+    from nemo_rlhf.reward.client import RewardServiceError
+    from nemo_rlhf.train_ppo import build, fit
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    cfg = compose_ppo(data, tmp / "exp", f"reward.rm_url={url}", "reward.functions=[]",
+                      "reward.max_retries=1", "reward.timeout_s=5", "trainer.max_steps=1",
+                      "exp_manager.save_interval=1")
+    trainer = build(cfg)
+    assert fit(cfg, trainer) == 0
+    os.kill(pid, signal.SIGKILL)
+    cfg.trainer.max_steps = 3
+    try:
+        fit(cfg, trainer)
+    except RewardServiceError as exc:
+        return {"error": str(exc), "ckpts": sorted(p.name for p in (tmp / "exp" / "checkpoints").iterdir()),
+                "latest": (tmp / "exp" / "checkpoints" / "latest").read_text().strip()}
+    return {"error": None}
+
+
+def test_rm_service_dying_mid_run_stops_training_with_clear_error_and_no_partial_checkpoint(tmp_path):
+    addr = tmp_path / "rm_address"
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/unit/_rm_server_proc.py"),
+                             "--address-file", str(addr)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not addr.exists() and time.time() < deadline:
+            time.sleep(0.1)
+        url = addr.read_text().strip()
+        res = run_ranks(_rm_dies_worker, world_size=1, tmp=str(tmp_path), url=url, pid=proc.pid)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert res["error"] is not None and url in res["error"]
+    assert res["ckpts"] == ["latest", "step_1"], res["ckpts"]
+    assert res["latest"] == "step_1"

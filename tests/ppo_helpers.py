@@ -1,0 +1,41 @@
+"""Shared helpers for PPO tests: demo data in a temp folder and composed Hydra configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def make_demo_data(out: Path) -> Path:
+    """Small demo dataset (prompts, eval, tokenizer) written once into ``out``."""
+    from nemo_rlhf.data.demo_task import DemoTaskConfig, make_demo_dataset
+
+    if not (out / "ppo_prompts.jsonl").exists():
+        make_demo_dataset(out, DemoTaskConfig(n_sft=64, n_pref=64, n_ppo=64, n_eval=16, n_val=16))
+    return out
+
+
+def compose_ppo(data: Path, exp_dir: Path, *overrides: str):
+    """``conf/ppo.yaml`` composed with test overrides, as the typed PPOConfig."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import nemo_rlhf.train_ppo  # noqa: F401  (registers the schema)
+
+    base = [
+        f"data.train_file={data}/ppo_prompts.jsonl", f"data.val_file={data}/eval.jsonl",
+        f"data.tokenizer_dir={data}/tokenizer", f"exp_manager.exp_dir={exp_dir}",
+        "exp_manager.resume=none", "trainer.max_steps=2", "trainer.val_check_interval=0",
+        "trainer.sample_table_every=0", "ppo.num_rollout_samples=8", "ppo.global_batch_size=4",
+        "ppo.micro_batch_size=2", "ppo.forward_micro_batch_size=4", "rollout.max_new_tokens=4",
+        "reward.normalization=none", "reward.functions=[{name: arithmetic_exact_match}]",
+    ]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        dcfg = compose("ppo", overrides=base + list(overrides))
+    return OmegaConf.to_object(dcfg)
+
+
+def length_reward(prompts, responses, extras):
+    """Test reward with spread: the response's length in characters / 4."""
+    return [len(r) / 4.0 for r in responses]
