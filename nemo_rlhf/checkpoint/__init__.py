@@ -11,10 +11,11 @@ from nemo_rlhf.checkpoint.io import (
     read_trainer_state,
     save_checkpoint,
     step_dir,
+    verify_checkpoint,
 )
 
 __all__ = [
     "CheckpointError", "find_latest_checkpoint", "is_complete", "list_checkpoints",
     "load_checkpoint", "load_model_weights", "read_metadata", "read_trainer_state",
-    "save_checkpoint", "step_dir",
+    "save_checkpoint", "step_dir", "verify_checkpoint",
 ]

@@ -23,6 +23,7 @@ saving is not used.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -34,6 +35,8 @@ from typing import Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from nemo_rlhf.checkpoint.faults import maybe_crash
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -218,6 +221,7 @@ def save_checkpoint(
     dist_checkpointing.save(sharded, str(tmp / "dist"))
     torch.save({"rng": rng_state()}, tmp / "rng" / f"rank_{_rank()}.pt")
     _barrier()
+    maybe_crash("save_written", step)
     if _rank() == 0:
         meta = {
             "step": int(step),
@@ -227,6 +231,7 @@ def save_checkpoint(
             "has_optimizer": optimizer is not None,
             "optimizer_extra": extra,
             "fingerprint": fingerprint or {},
+            "files": file_checksums(tmp),
         }
         (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {}, indent=2))
@@ -242,9 +247,57 @@ def save_checkpoint(
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(tmp, final)
+        maybe_crash("save_published", step)
         _atomic_write_text(root / LATEST, final.name + "\n")
     _barrier()
     return final
+
+
+def file_checksums(path: Path) -> dict[str, list]:
+    """``{relative path: [size in bytes, sha256 hex]}`` of the shard and RNG files."""
+    out = {}
+    for sub in ("dist", "rng"):
+        for f in sorted((Path(path) / sub).rglob("*")):
+            if f.is_file():
+                h = hashlib.sha256()
+                with open(f, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 22), b""):
+                        h.update(chunk)
+                out[str(f.relative_to(path))] = [f.stat().st_size, h.hexdigest()]
+    return out
+
+
+def verify_checkpoint(path: Path) -> list[str]:
+    """Problems found in a checkpoint's files (empty list: every file present and intact).
+
+    Compares each file listed in ``metadata.json`` with its recorded size and sha256, and
+    reports files that are missing, truncated, changed, or unlisted.
+    """
+    path = Path(path)
+    try:
+        meta = read_metadata(path)
+    except (CheckpointError, ValueError) as exc:
+        return [str(exc)]
+    recorded = meta.get("files")
+    if recorded is None:
+        return [f"{path}: metadata.json has no file checksums"]
+    problems = []
+    for rel, (size, digest) in recorded.items():
+        f = path / rel
+        if not f.is_file():
+            problems.append(f"missing shard {rel}")
+            continue
+        actual = f.stat().st_size
+        if actual != size:
+            problems.append(f"{rel}: size {actual} bytes, expected {size} (truncated or grown)")
+            continue
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+        if h.hexdigest() != digest:
+            problems.append(f"{rel}: checksum mismatch (content changed)")
+    return problems
 
 
 def read_metadata(path: Path) -> dict:
@@ -388,11 +441,10 @@ def _restore_optimizer(optimizer, loaded: dict, meta: dict) -> None:
     opt = optimizer.optimizer
     sd = loaded["optimizer"]
     step = float(meta.get("optimizer_step", 0))
-    current = opt.state_dict()
     for pid, st in sd["state"].items():
         st["step"] = torch.tensor(step)
-    current["state"] = sd["state"]
-    opt.load_state_dict(current)
+    # the saved param_groups carry the learning rate the schedule had reached
+    opt.load_state_dict({"state": sd["state"], "param_groups": sd["param_groups"]})
     with torch.no_grad():
         for i, m in loaded.get("optimizer_masters", {}).items():
             optimizer.ordered_masters[int(i)].copy_(m)
@@ -401,3 +453,44 @@ def _restore_optimizer(optimizer, loaded: dict, meta: dict) -> None:
         optimizer.scheduler.load_state_dict(extra["scheduler"])
     if extra.get("scaler") and optimizer.scaler is not None:
         optimizer.scaler.load_state_dict(extra["scaler"])
+
+
+def load_full_tensors(path: Path) -> dict:
+    """Every tensor of a checkpoint, unsharded (``{key: tensor}``; model keys start with
+    ``model.``, optimizer keys with ``optimizer.``). Works outside a distributed job: a
+    single-process gloo group is created for the call if none exists (offline tools).
+
+    Raises:
+        CheckpointError: not a complete checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+
+    read_metadata(path)
+    created = False
+    if not dist.is_initialized():
+        import socket
+
+        from nemo_rlhf.distributed import cpu_compat
+
+        cpu_compat.activate_if_no_cuda()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        created = True
+    try:
+        return _flatten(dist_checkpointing.load_plain_tensors(str(Path(path) / "dist")))
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

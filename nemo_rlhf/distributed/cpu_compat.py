@@ -6,8 +6,9 @@ buffers, literal ``device="cuda"`` in the pipeline schedule and dist_checkpointi
 :func:`activate` makes the same megatron code run on CPU by
 
 * remapping every CUDA device argument of tensor factories and ``Tensor.to``/``.cuda()``
-  to the CPU (a ``TorchFunctionMode`` pushed once, plus thin wrappers on the factory
-  functions so that threads, which do not inherit the mode stack, are covered too);
+  to the CPU: thin wrappers on the factory functions and on ``Tensor.to``/``.cuda`` (global,
+  so threads such as the RM server's batch worker are covered), plus a
+  ``TorchFunctionMode`` pushed once on the main thread for anything else;
 * mapping the ``torch.cuda`` RNG API (seed, get/set state, default generators) onto
   ``torch.default_generator`` -- seeding included: a no-op seed leaves TP-replicated
   parameters (e.g. position embeddings) different across TP ranks;
@@ -113,6 +114,18 @@ def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.pres
     return self
 
 
+_ORIG_TO = torch.Tensor.to
+
+
+def _tensor_to(self, *args, **kwargs):
+    """``Tensor.to`` with CUDA devices mapped to the CPU (on every thread)."""
+    if args and _is_cuda_device(args[0]):
+        args = ("cpu",) + tuple(args[1:])
+    if _is_cuda_device(kwargs.get("device")):
+        kwargs["device"] = "cpu"
+    return _ORIG_TO(self, *args, **kwargs)
+
+
 def is_active() -> bool:
     """Whether :func:`activate` has patched this process."""
     return _ACTIVE
@@ -176,6 +189,7 @@ def activate() -> None:
         # torch.cuda._lazy_call queues callbacks until CUDA init; run them now instead.
         cuda._lazy_call = lambda cb, **k: cb()
         torch.Tensor.cuda = _tensor_cuda
+        torch.Tensor.to = _tensor_to
         for name in _FACTORIES:
             if hasattr(torch, name):
                 setattr(torch, name, _wrap_factory(getattr(torch, name)))

@@ -1,13 +1,16 @@
 """TensorBoard + console + tqdm progress for the reporting rank.
 
 Scalars go to ``<exp_dir>/tensorboard`` (``SummaryWriter``), one tag per metric key (keys
-without a ``/`` are put under ``train/``). The console line shows the metrics PPO users
+without a ``/`` are put under ``train/``), and as JSON lines to ``<exp_dir>/metrics.jsonl``
+(appended; a resumed run continues the file, so a step may appear twice after a crash:
+the last line of a step is the one that counts). The console line shows the metrics PPO users
 read first (reward_mean, kl_mean, response_length, entropy, value_loss, clip_fraction,
 approx_kl, grad_norm); sample tables go to the console and TensorBoard's text tab.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -28,6 +31,7 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self.writer = SummaryWriter(str(Path(exp_dir) / "tensorboard"))
+            self.jsonl = open(Path(exp_dir) / "metrics.jsonl", "a")
             self.bar = tqdm(total=total_steps, initial=start_step, desc="ppo", unit="step",
                             dynamic_ncols=True, leave=True)
 
@@ -39,6 +43,9 @@ class MetricsLogger:
             if isinstance(v, (int, float)) and math.isfinite(float(v)):
                 self.writer.add_scalar(k if "/" in k else f"train/{k}", float(v), step)
         self.writer.flush()
+        self.jsonl.write(json.dumps({"step": step, **{k: v for k, v in metrics.items()
+                                                      if isinstance(v, (int, float))}}) + "\n")
+        self.jsonl.flush()
         parts = [f"{k if k.startswith('eval/') else k.split('/')[-1]}={metrics[k]:.4g}"
                  for k in CONSOLE_KEYS if k in metrics and isinstance(metrics[k], (int, float))]
         line = f"step {step}: " + " ".join(parts)
@@ -63,3 +70,4 @@ class MetricsLogger:
         if self.enabled:
             self.bar.close()
             self.writer.close()
+            self.jsonl.close()

@@ -12,6 +12,7 @@ from nemo_rlhf.checkpoint import (
     list_checkpoints,
     load_checkpoint,
     read_metadata,
+    verify_checkpoint,
 )
 
 log = logging.getLogger("nemo_rlhf.ppo")
@@ -31,19 +32,45 @@ def select_resume_checkpoint(resume: str, ckpt_root: Path):
     if resume != "auto":
         read_metadata(resume)  # raises with the path if incomplete
         return Path(resume), f"explicit exp_manager.resume={resume}"
-    path = find_latest_checkpoint(ckpt_root)
-    if path is None:
+    newest = find_latest_checkpoint(ckpt_root)
+    if newest is None:
         return None, f"no complete checkpoint under {ckpt_root}"
     incomplete = [p.name for s, p, ok in list_checkpoints(ckpt_root) if not ok]
-    why = f"newest complete checkpoint under {ckpt_root}"
-    if incomplete:
-        why += f" (ignored incomplete: {incomplete})"
-    return path, why
+    candidates = [p for s, p, ok in reversed(list_checkpoints(ckpt_root)) if ok and s <= _step(newest)]
+    skipped = []
+    for path in candidates:
+        problems = verify_checkpoint(path)
+        if not problems:
+            why = f"newest complete checkpoint under {ckpt_root}"
+            if incomplete:
+                why += f" (ignored incomplete: {incomplete})"
+            if skipped:
+                why += f" (skipped corrupt: {skipped})"
+            return path, why
+        log.warning("checkpoint %s is corrupt, falling back to the previous one: %s", path,
+                    "; ".join(problems[:5]))
+        skipped.append(path.name)
+    return None, f"every complete checkpoint under {ckpt_root} is corrupt: {skipped}"
+
+
+def _step(path: Path) -> int:
+    return int(Path(path).name.split("_")[1])
 
 
 def fingerprint_diff(saved: dict, current: dict) -> list[str]:
-    """Keys whose fingerprint differs between a checkpoint and the run."""
-    return [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    """What differs between a checkpoint's fingerprint and the run's, one line per item:
+    ``"model.num_layers: saved 2, now 4"`` (nested dicts are compared key by key)."""
+    out = []
+    for k in sorted(set(saved) | set(current)):
+        a, b = saved.get(k), current.get(k)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{k}.{sub}: saved {a.get(sub)!r}, now {b.get(sub)!r}"
+                    for sub in sorted(set(a) | set(b)) if a.get(sub) != b.get(sub)]
+        else:
+            out.append(f"{k}: saved {a!r}, now {b!r}")
+    return out
 
 
 def resume(cfg, trainer, ckpt_root: Path, guard=None) -> None:
@@ -52,18 +79,25 @@ def resume(cfg, trainer, ckpt_root: Path, guard=None) -> None:
     Raises:
         CheckpointError: fingerprint mismatch (unless ``exp_manager.ignore_fingerprint``).
     """
-    path, why = select_resume_checkpoint(cfg.exp_manager.resume, ckpt_root)
+    import torch.distributed as dist
+
+    choice = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        choice = [select_resume_checkpoint(cfg.exp_manager.resume, ckpt_root)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(choice, src=0)
+    path, why = choice[0]
     if path is None:
         log.info("starting fresh: %s", why)
         return
     meta = read_metadata(path)
     diff = fingerprint_diff(meta.get("fingerprint") or {}, trainer.fingerprint)
-    if diff and not cfg.exp_manager.ignore_fingerprint:
+    if diff and cfg.exp_manager.ignore_fingerprint:
+        log.warning("loading %s despite fingerprint differences: %s", path, "; ".join(diff))
+    elif diff:
         raise CheckpointError(
-            f"{path} does not match this run: fingerprint differs in {diff} "
-            f"(saved {[meta['fingerprint'].get(k) for k in diff]}, now "
-            f"{[trainer.fingerprint.get(k) for k in diff]}); set "
-            "exp_manager.ignore_fingerprint=true to load it anyway")
+            f"{path} does not match this run: " + "; ".join(diff) +
+            " (set exp_manager.ignore_fingerprint=true to load it anyway)")
     state = load_checkpoint(path, trainer.model, trainer.optimizer)
     trainer.load_state_dict(state)
     if guard is not None and state.get("guard"):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.algorithms import ppo as P
+from nemo_rlhf.checkpoint.faults import maybe_crash
 from nemo_rlhf.trainers.engine import forward_backward, finalize_grads, unwrap
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 
@@ -166,23 +167,21 @@ class PPOTrainer:
             stats[k] = t
         return stats
 
-    def _rollout_cfg(self, greedy: bool = False):
+    def _generate(self, prompt_ids: list[list[int]], greedy: bool = False):
+        """Rollout for this DP rank's prompts; the sampler's seed is a function of
+        ``(rollout.seed, dp_rank, step)``, so a resumed run draws the same tokens."""
         from dataclasses import replace
 
-        seed = self.cfg.rollout.seed + 1000003 * self.step + 7919 * self.dims.dp_rank
-        return replace(self.cfg.rollout, greedy=greedy or self.cfg.rollout.greedy, seed=seed)
-
-    def _generate(self, prompt_ids: list[list[int]], greedy: bool = False):
         from nemo_rlhf.rollout import generate
 
+        cfg = replace(self.cfg.rollout, greedy=True) if greedy else self.cfg.rollout
         m = unwrap(self.model)
-        m.eval()
         try:
-            return generate(m, self.dims, prompt_ids, self._rollout_cfg(greedy),
+            return generate(m, self.dims, prompt_ids, cfg,
                             eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id,
                             vocab_size=self.cfg.model.vocab_size,
                             max_sequence_length=self.cfg.model.max_position_embeddings,
-                            decode_fn=self.tok.decode)
+                            decode_fn=self.tok.decode, call_index=self.step)
         finally:
             m.compute_values = True
             m.train()
@@ -349,6 +348,7 @@ class PPOTrainer:
                                        self._ppo_loss_fn(n_tokens, batch.prompt_length, value_only))
                 finalize_grads(self.model)
                 stepped, norm = self.optimizer.step()
+                maybe_crash("update", self.step + 1)
                 norms.append(norm)
                 skipped += int(not stepped)
                 self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
@@ -373,8 +373,10 @@ class PPOTrainer:
         """Run the six steps once; return the step's metrics (valid on the reporter)."""
         t0 = time.perf_counter()
         idx = self.sample_prompts()
+        self._log_prompt_ids(idx)
         with self.timers("rollout"):
             batch = self._generate([self.encoded[i] for i in idx])
+        maybe_crash("rollout", self.step + 1)
         gen_tokens = self._dp_sum(batch.response_mask.sum().float().reshape(1))[0]
         with self.timers("reward"):
             scores, reward_metrics = self.score(idx, batch)
@@ -405,6 +407,19 @@ class PPOTrainer:
         metrics["consumed_samples"] = self.sampler.consumed_samples
         self._last_batch = (idx, batch, scores)
         return metrics
+
+    def _log_prompt_ids(self, idx: list[int]) -> None:
+        """Append this step's prompt ids to ``<exp_dir>/prompt_log.jsonl`` (one line per
+        DP rank and attempt), so recovery can be audited: no prompt twice, none skipped."""
+        if self.dims.tp_rank or self.dims.pp_rank:
+            return
+        import json
+
+        path = Path(self.cfg.exp_manager.exp_dir) / "prompt_log.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": self.step + 1, "dp_rank": self.dims.dp_rank,
+                                "prompt_ids": idx}) + "\n")
 
     def _bcast_float(self, x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64)

@@ -1,0 +1,293 @@
+"""Tokenized SFT, preference and prompt datasets, and their padding collators.
+
+Token layout (the same in SFT, RM and PPO)::
+
+    prompt_ids   = [BOS] + encode(format_prompt(prompt, chat_template, system_prompt))
+    response_ids = encode(response) + [EOS]
+
+(no BOS when the tokenizer has none). Prompt and response are encoded separately, so a
+BPE merge never spans the boundary and the prompt length is exact. Batches are
+right-padded with the tokenizer's PAD id; ``attention_mask`` and ``loss_mask`` come from
+lengths, never from comparing ids with PAD (PAD may equal EOS).
+
+Over-long rows (``len(prompt_ids) + len(response_ids) > max_seq_length``):
+``overlong_policy=truncate`` cuts the response (its EOS goes first) and keeps the row when
+at least one response token is left; ``drop`` drops it. A preference pair is dropped when
+either side would be, or when truncation makes chosen and rejected identical. A prompt
+row (PPO) is always dropped when its prompt is longer than ``max_prompt_length``: a cut
+question changes its answer. Every case is counted in the :class:`LoadReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Generic, Optional, Sequence, TypeVar
+
+import torch
+from omegaconf import MISSING
+
+from nemo_rlhf.data.jsonl import DataError, LoadReport, read_jsonl
+from nemo_rlhf.data.templates import check_template, format_prompt
+from nemo_rlhf.data.tokenizer import Tokenizer
+
+OVERLONG_POLICIES = ("truncate", "drop")
+
+
+@dataclass
+class DataConfig:
+    """Dataset files, tokenizer and formatting (config group ``data``)."""
+
+    train_file: str = MISSING
+    """JSONL training set."""
+    val_file: Optional[str] = None
+    """JSONL validation set (same format); None: no validation."""
+    tokenizer_dir: str = MISSING
+    """Directory with ``tokenizer.json`` and ``special_tokens.json`` / ``tokenizer_config.json``."""
+    chat_template: Optional[str] = None
+    """``null`` (raw prompt) or ``chatml``."""
+    system_prompt: Optional[str] = None
+    """ChatML system message (needs ``chat_template: chatml``)."""
+    max_seq_length: int = 32
+    """Longest prompt + response in tokens, BOS and EOS included."""
+    overlong_policy: str = "truncate"
+    """``truncate`` (cut the response) or ``drop`` (drop the row)."""
+    skip_invalid: bool = False
+    """Skip and count invalid rows instead of failing on the first one."""
+
+    def __post_init__(self) -> None:
+        check_template(self.chat_template, "data.chat_template")
+        if self.system_prompt and self.chat_template is None:
+            raise ValueError("data.system_prompt is set but data.chat_template is null; "
+                             "set data.chat_template=chatml")
+        if self.overlong_policy not in OVERLONG_POLICIES:
+            raise ValueError(f"data.overlong_policy={self.overlong_policy!r}: valid choices "
+                             f"are {list(OVERLONG_POLICIES)}")
+        if self.max_seq_length < 2:
+            raise ValueError(f"data.max_seq_length={self.max_seq_length}: must be >= 2")
+
+
+@dataclass
+class SFTSample:
+    """One SFT example."""
+
+    prompt_ids: list[int]
+    """BOS + formatted prompt."""
+    response_ids: list[int]
+    """Response + EOS (no EOS when truncated)."""
+
+
+@dataclass
+class PreferenceSample:
+    """One preference pair."""
+
+    prompt_ids: list[int]
+    """BOS + formatted prompt."""
+    chosen_ids: list[int]
+    """Preferred response + EOS."""
+    rejected_ids: list[int]
+    """Dispreferred response + EOS."""
+
+
+@dataclass
+class PromptSample:
+    """One PPO / evaluation prompt."""
+
+    prompt_ids: list[int]
+    """BOS + formatted prompt."""
+    prompt: str
+    """The raw prompt text (reward functions see this)."""
+    extras: dict = field(default_factory=dict)
+    """The row's other fields (e.g. ``answer``)."""
+
+
+S = TypeVar("S")
+
+
+@dataclass
+class TokenizedDataset(Generic[S]):
+    """Samples plus the report of what loading kept, skipped, truncated and dropped."""
+
+    samples: list[S]
+    report: LoadReport
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> S:
+        return self.samples[i]
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, chat_template: Optional[str] = None,
+                  system_prompt: Optional[str] = None) -> list[int]:
+    """``[BOS] + encode(format_prompt(prompt, ...))`` (no BOS if the tokenizer has none)."""
+    ids = tokenizer.encode(format_prompt(prompt, chat_template, system_prompt))
+    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
+
+
+def encode_response(tokenizer: Tokenizer, response: str) -> list[int]:
+    """``encode(response) + [EOS]``."""
+    return tokenizer.encode(response) + [tokenizer.eos_id]
+
+
+def _encode_field(fn, where: str, name: str, *args) -> list[int]:
+    try:
+        return fn(*args)
+    except ValueError as exc:
+        raise DataError(f"{where}: field {name!r}: {exc}") from None
+
+
+def _fit(prompt_len: int, response: list[int], cfg: DataConfig) -> Optional[list[int]]:
+    """The response cut to fit, None when the row must be dropped."""
+    room = cfg.max_seq_length - prompt_len
+    if len(response) <= room:
+        return response
+    if cfg.overlong_policy == "drop" or room < 1:
+        return None
+    return response[:room]
+
+
+def _load(path, kind: str, cfg: DataConfig, build) -> TokenizedDataset:
+    rows, lines, report = read_jsonl(path, kind, cfg.skip_invalid)
+    samples = []
+    for row, line in zip(rows, lines):
+        where = f"{path}:{line}"
+        try:
+            sample = build(row, where, report)
+        except DataError as exc:
+            if not cfg.skip_invalid:
+                raise
+            report.add_error(str(exc))
+            continue
+        if sample is not None:
+            samples.append(sample)
+    report.rows_kept = len(samples)
+    return TokenizedDataset(samples, report)
+
+
+def load_sft_dataset(path: str | Path, tokenizer: Tokenizer, cfg: DataConfig) -> TokenizedDataset[SFTSample]:
+    """Read, validate and tokenize an SFT JSONL file.
+
+    Raises:
+        DataError: an invalid row (file, line, field) unless ``cfg.skip_invalid``.
+    """
+    def build(row, where, report):
+        p = _encode_field(encode_prompt, where, "prompt", tokenizer, row["prompt"],
+                          cfg.chat_template, cfg.system_prompt)
+        r = _encode_field(encode_response, where, "response", tokenizer, row["response"])
+        fitted = _fit(len(p), r, cfg)
+        if fitted is None:
+            report.dropped_overlong += 1
+            return None
+        report.truncated += len(fitted) < len(r)
+        return SFTSample(p, fitted)
+
+    return _load(path, "sft", cfg, build)
+
+
+def load_preference_dataset(path: str | Path, tokenizer: Tokenizer,
+                            cfg: DataConfig) -> TokenizedDataset[PreferenceSample]:
+    """Read, validate and tokenize a preference JSONL file.
+
+    Raises:
+        DataError: an invalid row (file, line, field) unless ``cfg.skip_invalid``.
+    """
+    def build(row, where, report):
+        p = _encode_field(encode_prompt, where, "prompt", tokenizer, row["prompt"],
+                          cfg.chat_template, cfg.system_prompt)
+        c = _encode_field(encode_response, where, "chosen", tokenizer, row["chosen"])
+        r = _encode_field(encode_response, where, "rejected", tokenizer, row["rejected"])
+        fc, fr = _fit(len(p), c, cfg), _fit(len(p), r, cfg)
+        if fc is None or fr is None or fc == fr:
+            report.dropped_overlong += 1
+            return None
+        report.truncated += len(fc) < len(c) or len(fr) < len(r)
+        return PreferenceSample(p, fc, fr)
+
+    return _load(path, "preference", cfg, build)
+
+
+def load_prompt_dataset(path: str | Path, tokenizer: Tokenizer, cfg: DataConfig,
+                        max_prompt_length: int) -> TokenizedDataset[PromptSample]:
+    """Read, validate and tokenize a prompt JSONL file (PPO, evaluation).
+
+    Rows whose tokenized prompt is longer than ``max_prompt_length`` are dropped and
+    counted (whatever ``overlong_policy`` says).
+
+    Raises:
+        DataError: an invalid row (file, line, field) unless ``cfg.skip_invalid``.
+    """
+    def build(row, where, report):
+        p = _encode_field(encode_prompt, where, "prompt", tokenizer, row["prompt"],
+                          cfg.chat_template, cfg.system_prompt)
+        if len(p) > max_prompt_length:
+            report.dropped_overlong += 1
+            return None
+        extras = {k: v for k, v in row.items() if k != "prompt"}
+        return PromptSample(p, row["prompt"], extras)
+
+    return _load(path, "prompt", cfg, build)
+
+
+# --------------------------------------------------------------------------- collation
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int,
+              length: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists.
+
+    Returns:
+        ``(input_ids [B, L] int64, attention_mask [B, L] int64)`` with ``L = length`` or
+        the longest sequence.
+
+    Raises:
+        ValueError: a sequence is longer than ``length``.
+    """
+    longest = max((len(s) for s in seqs), default=0)
+    length = longest if length is None else length
+    if longest > length:
+        raise ValueError(f"sequence of {longest} tokens does not fit the padded length {length}")
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(list(s), dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def sft_length(sample: SFTSample) -> int:
+    """Tokens of an SFT sample (prompt + response)."""
+    return len(sample.prompt_ids) + len(sample.response_ids)
+
+
+def preference_length(sample: PreferenceSample) -> int:
+    """Tokens of the longer side of a preference pair."""
+    return len(sample.prompt_ids) + max(len(sample.chosen_ids), len(sample.rejected_ids))
+
+
+def collate_sft(samples: Sequence[SFTSample], pad_id: int, length: Optional[int] = None) -> dict:
+    """SFT micro-batch.
+
+    Returns:
+        ``input_ids [B, L]`` int64, ``attention_mask [B, L]`` int64 and ``loss_mask
+        [B, L]`` float32: 1.0 at response tokens (the targets of the loss; EOS included),
+        0.0 at BOS, prompt and padding.
+    """
+    ids, mask = pad_right([s.prompt_ids + s.response_ids for s in samples], pad_id, length)
+    loss_mask = torch.zeros(ids.shape, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        p = len(s.prompt_ids)
+        loss_mask[i, p:p + len(s.response_ids)] = 1.0
+    return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
+
+
+def collate_preference(samples: Sequence[PreferenceSample], pad_id: int,
+                       length: Optional[int] = None) -> dict:
+    """RM micro-batch of ``B`` pairs: rows ``0..B-1`` chosen, ``B..2B-1`` rejected.
+
+    Returns:
+        ``input_ids [2B, L]`` int64, ``attention_mask [2B, L]`` int64, ``lengths [2B]``
+        int64 (valid tokens per row; the reward is read at ``lengths - 1``).
+    """
+    seqs = ([s.prompt_ids + s.chosen_ids for s in samples]
+            + [s.prompt_ids + s.rejected_ids for s in samples])
+    ids, mask = pad_right(seqs, pad_id, length)
+    return {"input_ids": ids, "attention_mask": mask, "lengths": mask.sum(-1)}

@@ -1,0 +1,149 @@
+"""JSONL readers with per-row validation for the three dataset kinds.
+
+Formats (one JSON object a line):
+
+* ``sft``: ``{"prompt": str, "response": str, ...}``
+* ``preference``: ``{"prompt": str, "chosen": str, "rejected": str, ...}``
+* ``prompt`` (PPO): ``{"prompt": str, ...}``; the other fields (e.g. ``answer``) are passed
+  through as the row's *extras* for reward functions.
+
+Every row is checked: invalid UTF-8, invalid JSON, a non-object, a missing or non-string
+field, an empty (whitespace-only) prompt, and ``chosen == rejected`` in a preference row
+each raise :class:`DataError` naming the file, the 1-based line number and the field.
+With ``skip_invalid=True`` such rows are skipped and counted in a :class:`LoadReport`,
+whose summary the caller logs at the end of loading (a skip is never silent).
+Whitespace-only lines are ignored (a trailing newline is not a row).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REQUIRED_FIELDS = {
+    "sft": ("prompt", "response"),
+    "preference": ("prompt", "chosen", "rejected"),
+    "prompt": ("prompt",),
+}
+"""Required string fields per dataset kind."""
+
+MAX_REPORTED_ERRORS = 5
+
+
+class DataError(ValueError):
+    """A bad dataset row or file: the message has ``<path>:<line>: field '<name>': ...``."""
+
+
+@dataclass
+class LoadReport:
+    """What loading one file kept, skipped, truncated and dropped."""
+
+    path: str
+    """The file read."""
+    kind: str
+    """``sft``, ``preference`` or ``prompt``."""
+    rows_read: int = 0
+    """Non-blank lines seen."""
+    rows_kept: int = 0
+    """Rows in the returned dataset."""
+    invalid: int = 0
+    """Rows skipped as invalid (``skip_invalid=True``)."""
+    truncated: int = 0
+    """Rows kept with a truncated response (``overlong_policy=truncate``)."""
+    dropped_overlong: int = 0
+    """Rows dropped as longer than the maximum sequence length."""
+    errors: list[str] = field(default_factory=list)
+    """The first few invalid-row messages."""
+
+    def add_error(self, message: str) -> None:
+        """Count one skipped invalid row and keep its message if among the first few."""
+        self.invalid += 1
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append(message)
+
+    @property
+    def clean(self) -> bool:
+        """True when nothing was skipped, truncated or dropped."""
+        return not (self.invalid or self.truncated or self.dropped_overlong)
+
+    def summary(self) -> str:
+        """One line (plus the first errors) for the console and the log."""
+        line = (f"{self.path} ({self.kind}): {self.rows_kept} rows kept of {self.rows_read}; "
+                f"invalid skipped {self.invalid}, truncated {self.truncated}, "
+                f"dropped overlong {self.dropped_overlong}")
+        if self.errors:
+            more = f" (first {len(self.errors)})" if self.invalid > len(self.errors) else ""
+            line += f"\n  invalid rows{more}:\n    " + "\n    ".join(self.errors)
+        return line
+
+    def log(self) -> None:
+        """Log the summary: a warning when rows were skipped, truncated or dropped."""
+        (logger.info if self.clean else logger.warning)(self.summary())
+
+
+def _validate_row(obj, kind: str, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for name in REQUIRED_FIELDS[kind]:
+        if name not in obj:
+            raise DataError(f"{where}: field {name!r}: missing (keys present: {sorted(obj)})")
+        if not isinstance(obj[name], str):
+            raise DataError(f"{where}: field {name!r}: expected a string, got "
+                            f"{type(obj[name]).__name__}")
+    if not obj["prompt"].strip():
+        raise DataError(f"{where}: field 'prompt': empty")
+    if kind == "preference" and obj["chosen"] == obj["rejected"]:
+        raise DataError(f"{where}: field 'rejected': identical to 'chosen' (no preference)")
+    return obj
+
+
+def read_jsonl(path: str | Path, kind: str, skip_invalid: bool = False) -> tuple[list[dict], list[int], LoadReport]:
+    """Read and validate a JSONL dataset.
+
+    Args:
+        path: the file.
+        kind: ``sft``, ``preference`` or ``prompt`` (selects the required fields).
+        skip_invalid: skip and count invalid rows instead of raising.
+
+    Returns:
+        ``(rows, line_numbers, report)``: the valid rows as dicts (all fields, extras
+        included), the 1-based line number of each, and the report (not yet logged).
+
+    Raises:
+        DataError: a missing file, or (without ``skip_invalid``) the first invalid row.
+        ValueError: unknown ``kind``.
+    """
+    if kind not in REQUIRED_FIELDS:
+        raise ValueError(f"dataset kind {kind!r}: valid kinds are {sorted(REQUIRED_FIELDS)}")
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    report = LoadReport(path=str(path), kind=kind)
+    rows, lines = [], []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            report.rows_read += 1
+            where = f"{path}:{lineno}"
+            try:
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{where}: invalid UTF-8 at byte {exc.start}") from None
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+                rows.append(_validate_row(obj, kind, where))
+                lines.append(lineno)
+            except DataError as exc:
+                if not skip_invalid:
+                    raise
+                report.add_error(str(exc))
+    report.rows_kept = len(rows)
+    return rows, lines, report

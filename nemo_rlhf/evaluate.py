@@ -1,0 +1,184 @@
+"""Held-out evaluation of an actor checkpoint: greedy decoding + the task's checker.
+
+    python -m nemo_rlhf.evaluate checkpoint=experiments/sft/checkpoints \\
+        data=data/demo/eval.jsonl out=experiments/sft/eval.json
+
+``checkpoint`` is a checkpoint folder or a ``checkpoints`` root (its newest complete
+checkpoint). The model architecture, the tokenizer and the prompt formatting (chat
+template, system prompt) are read from the checkpoint's ``config.yaml``, so evaluation
+formats prompts exactly as training did. Prompts are split across DP ranks; any TP/PP
+layout works (the checkpoint is resharded on load). The checker is a registered reward
+function (``nemo_rlhf.reward.functions``) called with the raw prompts, the decoded
+responses (EOS excluded) and the rows' extra fields (e.g. ``answer``).
+
+Writes one JSON: ``accuracy`` (mean checker score), ``mean_response_length`` (generated
+tokens, EOS included, as in ``RolloutBatch.response_lengths``), the fractions that ended
+with EOS or hit ``max_new_tokens``, counts, timing and the first examples.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import hydra
+import torch
+import torch.distributed as dist
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.models.config import PRECISIONS
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation job (``conf/eval.yaml``)."""
+
+    checkpoint: str = MISSING
+    """Checkpoint folder, or a ``checkpoints`` root (its newest complete checkpoint)."""
+    data: str = MISSING
+    """JSONL prompts ``{"prompt", ...extras such as "answer"}``."""
+    out: str = MISSING
+    """Result JSON path (written by global rank 0)."""
+    checker: str = "arithmetic_exact_match"
+    """Registered reward function name or ``package.module:function`` scoring each response."""
+    max_new_tokens: int = 8
+    """Longest response in tokens."""
+    batch_size: int = 64
+    """Prompts per generate call on one DP rank."""
+    num_examples: int = 10
+    """Examples (prompt, response, score) stored in the JSON and printed."""
+    tokenizer_dir: Optional[str] = None
+    """Override the checkpoint's ``data.tokenizer_dir``."""
+    precision: str = "32"
+    """``32``, ``bf16-mixed`` or ``fp16-mixed``."""
+    seed: int = 1234
+    """Seed of distributed init (greedy decoding draws nothing)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if str(self.precision) not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: valid choices are {list(PRECISIONS)}")
+        for key in ("max_new_tokens", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")
+
+
+def _checkpoint_config(path: Path) -> dict:
+    cfg_file = path / "config.yaml"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.yaml (the model and tokenizer come from it)")
+    return OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=True)
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    """Run the evaluation; return the result dict (on every rank; rank 0 writes it)."""
+    from nemo_rlhf.checkpoint import load_model_weights, read_metadata
+    from nemo_rlhf.data.datasets import DataConfig, load_prompt_dataset
+    from nemo_rlhf.data.tokenizer import Tokenizer
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import ModelConfig
+    from nemo_rlhf.reward.functions import get_reward_function
+    from nemo_rlhf.rollout import RolloutConfig, generate
+    from nemo_rlhf.trainers.common import chunks, dp_shard, resolve_checkpoint, setup_run
+
+    start = time.perf_counter()
+    path = resolve_checkpoint(cfg.checkpoint)
+    saved = _checkpoint_config(path)
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"]))
+    d = saved.get("data", {})
+    data_cfg = DataConfig(train_file=cfg.data, tokenizer_dir=cfg.tokenizer_dir or d["tokenizer_dir"],
+                          chat_template=d.get("chat_template"), system_prompt=d.get("system_prompt"))
+    tok = Tokenizer(data_cfg.tokenizer_dir)
+    checker = get_reward_function(cfg.checker)
+    dims, model_cfg = setup_run(cfg.parallel, model_cfg, tok, cfg.seed)
+    model = build_model(model_cfg, dims, str(cfg.precision), kind="actor_critic", seed=cfg.seed)
+    load_model_weights(path, model, skip_heads=True)
+    model.eval()
+
+    limit = model_cfg.max_position_embeddings
+    ds = load_prompt_dataset(cfg.data, tok, data_cfg, limit - cfg.max_new_tokens)
+    if dims.rank == 0:
+        ds.report.log()
+    rows = list(enumerate(ds.samples))
+    local = dp_shard(rows, dims.dp_rank, dims.dp)
+    rollout = RolloutConfig(max_new_tokens=cfg.max_new_tokens, greedy=True)
+    results = []
+    for group in chunks(local, cfg.batch_size):
+        batch = generate(model, dims, [s.prompt_ids for _, s in group], rollout,
+                         eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, vocab_size=tok.vocab_size,
+                         max_sequence_length=limit, call_index=0)
+        for (i, s), ids, mask, n, ended in zip(group, batch.response_ids.tolist(), batch.response_mask.tolist(),
+                                               batch.response_lengths.tolist(), batch.ended.tolist()):
+            content = [t for t, m in zip(ids, mask) if m]
+            if ended and content and content[-1] == tok.eos_id:
+                content = content[:-1]
+            results.append((i, tok.decode(content), int(n), bool(ended)))
+    if dims.dp > 1:
+        gathered = [None] * dims.dp
+        dist.all_gather_object(gathered, results, group=dims.dp_group)
+        results = [r for part in gathered for r in part]
+    results.sort()
+    samples = ds.samples
+    scores = checker([samples[i].prompt for i, *_ in results], [r for _, r, *_ in results],
+                     [samples[i].extras for i, *_ in results])
+    n = len(results)
+    out = {
+        "checkpoint": str(path),
+        "step": read_metadata(path).get("step"),
+        "data": cfg.data,
+        "checker": cfg.checker,
+        "num_prompts": n,
+        "accuracy": sum(scores) / n if n else float("nan"),
+        "mean_response_length": sum(r[2] for r in results) / n if n else float("nan"),
+        "ended_fraction": sum(r[3] for r in results) / n if n else float("nan"),
+        "truncated_fraction": sum(not r[3] for r in results) / n if n else float("nan"),
+        "max_new_tokens": cfg.max_new_tokens,
+        "parallel": dims.describe(),
+        "load_report": {"rows_read": ds.report.rows_read, "rows_kept": ds.report.rows_kept,
+                        "invalid": ds.report.invalid, "dropped_overlong": ds.report.dropped_overlong},
+        "time_s": time.perf_counter() - start,
+        "examples": [{"prompt": samples[i].prompt, "response": r, "score": sc, **samples[i].extras}
+                     for (i, r, *_), sc in list(zip(results, scores))[:cfg.num_examples]],
+    }
+    if dims.rank == 0:
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.out).write_text(json.dumps(out, indent=2) + "\n")
+        for ex in out["examples"]:
+            print(f"  {ex['prompt']!r} -> {ex['response']!r}  score={ex['score']}")
+        print(f"{cfg.checker}: accuracy {out['accuracy']:.4f} on {n} prompts, mean response "
+              f"length {out['mean_response_length']:.2f} tokens, {out['time_s']:.1f}s -> {cfg.out}",
+              flush=True)
+    return out
+
+
+def register_configs() -> None:
+    """Store :class:`EvalConfig` in Hydra's ConfigStore as ``eval_schema``."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="eval_schema", node=EvalConfig)
+
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="eval")
+def main(dcfg: DictConfig) -> None:
+    cfg: EvalConfig = OmegaConf.to_object(dcfg)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    torch.set_grad_enabled(False)
+    try:
+        evaluate(cfg)
+    finally:
+        from nemo_rlhf.distributed import destroy_distributed
+
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Rollout (generation) config: the schema of the Hydra config group ``rollout``.
+
+``conf/rollout/default.yaml`` extends :class:`RolloutConfig`; :func:`load_rollout_config`
+reads a YAML of that group outside Hydra (tests, scripts) and :func:`register_schema`
+stores the dataclass in Hydra's ConfigStore as the group's schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling and stopping rules of rollout generation (config group ``rollout``)."""
+
+    max_new_tokens: int = 32
+    """Most tokens generated per prompt (the response length bound R); >= 0."""
+    min_new_tokens: int = 0
+    """EOS and stop tokens are suppressed until a response has this many tokens."""
+    temperature: float = 1.0
+    """Logits are divided by it before sampling and before the recorded log-prob; > 0."""
+    top_k: int = 0
+    """Sample only from the k most likely tokens; 0 = off."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of tokens whose mass reaches top_p; in (0, 1]."""
+    greedy: bool = False
+    """Argmax decoding (temperature, top_k, top_p unused; log-probs at temperature 1)."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a response, in addition to the EOS id."""
+    stop_strings: list[str] = field(default_factory=list)
+    """Strings that end a response once the decoded response contains one (needs decode_fn)."""
+    seed: int = 1234
+    """Base seed of the sampler's torch.Generator (offset by DP rank and call index)."""
+    use_kv_cache: bool = True
+    """KV-cached decoding; False recomputes the whole sequence each step (reference)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fixed rules (called by ``__post_init__`` and again by ``generate``).
+
+        Raises:
+            ValueError: naming ``rollout.<key>``, the value and what is valid.
+        """
+        for key in ("max_new_tokens", "min_new_tokens", "top_k", "seed"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"rollout.{key}={value!r}: must be an integer")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"rollout.max_new_tokens={self.max_new_tokens}: must be >= 0")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"rollout.min_new_tokens={self.min_new_tokens}: must be >= 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"rollout.min_new_tokens={self.min_new_tokens} is larger than "
+                f"rollout.max_new_tokens={self.max_new_tokens}: valid values are "
+                f"0 .. {self.max_new_tokens}"
+            )
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k={self.top_k}: must be >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rollout.top_p={self.top_p}: must be in (0, 1] (1 = off)")
+        if not self.greedy and not self.temperature > 0.0:
+            raise ValueError(
+                f"rollout.temperature={self.temperature}: must be > 0 when sampling "
+                f"(or set rollout.greedy=true for argmax decoding)"
+            )
+        for i, t in enumerate(self.stop_token_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(
+                    f"rollout.stop_token_ids[{i}]={t!r}: must be a non-negative integer token id"
+                )
+        for i, s in enumerate(self.stop_strings):
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"rollout.stop_strings[{i}]={s!r}: must be a non-empty string")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the recorded log-probs: ``temperature`` when sampling, 1.0 if greedy.
+
+        The trainer passes this to :func:`nemo_rlhf.rollout.response_logprobs` so that the
+        training-side log-probs are of the same distribution.
+        """
+        return 1.0 if self.greedy else float(self.temperature)
+
+
+def load_rollout_config(name: str = "default", **overrides) -> RolloutConfig:
+    """Read ``conf/rollout/<name>.yaml`` into a :class:`RolloutConfig` (outside Hydra).
+
+    Raises:
+        ValueError: unknown file (the message lists the valid names) or an invalid value.
+    """
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / "rollout" / f"{name}.yaml"
+    if not path.is_file():
+        valid = sorted(p.stem for p in (CONF_DIR / "rollout").glob("*.yaml"))
+        raise ValueError(f"rollout={name!r}: unknown rollout config; valid names: {valid}")
+    merged = OmegaConf.merge(OmegaConf.structured(RolloutConfig), OmegaConf.load(path), overrides)
+    return OmegaConf.to_object(merged)
+
+
+def register_schema() -> None:
+    """Store :class:`RolloutConfig` in Hydra's ConfigStore as ``rollout/schema``."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="rollout", name="schema", node=RolloutConfig)

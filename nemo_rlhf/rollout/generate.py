@@ -1,0 +1,487 @@
+"""Rollout generation on a megatron-core actor under TP/PP/DP, with a KV cache.
+
+:func:`generate` runs one DP rank's prompts through this rank's pipeline stage of the
+actor: a prefill over the left-padded prompts, then one token per step, with megatron's
+``StaticInferenceContext`` holding the keys and values (``use_kv_cache=False`` recomputes
+the whole sequence every step instead; tests and the benchmark use it as the reference).
+
+Layout of the result (:class:`RolloutBatch`) is the contract with the trainer: prompts
+left-padded to ``P`` (the longest prompt), responses from column ``P`` on, right-padded.
+A forward of the training engine over ``batch.input_ids`` / ``batch.attention_mask``
+(positions from the cumsum of the mask, causal + padding mask) sees exactly the inputs the
+sampler saw, and :func:`response_logprobs` reads the log-probs of the response tokens from
+its vocab-parallel logits, so rollout and training log-probs agree to rounding.
+
+Positions: learned absolute position embeddings get per-row ``position_ids`` (count of
+real tokens before the token), in the prefill and in every decode step. RoPE in
+megatron-core is applied by column (the cache slot), in training as in inference, so a
+left-padded row sees its positions shifted by a constant, which RoPE's relative form
+makes harmless (and the training forward applies the same shift).
+
+Parallelism: every rank of one model-parallel (TP x PP) group must be given the same
+prompts (checked). Stages hand hidden states ``[s, batch, hidden]`` to the next stage with
+``torch.distributed`` send/recv on the pipeline group; the last stage's logits are gathered
+across TP (megatron requires ``runtime_gather_output`` in inference); TP rank 0 of the last
+stage samples and broadcasts ``(token, log-prob, stop flag)`` to its TP group and then to
+every stage of its pipeline, so all ranks agree on every token and stop at the same step.
+DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index).
+
+Simplified: the batch is static (finished rows keep being computed, feeding pad tokens,
+until every row is done; no continuous batching or cache compaction); pipeline stages run
+one after the other per step (no micro-batch interleaving across stages); no CUDA graphs,
+flash-decode or sequence parallelism; the sampler sees the gathered full vocabulary (no
+vocab-parallel sampling).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from nemo_rlhf.rollout.config import RolloutConfig
+from nemo_rlhf.rollout.sampling import choose_tokens
+
+DecodeFn = Callable[[list[int]], str]
+
+_CALL_COUNTER = itertools.count()
+
+
+@dataclass
+class RolloutBatch:
+    """One DP rank's rollouts, batch-first, on CPU.
+
+    ``B`` = number of prompts, ``P`` = longest prompt, ``R`` = longest response (the number
+    of decoding steps run, <= ``max_new_tokens``).
+    """
+
+    input_ids: torch.Tensor
+    """``[B, P+R]`` int64: prompt left-padded to P, response from column P, right-padded."""
+    attention_mask: torch.Tensor
+    """``[B, P+R]`` int64: 1 on real prompt and response tokens, 0 on padding."""
+    prompt_length: int
+    """``P``: the column where responses start."""
+    response_ids: torch.Tensor
+    """``[B, R]`` int64, right-padded with the pad id."""
+    response_mask: torch.Tensor
+    """``[B, R]`` bool: True on generated tokens, the EOS/stop token included."""
+    response_lengths: torch.Tensor
+    """``[B]`` int64: generated tokens per row (= ``response_mask.sum(-1)``)."""
+    ended: torch.Tensor
+    """``[B]`` bool: the row stopped on EOS, a stop token or a stop string."""
+    truncated: torch.Tensor
+    """``[B]`` bool: the row hit ``max_new_tokens`` without a stop."""
+    logprobs: torch.Tensor
+    """``[B, R]`` float32: sampling log-probs of the response tokens, 0 where masked."""
+    vocab_size: int = 0
+    """Real vocabulary size the sampler used (padded rows excluded); 0 = unknown."""
+
+    @property
+    def batch_size(self) -> int:
+        """``B``."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def response_length(self) -> int:
+        """``R``."""
+        return int(self.response_ids.shape[1])
+
+    def pad_response_to(self, length: int, pad_token_id: int) -> "RolloutBatch":
+        """A copy with the response columns right-padded to ``length`` (>= R).
+
+        Useful to give every DP rank / micro-batch the same ``[B, P+length]`` shape.
+
+        Raises:
+            ValueError: if ``length`` < R.
+        """
+        extra = length - self.response_length
+        if extra < 0:
+            raise ValueError(f"pad_response_to({length}): shorter than the responses ({self.response_length})")
+        if extra == 0:
+            return self
+        b = self.batch_size
+
+        def pad(t: torch.Tensor, value) -> torch.Tensor:
+            return torch.cat([t, torch.full((b, extra), value, dtype=t.dtype)], dim=1)
+
+        return replace(
+            self,
+            input_ids=pad(self.input_ids, pad_token_id),
+            attention_mask=pad(self.attention_mask, 0),
+            response_ids=pad(self.response_ids, pad_token_id),
+            response_mask=pad(self.response_mask, False),
+            logprobs=pad(self.logprobs, 0.0),
+        )
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_inputs(prompts, cfg: RolloutConfig, eos_token_id: int, pad_token_id: int,
+                  vocab_size: int, max_sequence_length: int, decode_fn) -> None:
+    cfg.validate()
+    if vocab_size < 1:
+        raise ValueError(f"generate: vocab_size={vocab_size} must be >= 1")
+    for name, tok in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if not 0 <= tok < vocab_size:
+            raise ValueError(f"generate: {name}={tok} is outside the vocabulary [0, {vocab_size})")
+    for i, tok in enumerate(cfg.stop_token_ids):
+        if tok >= vocab_size:
+            raise ValueError(
+                f"rollout.stop_token_ids[{i}]={tok} is outside the vocabulary [0, {vocab_size})"
+            )
+    if cfg.stop_strings and decode_fn is None:
+        raise ValueError(
+            f"rollout.stop_strings={cfg.stop_strings!r} needs a decode_fn (token ids -> str); "
+            f"pass decode_fn= or set rollout.stop_strings=[]"
+        )
+    if len(prompts) == 0:
+        raise ValueError("generate: the prompt list is empty; give at least one prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty; every prompt needs >= 1 token")
+        if len(p) + cfg.max_new_tokens > max_sequence_length:
+            raise ValueError(
+                f"generate: prompt {i} has {len(p)} tokens; with rollout.max_new_tokens="
+                f"{cfg.max_new_tokens} that is {len(p) + cfg.max_new_tokens} > "
+                f"max_sequence_length={max_sequence_length}; shorten the prompt to <= "
+                f"{max_sequence_length - cfg.max_new_tokens} tokens or lower max_new_tokens"
+            )
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"generate: prompt {i} has token id {lo if lo < 0 else hi} outside the "
+                f"vocabulary [0, {vocab_size})"
+            )
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int):
+    """Left-pad prompts to the longest one.
+
+    Returns:
+        ``(ids [B, P] int64, mask [B, P] bool, lengths [B] int64)``.
+    """
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    width = int(lengths.max())
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+    mask = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
+    return ids, mask, lengths
+
+
+def _check_prompts_agree(dims, ids: torch.Tensor) -> None:
+    """All ranks of one model-parallel group must hold the same prompts (one all-reduce)."""
+    group = dims.mp_group
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.long).view_as(ids) % 1_000_003
+    sig = torch.tensor([ids.shape[0], ids.shape[1], int((ids * weights).sum())], dtype=torch.long)
+    both = torch.cat([sig, -sig])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if not (torch.equal(both[:3], sig) and torch.equal(-both[3:], sig)):
+        raise ValueError(
+            "generate: the ranks of one model-parallel group (TP x PP) were given different "
+            "prompts; split prompts by DP rank only"
+        )
+
+
+def sampler_seed(seed: int, dp_rank: int, call_index: int) -> int:
+    """Seed of the sampler's generator: a hash of ``(seed, dp_rank, call_index)``."""
+    digest = hashlib.blake2b(f"{seed}:{dp_rank}:{call_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class _StageRunner:
+    """Runs this rank's pipeline stage for one step and returns the last stage's logits."""
+
+    def __init__(self, model, dims, batch: int, use_cache: bool, max_seq: int):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.model, self.dims = model, dims
+        cfg = model.config
+        self.hidden = cfg.hidden_size
+        self.dtype = cfg.pipeline_dtype or cfg.params_dtype
+        self.ctx = StaticInferenceContext(batch, max_seq) if use_cache else None
+        self.batch = batch
+
+    def __call__(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, mask_B1QK: torch.Tensor):
+        """Forward ``[B, s]`` tokens; return ``[B, padded_vocab]`` logits on the last stage."""
+        dims, pp = self.dims, self.dims.pp
+        s = ids_BS.shape[1]
+        if not dims.is_first_stage:
+            buf = torch.empty(s, self.batch, self.hidden, dtype=self.dtype, device=ids_BS.device)
+            dist.recv(buf, group=dims.pp_group, group_src=dims.pp_rank - 1)
+            self.model.set_input_tensor(buf)
+        out = self.model(ids_BS, pos_BS, mask_B1QK, inference_context=self.ctx,
+                         runtime_gather_output=True)
+        if self.ctx is not None:
+            self.ctx.sequence_len_offset += s
+            self.ctx.enable_decode_mode()
+        if dims.pp_rank < pp - 1:
+            dist.send(out.contiguous(), group=dims.pp_group, group_dst=dims.pp_rank + 1)
+            return None
+        return out[:, -1, :]
+
+
+def _share_choice(dims, packed_3B: torch.Tensor) -> None:
+    """Broadcast ``(tokens, logprobs, stop)`` from TP rank 0 of the last stage to all ranks."""
+    if dims.is_last_stage and dims.tp > 1:
+        dist.broadcast(packed_3B, group=dims.tp_group, group_src=0)
+    if dims.pp > 1:
+        dist.broadcast(packed_3B, group=dims.pp_group, group_src=dims.pp - 1)
+
+
+def generate(
+    model,
+    dims,
+    prompts: Sequence[Sequence[int]],
+    cfg: RolloutConfig,
+    *,
+    eos_token_id: int,
+    pad_token_id: int,
+    vocab_size: int,
+    max_sequence_length: int,
+    decode_fn: Optional[DecodeFn] = None,
+    call_index: Optional[int] = None,
+) -> RolloutBatch:
+    """Generate responses for this DP rank's prompts.
+
+    Args:
+        model: this rank's pipeline stage of the actor (megatron ``GPTModel`` /
+            ``ActorCriticModel``, optionally DDP-wrapped). Put in eval mode and
+            ``compute_values=False`` for the call; both are restored afterwards.
+        dims: :class:`nemo_rlhf.distributed.ParallelDims` of this process.
+        prompts: ``B`` lists of token ids (each non-empty); the same on every rank of one
+            TP x PP group, different across DP ranks (the caller splits).
+        cfg: sampling and stopping rules.
+        eos_token_id: ends a response (after ``min_new_tokens``).
+        pad_token_id: fills left padding, right padding and finished rows' inputs.
+        vocab_size: real vocabulary size; padded embedding rows are never sampled.
+        max_sequence_length: longest prompt + response the model accepts.
+        decode_fn: ``token_ids -> str`` for ``cfg.stop_strings`` (response so far).
+        call_index: mixes into the sampler seed; None = a per-process counter, so
+            successive calls draw differently. Pass it for reproducible rollouts.
+
+    Returns:
+        :class:`RolloutBatch` on every rank of the group (same tokens on all of them).
+
+    Raises:
+        ValueError: bad config, empty prompt list or prompt, a prompt id outside the
+            vocabulary, ``len(prompt) + max_new_tokens > max_sequence_length`` (naming the
+            prompt index and the lengths), stop strings without ``decode_fn``; raised
+            before any forward. Also if the model-parallel ranks got different prompts.
+    """
+    _check_inputs(prompts, cfg, eos_token_id, pad_token_id, vocab_size, max_sequence_length,
+                  decode_fn)
+    if call_index is None:
+        call_index = next(_CALL_COUNTER)
+    prompt_ids, prompt_mask, prompt_lengths = left_pad(prompts, pad_token_id)
+    _check_prompts_agree(dims, prompt_ids)
+
+    from nemo_rlhf.trainers.engine import unwrap
+
+    core = unwrap(model)
+    was_training = core.training
+    had_values = getattr(core, "compute_values", None)
+    core.eval()
+    if had_values is not None:
+        core.compute_values = False
+    try:
+        with torch.no_grad():
+            return _decode(core, dims, prompt_ids, prompt_mask, prompt_lengths, cfg,
+                           eos_token_id, pad_token_id, vocab_size, decode_fn, call_index)
+    finally:
+        core.train(was_training)
+        if had_values is not None:
+            core.compute_values = had_values
+        if not dims.is_first_stage:
+            core.set_input_tensor(None)
+
+
+def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutConfig,
+            eos_token_id, pad_token_id, vocab_size, decode_fn, call_index) -> RolloutBatch:
+    from nemo_rlhf.trainers.engine import causal_padding_mask, position_ids_for
+
+    B, P = prompt_ids.shape
+    R = cfg.max_new_tokens
+    L = P + R
+    is_sampler = dims.is_last_stage and dims.tp_rank == 0
+
+    # Pre-allocated state, shared by every step.
+    seq_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    seq_ids[:, :P] = prompt_ids
+    seq_mask = torch.zeros(B, L, dtype=torch.bool)
+    seq_mask[:, :P] = prompt_mask
+    logprobs = torch.zeros(B, max(R, 0), dtype=torch.float32)
+    lengths = torch.zeros(B, dtype=torch.long)
+    done = torch.zeros(B, dtype=torch.bool)
+    ended = torch.zeros(B, dtype=torch.bool)
+    stop_ids = torch.tensor(sorted({eos_token_id, *cfg.stop_token_ids}), dtype=torch.long)
+    generator = None
+    if is_sampler and not cfg.greedy:
+        generator = torch.Generator().manual_seed(sampler_seed(cfg.seed, dims.dp_rank, call_index))
+    packed = torch.zeros(3, B, dtype=torch.float64)
+
+    runner = _StageRunner(model, dims, B, cfg.use_kv_cache, L)
+    # Decode-step key mask [B, 1, 1, L]: True (masked) on left padding only.
+    key_pad_B11L = (~seq_mask).clone().view(B, 1, 1, L)
+    key_pad_B11L[..., P:] = False
+    prefill_pos = position_ids_for(prompt_mask)
+    prefill_mask = causal_padding_mask(prompt_mask)
+
+    steps = 0
+    for t in range(R):
+        if not cfg.use_kv_cache:
+            m = seq_mask[:, :P + t]
+            logits_BV = runner(seq_ids[:, :P + t], position_ids_for(m), causal_padding_mask(m))
+        elif t == 0:
+            logits_BV = runner(prompt_ids, prefill_pos, prefill_mask)
+        else:
+            logits_BV = runner(seq_ids[:, P + t - 1:P + t], (prompt_lengths + (t - 1)).unsqueeze(1),
+                               key_pad_B11L[..., :P + t])
+        if is_sampler:
+            suppress = stop_ids if t < cfg.min_new_tokens else None
+            tokens, lp = choose_tokens(
+                logits_BV, vocab_size=vocab_size, greedy=cfg.greedy, temperature=cfg.temperature,
+                top_k=cfg.top_k, top_p=cfg.top_p, suppress_ids=suppress, generator=generator)
+            stop = torch.isin(tokens, stop_ids) if t >= cfg.min_new_tokens else torch.zeros_like(done)
+            if cfg.stop_strings and t >= cfg.min_new_tokens:
+                stop = _stop_strings_hit(stop, done, tokens, seq_ids[:, P:P + t], lengths,
+                                         cfg.stop_strings, decode_fn)
+            packed[0] = tokens.to(torch.float64)
+            packed[1] = lp.to(torch.float64)
+            packed[2] = stop.to(torch.float64)
+        _share_choice(dims, packed)
+        active = ~done
+        tokens = packed[0].long()
+        seq_ids[:, P + t] = torch.where(active, tokens, pad_token_id)
+        seq_mask[:, P + t] = active
+        logprobs[:, t] = torch.where(active, packed[1].float(), 0.0)
+        lengths += active
+        newly = active & packed[2].bool()
+        ended |= newly
+        done |= newly
+        steps = t + 1
+        if bool(done.all()):
+            break
+
+    input_ids = seq_ids[:, :P + steps].clone()
+    attention_mask = seq_mask[:, :P + steps].long()
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        prompt_length=P,
+        response_ids=input_ids[:, P:].clone(),
+        response_mask=seq_mask[:, P:P + steps].clone(),
+        response_lengths=lengths,
+        ended=ended,
+        truncated=~ended,
+        logprobs=logprobs[:, :steps].clone(),
+        vocab_size=vocab_size,
+    )
+
+
+def _stop_strings_hit(stop_B, done_B, tokens_B, prev_BT, lengths_B, stop_strings, decode_fn):
+    """Rows (active, not already stopped) whose decoded response contains a stop string."""
+    stop_B = stop_B.clone()
+    for b in torch.nonzero(~done_B & ~stop_B).flatten().tolist():
+        n = int(lengths_B[b])
+        text = decode_fn(prev_BT[b, :n].tolist() + [int(tokens_B[b])])
+        if any(s in text for s in stop_strings):
+            stop_B[b] = True
+    return stop_B
+
+
+# --------------------------------------------------------------------------- training side
+
+
+def response_logprobs(
+    logits: torch.Tensor,
+    batch: Union[RolloutBatch, tuple[torch.Tensor, int]],
+    dims,
+    temperature: float,
+    *,
+    vocab_size: Optional[int] = None,
+    compute_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy of the response tokens from the last stage's logits.
+
+    The training-side twin of the sampler's log-probs: position ``P-1+j`` of the forward
+    over ``batch.input_ids`` predicts response token ``j`` (column ``P+j``); the log-probs
+    are computed from the TP-sharded logits with
+    :func:`nemo_rlhf.models.vocab_parallel.vocab_parallel_logprobs` (no full-vocabulary
+    gather), at ``temperature`` (pass ``RolloutConfig.logprob_temperature``).
+
+    Args:
+        logits: ``[B, P+R, padded_vocab/tp]`` from ``engine.model_forward(model,
+            batch.input_ids, batch.attention_mask)`` on the last stage (the first element
+            of the actor-critic's ``(logits, values)``), differentiable.
+        batch: a :class:`RolloutBatch`, or ``(input_ids [B, P+R], prompt_length P)``.
+        dims: :class:`ParallelDims` (TP group and rank).
+        temperature: > 0.
+        vocab_size: real vocabulary (padded rows excluded from the softmax); default
+            ``batch.vocab_size`` for a RolloutBatch. Must match what the sampler used.
+        compute_entropy: also compute the entropy (else zeros).
+
+    Returns:
+        ``(logprobs [B, R] float32, entropy [B, R] float32)``; for a RolloutBatch both are
+        0 where ``response_mask`` is False.
+
+    Raises:
+        TypeError: if ``logits`` is a tuple (pass ``output[0]``).
+        ValueError: shape mismatch.
+    """
+    from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
+
+    if isinstance(logits, (tuple, list)):
+        raise TypeError("response_logprobs: pass the logits tensor (output[0] of the actor-critic)")
+    mask = None
+    if isinstance(batch, RolloutBatch):
+        input_ids, P = batch.input_ids, batch.prompt_length
+        mask = batch.response_mask
+        if vocab_size is None and batch.vocab_size > 0:
+            vocab_size = batch.vocab_size
+    else:
+        input_ids, P = batch
+    B, S = input_ids.shape
+    if logits.shape[:2] != (B, S):
+        raise ValueError(
+            f"response_logprobs: logits {tuple(logits.shape)} do not match input_ids {(B, S)}"
+        )
+    if not 1 <= P <= S:
+        raise ValueError(f"response_logprobs: prompt_length={P} outside [1, {S}]")
+    lp, ent = vocab_parallel_logprobs(
+        logits[:, P - 1:S - 1], input_ids[:, P:], dims.tp_group, dims.tp_rank,
+        temperature=temperature, vocab_size=vocab_size, compute_entropy=compute_entropy)
+    if mask is not None:
+        lp = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype))
+        ent = torch.where(mask, ent, torch.zeros((), dtype=ent.dtype))
+    return lp, ent
+
+
+def logprob_diff_stats(rollout_logprobs: torch.Tensor, train_logprobs: torch.Tensor,
+                       mask: torch.Tensor) -> dict[str, float]:
+    """Mismatch between the sampler's and the trainer's log-probs over valid tokens.
+
+    Args:
+        rollout_logprobs, train_logprobs: ``[B, R]`` float.
+        mask: ``[B, R]`` bool/int, True on response tokens.
+
+    Returns:
+        ``{"rollout_train_logprob_diff_mean": mean |diff|, "rollout_train_logprob_diff_max":
+        max |diff|}`` over the masked tokens of this rank (0.0 when there are none).
+    """
+    m = mask.bool()
+    diff = (rollout_logprobs.detach().float() - train_logprobs.detach().float()).abs()[m]
+    if diff.numel() == 0:
+        return {"rollout_train_logprob_diff_mean": 0.0, "rollout_train_logprob_diff_max": 0.0}
+    return {"rollout_train_logprob_diff_mean": float(diff.mean()),
+            "rollout_train_logprob_diff_max": float(diff.max())}

@@ -1,0 +1,35 @@
+"""RM job: ``python -m nemo_rlhf.train_rm [hydra overrides]``.
+
+Config: ``conf/rm.yaml`` over the typed schema
+:class:`~nemo_rlhf.trainers.rm.RMRunConfig` (registered in Hydra's ConfigStore as
+``rm_schema``, so a misspelt key fails naming it). Multi-rank: ``torchrun
+--nproc-per-node 2 -m nemo_rlhf.train_rm parallel.tensor_model_parallel_size=2``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_rlhf.trainers.rm import RMRunConfig, register_configs, run_rm
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="rm")
+def main(dcfg: DictConfig) -> None:
+    cfg: RMRunConfig = OmegaConf.to_object(dcfg)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    try:
+        run_rm(cfg)
+    finally:
+        from nemo_rlhf.distributed import destroy_distributed
+
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

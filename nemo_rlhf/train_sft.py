@@ -1,0 +1,35 @@
+"""SFT job: ``python -m nemo_rlhf.train_sft [hydra overrides]``.
+
+Config: ``conf/sft.yaml`` over the typed schema
+:class:`~nemo_rlhf.trainers.sft.SFTRunConfig` (registered in Hydra's ConfigStore as
+``sft_schema``, so a misspelt key fails naming it). Multi-rank: ``torchrun
+--nproc-per-node 2 -m nemo_rlhf.train_sft parallel.tensor_model_parallel_size=2``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from nemo_rlhf.trainers.sft import SFTRunConfig, register_configs, run_sft
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="sft")
+def main(dcfg: DictConfig) -> None:
+    cfg: SFTRunConfig = OmegaConf.to_object(dcfg)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    try:
+        run_sft(cfg)
+    finally:
+        from nemo_rlhf.distributed import destroy_distributed
+
+        destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()

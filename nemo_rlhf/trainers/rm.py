@@ -1,0 +1,215 @@
+"""Reward-model training: Bradley-Terry loss on preference pairs.
+
+The RM is the GPT backbone with a scalar head (:class:`RewardModel`); a sequence's reward
+is the head's output at its last valid token (the response's EOS unless truncated). The
+loss of a step is ``sum_pairs -log sigmoid(r_chosen - r_rejected) / N`` with ``N`` the
+pairs in the whole global batch (Ouyang et al. 2022, sec. 3.5). Metrics: accuracy
+(``r_chosen > r_rejected``; a tie counts as wrong), mean margin, mean/std of the rewards.
+
+At the end the mean and std of the rewards over the whole training set (chosen and
+rejected responses together) are computed and stored in the checkpoint's trainer state
+as ``reward_mean`` / ``reward_std`` (the PPO side's ``fixed`` normalisation reads them).
+
+``rm.init_from`` starts from an SFT (or any actor) checkpoint: backbone and output-layer
+weights are loaded, the checkpoint's value head is not, and the reward head keeps its fresh
+initialisation (``model.value_head_init_std``; 0 = zeros). Simplified: one pair per row
+(no ranking of K responses, InstructGPT's K-choose-2 batching).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from nemo_rlhf.data.datasets import DataConfig, collate_preference, load_preference_dataset, preference_length
+from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.models.config import ModelConfig
+from nemo_rlhf.trainers.common import (
+    ExpManagerConfig,
+    SupervisedTrainer,
+    TrainerConfig,
+    chunks,
+    dp_shard,
+    reduce_from_last_stage,
+)
+from nemo_rlhf.trainers.optim import OptimizerConfig
+
+PAIR_KEYS = ("loss", "correct", "margin", "reward_sum", "reward_sq")
+
+
+@dataclass
+class RMConfig:
+    """RM-specific settings (config section ``rm``)."""
+
+    init_from: Optional[str] = None
+    """SFT checkpoint (folder, or a ``checkpoints`` root: its newest) whose backbone starts
+    the RM; the reward head is freshly initialised. None: random init."""
+
+
+@dataclass
+class RMRunConfig:
+    """The whole RM job (``conf/rm.yaml``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+
+
+def register_configs() -> None:
+    """Store :class:`RMRunConfig` in Hydra's ConfigStore as ``rm_schema``."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="rm_schema", node=RMRunConfig)
+
+
+# --------------------------------------------------------------------------- the loss
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor,
+                       num_pairs: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Bradley-Terry loss of a micro-batch, divided by the global pair count.
+
+    Args:
+        r_chosen: ``[pairs]`` float32 rewards of the chosen responses.
+        r_rejected: ``[pairs]`` float32 rewards of the rejected responses.
+        num_pairs: pairs in the whole global batch (all micro-batches and DP ranks).
+
+    Returns:
+        ``(loss, stats)``: ``loss = sum(-log sigmoid(r_c - r_r)) / num_pairs``; ``stats``
+        holds sums over this micro-batch (detached): ``correct`` (pairs with
+        ``r_c > r_r``), ``margin`` (sum of ``r_c - r_r``), ``reward_sum`` and
+        ``reward_sq`` (over both sides, for the mean and std).
+    """
+    diff = r_chosen.float() - r_rejected.float()
+    loss = -F.logsigmoid(diff).sum() / num_pairs
+    both = torch.cat([r_chosen, r_rejected]).detach().double()
+    stats = {"correct": (diff > 0).sum().detach(), "margin": diff.sum().detach(),
+             "reward_sum": both.sum(), "reward_sq": (both * both).sum()}
+    return loss, stats
+
+
+def make_rm_loss_fn(num_pairs: float):
+    """``(rewards [2m, seq], micro_batch) -> (loss, stats)`` for ``forward_backward``.
+
+    Rows ``0..m-1`` of the micro-batch are chosen, ``m..2m-1`` rejected
+    (:func:`collate_preference`).
+    """
+    from nemo_rlhf.models.actor_critic import gather_last_token
+
+    def loss_fn(rewards_BS, mb):
+        scores = gather_last_token(rewards_BS, mb["lengths"])
+        m = scores.shape[0] // 2
+        loss, stats = bradley_terry_loss(scores[:m], scores[m:], num_pairs)
+        return loss, {"loss": loss.detach(), **stats}
+
+    return loss_fn
+
+
+def pair_metrics(sums: dict[str, float], num_pairs: int, prefix: str) -> dict[str, float]:
+    """Global sums -> ``{prefix}loss, accuracy, margin, reward_mean, reward_std``."""
+    n_resp = 2 * num_pairs
+    mean = sums["reward_sum"] / n_resp
+    var = max(sums["reward_sq"] / n_resp - mean * mean, 0.0)
+    return {f"{prefix}loss": sums["loss"], f"{prefix}accuracy": sums["correct"] / num_pairs,
+            f"{prefix}margin": sums["margin"] / num_pairs, f"{prefix}reward_mean": mean,
+            f"{prefix}reward_std": math.sqrt(var)}
+
+
+# --------------------------------------------------------------------------- trainer
+class RMTrainer(SupervisedTrainer):
+    """Trains a :class:`RewardModel`; stores reward statistics with the final checkpoint."""
+
+    model_kind = "reward"
+
+    def __init__(self, cfg: RMRunConfig):
+        self.reward_stats: dict[str, float] = {}
+        super().__init__(cfg)
+
+    def load_datasets(self):
+        d = self.cfg.data
+        train = load_preference_dataset(d.train_file, self.tokenizer, d)
+        val = load_preference_dataset(d.val_file, self.tokenizer, d) if d.val_file else None
+        return train, val
+
+    def init_weights(self, model) -> None:
+        if not self.cfg.rm.init_from:
+            return
+        from nemo_rlhf.checkpoint import load_model_weights
+        from nemo_rlhf.trainers.common import resolve_checkpoint
+
+        path = resolve_checkpoint(self.cfg.rm.init_from)
+        skipped = load_model_weights(path, model, skip_heads=True)
+        self.exp.print(f"RM backbone loaded from {path}; reward head freshly initialised "
+                       f"(model.value_head_init_std={self.model_cfg.value_head_init_std}), "
+                       f"not loaded: {skipped or 'none'}")
+
+    def _forward(self, pairs, num_pairs: float, forward_only: bool) -> dict[str, float]:
+        """Run this rank's ``pairs`` in micro-batches; return summed stats (last stage)."""
+        from nemo_rlhf.trainers.engine import forward_backward
+
+        mbs, pad = self.cfg.trainer.micro_batch_size, self.tokenizer.pad_id
+        sums = dict.fromkeys(PAIR_KEYS, 0.0)
+        if not pairs:
+            return sums
+        length = max(preference_length(p) for p in pairs)
+        groups = chunks(pairs, mbs)
+        calls = [[g for g in groups if len(g) == mbs]] + [[g] for g in groups if len(g) < mbs]
+        loss_fn = make_rm_loss_fn(num_pairs)
+        for call in calls:
+            if call:
+                stats = forward_backward(self.model, [collate_preference(g, pad, length) for g in call],
+                                         loss_fn, forward_only=forward_only)
+                for s in stats:
+                    for k in PAIR_KEYS:
+                        sums[k] += float(s[k])
+        return sums
+
+    def train_step(self, step: int) -> dict[str, float]:
+        global_batch, local = self.batch_for_step(step)
+        self.optimizer.zero_grad()
+        sums = self._forward(local, len(global_batch), forward_only=False)
+        opt = self.optimizer_step()
+        sums = reduce_from_last_stage(sums, self.dims, PAIR_KEYS)
+        return {**pair_metrics(sums, len(global_batch), "train/"), **opt}
+
+    def evaluate_pairs(self, samples, prefix: str) -> dict[str, float]:
+        """Forward-only metrics over a whole preference dataset (sharded by DP)."""
+        self.model.eval()
+        try:
+            local = dp_shard(samples, self.dims.dp_rank, self.dims.dp)
+            with torch.no_grad():
+                sums = self._forward(local, len(samples), forward_only=True)
+        finally:
+            self.model.train()
+        return pair_metrics(reduce_from_last_stage(sums, self.dims, PAIR_KEYS), len(samples), prefix)
+
+    def validate(self) -> dict[str, float]:
+        if self.val_ds is None or len(self.val_ds) == 0:
+            return {}
+        return self.evaluate_pairs(self.val_ds.samples, "val/")
+
+    def on_fit_end(self) -> dict[str, float]:
+        """Reward mean/std over the training set (stored in the checkpoint)."""
+        m = self.evaluate_pairs(self.train_ds.samples, "final/train_")
+        self.reward_stats = {"reward_mean": m["final/train_reward_mean"],
+                             "reward_std": m["final/train_reward_std"],
+                             "reward_stats_count": 2 * len(self.train_ds)}
+        return m
+
+    def trainer_state(self) -> dict:
+        return {**super().trainer_state(), **self.reward_stats}
+
+
+def run_rm(cfg: RMRunConfig) -> dict[str, float]:
+    """Build an :class:`RMTrainer` and fit it; return the final metrics."""
+    return RMTrainer(cfg).fit()
+
+
+__all__ = ["RMConfig", "RMRunConfig", "RMTrainer", "bradley_terry_loss", "make_rm_loss_fn",
+           "pair_metrics", "register_configs", "run_rm"]

@@ -1,0 +1,146 @@
+"""SFT and RM trainers: 2 steps at DP=2 (TP=1), TP=2 and PP=2 give the same losses; RM
+init from an SFT checkpoint loads the backbone (resharded to PP=2) and not the head.
+One spawn of 2 gloo ranks for every check."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+STEPS = 2
+
+
+def _global_name(name: str, pp_rank: int, per_stage: int) -> str:
+    name = name.replace("module.", "")
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if m:
+        return f"decoder.layers.{int(m.group(1)) + pp_rank * per_stage}.{m.group(2)}"
+    return name
+
+
+def _configs(kind: str, data: Path, exp: Path, tp: int, pp: int, **extra):
+    from nemo_rlhf.data.datasets import DataConfig
+    from nemo_rlhf.distributed import ParallelConfig
+    from nemo_rlhf.models.config import load_model_preset
+    from nemo_rlhf.trainers.common import ExpManagerConfig, TrainerConfig
+    from nemo_rlhf.trainers.optim import OptimizerConfig
+
+    files = {"sft": ("sft.jsonl", "sft_val.jsonl"), "rm": ("preference.jsonl", "preference_val.jsonl")}
+    common = dict(
+        # a random (not zero) reward head, so the first RM step is not trivially log(2)
+        model=load_model_preset("tiny", value_head_init_std=0.05 if kind == "rm" else 0.0),
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+        # adam_eps=1: the first AdamW step is ~lr*grad, not lr*sign(grad) (which flips on
+        # rounding noise), so the second step's loss is comparable across layouts.
+        optim=OptimizerConfig(lr=0.1, adam_eps=1.0, clip_grad=0.0),
+        data=DataConfig(train_file=str(data / files[kind][0]), val_file=str(data / files[kind][1]),
+                        tokenizer_dir=str(data / "tokenizer"), max_seq_length=16),
+        trainer=TrainerConfig(max_steps=STEPS, global_batch_size=8, micro_batch_size=2,
+                              log_every_n_steps=1, seed=7),
+        exp_manager=ExpManagerConfig(exp_dir=str(exp), resume=False, tensorboard=False,
+                                     checkpoints=extra.pop("checkpoints", False)),
+    )
+    if kind == "sft":
+        from nemo_rlhf.trainers.sft import SFTConfig, SFTRunConfig
+
+        return SFTRunConfig(**common, sft=SFTConfig(num_sample_prompts=2, sample_max_new_tokens=3))
+    from nemo_rlhf.trainers.rm import RMConfig, RMRunConfig
+
+    return RMRunConfig(**common, rm=RMConfig(**extra))
+
+
+def _params(trainer) -> dict:
+    from nemo_rlhf.trainers.engine import unwrap
+
+    per_stage = trainer.model_cfg.num_layers // trainer.dims.pp
+    return {_global_name(n, trainer.dims.pp_rank, per_stage): p
+            for n, p in unwrap(trainer.model).named_parameters()}
+
+
+def _run(trainer_cls, cfg, ref_weights):
+    tr = trainer_cls(cfg)
+    if ref_weights is not None and tr.dims.pp > 1:  # PP stages draw their init differently
+        with torch.no_grad():
+            for name, p in _params(tr).items():
+                p.copy_(ref_weights[name])
+    init = {n: p.detach().clone() for n, p in _params(tr).items()}
+    final = tr.fit()
+    return tr, init, {"train": [(h["train/loss"], h.get("train/accuracy")) for h in tr.history],
+                      "final": {k: v for k, v in final.items() if k.startswith(("val/", "final/"))}}
+
+
+def _worker(rank: int, data: str, exp: str):
+    from nemo_rlhf.trainers.rm import RMTrainer
+    from nemo_rlhf.trainers.sft import SFTTrainer
+
+    data, exp = Path(data), Path(exp)
+    out = {}
+    for kind, cls in (("sft", SFTTrainer), ("rm", RMTrainer)):
+        ref = None
+        for name, (tp, pp) in LAYOUTS.items():
+            save = kind == "sft" and name == "dp2"
+            cfg = _configs(kind, data, exp / f"{kind}_{name}", tp, pp, checkpoints=save)
+            tr, init, res = _run(cls, cfg, ref)
+            if name == "dp2":
+                ref = init
+                if save:
+                    out["sft_trained"] = {n: p.detach().clone() for n, p in _params(tr).items()}
+            out[f"{kind}_{name}"] = res
+    # RM from the SFT checkpoint (written at DP=2), loaded into PP=2
+    cfg = _configs("rm", data, exp / "rm_init", 1, 2, init_from=str(exp / "sft_dp2" / "checkpoints"))
+    tr = RMTrainer(cfg)
+    out["rm_init_params"] = {n: p.detach().clone() for n, p in _params(tr).items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from nemo_rlhf.data.demo_task import DemoTaskConfig, make_demo_dataset
+
+    data = tmp_path_factory.mktemp("data")
+    make_demo_dataset(data, DemoTaskConfig(seed=0, n_sft=32, n_pref=32, n_ppo=8, n_eval=8, n_val=6))
+    return run_ranks(_worker, world_size=2, data=str(data), exp=str(tmp_path_factory.mktemp("exp")))
+
+
+@pytest.mark.parametrize("kind", ["sft", "rm"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_two_steps_match_the_tp1_run(results, kind, layout):
+    for r in results:
+        ref, got = r[f"{kind}_dp2"], r[f"{kind}_{layout}"]
+        assert len(ref["train"]) == len(got["train"]) == STEPS
+        for (l_ref, a_ref), (l_got, a_got) in zip(ref["train"], got["train"]):
+            assert l_got == pytest.approx(l_ref, rel=1e-4, abs=1e-5)
+            assert a_got == a_ref
+        assert got["final"].keys() == ref["final"].keys() and ref["final"]
+        for key, value in ref["final"].items():
+            assert got["final"][key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize("kind", ["sft", "rm"])
+def test_training_steps_change_the_loss(results, kind):
+    (l1, _), (l2, _) = results[0][f"{kind}_dp2"]["train"]
+    assert l2 != pytest.approx(l1, rel=1e-3)
+
+
+def test_rm_final_reward_stats_are_reported(results):
+    final = results[0]["rm_dp2"]["final"]
+    assert final["final/train_reward_std"] > 0 and "final/train_accuracy" in final
+
+
+def test_rm_init_from_sft_checkpoint_loads_backbone_resharded_and_not_the_head(results):
+    sft = results[0]["sft_trained"]  # DP=2 rank: the whole model
+    seen = set()
+    for r in results:  # PP=2 stages
+        for name, p in r["rm_init_params"].items():
+            if name.startswith("reward_head."):  # SFT's value head is zeros: not loaded
+                assert name != "reward_head.weight" or torch.count_nonzero(p) == p.numel()
+                continue
+            torch.testing.assert_close(p, sft[name], rtol=0, atol=0, msg=name)
+            seen.add(name)
+    assert seen == {n for n in sft if not n.startswith("value_head.")}

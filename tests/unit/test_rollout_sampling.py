@@ -1,0 +1,111 @@
+"""Next-token choice: greedy, temperature, top-k, top-p, suppression, padded vocabulary."""
+
+from __future__ import annotations
+
+import torch
+
+from nemo_rlhf.rollout import choose_tokens, top_k_top_p_filter
+
+
+def _logits(batch=4, vocab=16, padded=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(batch, padded, generator=g) * 2
+    z[:, vocab:] = 50.0  # padded rows would win everything if they were not cut off
+    return z
+
+
+def _nucleus_loop(probs: list[float], top_p: float) -> set[int]:
+    """Plain loop reference: most likely tokens until their mass reaches top_p."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    kept, mass = set(), 0.0
+    for i in order:
+        kept.add(i)
+        mass += probs[i]
+        if mass >= top_p:
+            break
+    return kept
+
+
+def test_greedy_is_argmax_over_real_vocab_and_logprob_at_temperature_one():
+    z = _logits()
+    tok, lp = choose_tokens(z, vocab_size=16, greedy=True, temperature=0.3)
+    assert torch.equal(tok, z[:, :16].argmax(-1))
+    ref = torch.log_softmax(z[:, :16], -1).gather(-1, tok[:, None]).squeeze(-1)
+    torch.testing.assert_close(lp, ref)
+    assert lp.dtype == torch.float32
+
+
+def test_padded_vocab_rows_are_never_sampled():
+    z = _logits(batch=2000, seed=1)
+    g = torch.Generator().manual_seed(0)
+    tok, _ = choose_tokens(z, vocab_size=16, greedy=False, temperature=5.0, generator=g)
+    assert int(tok.max()) < 16 and int(tok.min()) >= 0
+
+
+def test_recorded_logprob_is_temperature_scaled_and_before_filtering():
+    z = _logits(batch=64, seed=2)
+    g = torch.Generator().manual_seed(0)
+    tok, lp = choose_tokens(z, vocab_size=16, greedy=False, temperature=0.7, top_k=3, top_p=0.5,
+                            generator=g)
+    ref = torch.log_softmax(z[:, :16] / 0.7, -1).gather(-1, tok[:, None]).squeeze(-1)
+    torch.testing.assert_close(lp, ref)
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    z = _logits(batch=8, seed=3)[:, :16]
+    kept = torch.isfinite(top_k_top_p_filter(z.clone(), top_k=5))
+    assert torch.equal(kept.sum(-1), torch.full((8,), 5))
+    top5 = z.topk(5, -1).indices
+    assert kept.gather(-1, top5).all()
+
+
+def test_top_p_filter_matches_plain_loop():
+    z = _logits(batch=32, seed=4)[:, :16]
+    for top_p in (0.05, 0.3, 0.6, 0.9, 0.999):
+        kept = torch.isfinite(top_k_top_p_filter(z.clone(), top_p=top_p))
+        probs = torch.softmax(z.double(), -1)
+        for b in range(z.shape[0]):
+            assert set(torch.nonzero(kept[b]).flatten().tolist()) == _nucleus_loop(
+                probs[b].tolist(), top_p), (b, top_p)
+
+
+def test_top_k_one_equals_greedy():
+    z = _logits(batch=50, seed=5)
+    g = torch.Generator().manual_seed(0)
+    tok, _ = choose_tokens(z, vocab_size=16, greedy=False, temperature=1.3, top_k=1, generator=g)
+    assert torch.equal(tok, z[:, :16].argmax(-1))
+
+
+def test_sampled_tokens_stay_inside_the_nucleus():
+    z = _logits(batch=1, seed=6).expand(4000, -1).contiguous()
+    g = torch.Generator().manual_seed(0)
+    tok, _ = choose_tokens(z, vocab_size=16, greedy=False, temperature=1.0, top_p=0.7, generator=g)
+    nucleus = _nucleus_loop(torch.softmax(z[0, :16].double(), -1).tolist(), 0.7)
+    assert set(tok.tolist()) <= nucleus and len(set(tok.tolist())) > 1
+
+
+def test_empirical_frequencies_follow_the_tempered_distribution():
+    z = _logits(batch=1, seed=7).expand(40000, -1).contiguous()
+    g = torch.Generator().manual_seed(1)
+    tok, _ = choose_tokens(z, vocab_size=16, greedy=False, temperature=1.5, generator=g)
+    freq = torch.bincount(tok, minlength=16).double() / tok.numel()
+    expected = torch.softmax(z[0, :16].double() / 1.5, -1)
+    assert (freq - expected).abs().max() < 0.01
+
+
+def test_suppressed_ids_are_never_chosen_greedy_or_sampled():
+    z = _logits(batch=500, seed=8)
+    suppress = torch.unique(z[:3, :16].argmax(-1))  # the favourites of the first rows
+    tok, _ = choose_tokens(z, vocab_size=16, greedy=True, suppress_ids=suppress)
+    assert not torch.isin(tok, suppress).any()
+    g = torch.Generator().manual_seed(0)
+    tok, _ = choose_tokens(z, vocab_size=16, greedy=False, suppress_ids=suppress, generator=g)
+    assert not torch.isin(tok, suppress).any()
+
+
+def test_same_generator_seed_same_tokens():
+    z = _logits(batch=64, seed=9)
+    a, _ = choose_tokens(z, vocab_size=16, greedy=False, generator=torch.Generator().manual_seed(3))
+    b, _ = choose_tokens(z, vocab_size=16, greedy=False, generator=torch.Generator().manual_seed(3))
+    c, _ = choose_tokens(z, vocab_size=16, greedy=False, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
