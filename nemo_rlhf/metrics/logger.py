@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 CONSOLE_KEYS = ("reward_mean", "kl_mean", "beta", "response_length", "entropy", "policy_loss",
-                "value_loss", "clip_fraction", "approx_kl", "grad_norm", "eval/arithmetic_exact_match",
+                "value_loss", "clip_fraction", "approx_kl", "grad_norm", "eval/accuracy",
                 "eval/reward", "timing/step_s")
 
 

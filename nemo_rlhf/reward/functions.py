@@ -277,9 +277,11 @@ class CombinedReward:
         self.sources = list(sources)
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], extras: Sequence[dict] | None = None,
-              update_stats: bool = True) -> RewardOutput:
+              update_stats: bool = True, normalize: bool = True) -> RewardOutput:
         """Scores a batch. ``extras`` defaults to ``{}`` per sample; ``update_stats=False``
-        leaves running normalisers' statistics unchanged (e.g. for validation)."""
+        leaves running normalisers' statistics unchanged (e.g. for validation);
+        ``normalize=False`` sums the *raw* source values (evaluation: scores comparable
+        across steps, independent of running statistics)."""
         prompts, responses = list(prompts), list(responses)
         extras = [{} for _ in prompts] if extras is None else list(extras)
         _check_lengths(prompts, responses, extras, "CombinedReward.score")
@@ -290,7 +292,8 @@ class CombinedReward:
             raw = torch.tensor(
                 _check_source_output(values, len(prompts), f"reward source {src.name!r}"), dtype=torch.float32
             )
-            normed = src.normalizer(raw, update=update_stats) if src.normalizer is not None else raw
+            normed = (src.normalizer(raw, update=update_stats)
+                      if src.normalizer is not None and normalize else raw)
             out.per_source[src.name] = raw
             out.per_source_normalized[src.name] = normed
             total += src.weight * normed

@@ -40,6 +40,8 @@ class TrainerConfig:
     """Stop after this many consecutive skipped (NaN/Inf) updates."""
     max_eval_samples: int = 200
     """Cap on evaluated held-out prompts."""
+    eval_checker: Optional[str] = "arithmetic_exact_match"
+    """Task checker for ``eval/accuracy`` (registered name or ``module:function``; null: off)."""
 
     def __post_init__(self) -> None:
         if str(self.precision) not in PRECISIONS:

@@ -447,8 +447,15 @@ class PPOTrainer:
         if self.is_mp_src:
             rows = [self.eval_prompts[i] for i in mine]
             out = self.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
-                                    update_stats=False)
+                                    update_stats=False, normalize=False)
+            correct = [0.0] * len(rows)
+            if self.cfg.trainer.eval_checker:
+                from nemo_rlhf.reward.functions import get_reward_function
+
+                correct = get_reward_function(self.cfg.trainer.eval_checker)(
+                    [r.prompt for r in rows], texts, [r.extras for r in rows])
             result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
+                      "correct": list(correct),
                       "per_source": {k: v.tolist() for k, v in out.per_source.items()},
                       "lengths": batch.response_lengths.tolist(), "rep": reps}
         gathered = [None] * self.dims.world_size
@@ -459,6 +466,7 @@ class PPOTrainer:
         for r in rows:
             for j, i in enumerate(r["idx"]):
                 merged[i] = {"text": r["texts"][j], "score": r["scores"][j],
+                             "correct": r["correct"][j],
                              "src": {k: v[j] for k, v in r["per_source"].items()},
                              "len": r["lengths"][j], "rep": r["rep"][j]}
         items = [merged[i] for i in sorted(merged)]
@@ -467,6 +475,8 @@ class PPOTrainer:
             "eval/response_length": sum(x["len"] for x in items) / len(items),
             "eval/repetition": sum(x["rep"] for x in items) / len(items),
         }
+        if self.cfg.trainer.eval_checker:
+            metrics["eval/accuracy"] = sum(x["correct"] for x in items) / len(items)
         for name in items[0]["src"]:
             metrics[f"eval/{name}"] = sum(x["src"][name] for x in items) / len(items)
         if self.initial_eval is None:
