@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         _run([sys.executable, "-m", "nemo_rlhf.train_rm", f"exp_manager.exp_dir={out / 'rm'}",
               f"data.train_file={data / 'preference.jsonl'}",
               f"data.val_file={data / 'preference_val.jsonl'}",
-              f"data.tokenizer_dir={data / 'tokenizer'}", f"rm.init_from={sft}"], logs / "rm.log")
+              f"data.tokenizer_dir={data / 'tokenizer'}"], logs / "rm.log")
     rm = _latest(out / "rm")
     times["rm"] = time.time() - t
 

@@ -132,7 +132,7 @@ def read_jsonl(path: str | Path, kind: str, skip_invalid: bool = False) -> tuple
             where = f"{path}:{lineno}"
             try:
                 try:
-                    text = raw.decode("utf-8")
+                    text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # BOM ok
                 except UnicodeDecodeError as exc:
                     raise DataError(f"{where}: invalid UTF-8 at byte {exc.start}") from None
                 try:

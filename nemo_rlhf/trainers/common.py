@@ -24,7 +24,7 @@ import math
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -117,8 +117,6 @@ def setup_run(parallel, model_cfg, tokenizer, seed: int):
     Raises:
         ValueError: ``model.vocab_size`` disagrees with the tokenizer, or a bad layout.
     """
-    from dataclasses import replace
-
     from nemo_rlhf.distributed import initialize_distributed
 
     if model_cfg.vocab_size == 0:
@@ -320,8 +318,6 @@ class SupervisedTrainer:
         if cfg.data.max_seq_length > self.model_cfg.max_position_embeddings:
             raise ValueError(f"data.max_seq_length={cfg.data.max_seq_length} exceeds "
                              f"model.max_position_embeddings={self.model_cfg.max_position_embeddings}")
-        from dataclasses import replace
-
         self.exp = Experiment(cfg.exp_manager, self.dims, replace(cfg, model=self.model_cfg))
         self.train_ds, self.val_ds = self.load_datasets()
         for ds in (self.train_ds, self.val_ds):
@@ -390,8 +386,6 @@ class SupervisedTrainer:
         if not self.cfg.exp_manager.checkpoints:
             return None
         fingerprint = {"model": self.model_cfg.fingerprint(), "tokenizer": self.tokenizer.describe()}
-        from dataclasses import replace
-
         config = to_plain(replace(self.cfg, model=self.model_cfg))  # vocab_size resolved
         path = save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer,
                                self.trainer_state(), config, self.dims, fingerprint)

@@ -178,14 +178,12 @@ class SFTTrainer(SupervisedTrainer):
         from nemo_rlhf.rollout import RolloutConfig, generate
 
         n, new = self.cfg.sft.num_sample_prompts, self.cfg.sft.sample_max_new_tokens
-        samples = self.val_ds.samples[:n]
+        limit = self.model_cfg.max_position_embeddings
+        samples = [s for s in self.val_ds.samples[:n] if len(s.prompt_ids) + new <= limit]
         if not samples or new == 0:
             return
-        limit = self.model_cfg.max_position_embeddings
-        prompts = [s.prompt_ids for s in samples if len(s.prompt_ids) + new <= limit]
-        if not prompts:
-            return
-        batch = generate(self.model, self.dims, prompts, RolloutConfig(max_new_tokens=new, greedy=True),
+        batch = generate(self.model, self.dims, [s.prompt_ids for s in samples],
+                         RolloutConfig(max_new_tokens=new, greedy=True),
                          eos_token_id=self.tokenizer.eos_id, pad_token_id=self.tokenizer.pad_id,
                          vocab_size=self.tokenizer.vocab_size, max_sequence_length=limit)
         lines = [f"samples at step {self.step} (greedy):"]

@@ -92,8 +92,21 @@ def _worker(rank: int, data: str, exp: str):
                 if save:
                     out["sft_trained"] = {n: p.detach().clone() for n, p in _params(tr).items()}
             out[f"{kind}_{name}"] = res
+    # resume: continue the saved 2-step SFT run to step 3; compare with 3 steps in one go
+    cfg = _configs("sft", data, exp / "sft_dp2", 1, 1, checkpoints=True)
+    cfg.trainer.max_steps, cfg.exp_manager.resume = STEPS + 1, True
+    tr = SFTTrainer(cfg)
+    out["resumed_at"] = tr.step
+    tr.fit()
+    out["resumed_history"] = [h["train/loss"] for h in tr.history]
+    cfg = _configs("sft", data, exp / "sft_straight", 1, 1)
+    cfg.trainer.max_steps = STEPS + 1
+    tr = SFTTrainer(cfg)
+    tr.fit()
+    out["straight_history"] = [h["train/loss"] for h in tr.history]
     # RM from the SFT checkpoint (written at DP=2), loaded into PP=2
-    cfg = _configs("rm", data, exp / "rm_init", 1, 2, init_from=str(exp / "sft_dp2" / "checkpoints"))
+    cfg = _configs("rm", data, exp / "rm_init", 1, 2,
+                   init_from=str(exp / "sft_dp2" / "checkpoints" / f"step_{STEPS}"))
     tr = RMTrainer(cfg)
     out["rm_init_params"] = {n: p.detach().clone() for n, p in _params(tr).items()}
     return out
@@ -144,3 +157,11 @@ def test_rm_init_from_sft_checkpoint_loads_backbone_resharded_and_not_the_head(r
             torch.testing.assert_close(p, sft[name], rtol=0, atol=0, msg=name)
             seen.add(name)
     assert seen == {n for n in sft if not n.startswith("value_head.")}
+
+
+def test_resumed_sft_run_continues_exactly_where_the_saved_run_stopped(results):
+    for r in results:
+        assert r["resumed_at"] == STEPS and len(r["resumed_history"]) == 1
+        assert r["resumed_history"][0] == pytest.approx(r["straight_history"][-1], rel=1e-6, abs=1e-7)
+        assert r["straight_history"][:STEPS] == pytest.approx([l for l, _ in r["sft_dp2"]["train"]],
+                                                             rel=1e-6)

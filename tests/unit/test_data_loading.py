@@ -104,6 +104,11 @@ def test_skip_invalid_skips_counts_and_reports_every_bad_row(tmp_path, tok, capl
     assert f"invalid skipped {len(BAD_ROWS)}" in caplog.text and not r.clean
 
 
+def test_a_utf8_byte_order_mark_on_the_first_line_is_accepted(tmp_path, tok):
+    path = _write(tmp_path / "bom.jsonl", [b"\xef\xbb\xbf" + json.dumps(GOOD_SFT[0]).encode()])
+    assert len(load_sft_dataset(path, tok, _cfg())) == 1
+
+
 def test_missing_file_is_a_data_error(tmp_path, tok):
     with pytest.raises(DataError, match="no such file"):
         load_sft_dataset(tmp_path / "nope.jsonl", tok, _cfg())
