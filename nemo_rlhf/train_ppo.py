@@ -107,7 +107,7 @@ def build(cfg: PPOConfig):
     return trainer
 
 
-def fit(cfg: PPOConfig, trainer) -> int:
+def fit(cfg: PPOConfig, trainer, sig: "_Signals | None" = None) -> int:
     """The training loop; returns the process exit code."""
     from nemo_rlhf.checkpoint import save_checkpoint
     from nemo_rlhf.trainers.ppo.checkpointing import prune, resume
@@ -116,7 +116,7 @@ def fit(cfg: PPOConfig, trainer) -> int:
 
     exp = Path(cfg.exp_manager.exp_dir)
     ckpt_root = exp / "checkpoints"
-    sig = _Signals()
+    sig = sig or _Signals()
     start = time.time()
     g = cfg.guards
     guard = RewardHackingGuard(g.window, g.max_length_growth, g.max_repetition, g.kl_ceiling)
@@ -186,17 +186,19 @@ def _bcast_text(message):
 
 @hydra.main(version_base=None, config_path="../conf", config_name="ppo")
 def main(dcfg: DictConfig) -> None:
-    cfg: PPOConfig = OmegaConf.to_object(dcfg)
+    sig = _Signals()  # first: a SIGUSR1 during set-up must not kill the job
+    # merging into the schema rejects keys added with `+` that the schema does not have
+    cfg: PPOConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), dcfg))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     exp = Path(cfg.exp_manager.exp_dir)
     exp.mkdir(parents=True, exist_ok=True)
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0))) == 0:
-        (exp / "config.yaml").write_text(OmegaConf.to_yaml(dcfg))
+        (exp / "config.yaml").write_text(OmegaConf.to_yaml(dcfg, resolve=True))
         with open(exp / "command_lines.txt", "a") as f:
             f.write(json.dumps({"time": time.time(), "argv": sys.argv}) + "\n")
     trainer = build(cfg)
-    code = fit(cfg, trainer)
+    code = fit(cfg, trainer, sig)
     from nemo_rlhf.distributed import destroy_distributed
 
     destroy_distributed()

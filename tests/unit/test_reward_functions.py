@@ -139,3 +139,15 @@ def test_combined_reward_state_dict_carries_running_stats():
     assert torch.equal(a.score(["p"], ["dd"]).scores, b.score(["p"], ["dd"]).scores)
     with pytest.raises(KeyError, match="no state for source 'len'"):
         make().load_state_dict({})
+
+
+def test_combined_reward_normalize_false_returns_raw_weighted_sum():
+    from nemo_rlhf.reward.functions import CombinedReward, RewardFunctionScorer, WeightedSource
+    from nemo_rlhf.reward.normalization import RewardNormalizer
+
+    src = RewardFunctionScorer(lambda p, r, e: [float(len(x)) for x in r])
+    combined = CombinedReward([WeightedSource("len", src, 2.0, RewardNormalizer("fixed", mean=1.0, std=2.0))])
+    normed = combined.score(["a", "b"], ["xyz", "x"], [{}, {}])
+    raw = combined.score(["a", "b"], ["xyz", "x"], [{}, {}], normalize=False)
+    assert normed.scores.tolist() == [2.0, 0.0]  # 2 * (len - 1) / 2
+    assert raw.scores.tolist() == [6.0, 2.0]  # 2 * len, no normalisation

@@ -34,7 +34,7 @@ def build_reward(cfg: RewardConfig, dims=None):
         norm = None
         if cfg.normalization == "fixed":
             meta = client.metadata()
-            stats = meta.get("normalization") or meta
+            stats = meta.get("scorer") or {}  # the RM scorer's metadata: checkpoint stats
             mean, std = stats.get("reward_mean"), stats.get("reward_std")
             if mean is None or std is None:
                 raise ValueError("reward.normalization=fixed but the RM server's /metadata has no "
