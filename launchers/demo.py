@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     code = run_ppo_with_rm(
         [f"exp_manager.exp_dir={ppo_exp}", f"exp_manager.init_from={sft}",
          f"data.train_file={data / 'ppo_prompts.jsonl'}", f"data.val_file={data / 'eval.jsonl'}",
-         f"data.tokenizer_dir={data / 'tokenizer'}", *a.ppo_overrides],
+         f"data.tokenizer_dir={data / 'tokenizer'}", "reward.normalization=fixed",
+         *a.ppo_overrides],
         rm_checkpoint=str(rm), nproc=a.nproc, exp_dir=str(ppo_exp))
     if code != 0:
         raise SystemExit(f"PPO stage exited with {code}; see {ppo_exp}")

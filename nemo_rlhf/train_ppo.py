@@ -188,7 +188,8 @@ def _bcast_text(message):
 def main(dcfg: DictConfig) -> None:
     sig = _Signals()  # first: a SIGUSR1 during set-up must not kill the job
     # merging into the schema rejects keys added with `+` that the schema does not have
-    cfg: PPOConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), dcfg))
+    plain = OmegaConf.to_container(dcfg, resolve=True)
+    cfg: PPOConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), plain))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     exp = Path(cfg.exp_manager.exp_dir)
