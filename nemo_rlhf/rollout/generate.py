@@ -26,6 +26,13 @@ stage samples and broadcasts ``(token, log-prob, stop flag)`` to its TP group an
 every stage of its pipeline, so all ranks agree on every token and stop at the same step.
 DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index).
 
+Speed: masks, positions and buffers are built once per call and sliced per step; without
+left padding decode steps pass no mask; with the CPU shim active its TorchFunctionMode is
+suspended for the loop (see :func:`_without_cpu_device_mode`). megatron's static-batching
+cache stores un-rotated keys and re-applies RoPE to the whole cache every step, and its
+layers carry more Python per op than transformers' Llama: on 2 CPU cores a decode step of
+a 4-layer, 256-wide model is ~1.6x transformers' (``benchmarks/bench_rollout.py``).
+
 Simplified: the batch is static (finished rows keep being computed, feeding pad tokens,
 until every row is done; no continuous batching or cache compaction); pipeline stages run
 one after the other per step (no micro-batch interleaving across stages); no CUDA graphs,
@@ -35,6 +42,7 @@ vocab-parallel sampling).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 from dataclasses import dataclass, replace
@@ -295,7 +303,7 @@ def generate(
     if had_values is not None:
         core.compute_values = False
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _without_cpu_device_mode():
             return _decode(core, dims, prompt_ids, prompt_mask, prompt_lengths, cfg,
                            eos_token_id, pad_token_id, vocab_size, decode_fn, call_index)
     finally:
@@ -304,6 +312,29 @@ def generate(
             core.compute_values = had_values
         if not dims.is_first_stage:
             core.set_input_tensor(None)
+
+
+@contextlib.contextmanager
+def _without_cpu_device_mode():
+    """Suspend the CPU shim's ``TorchFunctionMode`` for the decoding loop (CPU only).
+
+    The shim (:mod:`nemo_rlhf.distributed.cpu_compat`) routes every torch call and tensor
+    attribute access through a Python ``__torch_function__`` to remap CUDA devices; for the
+    many small ops of a decode step that costs about a third of the step (measured with
+    ``benchmarks/bench_rollout.py``). The inference forward allocates only through the
+    tensor factories, which the shim also patches at module level, so the mode is not
+    needed there. It is popped only when it is the innermost mode, and pushed back after.
+    """
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    from nemo_rlhf.distributed import cpu_compat
+
+    stack = _get_current_function_mode_stack()
+    if cpu_compat.is_active() and stack and isinstance(stack[-1], cpu_compat._CpuDeviceMode):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
 
 
 def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutConfig,
@@ -331,11 +362,15 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
     packed = torch.zeros(3, B, dtype=torch.float64)
 
     runner = _StageRunner(model, dims, B, cfg.use_kv_cache, L)
-    # Decode-step key mask [B, 1, 1, L]: True (masked) on left padding only.
-    key_pad_B11L = (~seq_mask).clone().view(B, 1, 1, L)
-    key_pad_B11L[..., P:] = False
     prefill_pos = position_ids_for(prompt_mask)
     prefill_mask = causal_padding_mask(prompt_mask)
+    # Decode step t feeds response token t-1 at position len_b + t - 1 and attends to every
+    # cached key but the left padding: both precomputed, sliced per step (views, no ops).
+    decode_pos_BR = (prompt_lengths.unsqueeze(1) + torch.arange(max(R - 1, 0))).contiguous()
+    key_pad_B11L = None  # no left padding: no mask at all in decode steps
+    if not bool(prompt_mask.all()):
+        key_pad_B11L = torch.zeros(B, 1, 1, L, dtype=torch.bool)
+        key_pad_B11L[:, 0, 0, :P] = ~prompt_mask
 
     steps = 0
     for t in range(R):
@@ -345,8 +380,8 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
         elif t == 0:
             logits_BV = runner(prompt_ids, prefill_pos, prefill_mask)
         else:
-            logits_BV = runner(seq_ids[:, P + t - 1:P + t], (prompt_lengths + (t - 1)).unsqueeze(1),
-                               key_pad_B11L[..., :P + t])
+            logits_BV = runner(seq_ids[:, P + t - 1:P + t], decode_pos_BR[:, t - 1:t],
+                               None if key_pad_B11L is None else key_pad_B11L[..., :P + t])
         if is_sampler:
             suppress = stop_ids if t < cfg.min_new_tokens else None
             tokens, lp = choose_tokens(

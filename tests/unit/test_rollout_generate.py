@@ -254,11 +254,18 @@ def test_padded_vocabulary_rows_are_never_generated(models, dims):
     assert int(b.response_ids.max()) < VOCAB
 
 
-def test_model_mode_is_restored_after_generation(models, dims):
+def test_model_and_torch_function_modes_are_restored_after_generation(models, dims):
+    from torch.overrides import _get_current_function_mode_stack
+
     model = models["rope_std0.1"]
+    modes = _get_current_function_mode_stack()
     model.train()
     _gen(model, dims, greedy=True, max_new_tokens=2)
     assert model.training and model.compute_values
+    assert _get_current_function_mode_stack() == modes  # the CPU shim's mode is back
+    with pytest.raises(ValueError):
+        _gen(model, dims, [[]])
+    assert _get_current_function_mode_stack() == modes
     model.eval()
 
 
