@@ -143,8 +143,12 @@ class MixedPrecisionOptimizer:
                         for p in self.params]
         for m in self.masters:
             m.requires_grad_(True)
+        from megatron.core import parallel_state
+
+        with_tp = parallel_state.model_parallel_is_initialized()  # else: one process, no TP
         self.count_for_norm = [
-            bool(param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p))
+            bool(param_is_not_shared(p) and (
+                not with_tp or tensor_parallel.param_is_not_tensor_parallel_duplicate(p)))
             for p in self.params
         ]
         decay, no_decay = [], []

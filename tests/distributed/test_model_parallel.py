@@ -99,6 +99,14 @@ def _worker(rank: int):
     opt.step()
     out["ref_updated"] = {n: p.detach().clone() for n, p in model.named_parameters()}
 
+    # --- bf16-mixed model with the same weights: fp32 log-probs, close to fp32's ------------
+    bf16 = build_model(cfg, dims, precision="bf16-mixed", seed=11).eval()
+    with torch.no_grad():
+        for n, p in bf16.named_parameters():
+            p.copy_(ref_weights[n])
+    out["bf16"] = _forward_outputs(bf16, dims, ids, mask)
+    del bf16
+
     # --- TP=2 -------------------------------------------------------------------------
     dims = initialize_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=3)
     model = build_model(cfg, dims, seed=11).eval()
@@ -190,3 +198,17 @@ def test_dp2_half_batches_give_same_update_as_one_rank_whole_batch(results):
             diff = (p - ref[name]).abs().max().item()
             assert diff <= 1e-7, f"{name}: max |diff| {diff}"
 
+
+
+# bf16 keeps 8 mantissa bits: logits of this model (|z| < ~3) are rounded by up to ~1e-2,
+# and a log-prob sums a few such errors. Measured max |diff| here: see the assertion message.
+BF16_LOGPROB_TOL = 0.05
+
+
+def test_bf16_mixed_logprobs_are_fp32_and_close_to_fp32_model(results):
+    for r in results:
+        lp, ref = r["bf16"]["logprobs"], r["ref"]["logprobs"]
+        assert lp.dtype == torch.float32 and r["bf16"]["entropy"].dtype == torch.float32
+        diff = (lp - ref).abs().max().item()
+        assert 0 < diff <= BF16_LOGPROB_TOL, f"bf16 vs fp32 log-prob max |diff| = {diff}"
+        print(f"bf16 vs fp32 log-prob max |diff| = {diff:.4f}")

@@ -154,3 +154,35 @@ def test_rm_service_dying_mid_run_stops_training_with_clear_error_and_no_partial
     assert res["error"] is not None and url in res["error"]
     assert res["ckpts"] == ["latest", "step_1"], res["ckpts"]
     assert res["latest"] == "step_1"
+
+
+# --- non-finite updates ------------------------------------------------------------------
+
+def _nonfinite_worker(rank: int, tmp: str):
+    from nemo_rlhf.train_ppo import build, fit
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    cfg = compose_ppo(data, tmp / "exp", "trainer.max_steps=1", "exp_manager.save_interval=1",
+                      "trainer.max_consecutive_nonfinite=3")
+    trainer = build(cfg)
+    assert fit(cfg, trainer) == 0
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.optimizer.step = lambda: (False, float("nan"))  # every update: NaN grad norm
+    cfg.trainer.max_steps = 3
+    try:
+        fit(cfg, trainer)
+    except RuntimeError as exc:
+        ckpts = sorted(p.name for p in (tmp / "exp" / "checkpoints").iterdir())
+        unchanged = all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+        return {"error": str(exc), "ckpts": ckpts, "unchanged": unchanged}
+    return {"error": None}
+
+
+def test_consecutive_nonfinite_updates_stop_the_run_keeping_the_last_good_checkpoint(tmp_path):
+    res = run_ranks(_nonfinite_worker, world_size=1, tmp=str(tmp_path))[0]
+    assert res["error"] is not None
+    assert "consecutive updates had a non-finite loss or gradient norm" in res["error"]
+    assert "trainer.max_consecutive_nonfinite=3" in res["error"]
+    assert res["ckpts"] == ["latest", "step_1"]
+    assert res["unchanged"]  # skipped updates changed no weight
