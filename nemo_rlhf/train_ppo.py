@@ -57,6 +57,18 @@ def _file_hash(path) -> str:
     return h.hexdigest()[:16]
 
 
+def _reference_fingerprint(cfg: PPOConfig) -> str:
+    """The reference (initial) weights, independent of the parallel layout: the checksums
+    of the ``init_from`` checkpoint's shards, or the seed of a random initialisation."""
+    if not cfg.exp_manager.init_from:
+        return f"random-init:seed={cfg.trainer.seed}"
+    from nemo_rlhf.checkpoint import read_metadata
+
+    files = read_metadata(cfg.exp_manager.init_from).get("files") or {}
+    digest = hashlib.sha256(json.dumps(sorted((k, v[1]) for k, v in files.items())).encode())
+    return digest.hexdigest()[:16]
+
+
 def build(cfg: PPOConfig):
     """Set up distributed, data, model, optimizer, reference, reward; return the trainer."""
     from nemo_rlhf.checkpoint import load_model_weights
@@ -102,7 +114,7 @@ def build(cfg: PPOConfig):
         "model": cfg.model.fingerprint(),
         "tokenizer": _file_hash(Path(cfg.data.tokenizer_dir) / "tokenizer.json"),
         "train_prompts": _file_hash(cfg.data.train_file),
-        "reference": reference.state_fingerprint(),
+        "reference": _reference_fingerprint(cfg),
     }
     return trainer
 

@@ -97,15 +97,3 @@ class ReferencePolicy:
                     p.copy_(self.stash[n], non_blocking=True)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-
-    def state_fingerprint(self) -> str:
-        """Hash of the reference weights (a checkpoint fingerprint field)."""
-        import hashlib
-
-        h = hashlib.sha256()
-        src = self.ref if self.mode == "offload" else {
-            n: p.detach().cpu() for n, p in _backbone_params(self.resident).items()}
-        for n in sorted(src):
-            h.update(n.encode())
-            h.update(src[n].float().sum().item().hex().encode())
-        return h.hexdigest()[:16]
