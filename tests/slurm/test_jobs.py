@@ -150,6 +150,15 @@ def test_usr1_saves_requeues_and_resumes_to_the_uninterrupted_result(slurm, data
     info = slurm.wait(job, lambda i: i.get("Restarts") == "1" and i.get("JobState") in ("PENDING", "RUNNING", "COMPLETED"),
                       120, "for the requeue", exp / "slurm-*.out", final=("FAILED", "TIMEOUT", "NODE_FAIL"))
     if info["JobState"] == "PENDING":
+        # release the hold only once the node has finished cleaning up the first run:
+        # releasing while it is still COMPLETING makes slurmd refuse the launch ("Job
+        # already killed, do not launch batch job") and the job fails
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            if slurm.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip() == "idle":
+                break
+            time.sleep(0.5)
+        time.sleep(2)
         slurm.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
     final = slurm.wait(job, _done, 300, "for the requeued job to complete", exp / "slurm-*.out")
     assert final["Restarts"] == "1"
