@@ -151,15 +151,13 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
 
 
 def _layer_spec(model_cfg: ModelConfig):
-    """Transformer-engine layer spec when TE is importable on a GPU, else the local spec."""
-    if torch.cuda.is_available():
-        try:
-            from megatron.core.models.gpt.gpt_layer_specs import (
-                get_gpt_layer_with_transformer_engine_spec,
-            )
-            import transformer_engine  # noqa: F401
-
-            return get_gpt_layer_with_transformer_engine_spec()
-        except ImportError:
-            pass
-    return get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+    """Transformer-engine layer spec when TE is installed (the ``gpu`` extra), else the
+    local spec. TE needs CUDA to import, so CPU machines always get the local spec."""
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+    except (ImportError, OSError, RuntimeError):
+        return get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+    return get_gpt_layer_with_transformer_engine_spec()
