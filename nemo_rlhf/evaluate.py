@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from nemo_rlhf.config import to_typed
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.models.config import PRECISIONS
 
@@ -168,7 +169,7 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="../conf", config_name="eval")
 def main(dcfg: DictConfig) -> None:
-    cfg: EvalConfig = OmegaConf.to_object(dcfg)
+    cfg: EvalConfig = to_typed(dcfg, EvalConfig)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     torch.set_grad_enabled(False)

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from nemo_rlhf.config import to_typed
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.reward.rm_scorer import RMScorerConfig
 from nemo_rlhf.reward.server import RMServerConfig
@@ -103,7 +104,7 @@ def _wait_for_rank0(signum, frame) -> None:
 @hydra.main(version_base=None, config_path="../conf", config_name="rm_server")
 def main(dcfg: DictConfig) -> None:
     """Hydra entry point (see the module docstring)."""
-    cfg: ServeRMConfig = OmegaConf.to_object(dcfg)
+    cfg: ServeRMConfig = to_typed(dcfg, ServeRMConfig)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [rm-server] %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     run(cfg)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_rlhf.config import to_typed
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 
 REQUEUE_EXIT_CODE = 42
@@ -200,8 +201,7 @@ def _bcast_text(message):
 def main(dcfg: DictConfig) -> None:
     sig = _Signals()  # first: a SIGUSR1 during set-up must not kill the job
     # merging into the schema rejects keys added with `+` that the schema does not have
-    plain = OmegaConf.to_container(dcfg, resolve=True)
-    cfg: PPOConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOConfig), plain))
+    cfg: PPOConfig = to_typed(dcfg, PPOConfig)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     exp = Path(cfg.exp_manager.exp_dir)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from nemo_rlhf.config import to_typed
 from nemo_rlhf.trainers.sft import SFTRunConfig, register_configs, run_sft
 
 register_configs()
@@ -20,7 +21,7 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="../conf", config_name="sft")
 def main(dcfg: DictConfig) -> None:
-    cfg: SFTRunConfig = OmegaConf.to_object(dcfg)
+    cfg: SFTRunConfig = to_typed(dcfg, SFTRunConfig)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     try:

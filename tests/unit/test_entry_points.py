@@ -1,0 +1,23 @@
+"""Every Hydra entry point converts its config through the typed schema, so a key added
+with ``+`` that the schema does not have fails at once, naming it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("module,schema", [("nemo_rlhf.train_ppo", "TrainerConfig"),
+                                           ("nemo_rlhf.train_sft", "TrainerConfig"),
+                                           ("nemo_rlhf.train_rm", "TrainerConfig")])
+def test_plus_added_unknown_key_fails_naming_it(module, schema, tmp_path):
+    res = subprocess.run([sys.executable, "-m", module, "+trainer.no_such_key=1",
+                          f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode != 0
+    assert f"Key 'no_such_key' not in '{schema}'" in res.stderr + res.stdout
