@@ -75,6 +75,8 @@ class LocalRunConfig:
     """Deadline for the RM server's address file and ready ``/health``, in seconds."""
     stop_grace_s: float = 30.0
     """Seconds a stopped process group (server; trainer on Ctrl-C) gets before SIGKILL."""
+    config_name: str = "ppo"
+    """The trainer's Hydra config in ``conf/`` (``ppo``: the tiny demo; ``ppo_smollm2``)."""
     trainer_module: str = "nemo_rlhf.train_ppo"
     """Trainer entry: a module run with ``-m``, or a path to a ``.py`` script."""
     python: str = sys.executable
@@ -264,9 +266,9 @@ def _override_value(overrides: Sequence[str], key: str) -> Optional[str]:
     return None
 
 
-def _composed_exp_dir(overrides: Sequence[str]) -> str:
-    """``exp_manager.exp_dir`` of the trainer's composed config (``conf/ppo.yaml`` +
-    overrides); composing also rejects misspelt overrides before anything starts."""
+def _composed_exp_dir(overrides: Sequence[str], config_name: str = "ppo") -> str:
+    """``exp_manager.exp_dir`` of the trainer's composed config (``conf/<config_name>.yaml``
+    + overrides); composing also rejects misspelt overrides before anything starts."""
     from hydra import compose, initialize_config_dir
 
     import nemo_rlhf.train_ppo  # noqa: F401 - registers the ppo_schema
@@ -274,7 +276,7 @@ def _composed_exp_dir(overrides: Sequence[str]) -> str:
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            composed = compose(config_name="ppo", overrides=list(overrides))
+            composed = compose(config_name=config_name, overrides=list(overrides))
     except Exception as exc:  # noqa: BLE001 - hydra's composition errors name the key
         raise LaunchError(f"trainer overrides {list(overrides)}: {exc}") from None
     return str(composed.exp_manager.exp_dir)
@@ -283,7 +285,7 @@ def _composed_exp_dir(overrides: Sequence[str]) -> str:
 def _resolve_exp_dir(cfg: LocalRunConfig, overrides: list[str]) -> tuple[Path, list[str]]:
     given = _override_value(overrides, "exp_manager.exp_dir")
     if cfg.exp_dir is None:
-        return Path(given if given is not None else _composed_exp_dir(overrides)), overrides
+        return Path(given if given is not None else _composed_exp_dir(overrides, cfg.config_name)), overrides
     if given is not None and Path(given) != Path(cfg.exp_dir):
         raise LaunchError(f"exp_dir={cfg.exp_dir!r} disagrees with the trainer override "
                           f"exp_manager.exp_dir={given!r}; give one of them")
@@ -329,7 +331,10 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
             server = _RMServer(cfg, exp_dir)
             server.wait_ready(cfg.rm_start_timeout_s)
             overrides = [f"reward.rm_address_file={server.address_file}", *overrides]
-        cmd = _python_cmd(cfg, cfg.trainer_module, cfg.nproc) + overrides
+        cmd = _python_cmd(cfg, cfg.trainer_module, cfg.nproc)
+        if cfg.config_name != "ppo":
+            cmd += ["--config-name", cfg.config_name]
+        cmd += overrides
         _say(f"starting the trainer: {' '.join(cmd)}")
         trainer = _start_group(cmd)
         sigterm.trainer = trainer
@@ -391,7 +396,8 @@ def _parser() -> argparse.ArgumentParser:
     rm.add_argument("--rm-checkpoint", dest="rm_checkpoint", help="RM checkpoint to serve")
     rm.add_argument("--no-rm", dest="no_rm", action="store_true", help="no RM server (reward functions only)")
     for name, kind in (("nproc", int), ("rm_nproc", int), ("rm_start_timeout_s", float),
-                       ("stop_grace_s", float), ("exp_dir", str), ("trainer_module", str)):
+                       ("stop_grace_s", float), ("exp_dir", str), ("config_name", str),
+                       ("trainer_module", str)):
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
                        help=f"default {defaults[name]}")
     p.add_argument("--rm-arg", dest="rm_overrides", action="append", metavar="KEY=VALUE",

@@ -58,15 +58,32 @@ class EvalConfig:
     precision: str = "32"
     """``32``, ``bf16-mixed`` or ``fp16-mixed``."""
     seed: int = 1234
-    """Seed of distributed init (greedy decoding draws nothing)."""
+    """Seed of distributed init and of sampling (greedy decoding draws nothing)."""
+    temperature: float = 0.0
+    """0 = greedy decoding; > 0 samples at this temperature (e.g. to collect RM data)."""
+    num_samples: int = 1
+    """Responses per prompt (> 1 needs ``temperature > 0``)."""
+    samples_out: Optional[str] = None
+    """Also write every response as JSONL ``{"prompt", "response", "score", ...extras}``."""
+    extra_checkers: list[str] = field(default_factory=list)
+    """More registered reward functions averaged into the result (e.g. ``just_the_number``)."""
+    chat_template: Optional[str] = None
+    """Override the checkpoint's ``data.chat_template`` (e.g. ``chatml`` for an imported model)."""
+    system_prompt: Optional[str] = None
+    """Override the checkpoint's ``data.system_prompt``."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if str(self.precision) not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}: valid choices are {list(PRECISIONS)}")
-        for key in ("max_new_tokens", "batch_size"):
+        for key in ("max_new_tokens", "batch_size", "num_samples"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(f"num_samples={self.num_samples} with temperature=0: greedy decoding gives "
+                             f"one response per prompt; set temperature > 0")
 
 
 def _checkpoint_config(path: Path) -> dict:
@@ -93,9 +110,11 @@ def evaluate(cfg: EvalConfig) -> dict:
     model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), saved["model"]))
     d = saved.get("data", {})
     data_cfg = DataConfig(train_file=cfg.data, tokenizer_dir=cfg.tokenizer_dir or d["tokenizer_dir"],
-                          chat_template=d.get("chat_template"), system_prompt=d.get("system_prompt"))
+                          chat_template=cfg.chat_template or d.get("chat_template"),
+                          system_prompt=cfg.system_prompt or d.get("system_prompt"))
     tok = Tokenizer(data_cfg.tokenizer_dir)
     checker = get_reward_function(cfg.checker)
+    extra_checkers = {name: get_reward_function(name) for name in cfg.extra_checkers}
     dims, model_cfg = setup_run(cfg.parallel, model_cfg, tok, cfg.seed)
     model = build_model(model_cfg, dims, str(cfg.precision), kind="actor_critic", seed=cfg.seed)
     load_model_weights(path, model, skip_heads=True)
@@ -105,36 +124,44 @@ def evaluate(cfg: EvalConfig) -> dict:
     ds = load_prompt_dataset(cfg.data, tok, data_cfg, limit - cfg.max_new_tokens)
     if dims.rank == 0:
         ds.report.log()
-    rows = list(enumerate(ds.samples))
+    rows = [(i, k, s) for i, s in enumerate(ds.samples) for k in range(cfg.num_samples)]
     local = dp_shard(rows, dims.dp_rank, dims.dp)
-    rollout = RolloutConfig(max_new_tokens=cfg.max_new_tokens, greedy=True)
+    greedy = cfg.temperature == 0
+    rollout = RolloutConfig(max_new_tokens=cfg.max_new_tokens, greedy=greedy,
+                            temperature=1.0 if greedy else cfg.temperature, seed=cfg.seed)
     results = []
-    for group in chunks(local, cfg.batch_size):
-        batch = generate(model, dims, [s.prompt_ids for _, s in group], rollout,
+    for call, group in enumerate(chunks(local, cfg.batch_size)):
+        batch = generate(model, dims, [s.prompt_ids for *_, s in group], rollout,
                          eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, vocab_size=tok.vocab_size,
-                         max_sequence_length=limit, call_index=0)
-        for (i, s), ids, mask, n, ended in zip(group, batch.response_ids.tolist(), batch.response_mask.tolist(),
-                                               batch.response_lengths.tolist(), batch.ended.tolist()):
+                         max_sequence_length=limit, call_index=call)
+        for (i, k, s), ids, mask, n, ended in zip(group, batch.response_ids.tolist(), batch.response_mask.tolist(),
+                                                  batch.response_lengths.tolist(), batch.ended.tolist()):
             content = [t for t, m in zip(ids, mask) if m]
             if ended and content and content[-1] == tok.eos_id:
                 content = content[:-1]
-            results.append((i, tok.decode(content), int(n), bool(ended)))
+            results.append(((i, k), tok.decode(content), int(n), bool(ended)))
     if dims.dp > 1:
         gathered = [None] * dims.dp
         dist.all_gather_object(gathered, results, group=dims.dp_group)
         results = [r for part in gathered for r in part]
     results.sort()
     samples = ds.samples
-    scores = checker([samples[i].prompt for i, *_ in results], [r for _, r, *_ in results],
-                     [samples[i].extras for i, *_ in results])
+    args = ([samples[i].prompt for (i, _), *_ in results], [r for _, r, *_ in results],
+            [samples[i].extras for (i, _), *_ in results])
+    scores = checker(*args)
+    extra_scores = {name: fn(*args) for name, fn in extra_checkers.items()}
     n = len(results)
     out = {
         "checkpoint": str(path),
         "step": read_metadata(path).get("step"),
         "data": cfg.data,
         "checker": cfg.checker,
-        "num_prompts": n,
+        "num_prompts": len(samples),
+        "num_responses": n,
         "accuracy": sum(scores) / n if n else float("nan"),
+        **{name: sum(v) / n if n else float("nan") for name, v in extra_scores.items()},
+        "temperature": cfg.temperature,
+        "num_samples": cfg.num_samples,
         "mean_response_length": sum(r[2] for r in results) / n if n else float("nan"),
         "ended_fraction": sum(r[3] for r in results) / n if n else float("nan"),
         "truncated_fraction": sum(not r[3] for r in results) / n if n else float("nan"),
@@ -144,14 +171,23 @@ def evaluate(cfg: EvalConfig) -> dict:
                         "invalid": ds.report.invalid, "dropped_overlong": ds.report.dropped_overlong},
         "time_s": time.perf_counter() - start,
         "examples": [{"prompt": samples[i].prompt, "response": r, "score": sc, **samples[i].extras}
-                     for (i, r, *_), sc in list(zip(results, scores))[:cfg.num_examples]],
+                     for ((i, _), r, *_), sc in list(zip(results, scores))[:cfg.num_examples]],
     }
+    if dims.rank == 0 and cfg.samples_out:
+        Path(cfg.samples_out).parent.mkdir(parents=True, exist_ok=True)
+        with open(cfg.samples_out, "w", encoding="utf-8") as f:
+            for j, ((i, k), r, length, ended) in enumerate(results):
+                row = {"prompt": samples[i].prompt, "response": r, "score": scores[j], "sample": k,
+                       "response_length": length, "ended": ended,
+                       **{name: v[j] for name, v in extra_scores.items()}, **samples[i].extras}
+                f.write(json.dumps(row) + "\n")
     if dims.rank == 0:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.out).write_text(json.dumps(out, indent=2) + "\n")
         for ex in out["examples"]:
             print(f"  {ex['prompt']!r} -> {ex['response']!r}  score={ex['score']}")
-        print(f"{cfg.checker}: accuracy {out['accuracy']:.4f} on {n} prompts, mean response "
+        extra = "".join(f", {name} {out[name]:.4f}" for name in extra_scores)
+        print(f"{cfg.checker}: accuracy {out['accuracy']:.4f}{extra} on {n} responses, mean response "
               f"length {out['mean_response_length']:.2f} tokens, {out['time_s']:.1f}s -> {cfg.out}",
               flush=True)
     return out

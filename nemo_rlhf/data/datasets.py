@@ -120,9 +120,17 @@ class TokenizedDataset(Generic[S]):
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat_template: Optional[str] = None,
                   system_prompt: Optional[str] = None) -> list[int]:
-    """``[BOS] + encode(format_prompt(prompt, ...))`` (no BOS if the tokenizer has none)."""
-    ids = tokenizer.encode(format_prompt(prompt, chat_template, system_prompt))
-    return ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + ids
+    """``[BOS] + encode(format_prompt(prompt, ...))``.
+
+    No BOS when the tokenizer has none, or when the formatted text already starts with the
+    BOS token's text (ChatML tokenizers such as SmolLM2's use ``<|im_start|>`` as BOS, and
+    their chat template writes it itself, as Hugging Face's ``apply_chat_template`` does).
+    """
+    text = format_prompt(prompt, chat_template, system_prompt)
+    ids = tokenizer.encode(text)
+    if tokenizer.bos_id is None or (tokenizer.bos_token and text.startswith(tokenizer.bos_token)):
+        return ids
+    return [tokenizer.bos_id] + ids
 
 
 def encode_response(tokenizer: Tokenizer, response: str) -> list[int]:

@@ -31,6 +31,8 @@ _EXPORTS = {
     "WeightedSource": "functions",
     "arithmetic_exact_match": "functions",
     "two_digit_addition": "functions",
+    "addition_answer": "functions",
+    "just_the_number": "functions",
     "get_reward_function": "functions",
     "register_reward_function": "functions",
     "registered_reward_functions": "functions",

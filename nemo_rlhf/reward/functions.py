@@ -41,6 +41,8 @@ __all__ = [
     "get_reward_function",
     "register_reward_function",
     "registered_reward_functions",
+    "addition_answer",
+    "just_the_number",
     "two_digit_addition",
 ]
 
@@ -148,29 +150,54 @@ def arithmetic_exact_match(prompts: list[str], responses: list[str], extras: lis
 
 
 _ADDITION = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)")
+_JUST_A_NUMBER = re.compile(r"-?\d+\.?")
+
+
+def _expected_sums(prompts: Sequence[str], extras: Sequence[Mapping[str, Any]], fn_name: str) -> list[int]:
+    out = []
+    for i, (prompt, ex) in enumerate(zip(prompts, extras)):
+        if "answer" in ex:
+            out.append(_answers([ex], fn_name)[0])
+            continue
+        match = _ADDITION.search(prompt)
+        if match is None:
+            raise ValueError(f"{fn_name}: extras[{i}] has no 'answer' and prompts[{i}] has no 'a+b': {prompt[:80]!r}")
+        out.append(int(match.group(1)) + int(match.group(2)))
+    return out
+
+
+def addition_answer(response: str) -> int | None:
+    """The integer a chat answer to ``"What is a+b?"`` gives, or None.
+
+    Restatements of a sum (``a+b``, ``a + b``) are removed first, then the first integer
+    left is the answer: ``"54"``, ``"The answer is 54."`` and ``"26 + 28 = 54"`` give 54;
+    ``"26+28 is 26+28, which is"`` gives None; ``"54 or 55"`` gives 54 (first answer wins,
+    so hedging does not pay).
+    """
+    return first_integer(_ADDITION.sub(" ", response))
 
 
 @register_reward_function("two_digit_addition")
 def two_digit_addition(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
-    """1.0 when the first integer *anywhere* in a chat answer equals the sum asked for.
+    """1.0 when a chat answer states the sum asked for (:func:`addition_answer`), else 0.0.
 
     For prompts like ``"What is 26+28? Answer with just the number."``: the expected value
     is ``extras[i]["answer"]`` when present, else the ``a+b`` found in the prompt.
-    ``"54"``, ``"The answer is 54."`` score 1.0; ``"26+28=54"`` scores 0.0 (first integer
-    26). Raises ``ValueError`` naming the index when neither source gives an answer.
+    ``"54"``, ``"The answer is 54."`` and ``"26+28=54"`` score 1.0; ``"55"``, ``"26+28"``
+    and ``""`` score 0.0. Raises ``ValueError`` naming the index when neither source gives
+    an answer.
     """
     _check_lengths(prompts, responses, extras, "two_digit_addition")
-    out = []
-    for i, (prompt, response, ex) in enumerate(zip(prompts, responses, extras)):
-        if "answer" in ex:
-            expected = _answers([ex], "two_digit_addition")[0]
-        else:
-            match = _ADDITION.search(prompt)
-            if match is None:
-                raise ValueError(f"two_digit_addition: extras[{i}] has no 'answer' and prompts[{i}] has no 'a+b': {prompt[:80]!r}")
-            expected = int(match.group(1)) + int(match.group(2))
-        out.append(1.0 if first_integer(response) == expected else 0.0)
-    return out
+    expected = _expected_sums(prompts, extras, "two_digit_addition")
+    return [1.0 if addition_answer(r) == e else 0.0 for r, e in zip(responses, expected)]
+
+
+@register_reward_function("just_the_number")
+def just_the_number(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
+    """Format compliance: 1.0 when the whole response is one integer (``"54"``, ``" 54.\n"``),
+    right or wrong; 0.0 otherwise (``"The answer is 54."``, ``"26+28=54"``, ``""``)."""
+    _check_lengths(prompts, responses, extras, "just_the_number")
+    return [1.0 if _JUST_A_NUMBER.fullmatch(r.strip()) else 0.0 for r in responses]
 
 
 # --------------------------------------------------------------------------- sources

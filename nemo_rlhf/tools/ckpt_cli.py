@@ -10,6 +10,7 @@ Usage (``python -m nemo_rlhf.tools.ckpt_cli`` or the ``nemo-rlhf-ckpt`` console 
     nemo-rlhf-ckpt prune <exp_dir> --keep N [--dry-run]
     nemo-rlhf-ckpt export-hf <ckpt> --out <dir> [--arch llama|qwen2|gpt2] [--rm] [--dtype D]
     nemo-rlhf-ckpt import-hf <hf_dir> --out <ckpt_dir> [--tp N --pp M] [--model-name NAME]
+                                   [--chat-template chatml --system-prompt TEXT]
 
 ``<ckpt>`` is a ``step_<N>`` folder, or a checkpoint root / experiment folder (its newest
 complete checkpoint). Every command takes ``--json`` (machine-readable stdout) and
@@ -684,6 +685,8 @@ def cmd_import_hf(args) -> int:
     tok_src = Path(args.tokenizer_dir) if args.tokenizer_dir else src
     if not tok_src.is_dir():
         raise CLIError(f"{tok_src}: no such tokenizer folder")
+    if args.system_prompt and not args.chat_template:
+        raise CLIError("--system-prompt needs --chat-template (a system message needs a chat template)")
     _check_out(args.out)
     _check_layout(model, args.tp, args.pp)
     hf = hc.read_hf_weights(src)
@@ -703,7 +706,10 @@ def cmd_import_hf(args) -> int:
         except (FileNotFoundError, ValueError) as exc:
             raise CLIError(str(exc)) from None
         warn = _vocab_warning(tok_dest, model.vocab_size)
-        config = {"model": asdict(model), "data": {"tokenizer_dir": str(tok_dest.resolve())},
+        data = {"tokenizer_dir": str(tok_dest.resolve())}
+        if args.chat_template:
+            data.update(chat_template=args.chat_template, system_prompt=args.system_prompt)
+        config = {"model": asdict(model), "data": data,
                   "parallel": asdict(ParallelConfig(args.tp, args.pp)),
                   "trainer": {"precision": precision}}
         state = {"step": 0, "source": {"hf_dir": str(src.resolve()), "model_type": arch,
@@ -814,6 +820,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--pp", type=int, default=1)
     s.add_argument("--model-name", default=None, help="model.name (default: the folder's name)")
     s.add_argument("--tokenizer-dir", default=None, help="tokenizer files (default: hf_dir)")
+    s.add_argument("--chat-template", default=None, choices=["chatml"],
+                   help="prompt format recorded in the checkpoint's config (data.chat_template)")
+    s.add_argument("--system-prompt", default=None,
+                   help="system message recorded as data.system_prompt (needs --chat-template)")
     return p
 
 

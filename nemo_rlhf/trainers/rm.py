@@ -48,6 +48,15 @@ class RMConfig:
     init_from: Optional[str] = None
     """SFT checkpoint (folder, or a ``checkpoints`` root: its newest) whose backbone starts
     the RM; the reward head is freshly initialised. None: random init."""
+    freeze_layers: int = 0
+    """Keep the embedding and the first ``freeze_layers`` transformer layers fixed (as
+    loaded from ``init_from``) and train the layers above them and the reward head: a
+    pretrained backbone's features with the cost of back-propagating through the top
+    layers only. 0 trains everything; at most ``model.num_layers``."""
+
+    def __post_init__(self) -> None:
+        if self.freeze_layers < 0:
+            raise ValueError(f"rm.freeze_layers={self.freeze_layers}: must be >= 0")
 
 
 @dataclass
@@ -138,6 +147,26 @@ class RMTrainer(SupervisedTrainer):
         return train, val
 
     def init_weights(self, model) -> None:
+        self._load_backbone(model)
+        n = self.cfg.rm.freeze_layers
+        if n:
+            if n > self.model_cfg.num_layers:
+                raise ValueError(f"rm.freeze_layers={n} exceeds model.num_layers={self.model_cfg.num_layers}")
+            if not self.cfg.rm.init_from:
+                raise ValueError(f"rm.freeze_layers={n} without rm.init_from would freeze random weights")
+            frozen = 0
+            for name, p in model.named_parameters():
+                if name.startswith("embedding."):
+                    p.requires_grad_(False)
+                    frozen += p.numel()
+            for layer in getattr(model.decoder, "layers", []):
+                if layer.layer_number <= n:  # global 1-based index, whatever the PP stage
+                    for p in layer.parameters():
+                        p.requires_grad_(False)
+                        frozen += p.numel()
+            self.exp.print(f"rm.freeze_layers={n}: {frozen:,} parameters frozen on this rank")
+
+    def _load_backbone(self, model) -> None:
         if not self.cfg.rm.init_from:
             return
         from nemo_rlhf.checkpoint import load_model_weights

@@ -109,6 +109,14 @@ def _worker(rank: int, data: str, exp: str):
                    init_from=str(exp / "sft_dp2" / "checkpoints" / f"step_{STEPS}"))
     tr = RMTrainer(cfg)
     out["rm_init_params"] = {n: p.detach().clone() for n, p in _params(tr).items()}
+    # the same at PP=2 with rm.freeze_layers=1: embedding + layer 0 (stage 0) stay, the rest trains
+    cfg = _configs("rm", data, exp / "rm_frozen", 1, 2, freeze_layers=1,
+                   init_from=str(exp / "sft_dp2" / "checkpoints" / f"step_{STEPS}"))
+    tr = RMTrainer(cfg)
+    before = {n: p.detach().clone() for n, p in _params(tr).items()}
+    tr.fit()
+    out["rm_frozen_changed"] = {n: not torch.equal(p.detach(), before[n]) for n, p in _params(tr).items()}
+    out["rm_frozen_trainable"] = {n: p.requires_grad for n, p in _params(tr).items()}
     return out
 
 
@@ -157,6 +165,16 @@ def test_rm_init_from_sft_checkpoint_loads_backbone_resharded_and_not_the_head(r
             torch.testing.assert_close(p, sft[name], rtol=0, atol=0, msg=name)
             seen.add(name)
     assert seen == {n for n in sft if not n.startswith("value_head.")}
+
+
+def test_rm_freeze_layers_keeps_the_embedding_and_lower_layers_and_trains_the_rest(results):
+    changed = {n: c for r in results for n, c in r["rm_frozen_changed"].items()}
+    trainable = {n: t for r in results for n, t in r["rm_frozen_trainable"].items()}
+    frozen = {n for n in changed if n.startswith(("embedding.", "decoder.layers.0."))}
+    assert frozen and not any(changed[n] or trainable[n] for n in frozen)
+    above = [n for n in changed if n.startswith("decoder.layers.1.") and n.endswith("weight")]
+    assert above and all(changed[n] for n in above)
+    assert changed["reward_head.weight"]
 
 
 def test_resumed_sft_run_continues_exactly_where_the_saved_run_stopped(results):

@@ -60,6 +60,19 @@ def test_bad_values_fail_naming_the_key():
         _load("rm", ["trainer.precision=64"])
 
 
+def test_eval_sampling_options_are_validated_naming_the_key():
+    base = ["checkpoint=ck", "data=d.jsonl", "out=r.json"]
+    cfg = _load("eval", base + ["temperature=0.7", "num_samples=4", "samples_out=s.jsonl",
+                                "extra_checkers=[just_the_number]", "chat_template=chatml"])
+    assert (cfg.temperature, cfg.num_samples, cfg.extra_checkers) == (0.7, 4, ["just_the_number"])
+    with pytest.raises(Exception, match="num_samples=4 with temperature=0"):
+        _load("eval", base + ["num_samples=4"])
+    with pytest.raises(Exception, match="temperature=-1"):
+        _load("eval", base + ["temperature=-1"])
+    with pytest.raises(Exception, match="rm.freeze_layers=-1"):
+        _load("rm", ["rm.freeze_layers=-1"])
+
+
 def test_eval_needs_its_mandatory_keys():
     with pytest.raises(Exception, match="checkpoint"):
         _load("eval", ["data=d.jsonl", "out=r.json"])

@@ -16,6 +16,8 @@ from nemo_rlhf.reward.functions import (
     get_reward_function,
     registered_reward_functions,
     two_digit_addition,
+    addition_answer,
+    just_the_number,
 )
 from nemo_rlhf.reward.normalization import RewardNormalizer
 
@@ -59,11 +61,18 @@ def test_arithmetic_exact_match_batch_and_missing_answer():
 
 def test_two_digit_addition_reads_answer_from_extras_or_prompt():
     prompt = "What is 26+28? Answer with just the number."
-    responses = ["54", "The answer is 54.", "26+28=54", "55", ""]
-    assert two_digit_addition([prompt] * 5, responses, [{}] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    responses = ["54", "The answer is 54.", "26 + 28 = 54", "55", "", "26+28 is 26+28, which is", "54 or 55",
+                 "55 or 54", "28"]
+    assert two_digit_addition([prompt] * 9, responses, [{}] * 9) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
     assert two_digit_addition([prompt], ["54"], [{"answer": "54"}]) == [1.0]
     with pytest.raises(ValueError, match=r"extras\[0\] has no 'answer' and prompts\[0\] has no 'a\+b'"):
         two_digit_addition(["Say hi"], ["hi"], [{}])
+
+
+def test_just_the_number_is_format_not_correctness():
+    responses = ["54", " 55.\n", "The answer is 54.", "26+28=54", "", "5 4", "-3"]
+    assert just_the_number(["p"] * 7, responses, [{}] * 7) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert addition_answer("26 + 28 = 54") == 54 and addition_answer("26+28") is None
 
 
 def test_first_integer():

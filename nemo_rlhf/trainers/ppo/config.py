@@ -42,6 +42,9 @@ class TrainerConfig:
     """Cap on evaluated held-out prompts."""
     eval_checker: Optional[str] = "arithmetic_exact_match"
     """Task checker for ``eval/accuracy`` (registered name or ``module:function``; null: off)."""
+    eval_extra_checkers: list[str] = field(default_factory=list)
+    """More checkers averaged on the held-out set, each logged as ``eval/<name>``
+    (e.g. ``just_the_number``, answer-format compliance)."""
 
     def __post_init__(self) -> None:
         if str(self.precision) not in PRECISIONS:

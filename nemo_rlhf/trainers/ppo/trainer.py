@@ -454,8 +454,14 @@ class PPOTrainer:
 
                 correct = get_reward_function(self.cfg.trainer.eval_checker)(
                     [r.prompt for r in rows], texts, [r.extras for r in rows])
+            extra = {}
+            for name in self.cfg.trainer.eval_extra_checkers:
+                from nemo_rlhf.reward.functions import get_reward_function
+
+                extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
+                                                             [r.extras for r in rows]))
             result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
-                      "correct": list(correct),
+                      "correct": list(correct), "extra": extra,
                       "per_source": {k: v.tolist() for k, v in out.per_source.items()},
                       "lengths": batch.response_lengths.tolist(), "rep": reps}
         gathered = [None] * self.dims.world_size
@@ -467,6 +473,7 @@ class PPOTrainer:
             for j, i in enumerate(r["idx"]):
                 merged[i] = {"text": r["texts"][j], "score": r["scores"][j],
                              "correct": r["correct"][j],
+                             "extra": {k: v[j] for k, v in r["extra"].items()},
                              "src": {k: v[j] for k, v in r["per_source"].items()},
                              "len": r["lengths"][j], "rep": r["rep"][j]}
         items = [merged[i] for i in sorted(merged)]
@@ -477,6 +484,8 @@ class PPOTrainer:
         }
         if self.cfg.trainer.eval_checker:
             metrics["eval/accuracy"] = sum(x["correct"] for x in items) / len(items)
+        for name in items[0]["extra"]:
+            metrics[f"eval/{name}"] = sum(x["extra"][name] for x in items) / len(items)
         for name in items[0]["src"]:
             metrics[f"eval/{name}"] = sum(x["src"][name] for x in items) / len(items)
         if self.initial_eval is None:
