@@ -421,10 +421,12 @@ class SupervisedTrainer:
                 metrics = self.train_step(self.step)
             self.step += 1
             last = self.step == t.max_steps
-            if t.val_check_interval and self.step % t.val_check_interval == 0 and not last:
+            validated = bool(t.val_check_interval and self.step % t.val_check_interval == 0 and not last)
+            if validated:
                 with self.exp.timed("validation"):
                     metrics.update(self.validate())
-            if self.step % max(t.log_every_n_steps, 1) == 0 or last:
+            # a validation step is always logged, whatever log_every_n_steps says
+            if self.step % max(t.log_every_n_steps, 1) == 0 or last or validated:
                 metrics.update(self.exp.pop_times())
                 self.exp.log_scalars(self.step, metrics)
                 self.exp.console(self.step, t.max_steps,

@@ -1,0 +1,42 @@
+"""SFT/RM loop logging: a validation step is written to metrics.jsonl even when it is not
+a ``log_every_n_steps`` step (it used to be computed and then dropped)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.distributed.harness import run_ranks
+
+
+def _worker(rank: int, data: str, exp: str):
+    from nemo_rlhf.data.datasets import DataConfig
+    from nemo_rlhf.distributed import ParallelConfig
+    from nemo_rlhf.models.config import load_model_preset
+    from nemo_rlhf.trainers.common import ExpManagerConfig, TrainerConfig
+    from nemo_rlhf.trainers.optim import OptimizerConfig
+    from nemo_rlhf.trainers.rm import RMConfig, RMRunConfig, RMTrainer
+
+    cfg = RMRunConfig(
+        model=load_model_preset("tiny", value_head_init_std=0.05), parallel=ParallelConfig(),
+        optim=OptimizerConfig(lr=1e-3),
+        data=DataConfig(train_file=f"{data}/preference.jsonl", val_file=f"{data}/preference_val.jsonl",
+                        tokenizer_dir=f"{data}/tokenizer", max_seq_length=16),
+        trainer=TrainerConfig(max_steps=3, global_batch_size=4, micro_batch_size=4,
+                              val_check_interval=2, log_every_n_steps=5),
+        rm=RMConfig(), exp_manager=ExpManagerConfig(exp_dir=exp, resume=False, checkpoints=False))
+    RMTrainer(cfg).fit()
+
+
+def test_validation_steps_are_logged_whatever_the_log_interval(tmp_path):
+    from nemo_rlhf.data.demo_task import DemoTaskConfig, make_demo_dataset
+
+    data = tmp_path / "data"
+    make_demo_dataset(data, DemoTaskConfig(n_sft=8, n_pref=16, n_ppo=4, n_eval=4, n_val=8))
+    run_ranks(_worker, world_size=1, data=str(data), exp=str(tmp_path / "exp"))
+    rows = [json.loads(line) for line in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()]
+    by_step = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {}).update(r)
+    assert "val/accuracy" in by_step[2]  # step 2: validation, not a log step (5)
+    assert "val/accuracy" in by_step[3]  # the final validation
+    assert 1 not in by_step
