@@ -151,14 +151,37 @@ def _optimizer_sharded_state_dict(model_sd: dict, optimizer) -> tuple[dict, int]
     id_map = get_param_id_to_sharded_param_map(model_sd, ordered)
     sd = opt.state_dict()
     steps = [int(s["step"]) for s in sd["state"].values() if "step" in s]
+    # Frozen parameters (e.g. rm.freeze_layers) have no optimizer state, but megatron stacks
+    # the layers of one tensor name into one ShardedTensor that must be covered whole: they
+    # get zero moments under ids after the optimizer's own (dropped again on load).
+    frozen = _frozen_params(optimizer, ordered)
+    frozen_map = get_param_id_to_sharded_param_map(model_sd, frozen)
+    for j, p in enumerate(frozen):
+        if j in frozen_map:
+            sd["state"][len(ordered) + j] = {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                                             "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
+            id_map[len(ordered) + j] = frozen_map[j]
     optim_state_to_sharding_state(sd, id_map, exclude_keys=("step",))
     out = {"optimizer": sd}
     masters = {}
     for i, (p, m) in enumerate(zip(ordered, optimizer.ordered_masters)):
         if m is not p and i in id_map:
             masters[i] = make_sharded_optimizer_tensor(id_map[i], m, prefix="optimizer.master")
+    if masters:
+        for j, p in enumerate(frozen):
+            if len(ordered) + j in id_map:
+                masters[len(ordered) + j] = make_sharded_optimizer_tensor(
+                    id_map[len(ordered) + j], p.detach().float(), prefix="optimizer.master")
     out["masters"] = masters
     return out, (max(steps) if steps else 0)
+
+
+def _frozen_params(optimizer, ordered) -> list:
+    """Model parameters the optimizer does not update (``requires_grad=False``)."""
+    from nemo_rlhf.trainers.engine import unwrap
+
+    trained = {id(p) for p in ordered}
+    return [p for p in unwrap(optimizer.model).parameters() if id(p) not in trained]
 
 
 def _materialize_adam_state(optimizer) -> None:
@@ -441,13 +464,16 @@ def _restore_optimizer(optimizer, loaded: dict, meta: dict) -> None:
     opt = optimizer.optimizer
     sd = loaded["optimizer"]
     step = float(meta.get("optimizer_step", 0))
-    for pid, st in sd["state"].items():
+    n = len(optimizer.ordered_params)
+    state = {pid: st for pid, st in sd["state"].items() if int(pid) < n}  # not frozen placeholders
+    for st in state.values():
         st["step"] = torch.tensor(step)
     # the saved param_groups carry the learning rate the schedule had reached
-    opt.load_state_dict({"state": sd["state"], "param_groups": sd["param_groups"]})
+    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
     with torch.no_grad():
         for i, m in loaded.get("optimizer_masters", {}).items():
-            optimizer.ordered_masters[int(i)].copy_(m)
+            if int(i) < n:
+                optimizer.ordered_masters[int(i)].copy_(m)
     extra = meta.get("optimizer_extra") or {}
     if extra.get("scheduler"):
         optimizer.scheduler.load_state_dict(extra["scheduler"])

@@ -110,13 +110,23 @@ def _worker(rank: int, data: str, exp: str):
     tr = RMTrainer(cfg)
     out["rm_init_params"] = {n: p.detach().clone() for n, p in _params(tr).items()}
     # the same at PP=2 with rm.freeze_layers=1: embedding + layer 0 (stage 0) stay, the rest trains
-    cfg = _configs("rm", data, exp / "rm_frozen", 1, 2, freeze_layers=1,
-                   init_from=str(exp / "sft_dp2" / "checkpoints" / f"step_{STEPS}"))
+    # (its checkpoint holds zero placeholder moments for the frozen layers, so that
+    # megatron's stacked per-layer tensors are whole; a resume loads it and continues)
+    frozen_kw = dict(freeze_layers=1, init_from=str(exp / "sft_dp2" / "checkpoints" / f"step_{STEPS}"))
+    cfg = _configs("rm", data, exp / "rm_frozen", 1, 2, checkpoints=True, **frozen_kw)
     tr = RMTrainer(cfg)
     before = {n: p.detach().clone() for n, p in _params(tr).items()}
     tr.fit()
-    out["rm_frozen_changed"] = {n: not torch.equal(p.detach(), before[n]) for n, p in _params(tr).items()}
+    trained = {n: p.detach().clone() for n, p in _params(tr).items()}
+    out["rm_frozen_changed"] = {n: not torch.equal(p, before[n]) for n, p in trained.items()}
     out["rm_frozen_trainable"] = {n: p.requires_grad for n, p in _params(tr).items()}
+    cfg = _configs("rm", data, exp / "rm_frozen", 1, 2, checkpoints=True, **frozen_kw)
+    cfg.trainer.max_steps, cfg.exp_manager.resume = STEPS + 1, True
+    tr = RMTrainer(cfg)
+    out["rm_frozen_resumed_at"] = tr.step
+    out["rm_frozen_resumed_equal"] = all(torch.equal(p.detach(), trained[n]) for n, p in _params(tr).items())
+    tr.fit()
+    out["rm_frozen_after_resume_changed"] = {n: not torch.equal(p.detach(), trained[n]) for n, p in _params(tr).items()}
     return out
 
 
@@ -175,6 +185,11 @@ def test_rm_freeze_layers_keeps_the_embedding_and_lower_layers_and_trains_the_re
     above = [n for n in changed if n.startswith("decoder.layers.1.") and n.endswith("weight")]
     assert above and all(changed[n] for n in above)
     assert changed["reward_head.weight"]
+    for r in results:
+        assert r["rm_frozen_resumed_at"] == STEPS and r["rm_frozen_resumed_equal"]
+        after = r["rm_frozen_after_resume_changed"]
+        assert not any(after[n] for n in frozen if n in after)
+        assert all(after[n] for n in above if n in after)
 
 
 def test_resumed_sft_run_continues_exactly_where_the_saved_run_stopped(results):
