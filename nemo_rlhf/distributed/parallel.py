@@ -86,18 +86,23 @@ def validate_parallel_layout(
             f"parallel.pipeline_model_parallel_size={pp}; valid PP sizes for this model: "
             f"{[d for d in _divisors(num_layers) if world_size % (tp * d) == 0]}"
         )
-    if num_attention_heads is not None and num_attention_heads % tp != 0:
+    # Heads and KV heads (query groups) are checked together, so that a GQA model whose
+    # query-head count TP happens to fail first (SmolLM2: 9 heads, 3 KV heads, TP=2) is
+    # told about the binding constraint, the KV heads, and gets the sizes valid for both.
+    facts = []
+    if num_query_groups is not None and num_query_groups != num_attention_heads:
+        facts.append(("model.num_query_groups", num_query_groups, " (KV heads)"))
+    if num_attention_heads is not None:
+        facts.append(("model.num_attention_heads", num_attention_heads, ""))
+    if any(value % tp != 0 for _, value, _ in facts):
+        fits = [d for d in _divisors(min(v for _, v, _ in facts))
+                if all(v % d == 0 for _, v, _ in facts)]
+        in_world = [d for d in fits if world_size % d == 0]
+        names = " and ".join(f"{k}={v}{note}" for k, v, note in facts)
+        where = "" if in_world == fits else f"; of those, {in_world} divide the world size {world_size}"
         raise ValueError(
-            f"parallel.tensor_model_parallel_size={tp} must divide "
-            f"model.num_attention_heads={num_attention_heads}; valid TP sizes: "
-            f"{[d for d in _divisors(num_attention_heads) if world_size % d == 0]}"
-        )
-    groups = num_query_groups or num_attention_heads
-    if groups is not None and groups % tp != 0:
-        raise ValueError(
-            f"parallel.tensor_model_parallel_size={tp} must divide "
-            f"model.num_query_groups={groups} (KV heads); valid TP sizes: "
-            f"{[d for d in _divisors(groups) if world_size % d == 0]}"
+            f"parallel.tensor_model_parallel_size={tp} must divide {names}; valid TP sizes: "
+            f"{fits}{where}"
         )
     return world_size // (tp * pp)
 

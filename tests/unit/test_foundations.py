@@ -97,7 +97,7 @@ def test_valid_layout_returns_dp_size():
 
 
 def test_unknown_model_preset_lists_valid_presets():
-    with pytest.raises(ValueError, match=r"model='nope'.*valid presets: \['gpt2', 'llama', 'qwen2', 'tiny'\]"):
+    with pytest.raises(ValueError, match=r"model='nope'.*valid presets: \['gpt2', 'llama', 'qwen2', 'smollm2_135m', 'tiny'\]"):
         load_model_preset("nope")
 
 
