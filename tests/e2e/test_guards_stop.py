@@ -1,0 +1,111 @@
+"""The reward-hacking guard inside the PPO loop (``nemo_rlhf.train_ppo.fit``), tiny model.
+
+Real PPO steps on the tiny demo model; the metrics each step reports are then overridden
+with a hacking pattern (reward up, response length up), so the guard's decision -- not the
+tiny model's behaviour in 3 steps -- drives the test. ``guards.action=stop``: a checkpoint of
+the step that fired is published and the run stops (exit code 3) with a message naming
+the metric and its values; ``warn``: the same message is logged and the run goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import run_ranks
+from tests.ppo_helpers import compose_ppo, make_demo_data
+
+# (reward_mean, response_length) reported at steps 1, 2, 3, ...: over a window of 2 steps
+# the reward rises 0.1 -> 0.5 while the length doubles 4 -> 8 (limit x1.2)
+HACKING = [(0.1, 4.0), (0.5, 8.0), (0.9, 16.0), (1.3, 32.0)]
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+def _run(tmp: Path, name: str, action: str) -> dict:
+    from nemo_rlhf.train_ppo import build, fit
+
+    data = make_demo_data(tmp / "data")
+    exp = tmp / name
+    cfg = compose_ppo(data, exp, "trainer.max_steps=4", "exp_manager.save_interval=0",
+                      f"guards.action={action}", "guards.window=2",
+                      "guards.max_length_growth=1.2", "guards.kl_ceiling=1000")
+    trainer = build(cfg)
+    real_step = trainer.train_step
+
+    def hacked_step():
+        metrics = real_step()
+        reward, length = HACKING[trainer.step]  # trainer.step: steps done before this one
+        metrics.update(reward_mean=reward, response_length=length, repetition=0.0)
+        return metrics
+
+    trainer.train_step = hacked_step
+    handler = _Records()
+    logging.getLogger("nemo_rlhf.ppo").addHandler(handler)
+    try:
+        code = fit(cfg, trainer)
+    finally:
+        logging.getLogger("nemo_rlhf.ppo").removeHandler(handler)
+    ckpts = exp / "checkpoints"
+    names = sorted(p.name for p in ckpts.iterdir()) if ckpts.exists() else []
+    state = {}
+    if "latest" in names:
+        latest = (ckpts / "latest").read_text().strip()
+        state = json.loads((ckpts / latest / "trainer_state.json").read_text())
+        state["latest"] = latest
+        state["complete"] = (ckpts / latest / "COMPLETE").is_file()
+    return {"code": code, "step": trainer.step, "ckpts": names, "state": state, "log": handler.lines}
+
+
+def _worker(rank: int, tmp: str) -> dict:
+    tmp = Path(tmp)
+    return {"stop": _run(tmp, "stop", "stop"), "warn": _run(tmp, "warn", "warn"),
+            "off": _run(tmp, "off", "off")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return run_ranks(_worker, world_size=1, tmp=str(tmp_path_factory.mktemp("guards")))[0]
+
+
+EXPECTED = ("reward_mean rose 0.100->0.500 while response_length grew 4.0->8.0 "
+            "(x2.00 > guards.max_length_growth=1.2) over steps 1-2")
+
+
+def test_stop_saves_a_checkpoint_of_the_step_and_stops_naming_metric_and_values(runs):
+    res = runs["stop"]
+    assert res["code"] == 3, res
+    assert res["step"] == 2  # stopped at the step that fired, not at max_steps=4
+    # save_interval=0 and max_steps not reached: the only checkpoint is the guard's
+    assert res["ckpts"] == ["latest", "step_2"], res["ckpts"]
+    assert res["state"]["latest"] == "step_2" and res["state"]["complete"]
+    assert res["state"]["step"] == 2
+    assert [h["step"] for h in res["state"]["guard"]["history"]] == [1, 2]
+    errors = [msg for level, msg in res["log"] if level == "ERROR"]
+    assert errors == [f"stopping: reward-hacking guard ({EXPECTED})"], res["log"]
+
+
+def test_warn_logs_the_message_and_keeps_training(runs):
+    res = runs["warn"]
+    assert res["code"] == 0 and res["step"] == 4
+    assert res["ckpts"] == ["latest", "step_4"]  # only the final save
+    warnings = [msg for level, msg in res["log"] if "reward-hacking guard" in msg]
+    assert warnings[0] == f"reward-hacking guard: {EXPECTED}"
+    assert len(warnings) == 3  # steps 2, 3 and 4 all show the pattern
+    assert all(level == "WARNING" for level, msg in res["log"] if "reward-hacking guard" in msg)
+
+
+def test_off_says_nothing(runs):
+    res = runs["off"]
+    assert res["code"] == 0 and res["step"] == 4
+    assert not [msg for _, msg in res["log"] if "reward-hacking guard" in msg]

@@ -1,0 +1,175 @@
+"""The reward-hacking guard (:mod:`nemo_rlhf.trainers.ppo.guards`) through its public API.
+
+Each trigger of the stability toolbox -- reward rising while responses get much longer,
+reward rising while responses get repetitive, kl_mean above its ceiling -- fires with a
+message naming the metric and its values, and a healthy run never fires. The stop path
+inside the training loop is tested in ``tests/e2e/test_guards_stop.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nemo_rlhf.trainers.ppo.config import GuardConfig
+from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard, ngram_repetition_rate
+
+
+def _guard(window=4, max_length_growth=1.5, max_repetition=0.5, kl_ceiling=10.0):
+    return RewardHackingGuard(window, max_length_growth, max_repetition, kl_ceiling)
+
+
+def _feed(guard, rows, start=1):
+    """Feed one metrics dict per step; return ``{step: message}`` of the steps that fired."""
+    fired = {}
+    for i, row in enumerate(rows, start=start):
+        msg = guard.update(i, {"repetition": 0.0, "kl_mean": 0.1, **row})
+        if msg is not None:
+            fired[i] = msg
+    return fired
+
+
+def _healthy(n):
+    """Reward slowly rising, length +-1 token around 10, low repetition, small KL."""
+    return [{"reward_mean": 0.1 * i, "response_length": 10.0 + (i % 2), "repetition": 0.05,
+             "kl_mean": 0.5 + 0.01 * i} for i in range(n)]
+
+
+# --- length -----------------------------------------------------------------------------
+
+def test_reward_rising_while_length_grows_past_the_limit_fires_naming_metric_and_values():
+    g = _guard(window=4, max_length_growth=1.5)
+    rows = [{"reward_mean": r, "response_length": n}
+            for r, n in [(0.1, 10.0), (0.2, 12.0), (0.3, 14.0), (0.4, 16.0)]]
+    fired = _feed(g, rows)
+    assert list(fired) == [4], fired  # only once the window is full
+    msg = fired[4]
+    assert "reward_mean rose 0.100->0.400" in msg
+    assert "response_length grew 10.0->16.0" in msg
+    assert "x1.60 > guards.max_length_growth=1.5" in msg
+    assert "steps 1-4" in msg
+
+
+def test_length_growth_at_or_below_the_limit_does_not_fire():
+    g = _guard(window=4, max_length_growth=1.5)
+    rows = [{"reward_mean": 0.1 * i, "response_length": n} for i, n in enumerate([10, 12, 14, 15])]
+    assert _feed(g, rows) == {}  # x1.5 is not > 1.5
+
+
+def test_length_growth_without_rising_reward_does_not_fire():
+    g = _guard(window=3, max_length_growth=1.2)
+    rows = [{"reward_mean": r, "response_length": n} for r, n in [(0.5, 10), (0.5, 20), (0.5, 40)]]
+    assert _feed(g, rows) == {}
+    rows = [{"reward_mean": r, "response_length": n} for r, n in [(0.5, 40), (0.4, 80), (0.3, 90)]]
+    assert _feed(_guard(window=3, max_length_growth=1.2), rows) == {}
+
+
+def test_comparison_is_over_the_window_not_the_whole_run():
+    """Slow growth: x1.1 per step is under the limit over any 3-step window (x1.21), although
+    over the whole run the length has more than doubled."""
+    g = _guard(window=3, max_length_growth=1.5)
+    rows = [{"reward_mean": 0.1 * i, "response_length": 10.0 * 1.1 ** i} for i in range(10)]
+    assert _feed(g, rows) == {}
+    # and a jump inside the window fires at the step it completes
+    g = _guard(window=3, max_length_growth=1.5)
+    rows += [{"reward_mean": 2.0, "response_length": 60.0}]
+    fired = _feed(g, rows)
+    assert list(fired) == [11] and "steps 9-11" in fired[11]
+
+
+# --- repetition -------------------------------------------------------------------------
+
+def test_reward_rising_with_repetition_past_the_limit_fires_naming_the_metric():
+    g = _guard(window=3, max_repetition=0.5)
+    rows = [{"reward_mean": r, "response_length": 10.0, "repetition": rep}
+            for r, rep in [(0.1, 0.1), (0.2, 0.3), (0.3, 0.7)]]
+    fired = _feed(g, rows)
+    assert list(fired) == [3], fired
+    msg = fired[3]
+    assert "reward_mean rose 0.100->0.300" in msg
+    assert "n-gram repetition reached 0.700" in msg
+    assert "guards.max_repetition=0.5" in msg and "at step 3" in msg
+
+
+def test_high_repetition_without_rising_reward_does_not_fire():
+    g = _guard(window=3, max_repetition=0.5)
+    rows = [{"reward_mean": r, "response_length": 10.0, "repetition": 0.9}
+            for r in (0.3, 0.2, 0.3)]
+    assert _feed(g, rows) == {}
+
+
+# --- KL ceiling -------------------------------------------------------------------------
+
+def test_kl_mean_above_the_ceiling_fires_at_once_whatever_the_reward():
+    g = _guard(window=5, kl_ceiling=10.0)
+    fired = _feed(g, [{"reward_mean": 1.0, "response_length": 10.0, "kl_mean": 12.5}])
+    assert list(fired) == [1]  # no full window needed
+    assert "kl_mean=12.500 exceeds guards.kl_ceiling=10.0 at step 1" == fired[1]
+    # falling reward: still fires
+    g = _guard(window=2, kl_ceiling=10.0)
+    fired = _feed(g, [{"reward_mean": 1.0, "response_length": 10.0, "kl_mean": 1.0},
+                      {"reward_mean": 0.0, "response_length": 10.0, "kl_mean": 10.5}])
+    assert list(fired) == [2] and "kl_mean=10.500" in fired[2]
+
+
+def test_kl_mean_at_the_ceiling_does_not_fire():
+    g = _guard(window=2, kl_ceiling=10.0)
+    assert _feed(g, [{"reward_mean": 0.0, "response_length": 10.0, "kl_mean": 10.0}] * 3) == {}
+
+
+# --- healthy run, state ---------------------------------------------------------------------
+
+def test_healthy_run_never_fires():
+    g = _guard(window=5, max_length_growth=1.5, max_repetition=0.5, kl_ceiling=10.0)
+    assert _feed(g, _healthy(50)) == {}
+
+
+def test_defaults_fire_on_doubling_length_and_not_on_a_healthy_run():
+    cfg = GuardConfig()
+    assert cfg.action == "warn"  # on by default, as a warning
+    make = lambda: RewardHackingGuard(cfg.window, cfg.max_length_growth, cfg.max_repetition,  # noqa: E731
+                                      cfg.kl_ceiling)
+    assert _feed(make(), _healthy(30)) == {}
+    rows = [{"reward_mean": 0.1 * i, "response_length": 10.0 * 2 ** (i / (cfg.window - 1))}
+            for i in range(cfg.window)]
+    fired = _feed(make(), rows)
+    assert list(fired) == [cfg.window] and "response_length grew 10.0->20.0" in fired[cfg.window]
+
+
+def test_missing_metrics_count_as_zero_and_do_not_fire():
+    g = _guard(window=2)
+    assert g.update(1, {}) is None and g.update(2, {"reward_mean": 1.0}) is None
+
+
+def test_state_dict_round_trip_keeps_the_window():
+    """A resumed guard (history restored from the checkpoint) fires at the same step as
+    the uninterrupted one; a fresh guard would need a full window first."""
+    rows = [{"reward_mean": r, "response_length": n}
+            for r, n in [(0.1, 10.0), (0.2, 11.0), (0.3, 13.0), (0.4, 20.0)]]
+    full = _feed(_guard(window=4), rows)
+    assert list(full) == [4]
+    g = _guard(window=4)
+    _feed(g, rows[:3])
+    restored = _guard(window=4)
+    restored.load_state_dict(g.state_dict())
+    assert _feed(restored, rows[3:], start=4) == full
+    assert _feed(_guard(window=4), rows[3:], start=4) == {}
+
+
+# --- n-gram repetition rate, config ------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens, n, rate", [
+    ([1, 2, 3, 4, 5, 6], 3, 0.0),
+    ([1, 2, 3], 3, 0.0),                      # shorter than n + 1: 0
+    ([7, 7, 7, 7, 7, 7], 3, 1 - 1 / 4),       # one distinct trigram out of 4
+    ([1, 2, 3, 1, 2, 3, 1, 2, 3], 3, 1 - 3 / 7),
+    ([1, 2, 1, 2, 1], 2, 1 - 2 / 4),
+])
+def test_ngram_repetition_rate(tokens, n, rate):
+    assert ngram_repetition_rate(tokens, n) == pytest.approx(rate)
+
+
+def test_guard_action_is_validated():
+    for ok in ("off", "warn", "stop"):
+        GuardConfig(action=ok)
+    with pytest.raises(ValueError, match="guards.action='halt'"):
+        GuardConfig(action="halt")
