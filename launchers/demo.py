@@ -13,9 +13,11 @@ with the InstructGPT recipe and the checker as the labeller:
 4. RM data: several sampled answers per RM prompt from the model itself, labelled by the
    checker; a correct answer against a wrong one of the same prompt is a pair;
 5. RM training from the SmolLM2 backbone (``rm.freeze_layers`` lower layers kept fixed);
-6. PPO (``conf/ppo_smollm2.yaml``) against the served RM (``--reward rm``, default), the
-   checker (``--reward checker``) or both (``--reward both``), with held-out evaluation
-   every ``trainer.val_check_interval`` steps;
+6. PPO (``conf/ppo_smollm2.yaml``) with the checker as the reward (``--reward checker``,
+   the default), against the served RM (``--reward rm``) or both (``--reward both``), with
+   held-out evaluation every ``trainer.val_check_interval`` steps. The RM is trained and
+   evaluated in every case; it is not the default reward because, as measured, PPO against
+   it alone learns the answer format the RM rewards and loses accuracy (README);
 7. final held-out evaluation and a before/after table of samples.
 
 ``--task tiny`` (about 2.5 minutes): the synthetic precedence-arithmetic task
@@ -302,8 +304,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="experiment root (default experiments/<task>)")
     ap.add_argument("--data", default=None, help="dataset folder (default data/addition or data/demo)")
     ap.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
-    ap.add_argument("--reward", choices=["rm", "checker", "both"], default="rm",
-                    help="smollm2: PPO reward from the served RM, the rule-based checker, or their sum")
+    ap.add_argument("--reward", choices=["rm", "checker", "both"], default="checker",
+                    help="smollm2: PPO reward from the rule-based checker (default), the served RM, or "
+                         "their sum. Measured: checker 14%% -> 63%% held-out at step 15; the RM alone "
+                         "(82%% pair accuracy, mostly on format) 14%% -> 7.5%% at step 30 (README)")
     ap.add_argument("--rm-prompts", type=int, default=256, help="smollm2: prompts sampled for RM pairs")
     ap.add_argument("--rm-samples-per-prompt", type=int, default=4, help="smollm2: answers sampled per RM prompt")
     ap.add_argument("--rm-temperature", type=float, default=0.7, help="smollm2: sampling temperature of RM data")
