@@ -214,6 +214,27 @@ def _patch_megatron_rng() -> None:
     mrandom._lazy_call = lambda cb: cb()
 
 
+@contextlib.contextmanager
+def suspended():
+    """Suspend the shim's ``TorchFunctionMode`` on this thread for the ``with`` block.
+
+    The mode routes every torch call and tensor attribute access through a Python
+    ``__torch_function__``; a loop of many small ops whose allocations all go through the
+    (still patched) factory functions and ``Tensor.to`` can run without it -- the rollout's
+    decoding loop does (the mode cost about a third of a decode step). Nothing happens when
+    the shim is inactive or when another mode is innermost (that one is left alone); the
+    mode is pushed back on exit, exceptions included.
+    """
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+
+    stack = _get_current_function_mode_stack()
+    if _ACTIVE and stack and isinstance(stack[-1], _CpuDeviceMode):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
 def activate_if_no_cuda() -> bool:
     """Activate the shim when CUDA is absent; return whether it is active."""
     if not torch.cuda.is_available():

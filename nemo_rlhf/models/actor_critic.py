@@ -152,12 +152,18 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
 
 def _layer_spec(model_cfg: ModelConfig):
     """Transformer-engine layer spec when TE is installed (the ``gpu`` extra), else the
-    local spec. TE needs CUDA to import, so CPU machines always get the local spec."""
+    local spec. TE needs CUDA to import, so CPU machines always get the local spec.
+
+    The local spec is :func:`nemo_rlhf.rollout.decode_layers.local_layer_spec`: megatron's
+    local spec with a layer and self-attention class that add an incremental KV-cache
+    decoding path (same parameters and keys, same training forward)."""
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
     except (ImportError, OSError, RuntimeError):
-        return get_gpt_layer_local_spec(normalization=model_cfg.normalization)
+        from nemo_rlhf.rollout.decode_layers import local_layer_spec
+
+        return local_layer_spec(normalization=model_cfg.normalization)
     return get_gpt_layer_with_transformer_engine_spec()

@@ -28,10 +28,18 @@ DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index).
 
 Speed: masks, positions and buffers are built once per call and sliced per step; without
 left padding decode steps pass no mask; with the CPU shim active its TorchFunctionMode is
-suspended for the loop (see :func:`_without_cpu_device_mode`). megatron's static-batching
-cache stores un-rotated keys and re-applies RoPE to the whole cache every step, and its
-layers carry more Python per op than transformers' Llama: on 2 CPU cores a decode step of
-a 4-layer, 256-wide model is ~1.6x transformers' (``benchmarks/bench_rollout.py``).
+suspended for the loop (:func:`nemo_rlhf.distributed.cpu_compat.suspended`). The model's
+local layer spec (:mod:`nemo_rlhf.rollout.decode_layers`) gives the layers an incremental
+path for this static-batching context: RoPE on the new tokens only with rotated keys cached,
+no GQA copies, and no per-op megatron wrappers at TP=1 (megatron's own static path
+re-rotates the whole cache and repeats keys/values every step). ``torch.inference_mode`` is
+not used: megatron caches its RoPE table (``lru_cache``) and an inference tensor cached
+there would break a later training forward of the same length.
+Measured with ``benchmarks/bench_rollout.py`` (fp32, greedy, 2 threads on a shared 2-core
+machine, median of 3 runs of 5 interleaved pairs): 4 layers / hidden 256, 64 + 64 tokens:
+1.13x / 1.12x transformers' ``generate`` at batch 8 / 32 (megatron's own path: 0.62x /
+0.61x); SmolLM2-135M shape, 64 + 32 tokens: 1.03x / 1.04x (before: 0.76x / 0.80x). At that
+size ~80% of a step is the same fp32 GEMMs on both sides, so the margin is thin.
 
 Simplified: the batch is static (finished rows keep being computed, feeding pad tokens,
 until every row is done; no continuous batching or cache compaction); pipeline stages run
@@ -42,7 +50,6 @@ vocab-parallel sampling).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 from dataclasses import dataclass, replace
@@ -294,6 +301,7 @@ def generate(
     prompt_ids, prompt_mask, prompt_lengths = left_pad(prompts, pad_token_id)
     _check_prompts_agree(dims, prompt_ids)
 
+    from nemo_rlhf.distributed import cpu_compat
     from nemo_rlhf.trainers.engine import unwrap
 
     core = unwrap(model)
@@ -303,7 +311,7 @@ def generate(
     if had_values is not None:
         core.compute_values = False
     try:
-        with torch.no_grad(), _without_cpu_device_mode():
+        with torch.no_grad(), cpu_compat.suspended():
             return _decode(core, dims, prompt_ids, prompt_mask, prompt_lengths, cfg,
                            eos_token_id, pad_token_id, vocab_size, decode_fn, call_index)
     finally:
@@ -312,29 +320,6 @@ def generate(
             core.compute_values = had_values
         if not dims.is_first_stage:
             core.set_input_tensor(None)
-
-
-@contextlib.contextmanager
-def _without_cpu_device_mode():
-    """Suspend the CPU shim's ``TorchFunctionMode`` for the decoding loop (CPU only).
-
-    The shim (:mod:`nemo_rlhf.distributed.cpu_compat`) routes every torch call and tensor
-    attribute access through a Python ``__torch_function__`` to remap CUDA devices; for the
-    many small ops of a decode step that costs about a third of the step (measured with
-    ``benchmarks/bench_rollout.py``). The inference forward allocates only through the
-    tensor factories, which the shim also patches at module level, so the mode is not
-    needed there. It is popped only when it is the innermost mode, and pushed back after.
-    """
-    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
-
-    from nemo_rlhf.distributed import cpu_compat
-
-    stack = _get_current_function_mode_stack()
-    if cpu_compat.is_active() and stack and isinstance(stack[-1], cpu_compat._CpuDeviceMode):
-        with _pop_mode_temporarily():
-            yield
-    else:
-        yield
 
 
 def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutConfig,
@@ -363,7 +348,8 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
 
     runner = _StageRunner(model, dims, B, cfg.use_kv_cache, L)
     prefill_pos = position_ids_for(prompt_mask)
-    prefill_mask = causal_padding_mask(prompt_mask)
+    # no left padding: no prefill mask either (the attention is causal by default)
+    prefill_mask = None if bool(prompt_mask.all()) else causal_padding_mask(prompt_mask)
     # Decode step t feeds response token t-1 at position len_b + t - 1 and attends to every
     # cached key but the left padding: both precomputed, sliced per step (views, no ops).
     decode_pos_BR = (prompt_lengths.unsqueeze(1) + torch.arange(max(R - 1, 0))).contiguous()

@@ -8,7 +8,11 @@ is the policy's own log-prob that the trainer recomputes; then EOS/stop ids are 
 while ``step < min_new_tokens``; then top-k, then top-p; then a token is drawn.
 
 Sampling is by inverse CDF: one uniform per row from the caller's ``torch.Generator``,
-searched in the cumulative sum of the filtered probabilities in vocabulary order. A fixed
+searched in the cumulative sum of the filtered probabilities in vocabulary order. With
+top-p, the nucleus is found among a few candidates (``topk``) instead of by sorting the
+whole vocabulary, and the CDF runs over the kept tokens only (the others add exact zeros):
+at vocab 49152 that cut a top-p step from ~40 ms to ~8 ms at batch 8 (166 -> 35 ms at batch
+32) on one CPU thread. A fixed
 number of draws per step (one per row, finished rows included) keeps the random stream
 aligned across batch layouts, and a tiny perturbation of the logits (TP=2 vs TP=1 rounding)
 only changes the token if a uniform lands within that perturbation of a bucket edge.
@@ -23,6 +27,48 @@ import torch
 NEG_INF = float("-inf")
 
 
+def _nucleus(scores_BV: torch.Tensor, top_p: float):
+    """The top-p nucleus of each row, found among a few most likely candidates.
+
+    Sorting the whole vocabulary (the textbook way) costs ~100x a softmax at vocab 50k on
+    a CPU, and a nucleus is usually a few hundred tokens. The tokens with probability
+    ``>= tau`` are at most ``1/tau``; once their mass reaches ``top_p`` in every row
+    (``tau`` = 2^-10, then /16 until it does), the nucleus lies among them, because the
+    mass before a token only grows along the sorted order. So only the top ``k`` = (most
+    such tokens in a row) + 1 are sorted (``topk``), and the cut is checked again on the
+    sorted candidates (``k`` grows if rounding disagrees; ``k`` = vocab is a full sort).
+
+    Args:
+        scores_BV: ``[batch, vocab]`` float (temperature-scaled, possibly ``-inf``-filtered).
+        top_p: in (0, 1).
+
+    Returns:
+        ``(idx [batch, k] int64, removed [batch, k] bool)``: candidate token ids, most
+        likely first, and which of them are outside the nucleus (a suffix of each row; the
+        most likely token is always kept). Tokens not among the candidates are outside.
+    """
+    vocab = scores_BV.shape[-1]
+    probs_BV = torch.softmax(scores_BV, dim=-1)
+    tau = 2.0 ** -10
+    while tau * vocab > 1.0:
+        inside_BV = probs_BV >= tau
+        if bool((torch.where(inside_BV, probs_BV, 0.0).sum(dim=-1) >= top_p).all()):
+            k = min(vocab, int(inside_BV.sum(dim=-1).max()) + 1)
+            break
+        tau /= 16.0
+    else:
+        k = vocab
+    while True:
+        vals_Bk, idx_Bk = torch.topk(probs_BV, k, dim=-1)
+        mass_before_Bk = vals_Bk.cumsum(dim=-1) - vals_Bk
+        if k == vocab or bool((mass_before_Bk[:, -1] >= top_p).all()):
+            break
+        k = min(vocab, k * 4)
+    removed_Bk = mass_before_Bk >= top_p
+    removed_Bk[:, 0] = False
+    return idx_Bk, removed_Bk
+
+
 def top_k_top_p_filter(scores_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Set the scores of tokens outside the top-k / nucleus to ``-inf`` (in place).
 
@@ -31,7 +77,8 @@ def top_k_top_p_filter(scores_BV: torch.Tensor, top_k: int = 0, top_p: float = 1
         top_k: keep the ``top_k`` largest scores per row (ties at the k-th value are kept);
             0 = off.
         top_p: keep the smallest set of most likely tokens whose probability mass reaches
-            ``top_p`` (the most likely token is always kept); 1.0 = off.
+            ``top_p`` (the most likely token is always kept); 1.0 = off. Applied after
+            top-k.
 
     Returns:
         ``scores_BV`` (the same tensor, modified).
@@ -41,14 +88,39 @@ def top_k_top_p_filter(scores_BV: torch.Tensor, top_k: int = 0, top_p: float = 1
         kth = torch.topk(scores_BV, top_k, dim=-1).values[:, -1:]
         scores_BV.masked_fill_(scores_BV < kth, NEG_INF)
     if top_p < 1.0:
-        sorted_s, order = torch.sort(scores_BV, dim=-1, descending=True)
-        probs = torch.softmax(sorted_s, dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        remove_sorted = mass_before >= top_p
-        remove_sorted[:, 0] = False
-        remove = torch.empty_like(remove_sorted).scatter_(-1, order, remove_sorted)
-        scores_BV.masked_fill_(remove, NEG_INF)
+        idx_Bk, removed_Bk = _nucleus(scores_BV, top_p)
+        keep_BV = torch.zeros(scores_BV.shape, dtype=torch.bool, device=scores_BV.device)
+        keep_BV.scatter_(-1, idx_Bk, ~removed_Bk)
+        scores_BV.masked_fill_(~keep_BV, NEG_INF)
     return scores_BV
+
+
+def _draw_among(scores_BV: torch.Tensor, idx_Bk: torch.Tensor, removed_Bk: torch.Tensor,
+                u_B: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw (vocabulary order) restricted to the kept candidates.
+
+    The same token as the full-vocabulary draw over ``scores_BV`` with everything but the
+    kept candidates at ``-inf``: the removed tokens add exact zeros to the CDF, so only
+    the float64 normalisation's summation order differs.
+
+    Args:
+        scores_BV: ``[batch, vocab]`` filtered scores.
+        idx_Bk, removed_Bk: from :func:`_nucleus`.
+        u_B: ``[batch]`` float64 uniforms in [0, 1).
+
+    Returns:
+        ``[batch]`` int64 token ids.
+    """
+    vocab = scores_BV.shape[-1]
+    order_Bk = idx_Bk.masked_fill(removed_Bk, vocab).argsort(dim=-1)  # kept, in vocab order
+    idx_Bk = idx_Bk.gather(-1, order_Bk)
+    removed_Bk = removed_Bk.gather(-1, order_Bk)
+    cand_Bk = scores_BV.gather(-1, idx_Bk).masked_fill_(removed_Bk, NEG_INF)
+    cdf_Bk = torch.softmax(cand_Bk, dim=-1, dtype=torch.float64).cumsum_(dim=-1)
+    target_B1 = (u_B * cdf_Bk[:, -1]).unsqueeze(-1)
+    j_B1 = torch.searchsorted(cdf_Bk, target_B1, right=True)
+    last_kept_B1 = (~removed_Bk).sum(dim=-1, keepdim=True) - 1
+    return idx_Bk.gather(-1, torch.minimum(j_B1, last_kept_B1)).squeeze(-1)
 
 
 def choose_tokens(
@@ -97,11 +169,15 @@ def choose_tokens(
         scores_BV = z_BV.clone()
         if suppress_ids is not None and suppress_ids.numel():
             scores_BV[:, suppress_ids] = NEG_INF
-        top_k_top_p_filter(scores_BV, top_k, top_p)
-        probs_BV = torch.softmax(scores_BV, dim=-1, dtype=torch.float64)
-        cdf_BV = probs_BV.cumsum_(dim=-1)
-        target_B1 = (u_B * cdf_BV[:, -1]).unsqueeze(-1)
-        tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1)
-        tokens_B.clamp_(max=z_BV.shape[-1] - 1)
+        top_k_top_p_filter(scores_BV, top_k, 1.0)
+        if top_p < 1.0:
+            idx_Bk, removed_Bk = _nucleus(scores_BV, top_p)
+            tokens_B = _draw_among(scores_BV, idx_Bk, removed_Bk, u_B)
+        else:
+            probs_BV = torch.softmax(scores_BV, dim=-1, dtype=torch.float64)
+            cdf_BV = probs_BV.cumsum_(dim=-1)
+            target_B1 = (u_B * cdf_BV[:, -1]).unsqueeze(-1)
+            tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1)
+            tokens_B.clamp_(max=z_BV.shape[-1] - 1)
     logprobs_B = z_BV.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1) - lse_B
     return tokens_B, logprobs_B

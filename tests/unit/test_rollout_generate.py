@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from nemo_rlhf.rollout import RolloutBatch, RolloutConfig, generate, response_logprobs
+from tests.single_rank import single_rank
 
 VOCAB = 100
 PAD = 0
@@ -15,13 +16,8 @@ LENGTHS = (5, 9, 3, 7)
 
 @pytest.fixture(scope="module")
 def dims():
-    from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
-    from nemo_rlhf.distributed.launch_env import LaunchEnv
-
-    env = LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
-                    launcher="single")
-    yield initialize_distributed(ParallelConfig(), seed=0, launch_env=env)
-    destroy_distributed()
+    with single_rank(seed=0) as d:
+        yield d
 
 
 def _build(dims, **overrides):

@@ -109,3 +109,51 @@ def test_same_generator_seed_same_tokens():
     b, _ = choose_tokens(z, vocab_size=16, greedy=False, generator=torch.Generator().manual_seed(3))
     c, _ = choose_tokens(z, vocab_size=16, greedy=False, generator=torch.Generator().manual_seed(4))
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def _reference_nucleus_filter(scores, top_p):
+    """Textbook top-p on the fully sorted vocabulary (what the candidate search replaces)."""
+    sorted_s, order = torch.sort(scores, dim=-1, descending=True)
+    probs = torch.softmax(sorted_s, dim=-1)
+    remove = (probs.cumsum(-1) - probs) >= top_p
+    remove[:, 0] = False
+    return scores.masked_fill(torch.empty_like(remove).scatter_(-1, order, remove), float("-inf"))
+
+
+def _large_vocab_scores(vocab=6000, seed=10):
+    """Rows from very peaked (nucleus of a few tokens) to flat (most of the vocabulary)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([8.0, 4.0, 2.0, 1.0, 0.5, 0.1, 0.02, 3.0])[:, None]  # no exact ties
+    return torch.randn(8, vocab, generator=g) * scale
+
+
+def test_top_p_candidate_search_equals_full_sort_on_a_large_vocab():
+    z = _large_vocab_scores()
+    for top_p in (0.05, 0.5, 0.9, 0.99):
+        got = torch.isfinite(top_k_top_p_filter(z.clone(), top_p=top_p))
+        ref = torch.isfinite(_reference_nucleus_filter(z, top_p))
+        assert torch.equal(got, ref), top_p
+        sizes = got.sum(-1)
+        if top_p >= 0.5:  # both regimes: found among few candidates, and nearly a full sort
+            assert sizes.min() < 50 and sizes.max() > 1000
+    with_k = torch.isfinite(top_k_top_p_filter(z.clone(), top_k=300, top_p=0.9))
+    ref_k = z.clone()
+    ref_k.masked_fill_(ref_k < torch.topk(ref_k, 300, -1).values[:, -1:], float("-inf"))
+    assert torch.equal(with_k, torch.isfinite(_reference_nucleus_filter(ref_k, 0.9)))
+
+
+def test_top_p_draw_among_candidates_equals_the_full_vocabulary_draw():
+    """Same uniforms -> the same tokens as the inverse CDF over the whole filtered vocab."""
+    z = _large_vocab_scores().repeat(50, 1)
+    vocab = z.shape[1]
+    for temperature, top_p in ((0.7, 0.9), (1.0, 0.5), (1.3, 0.99)):
+        tok, lp = choose_tokens(z, vocab_size=vocab, greedy=False, temperature=temperature,
+                                top_p=top_p, generator=torch.Generator().manual_seed(7))
+        u = torch.rand(z.shape[0], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        filt = _reference_nucleus_filter(z / temperature, top_p)
+        cdf = torch.softmax(filt, -1, dtype=torch.float64).cumsum(-1)
+        ref = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+        assert torch.equal(tok, ref), (temperature, top_p)
+        assert torch.isfinite(filt.gather(-1, tok[:, None])).all()
+        torch.testing.assert_close(lp, torch.log_softmax(z / temperature, -1).gather(
+            -1, tok[:, None]).squeeze(-1))
