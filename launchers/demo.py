@@ -152,16 +152,33 @@ SMOLLM2_MAX_NEW_TOKENS = 24
 """Response budget of the SmolLM2 demo in tokens (rollout, evaluation and RM samples)."""
 
 
-def _pairs_from_samples(samples: Path, out: Path, max_pairs_per_prompt: int) -> int:
-    from nemo_rlhf.data.addition_task import build_preference_pairs
+def _pairs_from_samples(samples: Path, out: Path, max_pairs_per_prompt: int, edit_pairs: int) -> int:
+    from nemo_rlhf.data.addition_task import answer_edit_pairs, build_preference_pairs
 
     if not out.exists():
         rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
         pairs = build_preference_pairs(rows, max_pairs_per_prompt=max_pairs_per_prompt)
+        if edit_pairs:
+            pairs += answer_edit_pairs(rows, per_prompt=edit_pairs)
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(p) + "\n" for p in pairs))
         tmp.rename(out)
     return sum(1 for line in out.read_text().splitlines() if line.strip())
+
+
+def _check_stage_settings(path: Path, settings: dict) -> None:
+    """Record the RM stages' settings; refuse to continue an output folder made with others
+    (its pairs and RM would be reused silently)."""
+    if path.exists():
+        before = json.loads(path.read_text())
+        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        if changed:
+            diff = ", ".join(f"--{k.replace('_', '-')} {old} -> {new}" for k, (old, new) in changed.items())
+            raise SystemExit(f"{path.parent.parent} holds RM data and an RM made with other settings "
+                             f"({diff}); pass a new --out (nothing there is overwritten)")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(settings, indent=2))
 
 
 def run_smollm2(a) -> int:
@@ -199,6 +216,10 @@ def run_smollm2(a) -> int:
 
     t = time.time()
     rm_data = out / "rm_data"
+    _check_stage_settings(rm_data / "settings.json", {
+        "rm_prompts": a.rm_prompts, "rm_samples_per_prompt": a.rm_samples_per_prompt,
+        "rm_temperature": a.rm_temperature, "rm_edit_pairs": a.rm_edit_pairs,
+        "rm_epochs": a.rm_epochs, "rm_freeze_layers": a.rm_freeze_layers})
     pair_counts = {}
     for split, prompts in (("train", "rm_prompts.jsonl"), ("val", "rm_val_prompts.jsonl")):
         samples = rm_data / f"samples_{split}.jsonl"
@@ -208,7 +229,8 @@ def run_smollm2(a) -> int:
                   f"temperature={a.rm_temperature}", f"num_samples={a.rm_samples_per_prompt}",
                   f"samples_out={samples}", f"seed={1 if split == 'train' else 2}",
                   "num_examples=0", "batch_size=128"], logs / "rm_samples.log")
-        pair_counts[split] = _pairs_from_samples(samples, rm_data / f"preference_{split}.jsonl", 4)
+        pair_counts[split] = _pairs_from_samples(samples, rm_data / f"preference_{split}.jsonl", 4,
+                                                 a.rm_edit_pairs)
     print(f"RM pairs from the model's own samples: {pair_counts}", flush=True)
     if min(pair_counts.values()) == 0:
         raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
@@ -312,6 +334,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rm-samples-per-prompt", type=int, default=4, help="smollm2: answers sampled per RM prompt")
     ap.add_argument("--rm-temperature", type=float, default=0.7, help="smollm2: sampling temperature of RM data")
     ap.add_argument("--rm-epochs", type=int, default=2, help="smollm2: passes over the RM pairs")
+    ap.add_argument("--rm-edit-pairs", type=int, default=0,
+                    help="smollm2: minimal pairs per RM prompt that differ only in the stated number "
+                         "(data.addition_task.answer_edit_pairs); 0 = only natural pairs")
     ap.add_argument("--rm-freeze-layers", type=int, default=20,
                     help="smollm2: lower transformer layers of the RM kept at the pretrained weights")
     ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job")

@@ -19,7 +19,13 @@ restatements of ``a+b`` are removed); ``just_the_number`` measures the format.
 Preference pairs come from the model's own samples (the InstructGPT recipe, with the
 checker as the labeller): :func:`build_preference_pairs` turns scored samples into
 ``{"prompt", "chosen", "rejected"}`` rows, a correct answer against an incorrect one of the
-same prompt.
+same prompt. Such pairs mostly teach an RM the *form* of a right answer (the model's right
+answers are mostly ``a + b = c`` lines, its wrong ones prose), which PPO then exploits
+(measured: the README's SmolLM2 section). :func:`answer_edit_pairs` adds minimal pairs that
+differ only in the stated number -- a right sample against the same text with a near-miss
+number, a wrong sample against the same text with the right sum -- so that the form alone
+cannot separate chosen from rejected (counterfactual augmentation of the model's own
+samples; every edit is re-checked by the checker).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -128,4 +135,83 @@ def build_preference_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int
         combos = [(g, b) for b in bad for g in good][:n] if good and bad else []
         for g, b in combos:
             pairs.append({"prompt": prompt, "chosen": g, "rejected": b, "answer": entry["answer"]})
+    return pairs
+
+
+NEAR_MISS_OFFSETS = (-11, -10, -9, -2, -1, 1, 2, 9, 10, 11)
+"""Wrong answers :func:`answer_edit_pairs` writes: the sum plus one of these (a carry or a
+units-digit slip, the model's own typical errors)."""
+
+_NUMBER_SPAN = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _answer_span(response: str, answer: int | None) -> tuple[int, int] | None:
+    """Character span of the number the checker reads as the answer, or None.
+
+    Found by editing: the first integer whose replacement changes what
+    :func:`nemo_rlhf.reward.functions.addition_answer` reads to the replacement (numbers
+    inside a restated ``a + b`` are skipped by the checker, so they fail this test).
+    """
+    from nemo_rlhf.reward.functions import addition_answer
+
+    probe = -123457 if answer is None else answer + 777
+    for m in _NUMBER_SPAN.finditer(response):
+        edited = response[:m.start()] + str(probe) + response[m.end():]
+        if addition_answer(edited) == probe:
+            return m.start(), m.end()
+    return None
+
+
+def answer_edit_pairs(samples: Sequence[Mapping], per_prompt: int = 1, seed: int = 0) -> list[dict]:
+    """Minimal chosen/rejected pairs: a sample of the model and the same text with only
+    the stated number changed.
+
+    A right sample (checker score 1) is chosen against itself with a near-miss number
+    (the sum plus one of :data:`NEAR_MISS_OFFSETS`); a wrong sample that states a number is
+    rejected against itself with the right sum. Samples that state no number (as the
+    checker reads them) give nothing. Every edited text is re-scored by the checker
+    (``two_digit_addition``) and kept only if its score flipped.
+
+    Args:
+        samples: rows ``{"prompt", "response", "score", "answer"}`` as for
+            :func:`build_preference_pairs`.
+        per_prompt: pairs per prompt at most (distinct samples, shuffled by ``seed``).
+        seed: seed of the sample shuffle and of the near-miss choice.
+
+    Returns:
+        ``[{"prompt", "chosen", "rejected", "answer", "edit": "wrong_sum"|"right_sum"}]``.
+
+    Raises:
+        KeyError: a row without ``answer``.
+    """
+    from nemo_rlhf.reward.functions import two_digit_addition
+
+    rng = random.Random(seed)
+    by_prompt: dict[str, list[Mapping]] = {}
+    for row in samples:
+        rows = by_prompt.setdefault(row["prompt"], [])
+        if all(r["response"] != row["response"] for r in rows):
+            rows.append(row)
+    pairs = []
+    for prompt, rows in by_prompt.items():
+        rows = rows[:]
+        rng.shuffle(rows)
+        made = 0
+        for row in rows:
+            if made >= per_prompt:
+                break
+            answer = int(row["answer"])
+            text = row["response"]
+            right = float(row["score"]) > 0.5
+            span = _answer_span(text, answer)
+            if span is None:
+                continue
+            number = answer + rng.choice(NEAR_MISS_OFFSETS) if right else answer
+            edited = text[:span[0]] + str(number) + text[span[1]:]
+            flipped = two_digit_addition([prompt], [edited], [{"answer": answer}])[0]
+            if flipped == (0.0 if right else 1.0):
+                chosen, rejected = (text, edited) if right else (edited, text)
+                pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
+                              "answer": str(answer), "edit": "wrong_sum" if right else "right_sum"})
+                made += 1
     return pairs

@@ -7,7 +7,13 @@ import json
 
 import pytest
 
-from nemo_rlhf.data.addition_task import AdditionTaskConfig, build_preference_pairs, make_addition_dataset
+from nemo_rlhf.data.addition_task import (
+    NEAR_MISS_OFFSETS,
+    AdditionTaskConfig,
+    answer_edit_pairs,
+    build_preference_pairs,
+    make_addition_dataset,
+)
 from nemo_rlhf.reward.functions import two_digit_addition
 
 
@@ -67,6 +73,28 @@ def test_pairs_are_correct_vs_wrong_of_the_same_prompt_deduplicated_and_capped()
     assert len(p3) == 3 and all(p["chosen"] in "ab" and p["rejected"] in "cde" for p in p3)
     assert not [p for p in pairs if p["prompt"] == "p2"]
     assert build_preference_pairs(s, 3, seed=0) == build_preference_pairs(s, 3, seed=0)
+
+
+def test_answer_edit_pairs_change_only_the_number_the_checker_reads():
+    q = "What is 26+28? Answer with just the number."
+    s = [{"prompt": q, "response": "26 + 28 = 54", "score": 1.0, "answer": "54"},
+         {"prompt": q, "response": "26+28 is 64, I think.", "score": 0.0, "answer": "54"},
+         {"prompt": q, "response": "Twenty-six plus twenty-eight.", "score": 0.0, "answer": "54"},
+         {"prompt": q, "response": "26 + 28", "score": 0.0, "answer": "54"}]
+    pairs = answer_edit_pairs(s, per_prompt=4, seed=3)
+    by_edit = {p["edit"]: p for p in pairs}
+    assert len(pairs) == 2 and set(by_edit) == {"wrong_sum", "right_sum"}  # no number: no pair
+    wrong = by_edit["wrong_sum"]
+    assert wrong["chosen"] == "26 + 28 = 54" and wrong["rejected"].startswith("26 + 28 = ")
+    assert int(wrong["rejected"].rsplit(" ", 1)[1]) - 54 in NEAR_MISS_OFFSETS
+    right = by_edit["right_sum"]
+    assert (right["chosen"], right["rejected"]) == ("26+28 is 54, I think.", "26+28 is 64, I think.")
+    extras = [{"answer": "54"}] * len(pairs)
+    prompts = [q] * len(pairs)
+    assert two_digit_addition(prompts, [p["chosen"] for p in pairs], extras) == [1.0, 1.0]
+    assert two_digit_addition(prompts, [p["rejected"] for p in pairs], extras) == [0.0, 0.0]
+    assert len(answer_edit_pairs(s, per_prompt=1)) == 1
+    assert answer_edit_pairs(s, 4, seed=3) == pairs
 
 
 def test_chatml_prompt_does_not_get_a_second_bos_when_bos_is_im_start(tmp_path):
