@@ -2,7 +2,7 @@
 
     python -m launchers.demo [--task smollm2|tiny] [--out DIR] [--nproc 1] [-- <extra PPO overrides>]
 
-``--task smollm2`` (the default; about 45 minutes on 2 CPU cores): SmolLM2-135M-Instruct,
+``--task smollm2`` (the default; about 18 minutes on 2 CPU cores, set-up included): SmolLM2-135M-Instruct,
 set up offline from its PyPI package (``nemo_rlhf/tools/real_model.py``), learns two-digit
 addition asked through its chat template ("What is 26+28? Answer with just the number.")
 with the InstructGPT recipe and the checker as the labeller:
