@@ -17,3 +17,11 @@ def single_rank(seed: int = 0):
         yield initialize_distributed(ParallelConfig(), seed=seed, launch_env=env)
     finally:
         destroy_distributed()
+
+
+def random_prompts(lengths, vocab: int, seed: int = 5) -> list[list[int]]:
+    """Seeded prompts of the given lengths (tokens), ids in ``[1, vocab)`` (0 is kept for padding)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]

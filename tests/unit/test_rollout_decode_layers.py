@@ -14,7 +14,7 @@ from nemo_rlhf.rollout.decode_layers import (
     KVCacheTransformerLayer,
     local_layer_spec,
 )
-from tests.single_rank import single_rank
+from tests.single_rank import random_prompts, single_rank
 
 VOCAB = 100
 MAX_SEQ = 64
@@ -53,8 +53,7 @@ def models(dims):
 
 
 def _prompts(lengths=LENGTHS, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(lengths, VOCAB, seed)
 
 
 def _gen(model, dims, prompts=None, **cfg):

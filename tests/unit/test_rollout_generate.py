@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nemo_rlhf.rollout import RolloutBatch, RolloutConfig, generate, response_logprobs
-from tests.single_rank import single_rank
+from tests.single_rank import random_prompts, single_rank
 
 VOCAB = 100
 PAD = 0
@@ -43,8 +43,7 @@ def models(dims):
 
 
 def _prompts(lengths=LENGTHS, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return random_prompts(lengths, VOCAB, seed)
 
 
 def _gen(model, dims, prompts=None, eos=VOCAB - 1, decode_fn=None, call_index=0, **cfg):
