@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.rollout.config import RolloutConfig
+from nemo_rlhf.rollout.decode_layers import IncrementalStage
 from nemo_rlhf.rollout.sampling import choose_tokens
 
 DecodeFn = Callable[[list[int]], str]
@@ -226,6 +227,8 @@ class _StageRunner:
         self.dtype = cfg.pipeline_dtype or cfg.params_dtype
         self.ctx = StaticInferenceContext(batch, max_seq) if use_cache else None
         self.batch = batch
+        # the whole stage without megatron's model/block wrappers, where it applies
+        self.stage = IncrementalStage.for_model(model, max_seq) if use_cache else None
 
     def __call__(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, mask_B1QK: torch.Tensor):
         """Forward ``[B, s]`` tokens; return ``[B, padded_vocab]`` logits on the last stage."""
@@ -234,16 +237,21 @@ class _StageRunner:
         if not dims.is_first_stage:
             buf = torch.empty(s, self.batch, self.hidden, dtype=self.dtype, device=ids_BS.device)
             dist.recv(buf, group=dims.pp_group, group_src=dims.pp_rank - 1)
-            self.model.set_input_tensor(buf)
-        out = self.model(ids_BS, pos_BS, mask_B1QK, inference_context=self.ctx,
-                         runtime_gather_output=True)
+            if self.stage is None:
+                self.model.set_input_tensor(buf)
+        if self.stage is not None:
+            out = self.stage(ids_BS, pos_BS, mask_B1QK, self.ctx,
+                             None if dims.is_first_stage else buf)
+        else:
+            out = self.model(ids_BS, pos_BS, mask_B1QK, inference_context=self.ctx,
+                             runtime_gather_output=True)
         if self.ctx is not None:
             self.ctx.sequence_len_offset += s
             self.ctx.enable_decode_mode()
         if dims.pp_rank < pp - 1:
             dist.send(out.contiguous(), group=dims.pp_group, group_dst=dims.pp_rank + 1)
             return None
-        return out[:, -1, :]
+        return out if self.stage is not None else out[:, -1, :]
 
 
 def _share_choice(dims, packed_3B: torch.Tensor) -> None:

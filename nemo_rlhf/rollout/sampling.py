@@ -12,7 +12,9 @@ searched in the cumulative sum of the filtered probabilities in vocabulary order
 top-p, the nucleus is found among a few candidates (``topk``) instead of by sorting the
 whole vocabulary, and the CDF runs over the kept tokens only (the others add exact zeros):
 at vocab 49152 that cut a top-p step from ~40 ms to ~8 ms at batch 8 (166 -> 35 ms at batch
-32) on one CPU thread. A fixed
+32) on one CPU thread. Without top-p (or with a nucleus of more than a quarter of the
+vocabulary, masked) the CDF over the whole vocabulary is two-level (:func:`_draw_full`:
+block masses, then one block), not a float64 softmax + cumsum of ``[batch, vocab]``. A fixed
 number of draws per step (one per row, finished rows included) keeps the random stream
 aligned across batch layouts, and a tiny perturbation of the logits (TP=2 vs TP=1 rounding)
 only changes the token if a uniform lands within that perturbation of a bucket edge.
@@ -123,6 +125,52 @@ def _draw_among(scores_BV: torch.Tensor, idx_Bk: torch.Tensor, removed_Bk: torch
     return idx_Bk.gather(-1, torch.minimum(j_B1, last_kept_B1)).squeeze(-1)
 
 
+_BLOCK = 256
+"""Tokens per block of :func:`_draw_full`'s two-level inverse CDF."""
+
+
+def _draw_full(scores_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw over the whole vocabulary, in vocabulary order.
+
+    The token is the first ``i`` with ``cdf[i] > u * cdf[-1]``, ``cdf`` the cumulative sum
+    of ``exp(scores - max)`` (``-inf`` scores weigh exactly 0 and are never drawn). Two
+    levels instead of one float64 softmax + cumsum over ``[batch, vocab]``: the float64
+    masses of blocks of :data:`_BLOCK` tokens locate the block, and only that block is
+    cumulated. The weights are float32 ``exp`` and the block masses float32 sums of 256
+    terms (relative rounding ~1e-7), the cumulative sums float64. At vocab 49152 on 2 CPU
+    threads: 0.5 ms at batch 8 and 2.2 ms at batch 32, against 2.6 / 11.2 ms for the
+    float64 softmax + cumsum over the whole vocabulary (same tokens for the same uniforms).
+
+    Args:
+        scores_BV: ``[batch, vocab]`` float32 scores (temperature-scaled, ``-inf`` =
+            excluded); every row needs a finite score.
+        u_B: ``[batch]`` float64 uniforms in [0, 1).
+
+    Returns:
+        ``[batch]`` int64 token ids (always of a finite score).
+    """
+    b, vocab = scores_BV.shape
+    w_BV = torch.exp(scores_BV - scores_BV.amax(dim=-1, keepdim=True))
+    nb = -(-vocab // _BLOCK)
+    if nb * _BLOCK != vocab:
+        w_BV = torch.nn.functional.pad(w_BV, (0, nb * _BLOCK - vocab))
+    w_BNK = w_BV.view(b, nb, _BLOCK)
+    block_mass_BN = w_BNK.sum(dim=-1).double()  # float32 sums of 256: no float64 copy of all
+    cdf_BN = block_mass_BN.cumsum(dim=-1)
+    target_B1 = (u_B * cdf_BN[:, -1]).unsqueeze(-1)
+    # never a block (or token) of zero weight, whatever the rounding at the top end
+    arange_N = torch.arange(nb, device=scores_BV.device)
+    last_block_B1 = torch.where(block_mass_BN > 0, arange_N, 0).amax(dim=-1, keepdim=True)
+    blk_B1 = torch.minimum(torch.searchsorted(cdf_BN, target_B1, right=True), last_block_B1)
+    base_B1 = torch.where(blk_B1 > 0, cdf_BN.gather(-1, (blk_B1 - 1).clamp_(min=0)), 0.0)
+    w_BK = w_BNK.gather(1, blk_B1.unsqueeze(-1).expand(b, 1, _BLOCK)).squeeze(1)
+    inner_BK = w_BK.to(torch.float64).cumsum_(dim=-1).add_(base_B1)
+    arange_K = torch.arange(_BLOCK, device=scores_BV.device)
+    last_tok_B1 = torch.where(w_BK > 0, arange_K, 0).amax(dim=-1, keepdim=True)
+    j_B1 = torch.minimum(torch.searchsorted(inner_BK, target_B1, right=True), last_tok_B1)
+    return (blk_B1 * _BLOCK + j_B1).squeeze(-1)
+
+
 def choose_tokens(
     logits_BV: torch.Tensor,
     *,
@@ -166,18 +214,21 @@ def choose_tokens(
             raise ValueError("choose_tokens: sampling needs a torch.Generator")
         # one uniform per row, drawn first: the stream does not depend on the filtering
         u_B = torch.rand(z_BV.shape[0], generator=generator, dtype=torch.float64)
-        scores_BV = z_BV.clone()
-        if suppress_ids is not None and suppress_ids.numel():
+        suppress = suppress_ids is not None and bool(suppress_ids.numel())
+        filtered = suppress or 0 < top_k < z_BV.shape[-1] or top_p < 1.0
+        scores_BV = z_BV.clone() if filtered else z_BV
+        if suppress:
             scores_BV[:, suppress_ids] = NEG_INF
         top_k_top_p_filter(scores_BV, top_k, 1.0)
         if top_p < 1.0:
             idx_Bk, removed_Bk = _nucleus(scores_BV, top_p)
-            tokens_B = _draw_among(scores_BV, idx_Bk, removed_Bk, u_B)
+            if 4 * idx_Bk.shape[-1] <= z_BV.shape[-1]:
+                tokens_B = _draw_among(scores_BV, idx_Bk, removed_Bk, u_B)
+            else:  # a nucleus of most of the vocabulary: mask it and draw over all
+                keep_BV = torch.zeros(scores_BV.shape, dtype=torch.bool, device=scores_BV.device)
+                keep_BV.scatter_(-1, idx_Bk, ~removed_Bk)
+                tokens_B = _draw_full(scores_BV.masked_fill_(~keep_BV, NEG_INF), u_B)
         else:
-            probs_BV = torch.softmax(scores_BV, dim=-1, dtype=torch.float64)
-            cdf_BV = probs_BV.cumsum_(dim=-1)
-            target_B1 = (u_B * cdf_BV[:, -1]).unsqueeze(-1)
-            tokens_B = torch.searchsorted(cdf_BV, target_B1, right=True).squeeze(-1)
-            tokens_B.clamp_(max=z_BV.shape[-1] - 1)
+            tokens_B = _draw_full(scores_BV, u_B)
     logprobs_B = z_BV.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1) - lse_B
     return tokens_B, logprobs_B

@@ -10,6 +10,7 @@ import torch
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.rollout.decode_layers import (
     CACHE_TAG,
+    IncrementalStage,
     KVCacheSelfAttention,
     KVCacheTransformerLayer,
     local_layer_spec,
@@ -173,6 +174,57 @@ def test_chunked_prefill_and_decode_match_one_full_forward(models, dims, name):
     assert keys == {(l.layer_number, CACHE_TAG) for l in model.decoder.layers}
     for i, t in enumerate([4, 8, 9, 10, 11]):
         torch.testing.assert_close(got[i], full[:, t], atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_incremental_stage_gives_the_models_own_logits_step_by_step(models, dims, name):
+    """The stage (no GPTModel/TransformerBlock wrappers) vs ``model(...)`` through the same
+    incremental layers: a left-padded prefill then one-token steps, each side with its own
+    context; the last-token logits are bit-identical."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+
+    from nemo_rlhf.trainers.engine import causal_padding_mask, position_ids_for
+
+    model = models[name]
+    stage = IncrementalStage.for_model(model, 16)
+    assert stage is not None
+    ids = torch.randint(1, VOCAB, (3, 9), generator=torch.Generator().manual_seed(8))
+    real = torch.ones_like(ids, dtype=torch.bool)
+    real[1, :3] = False  # left padding: a prefill mask and a decode key mask
+    ctx_model, ctx_stage = StaticInferenceContext(3, 16), StaticInferenceContext(3, 16)
+    with torch.no_grad():
+        for s0, s1 in ((0, 6), (6, 7), (7, 8), (8, 9)):
+            m = real[:, :s1]
+            pos = position_ids_for(m)[:, s0:s1]
+            mask = causal_padding_mask(m)[:, :, s0:s1, :s1]
+            ref = model(ids[:, s0:s1], pos, mask, inference_context=ctx_model,
+                        runtime_gather_output=True)[:, -1]
+            got = stage(ids[:, s0:s1], pos, mask, ctx_stage)
+            for ctx in (ctx_model, ctx_stage):
+                ctx.sequence_len_offset += s1 - s0
+            assert got.shape == ref.shape
+            assert torch.equal(got, ref), (name, s0)
+
+
+def test_incremental_stage_is_used_by_generate_and_refused_when_a_layer_is_not_lean(
+        models, dims, monkeypatch):
+    model = models["rope_gqa"]
+    calls = []
+    real_call = IncrementalStage.__call__
+    monkeypatch.setattr(IncrementalStage, "__call__",
+                        lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k))
+    out = _gen(model, dims, greedy=True, max_new_tokens=4, min_new_tokens=4)
+    assert len(calls) == out.response_length == 4  # the prefill and every decode step
+    try:
+        _set_incremental(model, False)
+        assert IncrementalStage.for_model(model, 16) is None
+    finally:
+        _set_incremental(model, True)
+    model.train()
+    try:
+        assert IncrementalStage.for_model(model, 16) is None
+    finally:
+        model.eval()
 
 
 def test_a_context_filled_by_one_path_is_not_continued_by_the_other(models, dims):

@@ -157,3 +157,28 @@ def test_top_p_draw_among_candidates_equals_the_full_vocabulary_draw():
         assert torch.isfinite(filt.gather(-1, tok[:, None])).all()
         torch.testing.assert_close(lp, torch.log_softmax(z / temperature, -1).gather(
             -1, tok[:, None]).squeeze(-1))
+
+
+def test_two_level_draw_equals_the_float64_cdf_and_never_draws_an_excluded_token():
+    """_draw_full (block masses, then one block) against the textbook float64 softmax +
+    cumsum over the whole vocabulary: same tokens for the same uniforms, on a vocabulary
+    that is not a multiple of the block, with excluded (-inf) tokens inside and a fully
+    excluded last block, and uniforms at the very top of [0, 1)."""
+    from nemo_rlhf.rollout.sampling import _BLOCK, _draw_full
+
+    vocab = 3 * _BLOCK + 77
+    g = torch.Generator().manual_seed(12)
+    scale = torch.tensor([0.02, 0.5, 1.0, 3.0, 8.0])[:, None]
+    z = (torch.randn(5, vocab, generator=g) * scale).repeat(40, 1)
+    z[:, 2 * _BLOCK + 5:] = float("-inf")  # the last partial block and more excluded
+    z[:, 10:40] = float("-inf")
+    u = torch.rand(z.shape[0], generator=g, dtype=torch.float64)
+    u[:5] = 1.0 - 2.0 ** -53
+    u[5:10] = 0.0
+    tok = _draw_full(z, u)
+    cdf = torch.softmax(z, -1, dtype=torch.float64).cumsum(-1)
+    ref = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    assert torch.equal(tok[5:], ref[5:])
+    assert torch.isfinite(z.gather(-1, tok[:, None])).all()
+    assert (tok[:5] == 2 * _BLOCK + 4).all()  # the top uniform: the last finite token
+    assert torch.unique(tok).numel() > 50  # not degenerate
