@@ -32,14 +32,19 @@ suspended for the loop (:func:`nemo_rlhf.distributed.cpu_compat.suspended`). The
 local layer spec (:mod:`nemo_rlhf.rollout.decode_layers`) gives the layers an incremental
 path for this static-batching context: RoPE on the new tokens only with rotated keys cached,
 no GQA copies, and no per-op megatron wrappers at TP=1 (megatron's own static path
-re-rotates the whole cache and repeats keys/values every step). ``torch.inference_mode`` is
-not used: megatron caches its RoPE table (``lru_cache``) and an inference tensor cached
-there would break a later training forward of the same length.
-Measured with ``benchmarks/bench_rollout.py`` (fp32, greedy, 2 threads on a shared 2-core
-machine, median of 3 runs of 5 interleaved pairs): 4 layers / hidden 256, 64 + 64 tokens:
-1.13x / 1.12x transformers' ``generate`` at batch 8 / 32 (megatron's own path: 0.62x /
-0.61x); SmolLM2-135M shape, 64 + 32 tokens: 1.03x / 1.04x (before: 0.76x / 0.80x). At that
-size ~80% of a step is the same fp32 GEMMs on both sides, so the margin is thin.
+re-rotates the whole cache and repeats keys/values every step); and
+:class:`~nemo_rlhf.rollout.decode_layers.IncrementalStage` runs the whole pipeline stage
+(embedding, layers, final norm, the last token's logits) without ``GPTModel`` /
+``TransformerBlock``'s wrappers, with logits bit-identical to the model's own call.
+``torch.inference_mode`` is not used: megatron caches its RoPE table (``lru_cache``) and an
+inference tensor cached there would break a later training forward of the same length.
+Measured with ``benchmarks/bench_rollout.py`` (fp32, 2 threads, idle 2-core machine, medians
+of 5 interleaved pairs, two runs each): 4 layers / hidden 256, 64 + 64 tokens, greedy:
+1.46x-1.52x / 1.42x-1.47x transformers' ``generate`` at batch 8 / 32 (megatron's own static
+path: 0.62x / 0.61x); SmolLM2-135M-Instruct's real weights, 64 + 32 tokens: greedy 1.07x-1.10x
+/ 1.11x-1.16x, sampling (T=0.7, top-p 0.9) 1.24x / 1.27x. At that size most of a greedy
+step is the same fp32 GEMMs on both sides (the output layer alone streams 113 MB of
+weights per step), so the greedy margin is the smaller one.
 
 Simplified: the batch is static (finished rows keep being computed, feeding pad tokens,
 until every row is done; no continuous batching or cache compaction); pipeline stages run
