@@ -452,7 +452,9 @@ class IncrementalStage:
     Build with :meth:`for_model`, which returns None for anything this does not cover
     (the caller then calls the model): layers that do not all take the lean incremental
     path, MTP, MLA, flash-decode, sequence parallelism, token-type embeddings, RoPE
-    variants other than megatron's ``RotaryEmbedding``, or a model in training mode.
+    variants other than megatron's ``RotaryEmbedding``, a subclass with its own ``forward``
+    / ``_preprocess`` / ``_postprocess`` (the actor-critic's is fine: it adds nothing in
+    inference), or a model in training mode.
     """
 
     def __init__(self, gpt, rotary_seq_len: int):
@@ -488,8 +490,16 @@ class IncrementalStage:
         )
         from megatron.core.models.gpt.gpt_model import GPTModel
 
+        from nemo_rlhf.models.actor_critic import ActorCriticModel
+
         cfg = getattr(gpt, "config", None)
         if not isinstance(gpt, GPTModel) or gpt.training or cfg is None:
+            return None
+        # a subclass with its own forward pieces (e.g. the reward model's head) is not this
+        cls_ = type(gpt)
+        if (cls_.forward is not GPTModel.forward or cls_._preprocess is not GPTModel._preprocess
+                or cls_._postprocess not in (GPTModel._postprocess,
+                                             ActorCriticModel._postprocess)):
             return None
         layers = list(gpt.decoder.layers)
         if not layers or not all(isinstance(layer, KVCacheTransformerLayer) and layer._lean
@@ -543,7 +553,9 @@ class IncrementalStage:
             h = layer._incremental_forward(h, attention_mask, ctx, self.freqs)
         if not gpt.post_process:
             return h
-        h = self.final_norm(h[-1])  # [B, h]: only the last token's logits are needed
+        h = h[-1]  # [B, h]: only the last token's logits are needed
+        if self.final_norm is not None:
+            h = self.final_norm(h)
         weight = (gpt.shared_embedding_or_output_weight()
                   if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight)
         if self._plain_output:

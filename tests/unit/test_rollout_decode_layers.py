@@ -225,6 +225,10 @@ def test_incremental_stage_is_used_by_generate_and_refused_when_a_layer_is_not_l
         assert IncrementalStage.for_model(model, 16) is None
     finally:
         model.eval()
+    from nemo_rlhf.models.actor_critic import build_model
+
+    rm = build_model(_cfg(**MODELS["rope_gqa"]), dims, kind="reward", seed=11).eval()
+    assert IncrementalStage.for_model(rm, 16) is None  # its own _postprocess (reward head)
 
 
 def test_a_context_filled_by_one_path_is_not_continued_by_the_other(models, dims):
