@@ -71,6 +71,15 @@ def _nucleus(scores_BV: torch.Tensor, top_p: float):
     return idx_Bk, removed_Bk
 
 
+def _mask_outside_nucleus_(scores_BV: torch.Tensor, idx_Bk: torch.Tensor,
+                           removed_Bk: torch.Tensor) -> torch.Tensor:
+    """Set every score but the kept candidates of :func:`_nucleus` to ``-inf``, in place;
+    returns ``scores_BV``."""
+    keep_BV = torch.zeros(scores_BV.shape, dtype=torch.bool, device=scores_BV.device)
+    keep_BV.scatter_(-1, idx_Bk, ~removed_Bk)
+    return scores_BV.masked_fill_(~keep_BV, NEG_INF)
+
+
 def top_k_top_p_filter(scores_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Set the scores of tokens outside the top-k / nucleus to ``-inf`` (in place).
 
@@ -90,10 +99,7 @@ def top_k_top_p_filter(scores_BV: torch.Tensor, top_k: int = 0, top_p: float = 1
         kth = torch.topk(scores_BV, top_k, dim=-1).values[:, -1:]
         scores_BV.masked_fill_(scores_BV < kth, NEG_INF)
     if top_p < 1.0:
-        idx_Bk, removed_Bk = _nucleus(scores_BV, top_p)
-        keep_BV = torch.zeros(scores_BV.shape, dtype=torch.bool, device=scores_BV.device)
-        keep_BV.scatter_(-1, idx_Bk, ~removed_Bk)
-        scores_BV.masked_fill_(~keep_BV, NEG_INF)
+        _mask_outside_nucleus_(scores_BV, *_nucleus(scores_BV, top_p))
     return scores_BV
 
 
@@ -134,7 +140,7 @@ def _draw_full(scores_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
 
     The token is the first ``i`` with ``cdf[i] > u * cdf[-1]``, ``cdf`` the cumulative sum
     of ``exp(scores - max)`` (``-inf`` scores weigh exactly 0 and are never drawn). Two
-    levels instead of one float64 softmax + cumsum over ``[batch, vocab]``: the float64
+    levels instead of one float64 softmax + cumsum over ``[batch, vocab]``: the cumulative
     masses of blocks of :data:`_BLOCK` tokens locate the block, and only that block is
     cumulated. The weights are float32 ``exp`` and the block masses float32 sums of 256
     terms (relative rounding ~1e-7), the cumulative sums float64. At vocab 49152 on 2 CPU
@@ -227,9 +233,7 @@ def choose_tokens(
             if 4 * idx_Bk.shape[-1] <= z_BV.shape[-1]:
                 tokens_B = _draw_among(scores_BV, idx_Bk, removed_Bk, u_B)
             else:  # a nucleus of most of the vocabulary: mask it and draw over all
-                keep_BV = torch.zeros(scores_BV.shape, dtype=torch.bool, device=scores_BV.device)
-                keep_BV.scatter_(-1, idx_Bk, ~removed_Bk)
-                tokens_B = _draw_full(scores_BV.masked_fill_(~keep_BV, NEG_INF), u_B)
+                tokens_B = _draw_full(_mask_outside_nucleus_(scores_BV, idx_Bk, removed_Bk), u_B)
         else:
             tokens_B = _draw_full(scores_BV, u_B)
     logprobs_B = z_BV.gather(-1, tokens_B.unsqueeze(-1)).squeeze(-1) - lse_B
