@@ -44,7 +44,7 @@ class _Signals:
         self.received = signal.Signals(signum).name
 
     def any_rank(self) -> bool:
-        t = torch.tensor([1.0 if self.received else 0.0])
+        t = torch.tensor([1.0 if self.received else 0.0], device="cpu")  # host flag: gloo
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())

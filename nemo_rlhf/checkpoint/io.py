@@ -190,7 +190,7 @@ def _materialize_adam_state(optimizer) -> None:
         for p in group["params"]:
             st = opt.state[p]
             if "exp_avg" not in st:
-                st["step"] = torch.tensor(0.0)
+                st["step"] = torch.tensor(0.0)  # host, as torch's AdamW keeps it
                 st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
@@ -467,7 +467,7 @@ def _restore_optimizer(optimizer, loaded: dict, meta: dict) -> None:
     n = len(optimizer.ordered_params)
     state = {pid: st for pid, st in sd["state"].items() if int(pid) < n}  # not frozen placeholders
     for st in state.values():
-        st["step"] = torch.tensor(step)
+        st["step"] = torch.tensor(step)  # host, as torch's AdamW keeps it
     # the saved param_groups carry the learning rate the schedule had reached
     opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
     with torch.no_grad():

@@ -253,10 +253,11 @@ def pad_right(seqs: Sequence[Sequence[int]], pad_id: int,
     length = longest if length is None else length
     if longest > length:
         raise ValueError(f"sequence of {longest} tokens does not fit the padded length {length}")
-    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), length), dtype=torch.long)
+    # host tensors: forward_backward moves micro-batches to dims.device
+    ids = torch.full((len(seqs), length), pad_id, dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(seqs), length), dtype=torch.long, device="cpu")
     for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(list(s), dtype=torch.long)
+        ids[i, :len(s)] = torch.tensor(list(s), dtype=torch.long, device="cpu")
         mask[i, :len(s)] = 1
     return ids, mask
 
@@ -280,7 +281,7 @@ def collate_sft(samples: Sequence[SFTSample], pad_id: int, length: Optional[int]
         0.0 at BOS, prompt and padding.
     """
     ids, mask = pad_right([s.prompt_ids + s.response_ids for s in samples], pad_id, length)
-    loss_mask = torch.zeros(ids.shape, dtype=torch.float32)
+    loss_mask = torch.zeros(ids.shape, dtype=torch.float32, device="cpu")  # host, as ids
     for i, s in enumerate(samples):
         p = len(s.prompt_ids)
         loss_mask[i, p:p + len(s.response_ids)] = 1.0

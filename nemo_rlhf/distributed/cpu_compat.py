@@ -58,9 +58,20 @@ def _is_cuda_device(device) -> bool:
     return False
 
 
+_TARGET: "str | torch.device" = "cpu"
+"""Where CUDA device arguments go: the host, or the device guard's emulated accelerator."""
+
+
+def set_target_device(device) -> None:
+    """Map CUDA device arguments to ``device`` instead of ``"cpu"`` (the device guard's
+    emulated accelerator, :mod:`nemo_rlhf.distributed.device_guard`)."""
+    global _TARGET
+    _TARGET = device
+
+
 def _fix_kwargs(kwargs: dict) -> dict:
     if _is_cuda_device(kwargs.get("device")):
-        kwargs["device"] = "cpu"
+        kwargs["device"] = _TARGET
     if kwargs.get("pin_memory"):
         kwargs["pin_memory"] = False
     return kwargs
@@ -73,7 +84,7 @@ class _CpuDeviceMode(TorchFunctionMode):
         kwargs = _fix_kwargs(dict(kwargs or {}))
         name = getattr(func, "__name__", "")
         if name == "to" and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu") + tuple(args[2:])
+            args = (args[0], _TARGET) + tuple(args[2:])
         return func(*args, **kwargs)
 
 
@@ -111,7 +122,7 @@ class _NoOp:
 
 
 def _tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
-    return self
+    return self if _TARGET == "cpu" else self.to(_TARGET)
 
 
 _ORIG_TO = torch.Tensor.to
@@ -120,9 +131,9 @@ _ORIG_TO = torch.Tensor.to
 def _tensor_to(self, *args, **kwargs):
     """``Tensor.to`` with CUDA devices mapped to the CPU (on every thread)."""
     if args and _is_cuda_device(args[0]):
-        args = ("cpu",) + tuple(args[1:])
+        args = (_TARGET,) + tuple(args[1:])
     if _is_cuda_device(kwargs.get("device")):
-        kwargs["device"] = "cpu"
+        kwargs["device"] = _TARGET
     return _ORIG_TO(self, *args, **kwargs)
 
 

@@ -33,7 +33,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline stages the layers are split into (megatron PP)."""
     backend: str = "auto"
-    """``auto`` (nccl with CUDA, gloo without), ``gloo`` or ``nccl``."""
+    """``auto`` (NCCL for CUDA tensors plus gloo for host tensors with CUDA, gloo
+    without), ``gloo``, or ``nccl`` (the same map as ``auto``: host-side flags and object
+    collectives always take gloo). See :func:`resolve_backend`."""
     timeout_minutes: int = 30
     """Collective timeout."""
 
@@ -46,6 +48,26 @@ class ParallelConfig:
             raise ValueError(
                 f"parallel.backend={self.backend!r}: valid choices are 'auto', 'gloo', 'nccl'"
             )
+
+
+def resolve_backend(backend: str, cuda: bool) -> str:
+    """The ``torch.distributed`` backend string for ``parallel.backend``.
+
+    With NCCL the default group gets a device -> backend map, ``"cpu:gloo,cuda:nccl"``:
+    CUDA tensors are reduced by NCCL and host tensors (flags, metadata, pickled objects)
+    by gloo, in the default group and in every group created from it (megatron's groups
+    inherit the map). A plain ``"nccl"`` would hand host tensors to NCCL, which fails.
+
+    Args:
+        backend: ``auto``, ``gloo`` or ``nccl`` (``parallel.backend``).
+        cuda: whether this process drives a CUDA device.
+
+    Returns:
+        ``"gloo"`` or ``"cpu:gloo,cuda:nccl"``.
+    """
+    if backend == "gloo" or (backend == "auto" and not cuda):
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
 
 
 def _divisors(n: int) -> list[int]:
@@ -131,6 +153,10 @@ class ParallelDims:
     """Model-parallel group (TP x PP): ranks that hold one copy of the model."""
     embedding_group: object
     device: torch.device
+    """The accelerator device of this rank: ``cuda:<local_rank>``, or the host without CUDA
+    (``cpu:0`` under the device guard). The one source of the device: tensors that meet
+    model tensors are created on it or moved to it at one boundary (the rollout's entry,
+    the forward step); see ``nemo_rlhf/distributed/__init__.py``."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -176,7 +202,14 @@ class ParallelDims:
 def _make_dims(local_rank: int) -> ParallelDims:
     from megatron.core import parallel_state as ps
 
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    from nemo_rlhf.distributed import device_guard
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+    elif device_guard.is_active():
+        device = device_guard.EMULATED_DEVICE
+    else:
+        device = torch.device("cpu")
     return ParallelDims(
         world_size=dist.get_world_size(),
         rank=dist.get_rank(),
@@ -222,14 +255,15 @@ def initialize_distributed(
     env = launch_env or read_launch_env()
     validate_parallel_layout(parallel, env.world_size, num_layers, num_attention_heads,
                              num_query_groups)
-    from nemo_rlhf.distributed import cpu_compat
+    from nemo_rlhf.distributed import cpu_compat, device_guard
 
     cpu_compat.activate_if_no_cuda()
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cuda:
         torch.cuda.set_device(env.local_rank)
-    backend = parallel.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    else:  # NEMO_RLHF_DEVICE_GUARD=1: check against the backend a CUDA machine would get
+        device_guard.activate_if_requested(resolve_backend(parallel.backend, cuda=True))
+    backend = resolve_backend(parallel.backend, cuda)
     if not dist.is_initialized():
         if env.launcher == "single" and env.master_port == 0:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -252,7 +286,7 @@ def initialize_distributed(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         distributed_timeout_minutes=parallel.timeout_minutes,
-        create_gloo_process_groups=backend == "nccl",
+        create_gloo_process_groups="nccl" in backend,
     )
     set_seed(seed)
     model_parallel_cuda_manual_seed(seed)

@@ -52,7 +52,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         in_range = (local >= 0) & (local < v_local)
         local = torch.where(in_range, local, torch.zeros_like(local))
         z_t = torch.where(in_range, z.gather(-1, local.unsqueeze(-1)).squeeze(-1),
-                          torch.zeros((), dtype=z.dtype))
+                          torch.zeros((), dtype=z.dtype, device=z.device))
         _all_reduce(z_t, dist.ReduceOp.SUM, tp_group)
         logprobs = z_t - lse
         if compute_entropy:
@@ -82,7 +82,7 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
         else:
             grad = p.mul_(g_lp.unsqueeze(-1)).neg_()
         del p
-        onehot_grad = torch.where(in_range, g_lp, torch.zeros((), dtype=g_lp.dtype))
+        onehot_grad = torch.where(in_range, g_lp, torch.zeros((), dtype=g_lp.dtype, device=g_lp.device))
         grad.scatter_add_(-1, local.unsqueeze(-1), onehot_grad.unsqueeze(-1))
         grad.div_(ctx.temperature)
         return grad.to(ctx.input_dtype), None, None, None, None, None, None

@@ -312,13 +312,13 @@ class CombinedReward:
         prompts, responses = list(prompts), list(responses)
         extras = [{} for _ in prompts] if extras is None else list(extras)
         _check_lengths(prompts, responses, extras, "CombinedReward.score")
-        total = torch.zeros(len(prompts), dtype=torch.float32)
+        total = torch.zeros(len(prompts), dtype=torch.float32, device="cpu")  # host scores
         out = RewardOutput(scores=total)
         for src in self.sources:
             values = src.source.score(prompts, responses, extras)
             raw = torch.tensor(
-                _check_source_output(values, len(prompts), f"reward source {src.name!r}"), dtype=torch.float32
-            )
+                _check_source_output(values, len(prompts), f"reward source {src.name!r}"), dtype=torch.float32,
+                device="cpu")
             normed = (src.normalizer(raw, update=update_stats)
                       if src.normalizer is not None and normalize else raw)
             out.per_source[src.name] = raw

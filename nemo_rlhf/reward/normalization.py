@@ -155,7 +155,7 @@ class RewardNormalizer:
         n = x.numel()
         mean = x.mean().item() if n else 0.0
         m2 = ((x - mean) ** 2).sum().item() if n else 0.0
-        local = torch.tensor([float(n), mean, m2], dtype=torch.float64)
+        local = torch.tensor([float(n), mean, m2], dtype=torch.float64, device="cpu")  # host
         rows = gather(local).reshape(-1, 3) if gather is not None else local.reshape(1, 3)
         for c, m, s in rows.tolist():
             self.merge(int(round(c)), m, s)
@@ -205,4 +205,4 @@ class RewardNormalizer:
 def _as_tensor(scores: torch.Tensor | Sequence[float]) -> torch.Tensor:
     if isinstance(scores, torch.Tensor):
         return scores.detach().cpu()
-    return torch.as_tensor(list(scores), dtype=torch.float64)
+    return torch.as_tensor(list(scores), dtype=torch.float64, device="cpu")  # host

@@ -63,6 +63,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.decode_layers import IncrementalStage
 from nemo_rlhf.rollout.sampling import choose_tokens
@@ -74,7 +75,7 @@ _CALL_COUNTER = itertools.count()
 
 @dataclass
 class RolloutBatch:
-    """One DP rank's rollouts, batch-first, on CPU.
+    """One DP rank's rollouts, batch-first, on ``dims.device`` (every tensor field).
 
     ``B`` = number of prompts, ``P`` = longest prompt, ``R`` = longest response (the number
     of decoding steps run, <= ``max_new_tokens``).
@@ -127,7 +128,8 @@ class RolloutBatch:
         b = self.batch_size
 
         def pad(t: torch.Tensor, value) -> torch.Tensor:
-            return torch.cat([t, torch.full((b, extra), value, dtype=t.dtype)], dim=1)
+            return torch.cat([t, torch.full((b, extra), value, dtype=t.dtype, device=t.device)],
+                             dim=1)
 
         return replace(
             self,
@@ -181,17 +183,17 @@ def _check_inputs(prompts, cfg: RolloutConfig, eos_token_id: int, pad_token_id: 
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int):
-    """Left-pad prompts to the longest one.
+    """Left-pad prompts to the longest one (on the host: the caller moves the result).
 
     Returns:
-        ``(ids [B, P] int64, mask [B, P] bool, lengths [B] int64)``.
+        ``(ids [B, P] int64, mask [B, P] bool, lengths [B] int64)``, host tensors.
     """
-    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, device="cpu")
     width = int(lengths.max())
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device="cpu")
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
-    mask = torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long, device="cpu")
+    mask = torch.arange(width, device="cpu").unsqueeze(0) >= (width - lengths).unsqueeze(1)
     return ids, mask, lengths
 
 
@@ -200,8 +202,10 @@ def _check_prompts_agree(dims, ids: torch.Tensor) -> None:
     group = dims.mp_group
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    weights = torch.arange(1, ids.numel() + 1, dtype=torch.long).view_as(ids) % 1_000_003
-    sig = torch.tensor([ids.shape[0], ids.shape[1], int((ids * weights).sum())], dtype=torch.long)
+    # host metadata (gloo part of the backend map): ids are the host prompt tensor
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.long, device="cpu").view_as(ids) % 1_000_003
+    sig = torch.tensor([ids.shape[0], ids.shape[1], int((ids * weights).sum())], dtype=torch.long,
+                       device="cpu")
     both = torch.cat([sig, -sig])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     if not (torch.equal(both[:3], sig) and torch.equal(-both[3:], sig)):
@@ -313,6 +317,9 @@ def generate(
         call_index = next(_CALL_COUNTER)
     prompt_ids, prompt_mask, prompt_lengths = left_pad(prompts, pad_token_id)
     _check_prompts_agree(dims, prompt_ids)
+    # the boundary: everything the loop touches lives on the accelerator from here on
+    prompt_ids, prompt_mask, prompt_lengths = to_device(
+        (prompt_ids, prompt_mask, prompt_lengths), dims.device)
 
     from nemo_rlhf.distributed import cpu_compat
     from nemo_rlhf.trainers.engine import unwrap
@@ -343,21 +350,24 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
     R = cfg.max_new_tokens
     L = P + R
     is_sampler = dims.is_last_stage and dims.tp_rank == 0
+    dev = dims.device
 
-    # Pre-allocated state, shared by every step.
-    seq_ids = torch.full((B, L), pad_token_id, dtype=torch.long)
+    # Pre-allocated state on the accelerator, shared by every step.
+    seq_ids = torch.full((B, L), pad_token_id, dtype=torch.long, device=dev)
     seq_ids[:, :P] = prompt_ids
-    seq_mask = torch.zeros(B, L, dtype=torch.bool)
+    seq_mask = torch.zeros(B, L, dtype=torch.bool, device=dev)
     seq_mask[:, :P] = prompt_mask
-    logprobs = torch.zeros(B, max(R, 0), dtype=torch.float32)
-    lengths = torch.zeros(B, dtype=torch.long)
-    done = torch.zeros(B, dtype=torch.bool)
-    ended = torch.zeros(B, dtype=torch.bool)
-    stop_ids = torch.tensor(sorted({eos_token_id, *cfg.stop_token_ids}), dtype=torch.long)
+    logprobs = torch.zeros(B, max(R, 0), dtype=torch.float32, device=dev)
+    lengths = torch.zeros(B, dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    ended = torch.zeros(B, dtype=torch.bool, device=dev)
+    stop_ids = torch.tensor(sorted({eos_token_id, *cfg.stop_token_ids}), dtype=torch.long,
+                            device=dev)
     generator = None
     if is_sampler and not cfg.greedy:
-        generator = torch.Generator().manual_seed(sampler_seed(cfg.seed, dims.dp_rank, call_index))
-    packed = torch.zeros(3, B, dtype=torch.float64)
+        generator = torch.Generator(device=dev).manual_seed(
+            sampler_seed(cfg.seed, dims.dp_rank, call_index))
+    packed = torch.zeros(3, B, dtype=torch.float64, device=dev)
 
     runner = _StageRunner(model, dims, B, cfg.use_kv_cache, L)
     prefill_pos = position_ids_for(prompt_mask)
@@ -365,10 +375,11 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
     prefill_mask = None if bool(prompt_mask.all()) else causal_padding_mask(prompt_mask)
     # Decode step t feeds response token t-1 at position len_b + t - 1 and attends to every
     # cached key but the left padding: both precomputed, sliced per step (views, no ops).
-    decode_pos_BR = (prompt_lengths.unsqueeze(1) + torch.arange(max(R - 1, 0))).contiguous()
+    decode_pos_BR = (prompt_lengths.unsqueeze(1)
+                     + torch.arange(max(R - 1, 0), device=dev)).contiguous()
     key_pad_B11L = None  # no left padding: no mask at all in decode steps
     if not bool(prompt_mask.all()):
-        key_pad_B11L = torch.zeros(B, 1, 1, L, dtype=torch.bool)
+        key_pad_B11L = torch.zeros(B, 1, 1, L, dtype=torch.bool, device=dev)
         key_pad_B11L[:, 0, 0, :P] = ~prompt_mask
 
     steps = 0
@@ -496,8 +507,8 @@ def response_logprobs(
         logits[:, P - 1:S - 1], input_ids[:, P:], dims.tp_group, dims.tp_rank,
         temperature=temperature, vocab_size=vocab_size, compute_entropy=compute_entropy)
     if mask is not None:
-        lp = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype))
-        ent = torch.where(mask, ent, torch.zeros((), dtype=ent.dtype))
+        lp = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+        ent = torch.where(mask, ent, torch.zeros((), dtype=ent.dtype, device=ent.device))
     return lp, ent
 
 

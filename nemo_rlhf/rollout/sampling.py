@@ -221,7 +221,8 @@ def choose_tokens(
         if generator is None:
             raise ValueError("choose_tokens: sampling needs a torch.Generator")
         # one uniform per row, drawn first: the stream does not depend on the filtering
-        u_B = torch.rand(z_BV.shape[0], generator=generator, dtype=torch.float64)
+        u_B = torch.rand(z_BV.shape[0], generator=generator, dtype=torch.float64,
+                         device=z_BV.device)
         suppress = suppress_ids is not None and bool(suppress_ids.numel())
         filtered = suppress or 0 < top_k < z_BV.shape[-1] or top_p < 1.0
         scores_BV = z_BV.clone() if filtered else z_BV

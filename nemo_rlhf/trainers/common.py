@@ -151,8 +151,8 @@ def step_indices(n: int, global_batch_size: int, step: int, seed: int) -> list[i
         raise ValueError(f"dataset of {n} examples is smaller than trainer.global_batch_size="
                          f"{global_batch_size}")
     epoch, k = divmod(step, per_epoch)
-    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    perm = torch.randperm(n, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(seed * 100_003 + epoch)  # host: data order
+    perm = torch.randperm(n, generator=g, device="cpu")
     return perm[k * global_batch_size:(k + 1) * global_batch_size].tolist()
 
 
@@ -178,8 +178,9 @@ def reduce_from_last_stage(values: dict[str, float], dims, keys: Sequence[str]) 
     Returns:
         ``{key: global sum}`` on every rank.
     """
+    # host metadata: reduced by the gloo part of the backend map
     t = torch.tensor([float(values.get(k, 0.0)) if dims.is_last_stage else 0.0 for k in keys],
-                     dtype=torch.float64)
+                     dtype=torch.float64, device="cpu")
     if dist.is_initialized() and dist.get_world_size() > 1:
         if dims.dp > 1:
             dist.all_reduce(t, group=dims.dp_group)

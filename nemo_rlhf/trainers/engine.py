@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from nemo_rlhf.distributed.device import to_device
+
 LossFn = Callable[[object, dict], tuple[torch.Tensor, dict]]
 
 
@@ -88,6 +90,7 @@ def forward_backward(
     micro_batches: list[dict],
     loss_fn: Optional[LossFn],
     forward_only: bool = False,
+    device: Optional[torch.device] = None,
 ) -> list[dict]:
     """Run micro-batches through megatron's schedule; return the per-micro-batch stats.
 
@@ -99,6 +102,9 @@ def forward_backward(
             normalised by the global token count. If None (forward only), the stats hold
             the raw output under ``"output"``.
         forward_only: no backward pass (evaluation, old log-probs, reference log-probs).
+        device: ``dims.device``: each micro-batch's tensors are moved there in the forward
+            step, the one boundary between host data and the model (no copy for tensors
+            already there). None: the micro-batches must already be on the model's device.
 
     Returns:
         On the last pipeline stage, one stats dict per micro-batch; elsewhere ``[]``.
@@ -117,14 +123,17 @@ def forward_backward(
 
     def step(data_iterator, stage):
         mb = next(data_iterator)
+        if device is not None:
+            mb = to_device(mb, device)
+        dev = mb["input_ids"].device
         out = model_forward(stage, mb["input_ids"], mb["attention_mask"])
 
         def loss_func(output):
+            one = torch.ones((), dtype=torch.int, device=dev)
             if loss_fn is None:
-                zero = torch.zeros((), dtype=torch.float32)
-                return zero, torch.tensor(1, dtype=torch.int), {"output": output}
+                return torch.zeros((), dtype=torch.float32, device=dev), one, {"output": output}
             loss, stats = loss_fn(output, mb)
-            return loss, torch.tensor(1, dtype=torch.int), stats
+            return loss, one, stats
 
         return out, loss_func
 

@@ -200,7 +200,7 @@ class MixedPrecisionOptimizer:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the masters' grads, each parameter counted once."""
-        sq = torch.zeros((), dtype=torch.float32)
+        sq = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
         for m, count in zip(self.masters, self.count_for_norm):
             if count and m.grad is not None:
                 sq += m.grad.float().pow(2).sum()

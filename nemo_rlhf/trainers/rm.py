@@ -193,7 +193,8 @@ class RMTrainer(SupervisedTrainer):
         for call in calls:
             if call:
                 stats = forward_backward(self.model, [collate_preference(g, pad, length) for g in call],
-                                         loss_fn, forward_only=forward_only)
+                                         loss_fn, forward_only=forward_only,
+                                         device=self.dims.device)
                 for s in stats:
                     for k in PAIR_KEYS:
                         sums[k] += float(s[k])

@@ -145,7 +145,8 @@ class SFTTrainer(SupervisedTrainer):
         for call in calls:
             if call:
                 stats = forward_backward(self.model, [collate_sft(g, pad, length) for g in call],
-                                         loss_fn, forward_only=forward_only)
+                                         loss_fn, forward_only=forward_only,
+                                         device=self.dims.device)
                 total += sum(float(s["loss"]) for s in stats)
         return total
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from nemo_rlhf.algorithms import ppo as P
 from nemo_rlhf.checkpoint.faults import maybe_crash
+from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.trainers.engine import forward_backward, finalize_grads, unwrap
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 
@@ -49,8 +50,8 @@ class PromptSampler:
     def _order(self, epoch: int) -> list[int]:
         if getattr(self, "_cached", (None,))[0] != epoch:
             if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed + epoch)
-                order = torch.randperm(self.n, generator=g).tolist()
+                g = torch.Generator(device="cpu").manual_seed(self.seed + epoch)  # host
+                order = torch.randperm(self.n, generator=g, device="cpu").tolist()
             else:
                 order = list(range(self.n))
             self._cached = (epoch, order)
@@ -77,21 +78,35 @@ class PromptSampler:
 
 
 class Timers:
-    """Wall-clock seconds per named phase of the current step."""
+    """Wall-clock seconds per named phase of the current step, and on CUDA the phase's
+    peak accelerator memory (GiB, ``memory/<phase>_peak_allocated_gib`` and
+    ``memory/<phase>_peak_reserved_gib``; the peak counters are reset at the phase's
+    start, so each figure is that phase's own high-water mark)."""
 
     def __init__(self):
         self.times: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
 
     @contextmanager
     def __call__(self, name: str):
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+            if cuda:
+                gib = 2.0 ** 30
+                for kind, value in (("allocated", torch.cuda.max_memory_allocated()),
+                                    ("reserved", torch.cuda.max_memory_reserved())):
+                    key = f"memory/{name}_peak_{kind}_gib"
+                    self.memory[key] = max(self.memory.get(key, 0.0), value / gib)
 
     def pop(self) -> dict[str, float]:
-        out, self.times = {f"timing/{k}_s": v for k, v in self.times.items()}, {}
+        out = {**{f"timing/{k}_s": v for k, v in self.times.items()}, **self.memory}
+        self.times, self.memory = {}, {}
         return out
 
 
@@ -202,14 +217,16 @@ class PPOTrainer:
         return idx[self.dims.dp_rank * per:(self.dims.dp_rank + 1) * per]
 
     def score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
-        """Step 3: scores ``[B]`` float32 from the reward sources (MP rank 0, broadcast)."""
+        """Step 3: scores ``[B]`` float32 on ``dims.device`` from the reward sources (computed
+        on the host by MP rank 0, broadcast as an object, moved to the device here)."""
         result = None
         if self.is_mp_src:
             rows = [self.prompts[i] for i in idx]
             out = self.reward.score([r.prompt for r in rows], self._response_texts(batch),
                                     [r.extras for r in rows])
             result = (out.scores, out.metrics(prefix="reward/"))
-        return self._mp_broadcast(result)
+        scores, metrics = self._mp_broadcast(result)
+        return to_device(scores, self.dims.device), metrics
 
     def _forward_logprobs(self, model, batch, with_values: bool):
         """Forward-only over the rollout in micro-batches: logprobs (and values) [B, R]."""
@@ -226,7 +243,7 @@ class PPOTrainer:
             if with_values and values is not None:
                 R = lp.shape[1]
                 out["values"] = values[:, P_len - 1:P_len - 1 + R].float()
-            return torch.zeros(()), out
+            return torch.zeros((), device=lp.device), out
 
         mbs = self.cfg.ppo.forward_micro_batch_size
         micro = [{"input_ids": batch.input_ids[s], "attention_mask": batch.attention_mask[s]}
@@ -266,7 +283,7 @@ class PPOTrainer:
         if c.ppo.normalize_advantages:
             adv = P.masked_whiten(adv, mask, reduce_fn=self._whiten_reduce)
         seq_kl = torch.where(mask, kl, 0.0).sum(-1)
-        B = torch.tensor(float(mask.shape[0]))
+        B = torch.tensor(float(mask.shape[0]), device=mask.device)
         sums = torch.stack([seq_kl.sum(), scores.sum(), torch.where(mask, rewards, 0.0).sum(),
                             mask.sum().float(), batch.truncated.float().sum(), B,
                             torch.where(mask, raw_adv, 0.0).sum(), torch.where(mask, ret, 0.0).sum(),
@@ -335,9 +352,11 @@ class PPOTrainer:
                            advantages=adv["advantages"], returns=adv["returns"])
         value_only = self.step < self.cfg.trainer.critic_warmup_steps
         all_stats, norms, skipped = [], [], 0
-        g = torch.Generator().manual_seed(self.cfg.trainer.seed + self.step)
+        # host permutation (the same order on every device type), moved to the device
+        g = torch.Generator(device="cpu").manual_seed(self.cfg.trainer.seed + self.step)
         for _ in range(c.ppo_epochs):
-            order = torch.randperm(B, generator=g) if c.shuffle else torch.arange(B)
+            order = (torch.randperm(B, generator=g, device="cpu") if c.shuffle
+                     else torch.arange(B, device="cpu")).to(self.dims.device)
             for mb_slice in _chunks(B, per_rank):
                 idx = order[mb_slice]
                 n_tokens = self._dp_sum(batch.response_mask[idx].sum().float().reshape(1))[0]
@@ -422,7 +441,7 @@ class PPOTrainer:
                                 "prompt_ids": idx}) + "\n")
 
     def _bcast_float(self, x: float) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
+        t = torch.tensor([x], dtype=torch.float64, device="cpu")  # host: gloo part of the map
         dist.broadcast(t, src=0)
         return float(t[0])
 
