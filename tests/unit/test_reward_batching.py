@@ -313,3 +313,17 @@ def test_a_large_request_with_a_failing_item_is_dropped_after_its_failing_part()
         assert scorer.responses == [["a", "boom"], ["xxx"]]  # items c, d were never scored
     finally:
         b.stop()
+
+
+@pytest.mark.parametrize("body", [b"[" * 200_000 + b"]" * 200_000, b'{"items": ' + b"[" * 5000])
+def test_parse_refuses_deeply_nested_json_with_400(body):
+    with pytest.raises(RequestError, match="not valid JSON: nested too deeply") as info:
+        parse_score_request(body, RMServerConfig(), vocab_size=10)
+    assert info.value.status == 400 and info.value.field == "body"
+
+
+def test_parse_refuses_an_over_long_integer_literal_with_400():
+    body = b'{"items": [{"prompt_ids": [' + b"7" * 5000 + b'], "response_ids": []}]}'
+    with pytest.raises(RequestError, match="not valid JSON: .*digits") as info:
+        parse_score_request(body, RMServerConfig(), vocab_size=10)
+    assert info.value.status == 400
