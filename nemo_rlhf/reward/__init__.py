@@ -15,6 +15,8 @@ _EXPORTS = {
     "ScoreItem": "batching",
     "Scorer": "batching",
     "DynamicBatcher": "batching",
+    "ItemRejected": "batching",
+    "ItemTooLong": "batching",
     "validate_token_ids": "batching",
     # server.py
     "RMServerConfig": "server",

@@ -9,10 +9,23 @@ and makes one ``score_batch`` call per group. All scorer calls (construction,
 locking, a CUDA scorer can set its device once in its factory (the current device is
 per thread), and a multi-rank scorer can issue its broadcasts from a single place.
 
+One request's fault stays its own:
+- Before a request's first item joins a batch, the model thread calls the scorer's
+  optional ``check_items(items)`` with all of that request's items; an
+  :class:`ItemRejected` (e.g. :class:`ItemTooLong`: more tokens than the model takes)
+  fails that request alone, and its items never reach ``score_batch``.
+- When ``score_batch`` still raises (or returns bad scores) on a batch holding several
+  requests, the batch is split in two halves of whole requests and each half is scored
+  again, recursively, so only the requests whose items make the scorer fail receive its
+  exception; the others get the scores they would get alone. A request that is the only
+  one in a failing call receives that call's exception.
+
 Simplified on purpose:
 - One batch is scored at a time; there is no pipelining of tokenisation with the forward.
-- A failing ``score_batch`` fails every request that had items in that batch (requests
-  are validated before they are queued, so a failure here is a model-side fault).
+- ``check_items`` and ``score_batch`` both see a request's items, so a text scorer
+  tokenises them twice (cheap next to the forward).
+- A scorer that fails on every call (a broken model) is called up to ``2 * requests - 1``
+  times per batch before every request gets the error.
 - Items are scored in arrival order; there is no length bucketing.
 """
 
@@ -32,6 +45,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 __all__ = [
     "BatcherStopped",
     "DynamicBatcher",
+    "ItemRejected",
+    "ItemTooLong",
     "ScoreItem",
     "Scorer",
     "validate_token_ids",
@@ -79,6 +94,32 @@ class ScoreItem:
         return {"prompt": self.prompt, "response": self.response}
 
 
+class ItemRejected(ValueError):
+    """A scorer refuses an item for a reason of the item itself (the client's fault).
+
+    Raised by a scorer's ``check_items`` (or ``score_batch``); the server answers the
+    request holding the item with HTTP ``status`` (422 here) and the message, which
+    should name the item (``items[3]: ...``) and the rule it breaks.
+
+    Args:
+        message: what is wrong, naming the item and the limit.
+        field: the offending field, e.g. ``items[3]``, or None.
+    """
+
+    status: int = 422
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class ItemTooLong(ItemRejected):
+    """An item with more tokens than the scorer takes (prompt + response over its
+    ``max_seq_length``); the server answers 413."""
+
+    status = 413
+
+
 @runtime_checkable
 class Scorer(Protocol):
     """What the reward-model server needs from a model.
@@ -89,6 +130,16 @@ class Scorer(Protocol):
 
     Optional: a ``close()`` method, called once on the model thread when the server stops
     (a multi-rank scorer uses it to release the ranks waiting for broadcasts).
+
+    Optional: a ``check_items(items: list[ScoreItem]) -> None`` method, called on the model
+    thread with all items of one request before any of them joins a batch. It raises
+    :class:`ItemRejected` (:class:`ItemTooLong` for a sequence over the scorer's token
+    limit, after any truncation the scorer is configured to apply) naming ``items[i]``,
+    ``i`` being the item's index in that request. It must accept every item that
+    ``score_batch`` accepts. A scorer that tokenises text checks lengths here, since only
+    it knows the token count of a text item; without the method, an item the scorer
+    cannot take is still isolated to its request (see the module docstring), at the cost
+    of extra ``score_batch`` calls.
 
     Multi-rank (TP/PP) reward models: only global rank 0 runs :func:`serve`; the scorer
     it builds is the rank-0 half of a collective. Its ``score_batch`` tokenises and pads
@@ -158,7 +209,9 @@ class DynamicBatcher:
     or when the oldest queued item has waited ``max_wait_ms`` milliseconds, whichever is
     first. A request larger than ``max_batch_size`` is split across consecutive batches;
     a batch may hold items of several requests. Each request's future receives its own
-    scores, in order, once all its items are scored.
+    scores, in order, once all its items are scored, or the exception of the scorer call
+    that failed on its own items (:class:`ItemRejected` from ``check_items``; see the
+    module docstring for how a failing batch is split).
 
     Args:
         scorer_factory: builds the :class:`Scorer`; runs on the model thread.
@@ -190,6 +243,8 @@ class DynamicBatcher:
             "batches": 0,
             "items_scored": 0,
             "failed_batches": 0,
+            "rejected_requests": 0,
+            "isolated_failures": 0,
             "largest_batch": 0,
             "score_time_s": 0.0,
         }
@@ -216,8 +271,11 @@ class DynamicBatcher:
         return self._vocab_size
 
     def stats(self) -> dict[str, Any]:
-        """Counters: requests and items submitted, batches (``score_batch`` calls),
-        items_scored, failed_batches, largest_batch (items), score_time_s (s in
+        """Counters: requests and items submitted, batches (successful ``score_batch``
+        calls), items_scored, failed_batches (``score_batch`` calls that raised or returned
+        bad scores, retries of halves included), rejected_requests (refused by
+        ``check_items``), isolated_failures (requests failed by a ``score_batch`` call
+        holding only their items), largest_batch (items), score_time_s (s in
         ``score_batch``), queued_items."""
         with self._cond:
             out = dict(self._stats)
@@ -358,21 +416,58 @@ class DynamicBatcher:
         self._queued_items -= len(req.items) - req.next_index
 
     def _score(self, scorer: Scorer, parts: list[tuple[_Request, int, int]]) -> None:
+        """Checks the requests starting in this batch, then scores the admitted parts."""
+        check = getattr(scorer, "check_items", None)
+        if callable(check):
+            parts = [part for part in parts if part[1] > 0 or self._admit(check, part[0])]
+        if parts:
+            self._score_parts(scorer, parts)
+
+    def _admit(self, check: Callable[[list[ScoreItem]], Any], req: _Request) -> bool:
+        """Runs ``check(req.items)``; on an exception fails ``req`` with it (its items left
+        in the queue are dropped by :meth:`_next_batch`) and returns False."""
+        try:
+            check(req.items)
+        except Exception as exc:  # noqa: BLE001 - delivered to this request only
+            if not isinstance(exc, ItemRejected):
+                logger.exception("scorer.check_items failed on a request of %d items", len(req.items))
+            with self._cond:
+                self._stats["rejected_requests"] += 1
+            if not req.future.done():
+                req.future.set_exception(exc)
+            return False
+        return True
+
+    def _score_parts(self, scorer: Scorer, parts: list[tuple[_Request, int, int]]) -> None:
+        """One ``score_batch`` call over ``parts`` ([(request, start, end)], one part per
+        request). When it fails and holds several requests, the parts are halved and each
+        half is scored again (recursion depth <= log2(len(parts)) + 1); a call over a
+        single request's part delivers its exception to that request."""
         items = [it for req, lo, hi in parts for it in req.items[lo:hi]]
-        if not items:
-            return
         t0 = time.perf_counter()
         try:
             scores = scorer.score_batch(items)
             scores = _check_scores(scores, len(items))
-        except Exception as exc:  # noqa: BLE001 - delivered to every affected request
-            logger.exception("score_batch failed on %d items", len(items))
+        except Exception as exc:  # noqa: BLE001 - delivered to the request(s) it belongs to
             with self._cond:
                 self._stats["failed_batches"] += 1
                 self._stats["score_time_s"] += time.perf_counter() - t0
-            for req, _, _ in parts:
-                if not req.future.done():
-                    req.future.set_exception(exc)
+            if len(parts) > 1:
+                logger.warning("score_batch failed on %d items of %d requests (%s: %s); scoring each half again",
+                               len(items), len(parts), type(exc).__name__, exc)
+                mid = len(parts) // 2
+                self._score_parts(scorer, parts[:mid])
+                self._score_parts(scorer, parts[mid:])
+                return
+            req = parts[0][0]
+            if isinstance(exc, ItemRejected):
+                logger.warning("score_batch refused a request's %d items: %s", len(items), exc)
+            else:
+                logger.exception("score_batch failed on a request's %d items", len(items))
+            with self._cond:
+                self._stats["isolated_failures"] += 1
+            if not req.future.done():
+                req.future.set_exception(exc)
             return
         with self._cond:
             self._stats["batches"] += 1

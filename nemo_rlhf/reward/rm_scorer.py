@@ -31,10 +31,12 @@ Simplified on purpose:
 - A forward that fails on one rank is reported to rank 0 through the gather, but a
   failure *inside* a pipeline exchange (a dead rank) cannot be recovered: the job must be
   restarted (torchrun / srun then stop the remaining ranks).
-- Sequences longer than ``max_seq_length`` are an error by default; ``overlong_policy:
-  truncate`` cuts the response as the RM trainer's ``truncate`` policy does. The limit is
-  the model's position range, not the RM trainer's ``data.max_seq_length``: the layout of
-  the tokens matches training, the length cap is the serving job's choice.
+- Sequences longer than ``max_seq_length`` are refused by default (:class:`ItemTooLong`
+  from :meth:`RewardModelScorer.check_items`, which the server runs before batching: HTTP
+  413 for that request alone); ``overlong_policy: truncate`` cuts the response as the RM
+  trainer's ``truncate`` policy does. The limit is the model's position range, not the
+  RM trainer's ``data.max_seq_length``: the layout of the tokens matches training, the
+  length cap is the serving job's choice.
 - No length bucketing: each data-parallel slice is padded to its longest row.
 """
 
@@ -51,7 +53,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import MISSING, OmegaConf
 
-from nemo_rlhf.reward.batching import ScoreItem
+from nemo_rlhf.reward.batching import ItemRejected, ItemTooLong, ScoreItem
 
 __all__ = [
     "OVERLONG_POLICIES",
@@ -82,7 +84,7 @@ class RMScorerConfig:
     max_seq_length: Optional[int] = None
     """Longest prompt + response in tokens; None: the model's ``max_position_embeddings``."""
     overlong_policy: str = "error"
-    """Rows over ``max_seq_length``: ``error`` (the batch fails, HTTP 500) or ``truncate`` (cut the response)."""
+    """Rows over ``max_seq_length``: ``error`` (that request gets HTTP 413) or ``truncate`` (cut the response)."""
     precision: Optional[str] = None
     """``32``, ``bf16-mixed`` or ``fp16-mixed``; None: the checkpoint config's ``trainer.precision``."""
 
@@ -244,37 +246,48 @@ class RewardModelScorer:
     def encode(self, item: ScoreItem, index: int = 0) -> list[int]:
         """Token ids of one item: ``prompt_ids + response_ids`` (see the module docstring).
 
-        Raises:
-            ValueError: naming ``items[index]``: untokenisable text, an empty sequence, a
-                token id outside ``[0, vocab_size)``, or a row over ``max_seq_length``
-                (policy ``error``, or a prompt alone too long under ``truncate``).
+        Raises (both ``ValueError`` subclasses, naming ``items[index]``):
+            ItemTooLong: a row over ``max_seq_length`` (policy ``error``, or a prompt alone
+                too long under ``truncate``).
+            ItemRejected: untokenisable text, an empty sequence, a token id outside
+                ``[0, vocab_size)``.
         """
         from nemo_rlhf.data.datasets import encode_prompt, encode_response
         from nemo_rlhf.reward.batching import validate_token_ids
 
         where = f"items[{index}]"
-        if item.is_tokens:
-            prompt = validate_token_ids(list(item.prompt_ids), self.vocab_size, f"{where}.prompt_ids")
-            response = validate_token_ids(list(item.response_ids), self.vocab_size, f"{where}.response_ids")
-        else:
-            try:
+        try:
+            if item.is_tokens:
+                prompt = validate_token_ids(list(item.prompt_ids), self.vocab_size, f"{where}.prompt_ids")
+                response = validate_token_ids(list(item.response_ids), self.vocab_size, f"{where}.response_ids")
+            else:
                 prompt = encode_prompt(self.tokenizer, item.prompt, self.info.chat_template,
                                        self.info.system_prompt)
                 response = encode_response(self.tokenizer, item.response)
-            except ValueError as exc:
-                raise ValueError(f"{where}: {exc}") from None
+        except ValueError as exc:
+            message = str(exc) if item.is_tokens else f"{where}: {exc}"
+            raise ItemRejected(message, where) from None
         total = len(prompt) + len(response)
         if total == 0:
-            raise ValueError(f"{where}: empty sequence (no prompt and no response tokens)")
+            raise ItemRejected(f"{where}: empty sequence (no prompt and no response tokens)", where)
         if total > self.max_seq_length:
             room = self.max_seq_length - len(prompt)
             if self.cfg.overlong_policy == "error" or room < 1:
-                raise ValueError(
+                raise ItemTooLong(
                     f"{where}: {total} tokens (prompt {len(prompt)} + response {len(response)}) exceed "
                     f"max_seq_length={self.max_seq_length}"
-                    + ("; set overlong_policy=truncate to cut the response" if room >= 1 else ""))
+                    + ("; set overlong_policy=truncate to cut the response" if room >= 1 else ""),
+                    where)
             response = response[:room]
         return prompt + response
+
+    def check_items(self, items: list[ScoreItem]) -> None:
+        """Raises what :meth:`encode` raises for the first of ``items`` (one request's
+        items; ``index`` = position in that list) that :meth:`score_batch` would refuse:
+        :class:`ItemTooLong` over ``max_seq_length`` after the ``overlong_policy``,
+        :class:`ItemRejected` otherwise. Local to rank 0 (no collective); tokenises text."""
+        for i, item in enumerate(items):
+            self.encode(item, i)
 
     # ------------------------------------------------------------------ scoring
     def score_batch(self, items: list[ScoreItem]) -> list[float]:
@@ -283,7 +296,8 @@ class RewardModelScorer:
         row's last valid token, raw (not normalised).
 
         Raises:
-            ValueError: a bad item (before any collective, so the ranks stay in step).
+            ValueError: a bad item (:class:`ItemRejected` / :class:`ItemTooLong`, see
+                :meth:`encode`), before any collective, so the ranks stay in step.
             RuntimeError: closed scorer, called on a rank other than 0, or a rank's forward failed.
         """
         if self._closed:

@@ -4,10 +4,16 @@ Endpoints (JSON in and out; errors are ``{"error": message, "field": key-or-null
 
 - ``POST /score`` ``{"items": [{"prompt": str, "response": str} |
   {"prompt_ids": [int], "response_ids": [int]}, ...]}`` -> ``{"scores": [float, ...]}``
-  in item order. 400 invalid JSON, 401 missing/wrong bearer token, 413 over a size limit,
+  in item order. 400 invalid JSON (including a body nested too deeply to parse), 401
+  missing/wrong bearer token, 413 over a size limit (body, items, characters, or an item
+  with more tokens than the scorer takes: the message names ``items[i]`` and the limit),
   422 schema errors (empty batch, missing field, wrong type, token id outside the
-  vocabulary), 500 the scorer raised (its message is returned; there is never a default
-  score), 503 the scorer is still loading or the server is stopping.
+  vocabulary, an item the scorer refuses), 500 the scorer raised on this request's own
+  items (its message is returned; there is never a default score), 503 the scorer is
+  still loading or the server is stopping. One request's fault never fails another's:
+  items are checked by the scorer before they are batched, and a batch on which the
+  scorer fails is split until the failure is pinned to its request(s) (see
+  :mod:`nemo_rlhf.reward.batching`).
 - ``GET /health`` -> 200 ``{"status": "ready"}`` once the scorer is loaded; 503
   ``{"status": "loading"}`` before (the socket is up while the model loads). No auth.
 - ``GET /metadata`` -> ``{"status", "scorer": scorer.metadata(), "server": config and
@@ -20,9 +26,10 @@ builds the scorer on that thread, and once both HTTP and the scorer are up write
 ``http://host:port`` to ``address_file`` (tmp + rename).
 
 Simplified on purpose: no TLS (bind loopback, or use the bearer token on a trusted
-cluster network); no per-request token-count limit beyond ``max_body_bytes`` (a scorer
-that cannot take a sequence raises, which becomes a 500); one uvicorn worker, since the
-model lives in this process.
+cluster network); the per-item token limit is the scorer's (its ``check_items`` runs on
+the model thread, since only the scorer can tokenise text), so an over-long item is
+answered once its request reaches the model thread, not at parse time; one uvicorn
+worker, since the model lives in this process.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from fastapi.responses import JSONResponse
 from nemo_rlhf.reward.batching import (
     BatcherStopped,
     DynamicBatcher,
+    ItemRejected,
     ScoreItem,
     Scorer,
     validate_token_ids,
@@ -139,12 +147,17 @@ def parse_score_request(body: bytes, cfg: RMServerConfig, vocab_size: int | None
     """Parses and validates a ``POST /score`` body into ``ScoreItem`` s.
 
     ``vocab_size``: the scorer's; None means token-id items are rejected (text-only scorer).
-    Raises :class:`RequestError` (400 not JSON; 413 too many items or a text over
-    ``cfg.max_text_chars``; 422 any schema error) naming the field and item index.
+    Raises :class:`RequestError` (400 not JSON, or JSON nested deeper than the parser's
+    recursion limit, about 1000 levels, or a number the parser refuses; 413 too many items
+    or a text over ``cfg.max_text_chars``; 422 any schema error) naming the field and
+    item index.
     """
     try:
         payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except RecursionError:
+        raise RequestError(400, "request body is not valid JSON: nested too deeply "
+                                "(the schema needs 4 levels: {items: [{prompt_ids: [...]}]})", "body") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an int over sys.get_int_max_str_digits()
         raise RequestError(400, f"request body is not valid JSON: {exc}", "body") from None
     if not isinstance(payload, dict):
         raise RequestError(422, f'request body must be a JSON object {{"items": [...]}}, got {_json_type(payload)}', "body")
@@ -313,17 +326,20 @@ def build_app(
         try:
             body = await _read_body(request, cfg.max_body_bytes)
             items = parse_score_request(body, cfg, batcher.vocab_size)
-            future = batcher.submit(items)
         except RequestError as exc:
             return _error(exc.status, exc.message, exc.field)
-        except (BatcherStopped, RuntimeError) as exc:
+        try:
+            future = batcher.submit(items)
+        except (BatcherStopped, RuntimeError) as exc:  # stopping, or not ready
             return _error(503, str(exc))
         try:
             scores = await asyncio.wrap_future(future)
         except BatcherStopped as exc:
             return _error(503, str(exc))
+        except ItemRejected as exc:  # the scorer refused one of this request's items
+            return _error(exc.status, str(exc), exc.field)
         except Exception as exc:  # noqa: BLE001 - a scorer fault is reported, never papered over
-            return _error(500, f"scorer failed on a batch holding this request: {type(exc).__name__}: {exc}")
+            return _error(500, f"scorer failed on this request's items: {type(exc).__name__}: {exc}")
         return JSONResponse({"scores": scores})
 
     return app

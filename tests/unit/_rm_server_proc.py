@@ -5,6 +5,8 @@
 The fake scorer is deterministic (:func:`expected_score`), so a test can compare served
 scores with in-process ones. Special responses: one containing ``RAISE`` makes the batch
 fail; one containing ``SLOW`` makes the batch take 5 s (to kill the server mid-request).
+With ``--max-tokens N`` an item over N fake tokens (:func:`fake_tokens`) is refused by
+``check_items`` (ItemTooLong) and makes ``score_batch`` raise, as a real RM's forward would.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import zlib
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from nemo_rlhf.reward.batching import ScoreItem  # noqa: E402
+from nemo_rlhf.reward.batching import ItemTooLong, ScoreItem  # noqa: E402
 from nemo_rlhf.reward.server import RMServerConfig, serve  # noqa: E402
 
 VOCAB_SIZE = 1000
@@ -34,16 +36,35 @@ def expected_score(item: ScoreItem) -> float:
     return float(length) + zlib.crc32(f"{prompt}\x00{response}".encode()) / 2**32
 
 
+def fake_tokens(item: ScoreItem) -> int:
+    """Fake token count: one token per character of prompt + response, or the id count."""
+    if item.is_tokens:
+        return len(item.prompt_ids) + len(item.response_ids)
+    return len(item.prompt) + len(item.response)
+
+
 class HashScorer:
-    """Fake RM: costs ``call_ms`` per call plus ``item_ms`` per item; scores by expected_score."""
+    """Fake RM: costs ``call_ms`` per call plus ``item_ms`` per item; scores by expected_score.
+
+    ``max_tokens``: the longest item in :func:`fake_tokens` (None: no limit).
+    """
 
     vocab_size = VOCAB_SIZE
 
-    def __init__(self, call_ms: float = 0.0, item_ms: float = 0.0) -> None:
-        self.call_ms, self.item_ms = call_ms, item_ms
+    def __init__(self, call_ms: float = 0.0, item_ms: float = 0.0, max_tokens: int | None = None) -> None:
+        self.call_ms, self.item_ms, self.max_seq_length = call_ms, item_ms, max_tokens
+
+    def check_items(self, items: list[ScoreItem]) -> None:
+        """Raises ItemTooLong naming the first item over ``max_seq_length`` fake tokens."""
+        for i, it in enumerate(items):
+            if self.max_seq_length is not None and fake_tokens(it) > self.max_seq_length:
+                raise ItemTooLong(f"items[{i}]: {fake_tokens(it)} tokens exceed max_seq_length={self.max_seq_length}",
+                                  f"items[{i}]")
 
     def score_batch(self, items: list[ScoreItem]) -> list[float]:
         for it in items:
+            if self.max_seq_length is not None and fake_tokens(it) > self.max_seq_length:
+                raise ValueError(f"fake forward: a row of {fake_tokens(it)} tokens is past the position range")
             if not it.is_tokens and "RAISE" in it.response:
                 raise RuntimeError("fake scorer exploded on purpose")
             if not it.is_tokens and "SLOW" in it.response:
@@ -53,7 +74,8 @@ class HashScorer:
 
     def metadata(self) -> dict:
         return {"model_name": "hash-scorer", "checkpoint_path": "/fake/rm", "checkpoint_step": 7,
-                "tokenizer": "fake-bytes", "reward_mean": 2.0, "reward_std": 4.0}
+                "tokenizer": "fake-bytes", "reward_mean": 2.0, "reward_std": 4.0,
+                "max_seq_length": self.max_seq_length}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-text-chars", type=int, default=65536)
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--auth-token-env", default=None)
+    p.add_argument("--max-tokens", type=int, default=None, help="the fake scorer's max_seq_length")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[rm-server] %(levelname)s %(message)s")
     cfg = RMServerConfig(
@@ -85,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(0.02)
         if args.fail_load:
             raise RuntimeError("fake checkpoint is corrupt")
-        return HashScorer(args.call_ms, args.item_ms)
+        return HashScorer(args.call_ms, args.item_ms, args.max_tokens)
 
     serve(factory, cfg)
 

@@ -9,18 +9,30 @@ import time
 
 import pytest
 
-from nemo_rlhf.reward.batching import BatcherStopped, DynamicBatcher, ScoreItem, validate_token_ids
+from nemo_rlhf.reward.batching import (
+    BatcherStopped,
+    DynamicBatcher,
+    ItemRejected,
+    ItemTooLong,
+    ScoreItem,
+    validate_token_ids,
+)
 from nemo_rlhf.reward.server import RequestError, RMServerConfig, parse_score_request
 
 
 class RecordingScorer:
-    """score = float(len(response)); records each batch size and the calling thread."""
+    """score = float(len(response)); records each batch size and the calling thread.
+
+    ``bad``: every call raises ("raise") or returns too few ("short") or NaN ("nan") scores.
+    ``poison``: a response text that makes any call holding it raise.
+    """
 
     vocab_size = 100
 
-    def __init__(self, delay_s: float = 0.0, bad: str | None = None) -> None:
-        self.delay_s, self.bad = delay_s, bad
+    def __init__(self, delay_s: float = 0.0, bad: str | None = None, poison: str | None = None) -> None:
+        self.delay_s, self.bad, self.poison = delay_s, bad, poison
         self.batches: list[int] = []
+        self.responses: list[list[str]] = []
         self.threads: set[str] = set()
         self.closed = False
         self.started = threading.Event()
@@ -29,7 +41,10 @@ class RecordingScorer:
         self.started.set()
         self.threads.add(threading.current_thread().name)
         self.batches.append(len(items))
+        self.responses.append([it.response for it in items])
         time.sleep(self.delay_s)
+        if self.poison is not None and any(it.response == self.poison for it in items):
+            raise RuntimeError(f"cannot score {self.poison!r}")
         if self.bad == "raise":
             raise RuntimeError("model fault")
         if self.bad == "short":
@@ -105,7 +120,7 @@ def test_all_scorer_calls_happen_on_the_one_model_thread_and_close_is_called():
     assert scorer.threads == set(seen) == {"rm-model-thread"} and scorer.closed and b.state == "stopped"
 
 
-@pytest.mark.parametrize("bad, match", [("raise", "model fault"), ("short", "1 scores for 2 items"), ("nan", "non-finite")])
+@pytest.mark.parametrize("bad, match", [("raise", "model fault"), ("short", "0 scores for 1 items"), ("nan", "non-finite")])
 def test_scorer_fault_fails_every_request_in_the_batch_and_later_batches_still_work(bad, match):
     scorer = RecordingScorer(bad=bad)
     b = _ready(DynamicBatcher(lambda: scorer, max_batch_size=8, max_wait_ms=50))
@@ -116,7 +131,8 @@ def test_scorer_fault_fails_every_request_in_the_batch_and_later_batches_still_w
                 f.result(5)
         scorer.bad = None
         assert b.submit(_items([3])).result(5) == [3.0]
-        assert b.stats()["failed_batches"] == 1
+        assert b.stats()["failed_batches"] == 3  # the pair, then each request alone
+        assert b.stats()["isolated_failures"] == 2
     finally:
         b.stop()
 
@@ -211,3 +227,103 @@ def test_stop_while_loading_returns_at_once_and_close_follows_the_factory():
     while not scorer.closed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert scorer.closed and b.state == "stopped" and scorer.batches == []
+
+
+class CheckingScorer(RecordingScorer):
+    """RecordingScorer whose ``check_items`` refuses responses longer than ``max_len`` (413)
+    and the response "bad" (422)."""
+
+    def __init__(self, max_len: int) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.checked: list[int] = []
+
+    def check_items(self, items):
+        self.checked.append(len(items))
+        for i, it in enumerate(items):
+            if it.response == "bad":
+                raise ItemRejected(f"items[{i}]: bad item", f"items[{i}]")
+            if len(it.response) > self.max_len:
+                raise ItemTooLong(f"items[{i}]: {len(it.response)} tokens exceed max_seq_length={self.max_len}")
+
+
+def test_check_items_refuses_a_request_before_batching_and_its_companions_share_one_call():
+    scorer = CheckingScorer(max_len=5)
+    b = _ready(DynamicBatcher(lambda: scorer, max_batch_size=100, max_wait_ms=200))
+    try:
+        good1, long, good2 = (b.submit(_items(n)) for n in ([1, 2], [3, 9], [4]))
+        bad = b.submit([ScoreItem(prompt="p", response="x"), ScoreItem(prompt="p", response="bad")])
+        good3 = b.submit(_items([5]))
+        assert good1.result(5) == [1.0, 2.0] and good2.result(5) == [4.0] and good3.result(5) == [5.0]
+        with pytest.raises(ItemTooLong, match=re.escape("items[1]: 9 tokens exceed max_seq_length=5")) as info:
+            long.result(5)
+        assert info.value.status == 413
+        with pytest.raises(ItemRejected, match=re.escape("items[1]: bad item")) as info:
+            bad.result(5)
+        assert info.value.status == 422 and info.value.field == "items[1]"
+        assert scorer.batches == [4]  # the good requests only, in one call
+        assert scorer.checked == [2, 2, 1, 2, 1]  # each request checked once, whole, in order
+        stats = b.stats()
+        assert stats["rejected_requests"] == 2 and stats["failed_batches"] == 0
+    finally:
+        b.stop()
+
+
+def test_refused_request_split_across_batches_drops_its_remaining_items():
+    scorer = CheckingScorer(max_len=5)
+    b = _ready(DynamicBatcher(lambda: scorer, max_batch_size=2, max_wait_ms=0))
+    try:
+        with pytest.raises(ItemTooLong, match=re.escape("items[4]")):
+            b.submit(_items([1, 1, 1, 1, 9])).result(5)
+        assert b.submit(_items([2])).result(5) == [2.0]
+        assert scorer.batches == [1] and b.stats()["queued_items"] == 0
+    finally:
+        b.stop()
+
+
+def test_a_failing_item_fails_only_its_request_and_the_others_get_their_alone_scores():
+    scorer = RecordingScorer(poison="boom")
+    b = _ready(DynamicBatcher(lambda: scorer, max_batch_size=100, max_wait_ms=200))
+    try:
+        futures = [b.submit(_items([k, k + 1])) for k in range(7)]
+        bad = b.submit([ScoreItem(prompt="p", response="ok"), ScoreItem(prompt="p", response="boom")])
+        futures.append(b.submit(_items([8])))
+        for k, f in enumerate(futures[:7]):
+            assert f.result(5) == [float(k), float(k + 1)]
+        assert futures[7].result(5) == [8.0]
+        with pytest.raises(RuntimeError, match="cannot score 'boom'"):
+            bad.result(5)
+        assert scorer.batches[0] == 17  # all nine requests were in one failing call first
+        assert sum(1 for r in scorer.responses if "boom" in r) <= 5  # halving: depth log2(9) + 1
+        stats = b.stats()
+        assert stats["isolated_failures"] == 1 and stats["items_scored"] == 15
+        assert stats["failed_batches"] == sum(1 for r in scorer.responses if "boom" in r)
+    finally:
+        b.stop()
+
+
+def test_a_large_request_with_a_failing_item_is_dropped_after_its_failing_part():
+    scorer = RecordingScorer(poison="boom")
+    b = _ready(DynamicBatcher(lambda: scorer, max_batch_size=2, max_wait_ms=0))
+    try:
+        items = [ScoreItem(prompt="p", response=r) for r in ("a", "boom", "c", "d")]
+        with pytest.raises(RuntimeError, match="cannot score"):
+            b.submit(items).result(5)
+        assert b.submit(_items([3])).result(5) == [3.0]
+        assert scorer.responses == [["a", "boom"], ["xxx"]]  # items c, d were never scored
+    finally:
+        b.stop()
+
+
+@pytest.mark.parametrize("body", [b"[" * 200_000 + b"]" * 200_000, b'{"items": ' + b"[" * 5000])
+def test_parse_refuses_deeply_nested_json_with_400(body):
+    with pytest.raises(RequestError, match="not valid JSON: nested too deeply") as info:
+        parse_score_request(body, RMServerConfig(), vocab_size=10)
+    assert info.value.status == 400 and info.value.field == "body"
+
+
+def test_parse_refuses_an_over_long_integer_literal_with_400():
+    body = b'{"items": [{"prompt_ids": [' + b"7" * 5000 + b'], "response_ids": []}]}'
+    with pytest.raises(RequestError, match="not valid JSON: .*digits") as info:
+        parse_score_request(body, RMServerConfig(), vocab_size=10)
+    assert info.value.status == 400

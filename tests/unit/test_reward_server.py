@@ -285,3 +285,108 @@ def test_server_refuses_to_start_when_token_env_is_unset(tmp_path, monkeypatch):
     with running_server(tmp_path, "notoken", "--auth-token-env", env_name) as (proc, addr, log):
         assert proc.wait(20) != 0
         assert env_name in log.read_text() and not addr.exists()
+
+
+# --------------------------------------------------------------------------- isolation
+MAX_TOKENS = 64
+N_GOOD = 16
+
+
+@pytest.fixture(scope="module")
+def iso_server(tmp_path_factory):
+    """A server whose fake scorer takes at most MAX_TOKENS tokens per item, with a 300 ms
+    batching window (so a burst of requests shares one batch) and the default body limit."""
+    tmp = tmp_path_factory.mktemp("rm_iso")
+    args = ["--call-ms", "10", "--max-wait-ms", "300", "--max-batch-size", "256", "--max-tokens", str(MAX_TOKENS)]
+    with running_server(tmp, "iso", *args) as (proc, addr, log):
+        try:
+            c = RewardModelClient.from_address_file(str(addr), wait_s=30)
+        except RewardServiceError:
+            pytest.fail(f"server did not start; log:\n{log.read_text()}")
+        yield SimpleNamespace(url=c.url, proc=proc, client=c, log=log)
+        c.close()
+
+
+def _good_items(k: int) -> list[ScoreItem]:
+    return [ScoreItem(prompt=f"client {k}", response="y" * k), ScoreItem(prompt_ids=[k, 1], response_ids=[2] * k)]
+
+
+def _burst(url: str, bodies: dict[str, bytes]) -> dict[str, httpx.Response]:
+    """POSTs every body to /score from its own thread, all released together; returns the replies."""
+    barrier = threading.Barrier(len(bodies))
+    replies: dict[str, httpx.Response] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            with httpx.Client(base_url=url, timeout=20) as http:
+                http.get("/health")  # open the connection before the start line
+                barrier.wait(10)
+                replies[name] = http.post("/score", content=bodies[name], headers={"Content-Type": "application/json"})
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in bodies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert sorted(replies) == sorted(bodies)
+    return replies
+
+
+def _burst_with_good_clients(server, bad: dict[str, bytes]) -> tuple[dict[str, httpx.Response], dict, dict]:
+    """N_GOOD good clients plus the ``bad`` bodies in one burst; asserts every good client got
+    200 with exactly its own scores. Returns (replies, stats before, stats after)."""
+    bodies = {f"good{k}": json.dumps({"items": [it.to_json() for it in _good_items(k)]}).encode() for k in range(N_GOOD)}
+    before = server.client.stats()
+    replies = _burst(server.url, {**bodies, **bad})
+    after = server.client.stats()
+    for k in range(N_GOOD):
+        resp = replies[f"good{k}"]
+        assert resp.status_code == 200, f"good client {k}: HTTP {resp.status_code} {resp.text}"
+        assert resp.json() == {"scores": [fake.expected_score(it) for it in _good_items(k)]}
+    assert after["batches"] - before["batches"] < N_GOOD, "the burst was not batched together"
+    assert server.proc.poll() is None
+    return replies, before, after
+
+
+def test_good_items_score_alone_as_expected(iso_server):
+    # the reference the burst tests compare with: what a good request scores when sent alone
+    for k in (0, N_GOOD - 1):
+        assert iso_server.client.score(_good_items(k)) == [fake.expected_score(it) for it in _good_items(k)]
+
+
+def test_overlong_item_gets_413_naming_item_and_limit_and_never_fails_other_clients(iso_server):
+    long_text = {"items": [{"prompt": "p", "response": "ok"}, {"prompt": "p", "response": "z" * 12_000}]}
+    long_ids = {"items": [{"prompt_ids": [1] * 40, "response_ids": [2] * 40}]}
+    bad = {"long_text": json.dumps(long_text).encode(), "long_ids": json.dumps(long_ids).encode()}
+    replies, before, after = _burst_with_good_clients(iso_server, bad)
+    for name, where, tokens in [("long_text", "items[1]", 12_001), ("long_ids", "items[0]", 80)]:
+        resp = replies[name]
+        assert resp.status_code == 413, f"{name}: HTTP {resp.status_code} {resp.text}"
+        body = resp.json()
+        assert body["field"] == where
+        assert f"{where}: {tokens} tokens exceed max_seq_length={MAX_TOKENS}" in body["error"]
+    assert after["rejected_requests"] - before["rejected_requests"] == 2
+    assert after["failed_batches"] == before["failed_batches"]  # the scorer never saw them
+
+
+def test_scorer_failing_on_one_item_fails_only_its_request(iso_server):
+    bad = {"raise": json.dumps({"items": [{"prompt": "p", "response": "fine"}, {"prompt": "p", "response": "RAISE"}]}).encode()}
+    replies, before, after = _burst_with_good_clients(iso_server, bad)
+    resp = replies["raise"]
+    assert resp.status_code == 500 and "exploded on purpose" in resp.json()["error"], resp.text
+    # the request shared a failing batch with others (>= 2 failed calls), then failed alone
+    assert after["failed_batches"] - before["failed_batches"] >= 2
+    assert after["isolated_failures"] - before["isolated_failures"] == 1
+
+
+def test_deeply_nested_json_gets_400_while_good_clients_get_200(iso_server):
+    depth = 200_000
+    replies, _, _ = _burst_with_good_clients(iso_server, {"nested": b"[" * depth + b"]" * depth})
+    resp = replies["nested"]
+    assert resp.status_code == 400, resp.text
+    assert "not valid JSON" in resp.json()["error"] and "nested too deeply" in resp.json()["error"]
+    assert iso_server.client.health() == (200, {"status": "ready"})

@@ -25,6 +25,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -142,7 +143,7 @@ def test_scorer_matches_in_process_model_for_text_and_token_items(rm):
 
 
 def test_scorer_rejects_bad_items_naming_them_and_truncates_on_request(rm):
-    from nemo_rlhf.reward.batching import ScoreItem
+    from nemo_rlhf.reward.batching import ItemRejected, ItemTooLong, ScoreItem
     from nemo_rlhf.reward.rm_scorer import RMScorerConfig, RewardModelScorer
 
     from nemo_rlhf.data.datasets import encode_prompt
@@ -160,7 +161,20 @@ def test_scorer_rejects_bad_items_naming_them_and_truncates_on_request(rm):
         scorer.score_batch([long])
     with pytest.raises(ValueError, match=r"items\[0\]: .* exceed max_seq_length=\d+$"):  # the prompt alone is too long
         scorer.score_batch([ScoreItem(prompt="q" * 6, response="")])
+    # check_items (run by the server before batching) refuses the same items, naming them
+    scorer.check_items([ok, ScoreItem(prompt_ids=[1], response_ids=[5])])
+    with pytest.raises(ItemTooLong, match=rf"items\[1\]: \d+ tokens .* exceed max_seq_length={limit}") as info:
+        scorer.check_items([ok, long])
+    assert info.value.status == 413 and info.value.field == "items[1]"
+    with pytest.raises(ItemTooLong, match=rf"items\[0\]: \d+ tokens .* exceed max_seq_length={limit}"):
+        scorer.check_items([ScoreItem(prompt_ids=[1] * limit, response_ids=[5])])
+    with pytest.raises(ItemRejected, match=r"items\[1\]: .*cannot tokenize") as info:
+        scorer.check_items([ok, ScoreItem(prompt="caf\u00e9", response="x")])
+    assert info.value.status == 422
     cut = RewardModelScorer(replace(cfg, overlong_policy="truncate"), rm["dims"])
+    cut.check_items([long])  # the truncate policy applies: accepted
+    with pytest.raises(ItemTooLong):
+        cut.check_items([ScoreItem(prompt="q" * 6, response="")])
     ids = cut.encode(long)
     assert len(ids) == limit and ids[-1] != rm["tok"].eos_id  # response cut, EOS lost, as in RM training
     assert cut.score_batch([long]) == pytest.approx(
@@ -224,6 +238,11 @@ def test_served_scores_equal_in_process_scores(rm):
             assert client.score(_token_items(rm["tok"])) == pytest.approx(rm["ref"], abs=1e-5)
             meta = client.metadata()["scorer"]
             assert meta["reward_mean"] == 0.25 and meta["checkpoint_step"] == 5
+        limit = meta["max_seq_length"]  # the tiny model's max_position_embeddings
+        over = {"items": [{"prompt": "x", "response": "a"}, {"prompt": "x", "response": "a" * (limit + 10)}]}
+        resp = httpx.post(f"{url}/score", json=over, timeout=30)
+        assert resp.status_code == 413, resp.text
+        assert resp.json()["field"] == "items[1]" and f"exceed max_seq_length={limit}" in resp.json()["error"]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, log.read_text()[-3000:]
         assert not addr.exists()  # removed on a clean stop
