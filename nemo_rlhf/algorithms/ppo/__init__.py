@@ -1,11 +1,28 @@
-"""PPO-RLHF math as pure fp32 tensor functions (no distributed calls, no config, no I/O).
+"""PPO-RLHF math as pure fp32 tensor functions (no distributed calls, no trainer config, no
+I/O).
 
 Modules: ``core`` (masked statistics), ``kl`` (KL estimators and coefficient controllers),
-``rewards`` (per-token rewards), ``gae`` (advantages/returns), ``losses`` (policy, value,
-entropy losses and their stats). See each module's docstring for sources and for what is
-simplified.
+``rewards`` (per-token rewards), ``gae`` (GAE advantages/returns), ``advantages`` (the
+registry of advantage estimators: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++; group
+bookkeeping), ``losses`` (policy, value, entropy and KL losses, their aggregation modes
+and stats). See each module's docstring for sources and for what is simplified.
 """
 
+from nemo_rlhf.algorithms.ppo.advantages import (
+    ADVANTAGE_ESTIMATOR_REFERENCES,
+    ADVANTAGE_ESTIMATORS,
+    AdvantageConfig,
+    check_groups_divisible,
+    check_slice_keeps_groups,
+    compute_advantages,
+    discounted_returns,
+    gae_advantages,
+    get_advantage_estimator,
+    group_ids_from_samples,
+    grpo_advantages,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+)
 from nemo_rlhf.algorithms.ppo.core import (
     ReduceFn,
     last_valid_index,
@@ -24,9 +41,13 @@ from nemo_rlhf.algorithms.ppo.kl import (
     kl_penalty,
 )
 from nemo_rlhf.algorithms.ppo.losses import (
+    DEFAULT_LOSS_AGG_MODE,
+    LOSS_AGG_MODES,
+    aggregate_loss,
     entropy_bonus,
     explained_variance,
     finalize_token_stats,
+    kl_loss,
     merge_token_stats,
     policy_loss,
     stat_reduce_op,
@@ -35,19 +56,34 @@ from nemo_rlhf.algorithms.ppo.losses import (
 from nemo_rlhf.algorithms.ppo.rewards import compute_token_rewards, drop_empty_responses
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_ESTIMATOR_REFERENCES",
+    "DEFAULT_LOSS_AGG_MODE",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
     "AdaptiveKLController",
+    "AdvantageConfig",
     "FixedKLController",
     "ReduceFn",
+    "aggregate_loss",
     "build_kl_controller",
+    "check_groups_divisible",
+    "check_slice_keeps_groups",
+    "compute_advantages",
     "compute_gae",
     "compute_gae_reference",
     "compute_token_rewards",
+    "discounted_returns",
     "drop_empty_responses",
     "entropy_bonus",
     "explained_variance",
     "finalize_token_stats",
+    "gae_advantages",
+    "get_advantage_estimator",
+    "group_ids_from_samples",
+    "grpo_advantages",
+    "kl_loss",
     "kl_penalty",
     "last_valid_index",
     "masked_mean",
@@ -56,6 +92,8 @@ __all__ = [
     "masked_whiten",
     "merge_token_stats",
     "policy_loss",
+    "reinforce_plus_plus_advantages",
+    "rloo_advantages",
     "stat_reduce_op",
     "value_loss",
 ]

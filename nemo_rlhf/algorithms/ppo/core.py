@@ -1,10 +1,12 @@
 """Masked statistics and input checks shared by the PPO math modules.
 
 Everything in ``nemo_rlhf.algorithms.ppo`` is a pure function of tensors: no distributed
-calls, no config objects, no I/O. Token tensors are batch-first ``[batch, response_len]``
-and come with a ``response_mask`` of the same shape (bool, or 0/1 of any dtype; nonzero =
-valid response token). Float inputs of any dtype (fp16, bf16, fp64, ...) are cast to fp32
-and all arithmetic happens in fp32; outputs are fp32.
+calls, no trainer config objects, no I/O (``advantages.AdvantageConfig`` is a dataclass of
+plain values, the one place the estimators' defaults live). Token tensors are
+batch-first ``[batch, response_len]`` and come with a ``response_mask`` of the same shape
+(bool, or 0/1 of any dtype; nonzero = valid response token). Float inputs of any dtype
+(fp16, bf16, fp64, ...) are cast to fp32 and all arithmetic happens in fp32; outputs are
+fp32.
 
 Masked positions are removed with ``torch.where`` selection, never by multiplying with
 the mask, so a NaN/Inf sitting in a padded slot cannot reach an output or a gradient

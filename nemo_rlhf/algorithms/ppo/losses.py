@@ -1,4 +1,4 @@
-"""PPO losses (policy, value, entropy) with global-token normalisation, and their stats.
+"""PPO losses (policy, value, entropy, KL) with global normalisation, and their stats.
 
 * Policy: clipped surrogate of Schulman et al. 2017, "Proximal Policy Optimization
   Algorithms", eq. 7; asymmetric ``clip_eps_low``/``clip_eps_high`` ("clip-higher", DAPO,
@@ -8,11 +8,28 @@
 * Value: clipped value loss of OpenAI baselines' PPO2 / TRL / verl,
   ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
 * Entropy: mean token entropy, returned as a bonus (the caller subtracts ``coef * bonus``).
+* KL in the loss: a per-token estimate of KL(pi || pi_ref) (``kl.KL_ESTIMATORS``) as a
+  loss term, the GRPO paper's choice (Shao et al. 2024, eq. 3-4, with k3) instead of the
+  KL in the reward.
 
-Normalisation: every loss is a SUM over valid tokens divided by ``global_valid_tokens``,
-the number of valid tokens across ALL micro-batches and data-parallel ranks of the
-mini-batch (passed in). Summing the micro-batch losses (and gradients) therefore gives the
-same total however the mini-batch is split (NeMo-RL's LossFunction convention).
+Aggregation (``loss_agg_mode``, verl's names; ``l`` = per-token loss, ``m`` = mask, ``b``
+over the micro-batch's rows, ``T`` / ``S`` = valid tokens / sequences of the WHOLE
+mini-batch, all micro-batches and data-parallel ranks, passed in; ``L`` = a constant):
+
+* ``token-mean`` (default): ``sum_b sum_t m l / T``. Every token weighs the same (DAPO,
+  Yu et al. 2025, section 3.3, "token-level policy gradient loss").
+* ``seq-mean-token-sum``: ``sum_b (sum_t m l) / S``. Every sequence weighs its summed loss.
+* ``seq-mean-token-mean``: ``sum_b (sum_t m l / n_b) / S`` with ``n_b`` the row's valid
+  tokens (a row with none adds 0). Every sequence weighs the same: the GRPO paper's
+  objective (Shao et al. 2024, eq. 3, ``1/G sum_i 1/|o_i| sum_t``).
+* ``seq-mean-token-sum-norm``: ``sum_b sum_t m l / (S * L)``: Dr. GRPO (Liu et al. 2025,
+  arXiv:2503.20783, section 3.1) removes GRPO's ``1/|o_i|`` length bias by dividing by a
+  constant ``L`` (``norm_length``, e.g. the generation budget ``rollout.max_new_tokens``),
+  fixed for the whole run.
+
+Every denominator is global, so summing the micro-batch losses (and gradients) gives the
+same total however the mini-batch is split into micro-batches or ranks (NeMo-RL's
+LossFunction convention); a row is never split, so ``n_b`` is always the full row's count.
 
 Stats are returned as detached 0-d fp32 tensors (no host sync), as token SUMS plus the
 count so they aggregate correctly over micro-batches and ranks. Key convention:
@@ -30,9 +47,8 @@ arithmetic, so NaN/Inf there gives the same finite loss as a 0 there, and a zero
 gradient. The policy log-ratio is clamped to [-20, 20] before ``exp`` (as verl does) so a
 wild valid token cannot overflow to Inf.
 
-Simplified / left out: no token-level vs sequence-level aggregation modes (always
-token-sum / global tokens), no KL-in-loss term (the KL is in the reward), no GRPO/GSPO
-sequence-level ratios.
+Simplified / left out: no GSPO sequence-level ratios, no per-group ("seq-mean" over the
+prompts) aggregation, no KL over the full vocabulary (sampled-token estimators only).
 """
 
 from __future__ import annotations
@@ -50,12 +66,16 @@ from nemo_rlhf.algorithms.ppo.core import (
     _select,
     masked_sum,
 )
-from nemo_rlhf.algorithms.ppo.kl import KL_ESTIMATORS
+from nemo_rlhf.algorithms.ppo.kl import KL_ESTIMATORS, kl_penalty
 
 __all__ = [
+    "DEFAULT_LOSS_AGG_MODE",
+    "LOSS_AGG_MODES",
+    "aggregate_loss",
     "entropy_bonus",
     "explained_variance",
     "finalize_token_stats",
+    "kl_loss",
     "merge_token_stats",
     "policy_loss",
     "stat_reduce_op",
@@ -65,18 +85,30 @@ __all__ = [
 #: Bound on ``logp - old_logp`` before ``exp`` (verl clamps to the same range).
 LOG_RATIO_CLAMP = 20.0
 
+#: The loss aggregation modes (see the module docstring for their formulas).
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
+#: The default mode, today's behaviour; the one place it is set (a config field can
+#: default to this constant).
+DEFAULT_LOSS_AGG_MODE = "token-mean"
+
 GlobalCount = Union[int, float, torch.Tensor]
 Stats = Dict[str, torch.Tensor]
 
 
-def _global_count(global_valid_tokens: GlobalCount, device: torch.device) -> torch.Tensor:
-    if isinstance(global_valid_tokens, torch.Tensor):
-        if global_valid_tokens.numel() != 1:
-            raise ValueError("global_valid_tokens must be a number or a 1-element tensor")
-        return global_valid_tokens.detach().to(device=device, dtype=torch.float32).reshape(())
-    value = float(global_valid_tokens)
+def _global_count(
+    count: Optional[GlobalCount], device: torch.device, name: str = "global_valid_tokens",
+    mode: Optional[str] = None,
+) -> torch.Tensor:
+    if count is None:
+        raise ValueError(f"loss_agg_mode {mode!r} needs {name} (a global count > 0), got None")
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ValueError(f"{name} must be a number or a 1-element tensor")
+        return count.detach().to(device=device, dtype=torch.float32).reshape(())
+    value = float(count)
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"global_valid_tokens must be > 0, got {global_valid_tokens}")
+        raise ValueError(f"{name} must be > 0, got {count}")
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
@@ -103,6 +135,69 @@ def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch
     return filled.amax() if largest else filled.amin()
 
 
+def _aggregate(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    global_valid_tokens: Optional[GlobalCount],
+    global_sequences: Optional[GlobalCount],
+    norm_length: Optional[GlobalCount],
+) -> torch.Tensor:
+    """``aggregate_loss`` on a checked fp32 ``loss_mat`` and bool ``mask``."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; valid modes: {list(LOSS_AGG_MODES)}")
+    device = mask.device
+    if mode == "token-mean":
+        return masked_sum(loss_mat, mask) / _global_count(global_valid_tokens, device, mode=mode)
+    sequences = _global_count(global_sequences, device, "global_sequences", mode)
+    if mode == "seq-mean-token-sum":
+        return masked_sum(loss_mat, mask) / sequences
+    if mode == "seq-mean-token-mean":
+        row_sum = masked_sum(loss_mat, mask, dim=1)
+        row_tokens = mask.sum(dim=1).clamp_min(1).to(torch.float32)
+        return (row_sum / row_tokens).sum() / sequences
+    length = _global_count(norm_length, device, "norm_length", mode)
+    return masked_sum(loss_mat, mask) / (sequences * length)
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE,
+    global_valid_tokens: Optional[GlobalCount] = None,
+    global_sequences: Optional[GlobalCount] = None,
+    norm_length: Optional[GlobalCount] = None,
+) -> torch.Tensor:
+    """Reduce per-token losses to the scalar loss of this micro-batch's share.
+
+    Formulas: see the module docstring (``token-mean``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``). The sum of these values over
+    all micro-batches and ranks of a mini-batch is the mini-batch loss.
+
+    Args:
+        loss_mat: ``[batch, response_len]`` per-token losses, any float dtype.
+        response_mask: ``[batch, response_len]`` bool or 0/1.
+        loss_agg_mode: one of ``LOSS_AGG_MODES``.
+        global_valid_tokens: ``T``, valid tokens of the mini-batch over all micro-batches
+            and DP ranks (``token-mean`` only).
+        global_sequences: ``S``, rows of the mini-batch over all micro-batches and DP
+            ranks (the ``seq-*`` modes).
+        norm_length: ``L``, the constant of ``seq-mean-token-sum-norm``.
+        Counts are numbers (> 0, checked) or 1-element tensors (not checked: no sync).
+
+    Returns:
+        0-d fp32 tensor (differentiable w.r.t. ``loss_mat``); masked slots never count,
+        even when NaN/Inf.
+
+    Raises:
+        ValueError: unknown mode (the message lists the valid ones), a count the mode
+            needs missing or <= 0, shape mismatch.
+    """
+    mask, t = _prepare(response_mask, loss_mat=loss_mat)
+    return _aggregate(t["loss_mat"], mask, loss_agg_mode, global_valid_tokens,
+                      global_sequences, norm_length)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -113,8 +208,12 @@ def policy_loss(
     clip_eps_low: Optional[float] = None,
     clip_eps_high: Optional[float] = None,
     dual_clip: Optional[float] = None,
+    *,
+    loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE,
+    global_sequences: Optional[GlobalCount] = None,
+    norm_length: Optional[GlobalCount] = None,
 ) -> Tuple[torch.Tensor, Stats]:
-    """PPO clipped-surrogate policy loss, summed over valid tokens / global token count.
+    """PPO clipped-surrogate policy loss, aggregated with global denominators.
 
     Formula (Schulman et al. 2017, eq. 7), per valid token, ``ratio = exp(logp - old_logp)``::
 
@@ -123,7 +222,8 @@ def policy_loss(
         objective = max(objective, dual_clip * A)
         loss_token = -objective
 
-    ``loss = sum_valid(loss_token) / global_valid_tokens``.
+    ``loss = aggregate_loss(loss_token, ...)``; with the default ``token-mean``,
+    ``sum_valid(loss_token) / global_valid_tokens``.
 
     Args:
         logprobs: ``[batch, response_len]`` current log-probs (differentiated), any float.
@@ -131,10 +231,15 @@ def policy_loss(
         advantages: ``[batch, response_len]`` (usually whitened), any float.
         response_mask: ``[batch, response_len]`` bool or 0/1.
         global_valid_tokens: valid tokens across all micro-batches and DP ranks of the
-            mini-batch (> 0; int, float or 1-element tensor, not checked if a tensor).
+            mini-batch (> 0; int, float or 1-element tensor, not checked if a tensor);
+            read by ``token-mean`` only (may be None for the other modes).
         clip_eps: default for both clip sides.
         clip_eps_low / clip_eps_high: override the lower / upper side.
         dual_clip: constant ``c > 1`` of dual-clip PPO, or None to disable.
+        loss_agg_mode: one of ``LOSS_AGG_MODES`` (module docstring); default token-mean.
+        global_sequences: rows of the mini-batch over all micro-batches and DP ranks
+            (the ``seq-*`` modes).
+        norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
 
     Returns:
         ``(loss, stats)``: ``loss`` is a 0-d fp32 tensor; ``stats`` (detached 0-d fp32, see
@@ -146,7 +251,8 @@ def policy_loss(
 
     Raises:
         ValueError: shape mismatches, ``eps_low`` outside ``[0, 1)``, ``eps_high < 0``,
-            ``dual_clip <= 1``, ``global_valid_tokens <= 0``.
+            ``dual_clip <= 1``, unknown ``loss_agg_mode``, a count it needs missing or
+            <= 0.
     """
     eps_low = clip_eps if clip_eps_low is None else clip_eps_low
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -160,7 +266,6 @@ def policy_loss(
     mask, t = _prepare(
         response_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages
     )
-    denom = _global_count(global_valid_tokens, mask.device)
     adv = t["advantages"]
     log_ratio = (t["logprobs"] - t["old_logprobs"]).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -173,7 +278,8 @@ def policy_loss(
         floor = dual_clip * adv
         dual_hit = (adv < 0) & (objective < floor)
         objective = torch.where(dual_hit, floor, objective)
-    loss = masked_sum(-objective, mask) / denom
+    loss = _aggregate(-objective, mask, loss_agg_mode, global_valid_tokens, global_sequences,
+                      norm_length)
 
     with torch.no_grad():
         ratio_d = ratio.detach()
@@ -197,8 +303,12 @@ def value_loss(
     response_mask: torch.Tensor,
     global_valid_tokens: GlobalCount,
     clip_range: Optional[float] = 0.2,
+    *,
+    loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE,
+    global_sequences: Optional[GlobalCount] = None,
+    norm_length: Optional[GlobalCount] = None,
 ) -> Tuple[torch.Tensor, Stats]:
-    """Clipped value loss, summed over valid tokens / global token count.
+    """Clipped value loss, aggregated with global denominators (``aggregate_loss``).
 
     Formula (OpenAI baselines PPO2, as in TRL/verl), per valid token::
 
@@ -213,6 +323,10 @@ def value_loss(
         response_mask: ``[batch, response_len]`` bool or 0/1.
         global_valid_tokens: as in ``policy_loss``.
         clip_range: ``c`` > 0, or None for the unclipped loss.
+        loss_agg_mode: one of ``LOSS_AGG_MODES`` (module docstring); default token-mean.
+        global_sequences: rows of the mini-batch over all micro-batches and DP ranks
+            (the ``seq-*`` modes).
+        norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
 
     Returns:
         ``(loss, stats)``: 0-d fp32 loss; stats ``valid_tokens``,
@@ -220,12 +334,12 @@ def value_loss(
         i.e. chosen), ``value_error_sq_sum`` (``(V - R)^2``). All detached 0-d fp32.
 
     Raises:
-        ValueError: shape mismatches, ``clip_range <= 0``, ``global_valid_tokens <= 0``.
+        ValueError: shape mismatches, ``clip_range <= 0``, unknown ``loss_agg_mode``, a
+            count it needs missing or <= 0.
     """
     if clip_range is not None and not clip_range > 0:
         raise ValueError(f"clip_range must be > 0 or None, got {clip_range}")
     mask, t = _prepare(response_mask, values=values, old_values=old_values, returns=returns)
-    denom = _global_count(global_valid_tokens, mask.device)
     v, v_old, ret = t["values"], t["old_values"], t["returns"]
     err_sq = (v - ret) ** 2
     if clip_range is None:
@@ -236,7 +350,8 @@ def value_loss(
         err_sq_clipped = (v_clipped - ret) ** 2
         per_token = torch.maximum(err_sq, err_sq_clipped)
         clip_hit = err_sq_clipped > err_sq
-    loss = 0.5 * masked_sum(per_token, mask) / denom
+    loss = 0.5 * _aggregate(per_token, mask, loss_agg_mode, global_valid_tokens,
+                            global_sequences, norm_length)
     with torch.no_grad():
         stats: Stats = {
             "valid_tokens": _count(mask),
@@ -247,9 +362,15 @@ def value_loss(
 
 
 def entropy_bonus(
-    entropy: torch.Tensor, response_mask: torch.Tensor, global_valid_tokens: GlobalCount
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+    global_valid_tokens: Optional[GlobalCount],
+    *,
+    loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE,
+    global_sequences: Optional[GlobalCount] = None,
+    norm_length: Optional[GlobalCount] = None,
 ) -> torch.Tensor:
-    """Token entropy summed over valid tokens / global token count (a bonus: maximise it).
+    """Token entropy aggregated like the losses (a bonus: maximise it).
 
     The trainer's total loss is ``policy + vf_coef * value - entropy_coef * bonus``
     (Schulman et al. 2017, eq. 9).
@@ -258,16 +379,75 @@ def entropy_bonus(
         entropy: ``[batch, response_len]`` per-token entropy of the current policy.
         response_mask: ``[batch, response_len]`` bool or 0/1.
         global_valid_tokens: as in ``policy_loss``.
+        loss_agg_mode: one of ``LOSS_AGG_MODES`` (module docstring); default token-mean.
+        global_sequences: rows of the mini-batch over all micro-batches and DP ranks
+            (the ``seq-*`` modes).
+        norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
 
     Returns:
         0-d fp32 tensor (differentiable w.r.t. ``entropy``).
 
     Raises:
-        ValueError: shape mismatch or ``global_valid_tokens <= 0``.
+        ValueError: shape mismatch, unknown ``loss_agg_mode``, a count it needs missing
+            or <= 0.
     """
     mask, t = _prepare(response_mask, entropy=entropy)
-    denom = _global_count(global_valid_tokens, mask.device)
-    return masked_sum(t["entropy"], mask) / denom
+    return _aggregate(t["entropy"], mask, loss_agg_mode, global_valid_tokens,
+                      global_sequences, norm_length)
+
+
+def kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    global_valid_tokens: Optional[GlobalCount],
+    *,
+    estimator: str,
+    loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE,
+    global_sequences: Optional[GlobalCount] = None,
+    norm_length: Optional[GlobalCount] = None,
+    clamp: Optional[float] = None,
+) -> Tuple[torch.Tensor, Stats]:
+    """KL(pi || pi_ref) as a loss term: the per-token estimate, aggregated like the losses.
+
+    ``loss = aggregate_loss(KL_ESTIMATORS[estimator](logp, ref_logp), ...)``; the trainer
+    adds ``coef * loss`` (GRPO: Shao et al. 2024, eq. 3-4, ``beta * D_KL`` with the k3
+    estimator, section 4.1.1). Use it with the KL out of the reward (``beta = 0`` in
+    ``compute_token_rewards``), or the KL is counted twice.
+
+    Gradients w.r.t. ``logprobs`` (the tokens were sampled from the actor, ``r =
+    exp(ref_logp - logp)``): k1 gives ``+1`` per token (``E_pi[grad log pi] = 0``, so on
+    policy it only adds noise); k2 gives ``logp - ref_logp``; k3 gives ``1 - r``, which
+    is 0 where the policies agree and pushes ``logp`` down where ``logp > ref_logp``.
+
+    Args:
+        logprobs: ``[batch, response_len]`` current actor log-probs (differentiated).
+        ref_logprobs: ``[batch, response_len]`` reference log-probs (not differentiated).
+        response_mask: ``[batch, response_len]`` bool or 0/1.
+        global_valid_tokens: as in ``policy_loss``.
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (``kl.KL_ESTIMATORS``).
+        loss_agg_mode: one of ``LOSS_AGG_MODES`` (module docstring); default token-mean.
+        global_sequences: rows of the mini-batch over all micro-batches and DP ranks
+            (the ``seq-*`` modes).
+        norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
+        clamp: clip the per-token estimate to ``[-clamp, clamp]`` (None: off).
+
+    Returns:
+        ``(loss, stats)``: 0-d fp32 loss; stats ``valid_tokens`` and ``ref_kl_sum``
+        (token sum of the estimate), detached 0-d fp32.
+
+    Raises:
+        ValueError: unknown ``estimator`` or ``loss_agg_mode`` (the message lists the valid
+            names), shape mismatches, ``clamp <= 0``, a count the mode needs missing or
+            <= 0.
+    """
+    mask, t = _prepare(response_mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    kl = kl_penalty(t["logprobs"], t["ref_logprobs"].detach(), estimator, clamp)
+    loss = _aggregate(kl, mask, loss_agg_mode, global_valid_tokens, global_sequences,
+                      norm_length)
+    with torch.no_grad():
+        stats: Stats = {"valid_tokens": _count(mask), "ref_kl_sum": masked_sum(kl.detach(), mask)}
+    return loss, stats
 
 
 def explained_variance(
