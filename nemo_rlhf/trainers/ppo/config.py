@@ -232,6 +232,15 @@ class PPOConfig:
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
     guards: GuardConfig = field(default_factory=GuardConfig)
 
+    def __post_init__(self) -> None:
+        # Every rollout row holds at least its first generated token (an EOS drawn first
+        # gives the one-token response [EOS]), so with >= 1 new token no response is
+        # empty and every score has a token to sit on.
+        if self.rollout.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens}: the PPO "
+                             f"trainer needs >= 1 (a response must have a token to carry its "
+                             f"score)")
+
 
 def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int) -> None:
     """Rollout, global and micro batch sizes against the DP size.
