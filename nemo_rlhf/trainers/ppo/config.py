@@ -199,17 +199,19 @@ class GuardConfig:
     action: str = "warn"
     """``off``, ``warn`` or ``stop`` (save a checkpoint and stop)."""
     window: int = 5
-    """Steps compared: first vs last of the window."""
+    """Steps between the two compared entries: step s is compared with step s - window (>= 1)."""
     max_length_growth: float = 1.5
-    """Trigger when reward rises while response length grows by more than this factor."""
+    """Trigger when the raw reward (``reward_raw_mean``) rises while response length grows by more than this factor."""
     max_repetition: float = 0.5
-    """Trigger when reward rises while the n-gram repetition rate exceeds this."""
+    """Trigger when the raw reward rises while the n-gram repetition rate exceeds this."""
     kl_ceiling: float = 50.0
     """Trigger when kl_mean (per sequence) exceeds this, whatever the reward does."""
 
     def __post_init__(self) -> None:
         if self.action not in ("off", "warn", "stop"):
             raise ValueError(f"guards.action={self.action!r}: valid choices are ['off', 'warn', 'stop']")
+        if self.window < 1:
+            raise ValueError(f"guards.window={self.window}: must be >= 1")
 
 
 @dataclass
