@@ -33,7 +33,7 @@ class TrainerConfig:
     sample_table_every: int = 5
     """Print a table of sample prompts/responses/rewards every N steps (0: never)."""
     critic_warmup_steps: int = 0
-    """First N steps update the value head only (policy loss off)."""
+    """First N steps train the value head only: policy loss off, only the value head's parameters are stepped (the backbone gets no update, Adam state or weight decay; its gradient is computed and dropped)."""
     max_time_per_run: Optional[float] = None
     """Seconds; save and exit with the requeue code before this wall time (None: off)."""
     max_consecutive_nonfinite: int = 3

@@ -347,7 +347,7 @@ class PPOTrainer:
                 res = forward_backward(self.model, micro,
                                        self._ppo_loss_fn(n_tokens, batch.prompt_length, value_only))
                 finalize_grads(self.model)
-                stepped, norm = self.optimizer.step()
+                stepped, norm = self._optimizer_step(value_only)
                 maybe_crash("update", self.step + 1)
                 norms.append(norm)
                 skipped += int(not stepped)
@@ -367,6 +367,14 @@ class PPOTrainer:
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
         return out
+
+    def _optimizer_step(self, value_only: bool) -> tuple[bool, float]:
+        """One optimizer step; during critic warm-up (``value_only``) the value head's
+        parameters only: the value loss's gradient into the shared backbone is dropped,
+        so the policy does not move (no update, Adam state or weight decay)."""
+        if value_only:
+            return self.optimizer.step(only=_is_value_head)
+        return self.optimizer.step()
 
     # --- one step --------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -524,6 +532,10 @@ class PPOTrainer:
             self.reward.load_state_dict(sd["reward"])
         self.nonfinite_in_a_row = int(sd.get("nonfinite_in_a_row", 0))
         self.initial_eval = sd.get("initial_eval")
+
+
+def _is_value_head(name: str) -> bool:
+    return "value_head" in name.split(".")
 
 
 def _jsonable(obj):
