@@ -3,7 +3,8 @@
 Per step: (1) prompts from a resumable sampler; (2) rollout with the actor (KV cache);
 (3) scores from the served RM and/or reward functions; (4) reference log-probs with the
 reference weights swapped into the backbone; (5) old log-probs and values from one
-forward-only pass (so the ratio is exactly 1 on the first mini-batch), token rewards
+forward-only pass (every forward-only pass runs in eval mode, the updates in train mode:
+without dropout the ratio is exactly 1 on the first mini-batch), token rewards
 ``-beta*KL`` plus the score at the last response token, GAE; (6) ``ppo_epochs`` over
 mini-batches through megatron's pipeline schedule, one optimizer step per mini-batch,
 loss = policy + vf_coef * value - entropy_bonus * entropy; then the KL controller update.
@@ -212,7 +213,7 @@ class PPOTrainer:
         return self._mp_broadcast(result)
 
     def _forward_logprobs(self, model, batch, with_values: bool):
-        """Forward-only over the rollout in micro-batches: logprobs (and values) [B, R]."""
+        """Forward-only over the rollout in micro-batches (eval mode): logprobs (and values) [B, R]."""
         from nemo_rlhf.rollout import response_logprobs
 
         P_len = batch.prompt_length
@@ -231,7 +232,7 @@ class PPOTrainer:
         mbs = self.cfg.ppo.forward_micro_batch_size
         micro = [{"input_ids": batch.input_ids[s], "attention_mask": batch.attention_mask[s]}
                  for s in _chunks(batch.input_ids.shape[0], mbs)]
-        with torch.no_grad():
+        with torch.no_grad(), _eval_mode(model):
             res = forward_backward(model, micro, loss_fn, forward_only=True)
         if not res:
             return None
@@ -334,6 +335,7 @@ class PPOTrainer:
             tensors.update(old_logprobs=fwd["old_logprobs"], old_values=fwd["values"],
                            advantages=adv["advantages"], returns=adv["returns"])
         value_only = self.step < self.cfg.trainer.critic_warmup_steps
+        self.model.train()  # training passes: dropout on (forward-only passes run in eval)
         all_stats, norms, skipped = [], [], 0
         g = torch.Generator().manual_seed(self.cfg.trainer.seed + self.step)
         for _ in range(c.ppo_epochs):
@@ -536,6 +538,17 @@ class PPOTrainer:
 
 def _is_value_head(name: str) -> bool:
     return "value_head" in name.split(".")
+
+
+@contextmanager
+def _eval_mode(model):
+    """Forward-only passes run in eval mode (no dropout); the previous mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
 
 
 def _jsonable(obj):
