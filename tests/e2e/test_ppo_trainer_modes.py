@@ -1,4 +1,4 @@
-"""PPO trainer on one rank: critic warm-up, train/eval modes.
+"""PPO trainer on one rank: critic warm-up, train/eval modes, the KL's temperature.
 
 * Critic warm-up (``trainer.critic_warmup_steps``) trains the value head only: the actor's
   log-probs are bit-identical after the warm-up steps (weight decay on), the head moved.
@@ -6,6 +6,7 @@
   mode and the PPO updates in train mode: with dropout 0.1 the old log-probs are
   deterministic and equal the rollout's, and the offloaded reference equals the colocated
   one.
+* ``kl.temperature`` picks the distributions the KL penalty compares.
 """
 
 from __future__ import annotations
@@ -169,3 +170,55 @@ def test_forward_only_passes_run_in_eval_mode_and_updates_in_train_mode(dropout)
     assert ("update", True) in dropout["modes"]
     assert ("compute_old_and_reference", True) not in dropout["modes"], dropout["modes"]
     assert ("update", False) not in dropout["modes"], dropout["modes"]
+
+
+# --- the KL penalty's temperature ----------------------------------------------------------------
+
+def _kl_temperature_worker(rank: int, tmp: str):
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    out = {}
+    for mode in ("sampling", "unscaled"):
+        cfg = compose_ppo(data, tmp / mode, *COMMON, "rollout.temperature=0.7",
+                          f"kl.temperature={mode}")
+        trainer = build(cfg)
+        batch = trainer._generate([trainer.encoded[i] for i in range(8)])
+        fwd = trainer.compute_old_and_reference(batch)
+        kl_temp = 0.7 if mode == "sampling" else 1.0
+        direct_t = _direct_logprobs(trainer, trainer.model, batch, kl_temp)  # actor == reference
+        direct_s = _direct_logprobs(trainer, trainer.model, batch, 0.7)
+        mask = batch.response_mask
+        out[mode] = {
+            "ref_vs_direct": (fwd["ref_logprobs"] - direct_t).abs()[mask].max().item(),
+            "kl_lp_vs_direct": (fwd["kl_logprobs"] - direct_t).abs()[mask].max().item(),
+            "old_vs_sampling_temp": (fwd["old_logprobs"] - direct_s).abs()[mask].max().item(),
+            "ref_vs_sampling_temp": (fwd["ref_logprobs"] - direct_s).abs()[mask].max().item(),
+            "kl_mean_step1": trainer.train_step()["kl_mean"],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def kl_temperature(tmp_path_factory):
+    return run_ranks(_kl_temperature_worker, world_size=1,
+                     tmp=str(tmp_path_factory.mktemp("kltemp")))[0]
+
+
+@pytest.mark.parametrize("mode", ["sampling", "unscaled"])
+def test_kl_compares_actor_and_reference_at_the_configured_temperature(kl_temperature, mode):
+    r = kl_temperature[mode]
+    assert r["ref_vs_direct"] <= 1e-5 and r["kl_lp_vs_direct"] <= 1e-5
+    assert r["old_vs_sampling_temp"] <= 1e-5  # the PPO ratio stays at the sampling temperature
+    assert abs(r["kl_mean_step1"]) <= 1e-5  # actor == reference at step 1, in both modes
+
+
+def test_unscaled_reference_is_not_the_temperature_scaled_one(kl_temperature):
+    assert kl_temperature["unscaled"]["ref_vs_sampling_temp"] > 1e-3  # the test means something
+
+
+def test_kl_temperature_is_validated_naming_the_key_and_choices(tmp_path):
+    with pytest.raises(Exception, match=r"kl.temperature='hot': valid choices are \['sampling', 'unscaled'\]"):
+        compose_ppo(tmp_path, tmp_path / "exp", "kl.temperature=hot")
+    assert compose_ppo(tmp_path, tmp_path / "exp").kl.temperature == "sampling"  # the default

@@ -15,6 +15,8 @@ from nemo_rlhf.models.config import PRECISIONS, ModelConfig
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.trainers.optim import OptimizerConfig
 
+KL_TEMPERATURES = ("sampling", "unscaled")
+
 
 @dataclass
 class TrainerConfig:
@@ -120,6 +122,14 @@ class KLConfig:
     """``k1``, ``k2`` or ``k3``."""
     clamp: Optional[float] = None
     """Clamp the per-token KL to [-clamp, clamp] (None: off)."""
+    temperature: str = "sampling"
+    """Temperature of both log-probs in the KL: ``sampling`` (default, as TRL: rollout.logprob_temperature, the
+    distribution the actor samples from and PPO trains) or ``unscaled`` (1.0: the InstructGPT objective's KL(pi || pi_ref))."""
+
+    def __post_init__(self) -> None:
+        if self.temperature not in KL_TEMPERATURES:
+            raise ValueError(f"kl.temperature={self.temperature!r}: valid choices are "
+                             f"{list(KL_TEMPERATURES)}")
 
 
 @dataclass

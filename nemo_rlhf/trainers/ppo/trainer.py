@@ -5,7 +5,8 @@ Per step: (1) prompts from a resumable sampler; (2) rollout with the actor (KV c
 reference weights swapped into the backbone; (5) old log-probs and values from one
 forward-only pass (every forward-only pass runs in eval mode, the updates in train mode:
 without dropout the ratio is exactly 1 on the first mini-batch), token rewards
-``-beta*KL`` plus the score at the last response token, GAE; (6) ``ppo_epochs`` over
+``-beta*KL`` (both log-probs at ``kl.temperature``'s temperature) plus the score at the
+last response token, GAE; (6) ``ppo_epochs`` over
 mini-batches through megatron's pipeline schedule, one optimizer step per mini-batch,
 loss = policy + vf_coef * value - entropy_bonus * entropy; then the KL controller update.
 
@@ -212,18 +213,26 @@ class PPOTrainer:
             result = (out.scores, out.metrics(prefix="reward/"))
         return self._mp_broadcast(result)
 
-    def _forward_logprobs(self, model, batch, with_values: bool):
-        """Forward-only over the rollout in micro-batches (eval mode): logprobs (and values) [B, R]."""
+    def _forward_logprobs(self, model, batch, with_values: bool,
+                          temperature: Optional[float] = None,
+                          kl_temperature: Optional[float] = None):
+        """Forward-only over the rollout in micro-batches (eval mode): ``logprobs`` [B, R]
+        at ``temperature`` (default: the rollout's), ``values`` [B, R] if asked, and
+        ``kl_logprobs`` at ``kl_temperature`` when that differs."""
         from nemo_rlhf.rollout import response_logprobs
 
         P_len = batch.prompt_length
-        temp = self.cfg.rollout.logprob_temperature
+        temp = self.cfg.rollout.logprob_temperature if temperature is None else temperature
 
         def loss_fn(output, mb):
             logits, values = output if isinstance(output, tuple) else (output, None)
             lp, _ = response_logprobs(logits, (mb["input_ids"], P_len), self.dims, temp,
                                       vocab_size=self.cfg.model.vocab_size, compute_entropy=False)
             out = {"logprobs": lp}
+            if kl_temperature is not None and kl_temperature != temp:
+                out["kl_logprobs"], _ = response_logprobs(
+                    logits, (mb["input_ids"], P_len), self.dims, kl_temperature,
+                    vocab_size=self.cfg.model.vocab_size, compute_entropy=False)
             if with_values and values is not None:
                 R = lp.shape[1]
                 out["values"] = values[:, P_len - 1:P_len - 1 + R].float()
@@ -240,25 +249,35 @@ class PPOTrainer:
         return out
 
     def compute_old_and_reference(self, batch) -> Optional[dict]:
-        """Steps 4-5a: old log-probs and values (actor), reference log-probs (swapped in)."""
+        """Steps 4-5a: old log-probs and values (actor), reference log-probs (swapped in).
+
+        ``old_logprobs`` are at the sampling temperature (the PPO ratio's);
+        ``ref_logprobs`` and the actor's ``kl_logprobs`` at ``kl.temperature``'s."""
+        kl_temp = self._kl_temperature()
         unwrap(self.model).compute_values = True
         with self.timers("old_logprobs_values"):
-            old = self._forward_logprobs(self.model, batch, with_values=True)
+            old = self._forward_logprobs(self.model, batch, with_values=True,
+                                         kl_temperature=kl_temp)
         with self.timers("reference_logprobs"), self.reference.swapped_in() as ref_model:
             unwrap(ref_model).compute_values = False
-            ref = self._forward_logprobs(ref_model, batch, with_values=False)
+            ref = self._forward_logprobs(ref_model, batch, with_values=False, temperature=kl_temp)
             unwrap(ref_model).compute_values = True
         if old is None:
             return None
         return {"old_logprobs": old["logprobs"], "values": old["values"],
-                "ref_logprobs": ref["logprobs"]}
+                "ref_logprobs": ref["logprobs"],
+                "kl_logprobs": old.get("kl_logprobs", old["logprobs"])}
+
+    def _kl_temperature(self) -> float:
+        """Temperature of the two log-probs the KL penalty compares (``kl.temperature``)."""
+        return self.cfg.rollout.logprob_temperature if self.cfg.kl.temperature == "sampling" else 1.0
 
     def compute_advantages(self, batch, scores, fwd) -> tuple[dict, dict]:
         """Step 5b (last stage): token rewards, GAE, whitening. Returns tensors and metrics."""
         mask = batch.response_mask
         c = self.cfg
         rewards, kl = P.compute_token_rewards(
-            fwd["old_logprobs"], fwd["ref_logprobs"], scores, mask, self.kl_ctl.value,
+            fwd["kl_logprobs"], fwd["ref_logprobs"], scores, mask, self.kl_ctl.value,
             kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
             missing_eos_penalty=c.ppo.missing_eos_penalty)
         adv, ret = P.compute_gae(rewards, fwd["values"], mask, c.ppo.discount_factor,
