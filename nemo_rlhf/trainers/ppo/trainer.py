@@ -204,14 +204,49 @@ class PPOTrainer:
         return idx[self.dims.dp_rank * per:(self.dims.dp_rank + 1) * per]
 
     def score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
-        """Step 3: scores ``[B]`` float32 from the reward sources (MP rank 0, broadcast)."""
-        result = None
+        """Step 3: scores ``[B]`` float32 from the reward sources (MP rank 0, broadcast).
+
+        Raises:
+            the reward source's error on the rank where it failed and
+            :class:`RewardScoringError` (same message) on every other rank, all in the
+            same step: no rank is left waiting in a collective.
+        """
+        raw, failure = None, None
         if self.is_mp_src:
             rows = [self.prompts[i] for i in idx]
-            out = self.reward.score([r.prompt for r in rows], self._response_texts(batch),
-                                    [r.extras for r in rows])
+            try:
+                raw = self.reward.fetch([r.prompt for r in rows], self._response_texts(batch),
+                                        [r.extras for r in rows])
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                failure = exc
+        self._raise_if_scoring_failed(failure)
+        result = None
+        if self.is_mp_src:
+            out = self.reward.combine(raw)  # running normalisation: a scoring-rank collective
             result = (out.scores, out.metrics(prefix="reward/"))
         return self._mp_broadcast(result)
+
+    def _raise_if_scoring_failed(self, failure: Optional[BaseException]) -> None:
+        """Every rank learns whether a scoring rank's reward call failed; all raise.
+
+        One flag all-reduce per call (host); the message is gathered only on failure.
+        """
+        if self.dims.world_size == 1:
+            if failure is not None:
+                raise failure
+            return
+        flag = torch.tensor([0.0 if failure is None else 1.0])  # host
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0.0:
+            return
+        info = None if failure is None else f"{type(failure).__name__}: {failure}"
+        infos = [None] * self.dims.world_size
+        dist.all_gather_object(infos, info)
+        if failure is not None:
+            raise failure
+        src = next(i for i, m in enumerate(infos) if m is not None)
+        raise RewardScoringError(f"reward scoring failed on rank {src} (stopping every rank): "
+                                 f"{infos[src]}")
 
     def _forward_logprobs(self, model, batch, with_values: bool,
                           temperature: Optional[float] = None,
@@ -472,27 +507,31 @@ class PPOTrainer:
         batch = self._generate([self.eval_encoded[i] for i in mine], greedy=True)
         texts = self._response_texts(batch)
         reps = self._repetition(batch)
-        result = None
+        result, failure = None, None
         if self.is_mp_src:
-            rows = [self.eval_prompts[i] for i in mine]
-            out = self.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
-                                    update_stats=False, normalize=False)
-            correct = [0.0] * len(rows)
-            if self.cfg.trainer.eval_checker:
-                from nemo_rlhf.reward.functions import get_reward_function
+            try:
+                rows = [self.eval_prompts[i] for i in mine]
+                out = self.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
+                                        update_stats=False, normalize=False)
+                correct = [0.0] * len(rows)
+                if self.cfg.trainer.eval_checker:
+                    from nemo_rlhf.reward.functions import get_reward_function
 
-                correct = get_reward_function(self.cfg.trainer.eval_checker)(
-                    [r.prompt for r in rows], texts, [r.extras for r in rows])
-            extra = {}
-            for name in self.cfg.trainer.eval_extra_checkers:
-                from nemo_rlhf.reward.functions import get_reward_function
+                    correct = get_reward_function(self.cfg.trainer.eval_checker)(
+                        [r.prompt for r in rows], texts, [r.extras for r in rows])
+                extra = {}
+                for name in self.cfg.trainer.eval_extra_checkers:
+                    from nemo_rlhf.reward.functions import get_reward_function
 
-                extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
-                                                             [r.extras for r in rows]))
-            result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
-                      "correct": list(correct), "extra": extra,
-                      "per_source": {k: v.tolist() for k, v in out.per_source.items()},
-                      "lengths": batch.response_lengths.tolist(), "rep": reps}
+                    extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
+                                                                 [r.extras for r in rows]))
+                result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
+                          "correct": list(correct), "extra": extra,
+                          "per_source": {k: v.tolist() for k, v in out.per_source.items()},
+                          "lengths": batch.response_lengths.tolist(), "rep": reps}
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                failure = exc
+        self._raise_if_scoring_failed(failure)
         gathered = [None] * self.dims.world_size
         dist.all_gather_object(gathered, result)
         rows = [g for g in gathered if g is not None]
@@ -555,6 +594,10 @@ class PPOTrainer:
         self.initial_eval = sd.get("initial_eval")
 
 
+class RewardScoringError(RuntimeError):
+    """Scoring failed on another rank; the message is that rank's error."""
+
+
 def _is_value_head(name: str) -> bool:
     return "value_head" in name.split(".")
 
@@ -585,5 +628,5 @@ def config_to_dict(cfg: PPOConfig) -> dict:
     return asdict(cfg)
 
 
-__all__ = ["PPOTrainer", "PromptSampler", "config_to_dict"]
+__all__ = ["PPOTrainer", "PromptSampler", "RewardScoringError", "config_to_dict"]
 
