@@ -126,9 +126,18 @@ def test_dp2_normalises_like_dp1_on_the_same_rollouts(runs):
                                    atol=1e-5, rtol=0, msg=f"step {step + 1}")
     assert torch.tensor(dp1["scores"][1]).std() > 0.1  # normalised rewards with spread
     for step in range(1, STEPS + 1):
-        for key in ("reward_mean", "reward_std"):
+        for key in ("reward_mean", "reward_std", "reward_raw_mean"):
             a, b = dp2[0]["metrics"][step][key], dp1["metrics"][step][key]
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (step, key, a, b)
+
+
+def test_raw_reward_mean_is_reported_next_to_the_normalised_one(runs):
+    dp1, _ = runs
+    for step in range(1, STEPS + 1):
+        m = dp1["metrics"][step]
+        assert abs(m["reward_raw_mean"] - m["reward/rm"]) <= 1e-5  # one source, weight 1
+        assert m["reward_raw_mean"] > 1.0  # the fake RM scores length + a fraction
+    assert abs(dp1["metrics"][1]["reward_mean"]) < 1e-5  # step 1: normalised by its own stats
 
 
 def test_every_dp_rank_holds_the_same_statistics(runs):

@@ -204,7 +204,8 @@ class PPOTrainer:
         return idx[self.dims.dp_rank * per:(self.dims.dp_rank + 1) * per]
 
     def score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
-        """Step 3: scores ``[B]`` float32 from the reward sources (MP rank 0, broadcast).
+        """Step 3: scores ``[B]`` float32 from the reward sources (MP rank 0, broadcast),
+        and reward metrics, ``reward_raw_mean`` (raw weighted score mean over DP) included.
 
         Raises:
             the reward source's error on the rank where it failed and
@@ -223,8 +224,18 @@ class PPOTrainer:
         result = None
         if self.is_mp_src:
             out = self.reward.combine(raw)  # running normalisation: a scoring-rank collective
-            result = (out.scores, out.metrics(prefix="reward/"))
+            result = (out.scores, {**out.metrics(prefix="reward/"),
+                                   "reward_raw_mean": self._raw_mean(out.raw_scores)})
         return self._mp_broadcast(result)
+
+    def _raw_mean(self, raw_scores: torch.Tensor) -> float:
+        """Mean of the raw weighted scores over every DP rank (scoring ranks only)."""
+        from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
+
+        local = torch.tensor([float(raw_scores.sum()), raw_scores.numel()],  # host
+                             dtype=torch.float64)
+        total = gather_over_scoring_ranks(self.dims, local).sum(0)
+        return float(total[0] / total[1])
 
     def _raise_if_scoring_failed(self, failure: Optional[BaseException]) -> None:
         """Every rank learns whether a scoring rank's reward call failed; all raise.
