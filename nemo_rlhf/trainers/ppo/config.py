@@ -35,7 +35,8 @@ class TrainerConfig:
     sample_table_every: int = 5
     """Print a table of sample prompts/responses/rewards every N steps (0: never)."""
     critic_warmup_steps: int = 0
-    """First N steps train the value head only: policy loss off, only the value head's parameters are stepped (the backbone gets no update, Adam state or weight decay; its gradient is computed and dropped)."""
+    """First N steps train the value head only: policy loss off and only the value head's
+    parameters stepped (the backbone's gradient is dropped: no update, Adam state or decay)."""
     max_time_per_run: Optional[float] = None
     """Seconds; save and exit with the requeue code before this wall time (None: off)."""
     max_consecutive_nonfinite: int = 3
@@ -123,8 +124,9 @@ class KLConfig:
     clamp: Optional[float] = None
     """Clamp the per-token KL to [-clamp, clamp] (None: off)."""
     temperature: str = "sampling"
-    """Temperature of both log-probs in the KL: ``sampling`` (default, as TRL: rollout.logprob_temperature, the
-    distribution the actor samples from and PPO trains) or ``unscaled`` (1.0: the InstructGPT objective's KL(pi || pi_ref))."""
+    """Temperature of both log-probs in the KL: ``sampling`` (default, as TRL: the rollout's
+    logprob_temperature, the distribution the actor samples from and PPO trains) or
+    ``unscaled`` (1.0: the InstructGPT objective's KL(pi || pi_ref))."""
 
     def __post_init__(self) -> None:
         if self.temperature not in KL_TEMPERATURES:
@@ -211,7 +213,8 @@ class GuardConfig:
     window: int = 5
     """Steps between the two compared entries: step s is compared with step s - window (>= 1)."""
     max_length_growth: float = 1.5
-    """Trigger when the raw reward (``reward_raw_mean``) rises while response length grows by more than this factor."""
+    """Trigger when the raw reward (``reward_raw_mean``) rises while response length grows by
+    more than this factor."""
     max_repetition: float = 0.5
     """Trigger when the raw reward rises while the n-gram repetition rate exceeds this."""
     kl_ceiling: float = 50.0

@@ -316,7 +316,9 @@ class PPOTrainer:
 
     def _kl_temperature(self) -> float:
         """Temperature of the two log-probs the KL penalty compares (``kl.temperature``)."""
-        return self.cfg.rollout.logprob_temperature if self.cfg.kl.temperature == "sampling" else 1.0
+        if self.cfg.kl.temperature == "sampling":
+            return self.cfg.rollout.logprob_temperature
+        return 1.0
 
     def compute_advantages(self, batch, scores, fwd) -> tuple[dict, dict]:
         """Step 5b (last stage): token rewards, GAE, whitening. Returns tensors and metrics."""
