@@ -270,12 +270,14 @@ class RewardOutput:
 
     ``scores``: ``[batch]`` float32, the weighted sum. ``per_source``: name -> ``[batch]``
     float32 raw rewards; ``per_source_normalized``: name -> ``[batch]`` after
-    normalisation and clipping, before weighting.
+    normalisation and clipping, before weighting; ``raw_scores``: ``[batch]`` float32,
+    the weighted sum of the raw rewards (no normalisation: comparable across steps).
     """
 
     scores: torch.Tensor
     per_source: dict[str, torch.Tensor] = field(default_factory=dict)
     per_source_normalized: dict[str, torch.Tensor] = field(default_factory=dict)
+    raw_scores: torch.Tensor | None = None
 
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
         """Batch means: ``{prefix}total`` and, per source, ``{prefix}{name}`` (raw) and
@@ -293,15 +295,23 @@ class CombinedReward:
     ``score(prompts, responses, extras)`` -> :class:`RewardOutput` with ``scores``
     ``[batch]`` float32. Any source's failure propagates; nothing is filled in.
     ``state_dict`` holds every running normaliser's statistics, keyed by source name.
+
+    ``score`` is :meth:`fetch` (the sources' raw values: I/O, may fail, no collective)
+    then :meth:`combine` (normalise and sum). With data parallelism, ``gather`` maps this
+    rank's running-normaliser moments ``[3] float64`` to every scoring rank's ``[n, 3]``
+    (see :meth:`RewardNormalizer.update`), so all ranks normalise with one statistic;
+    :meth:`combine` with ``update_stats=True`` is then a collective over those ranks.
     """
 
-    def __init__(self, sources: Sequence[WeightedSource]) -> None:
+    def __init__(self, sources: Sequence[WeightedSource],
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         if not sources:
             raise ValueError("CombinedReward needs at least one source")
         names = [s.name for s in sources]
         if len(set(names)) != len(names):
             raise ValueError(f"CombinedReward: duplicate source names in {names}")
         self.sources = list(sources)
+        self.gather = gather
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], extras: Sequence[dict] | None = None,
               update_stats: bool = True, normalize: bool = True) -> RewardOutput:
@@ -309,21 +319,47 @@ class CombinedReward:
         leaves running normalisers' statistics unchanged (e.g. for validation);
         ``normalize=False`` sums the *raw* source values (evaluation: scores comparable
         across steps, independent of running statistics)."""
+        return self.combine(self.fetch(prompts, responses, extras), update_stats=update_stats,
+                            normalize=normalize)
+
+    def fetch(self, prompts: Sequence[str], responses: Sequence[str],
+              extras: Sequence[dict] | None = None) -> dict[str, torch.Tensor]:
+        """Every source's raw values: name -> ``[batch]`` float32 (host). No collective.
+
+        Raises:
+            ValueError: mismatched lengths, or a source returned a wrong count or a
+                non-finite value; any source's own error (e.g. ``RewardServiceError``).
+        """
         prompts, responses = list(prompts), list(responses)
         extras = [{} for _ in prompts] if extras is None else list(extras)
         _check_lengths(prompts, responses, extras, "CombinedReward.score")
-        total = torch.zeros(len(prompts), dtype=torch.float32, device="cpu")  # host scores
-        out = RewardOutput(scores=total)
+        raw = {}
         for src in self.sources:
             values = src.source.score(prompts, responses, extras)
-            raw = torch.tensor(
-                _check_source_output(values, len(prompts), f"reward source {src.name!r}"), dtype=torch.float32,
-                device="cpu")
-            normed = (src.normalizer(raw, update=update_stats)
-                      if src.normalizer is not None and normalize else raw)
-            out.per_source[src.name] = raw
+            raw[src.name] = torch.tensor(  # host
+                _check_source_output(values, len(prompts), f"reward source {src.name!r}"),
+                dtype=torch.float32, device="cpu")
+        return raw
+
+    def combine(self, raw: Mapping[str, torch.Tensor], update_stats: bool = True,
+                normalize: bool = True) -> RewardOutput:
+        """Normalise (optionally) and sum :meth:`fetch`'s raw values into a :class:`RewardOutput`.
+
+        With ``update_stats`` and a running normaliser this calls ``gather`` (when set):
+        every scoring rank must call it together.
+        """
+        n = len(next(iter(raw.values())))
+        total = torch.zeros(n, dtype=torch.float32, device="cpu")  # host
+        raw_total = torch.zeros(n, dtype=torch.float32, device="cpu")  # host
+        out = RewardOutput(scores=total, raw_scores=raw_total)
+        for src in self.sources:
+            values = raw[src.name]
+            normed = (src.normalizer(values, update=update_stats, gather=self.gather)
+                      if src.normalizer is not None and normalize else values)
+            out.per_source[src.name] = values
             out.per_source_normalized[src.name] = normed
             total += src.weight * normed
+            raw_total += src.weight * values
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -139,6 +140,7 @@ class MixedPrecisionOptimizer:
         self.cfg = cfg
         self.mp_group = mp_group
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone()
                         for p in self.params]
         for m in self.masters:
@@ -208,14 +210,26 @@ class MixedPrecisionOptimizer:
             dist.all_reduce(sq, group=self.mp_group)
         return float(sq.sqrt())
 
-    def step(self) -> tuple[bool, float]:
+    def step(self, only: Optional[Callable[[str], bool]] = None) -> tuple[bool, float]:
         """Unscale, norm, clip and step; copy masters back into the model.
+
+        Args:
+            only: ``name -> bool`` over parameter names (as ``model.named_parameters()``
+                spells them); None steps every parameter. When given, the gradients of
+                the parameters it rejects are dropped before the norm: those parameters
+                get no update, no Adam moments or step count, and no weight decay
+                (AdamW skips parameters without a gradient); the norm and clipping
+                cover the selected ones only.
 
         Returns:
             ``(stepped, grad_norm)``: ``stepped`` is False when the norm was not finite
             (fp16 overflow or NaN/Inf gradients); then no weight changed.
         """
         self._collect_grads()
+        if only is not None:
+            for name, m in zip(self.names, self.masters):
+                if not only(name):
+                    m.grad = None
         norm = self.grad_norm()
         finite = math.isfinite(norm)
         if self.scaler is not None:

@@ -18,8 +18,9 @@ import pytest
 from tests.distributed.harness import run_ranks
 from tests.ppo_helpers import compose_ppo, make_demo_data
 
-# (reward_mean, response_length) reported at steps 1, 2, 3, ...: over a window of 2 steps
-# the reward rises 0.1 -> 0.5 while the length doubles 4 -> 8 (limit x1.2)
+# (raw reward mean, response_length) reported at steps 1, 2, 3, ...: from one step to the
+# next (guards.window=1) the reward rises 0.1 -> 0.5 while the length doubles 4 -> 8
+# (limit x1.2)
 HACKING = [(0.1, 4.0), (0.5, 8.0), (0.9, 16.0), (1.3, 32.0)]
 
 
@@ -38,7 +39,7 @@ def _run(tmp: Path, name: str, action: str) -> dict:
     data = make_demo_data(tmp / "data")
     exp = tmp / name
     cfg = compose_ppo(data, exp, "trainer.max_steps=4", "exp_manager.save_interval=0",
-                      f"guards.action={action}", "guards.window=2",
+                      f"guards.action={action}", "guards.window=1",
                       "guards.max_length_growth=1.2", "guards.kl_ceiling=1000")
     trainer = build(cfg)
     real_step = trainer.train_step
@@ -46,7 +47,8 @@ def _run(tmp: Path, name: str, action: str) -> dict:
     def hacked_step():
         metrics = real_step()
         reward, length = HACKING[trainer.step]  # trainer.step: steps done before this one
-        metrics.update(reward_mean=reward, response_length=length, repetition=0.0)
+        metrics.update(reward_raw_mean=reward, reward_mean=reward, response_length=length,
+                       repetition=0.0)
         return metrics
 
     trainer.train_step = hacked_step
@@ -78,7 +80,7 @@ def runs(tmp_path_factory):
     return run_ranks(_worker, world_size=1, tmp=str(tmp_path_factory.mktemp("guards")))[0]
 
 
-EXPECTED = ("reward_mean rose 0.100->0.500 while response_length grew 4.0->8.0 "
+EXPECTED = ("reward_raw_mean rose 0.100->0.500 while response_length grew 4.0->8.0 "
             "(x2.00 > guards.max_length_growth=1.2) over steps 1-2")
 
 

@@ -37,7 +37,7 @@ def _healthy(n):
 # --- length -----------------------------------------------------------------------------
 
 def test_reward_rising_while_length_grows_past_the_limit_fires_naming_metric_and_values():
-    g = _guard(window=4, max_length_growth=1.5)
+    g = _guard(window=3, max_length_growth=1.5)
     rows = [{"reward_mean": r, "response_length": n}
             for r, n in [(0.1, 10.0), (0.2, 12.0), (0.3, 14.0), (0.4, 16.0)]]
     fired = _feed(g, rows)
@@ -50,27 +50,27 @@ def test_reward_rising_while_length_grows_past_the_limit_fires_naming_metric_and
 
 
 def test_length_growth_at_or_below_the_limit_does_not_fire():
-    g = _guard(window=4, max_length_growth=1.5)
+    g = _guard(window=3, max_length_growth=1.5)
     rows = [{"reward_mean": 0.1 * i, "response_length": n} for i, n in enumerate([10, 12, 14, 15])]
     assert _feed(g, rows) == {}  # x1.5 is not > 1.5
 
 
 def test_length_growth_without_rising_reward_does_not_fire():
-    g = _guard(window=3, max_length_growth=1.2)
+    g = _guard(window=2, max_length_growth=1.2)
     rows = [{"reward_mean": r, "response_length": n} for r, n in [(0.5, 10), (0.5, 20), (0.5, 40)]]
     assert _feed(g, rows) == {}
     rows = [{"reward_mean": r, "response_length": n} for r, n in [(0.5, 40), (0.4, 80), (0.3, 90)]]
-    assert _feed(_guard(window=3, max_length_growth=1.2), rows) == {}
+    assert _feed(_guard(window=2, max_length_growth=1.2), rows) == {}
 
 
 def test_comparison_is_over_the_window_not_the_whole_run():
     """Slow growth: x1.1 per step is under the limit over any 3-step window (x1.21), although
     over the whole run the length has more than doubled."""
-    g = _guard(window=3, max_length_growth=1.5)
+    g = _guard(window=2, max_length_growth=1.5)
     rows = [{"reward_mean": 0.1 * i, "response_length": 10.0 * 1.1 ** i} for i in range(10)]
     assert _feed(g, rows) == {}
     # and a jump inside the window fires at the step it completes
-    g = _guard(window=3, max_length_growth=1.5)
+    g = _guard(window=2, max_length_growth=1.5)
     rows += [{"reward_mean": 2.0, "response_length": 60.0}]
     fired = _feed(g, rows)
     assert list(fired) == [11] and "steps 9-11" in fired[11]
@@ -79,7 +79,7 @@ def test_comparison_is_over_the_window_not_the_whole_run():
 # --- repetition -------------------------------------------------------------------------
 
 def test_reward_rising_with_repetition_past_the_limit_fires_naming_the_metric():
-    g = _guard(window=3, max_repetition=0.5)
+    g = _guard(window=2, max_repetition=0.5)
     rows = [{"reward_mean": r, "response_length": 10.0, "repetition": rep}
             for r, rep in [(0.1, 0.1), (0.2, 0.3), (0.3, 0.7)]]
     fired = _feed(g, rows)
@@ -91,7 +91,7 @@ def test_reward_rising_with_repetition_past_the_limit_fires_naming_the_metric():
 
 
 def test_high_repetition_without_rising_reward_does_not_fire():
-    g = _guard(window=3, max_repetition=0.5)
+    g = _guard(window=2, max_repetition=0.5)
     rows = [{"reward_mean": r, "response_length": 10.0, "repetition": 0.9}
             for r in (0.3, 0.2, 0.3)]
     assert _feed(g, rows) == {}
@@ -129,14 +129,15 @@ def test_defaults_fire_on_doubling_length_and_not_on_a_healthy_run():
     make = lambda: RewardHackingGuard(cfg.window, cfg.max_length_growth, cfg.max_repetition,  # noqa: E731
                                       cfg.kl_ceiling)
     assert _feed(make(), _healthy(30)) == {}
-    rows = [{"reward_mean": 0.1 * i, "response_length": 10.0 * 2 ** (i / (cfg.window - 1))}
-            for i in range(cfg.window)]
+    rows = [{"reward_mean": 0.1 * i, "response_length": 10.0 * 2 ** (i / cfg.window)}
+            for i in range(cfg.window + 1)]
     fired = _feed(make(), rows)
-    assert list(fired) == [cfg.window] and "response_length grew 10.0->20.0" in fired[cfg.window]
+    last = cfg.window + 1  # step window+1 is compared with step 1
+    assert list(fired) == [last] and "response_length grew 10.0->20.0" in fired[last]
 
 
 def test_missing_metrics_count_as_zero_and_do_not_fire():
-    g = _guard(window=2)
+    g = _guard(window=1)
     assert g.update(1, {}) is None and g.update(2, {"reward_mean": 1.0}) is None
 
 
@@ -145,14 +146,14 @@ def test_state_dict_round_trip_keeps_the_window():
     the uninterrupted one; a fresh guard would need a full window first."""
     rows = [{"reward_mean": r, "response_length": n}
             for r, n in [(0.1, 10.0), (0.2, 11.0), (0.3, 13.0), (0.4, 20.0)]]
-    full = _feed(_guard(window=4), rows)
+    full = _feed(_guard(window=3), rows)
     assert list(full) == [4]
-    g = _guard(window=4)
+    g = _guard(window=3)
     _feed(g, rows[:3])
-    restored = _guard(window=4)
+    restored = _guard(window=3)
     restored.load_state_dict(g.state_dict())
     assert _feed(restored, rows[3:], start=4) == full
-    assert _feed(_guard(window=4), rows[3:], start=4) == {}
+    assert _feed(_guard(window=3), rows[3:], start=4) == {}
 
 
 # --- n-gram repetition rate, config ------------------------------------------------------------
@@ -173,3 +174,42 @@ def test_guard_action_is_validated():
         GuardConfig(action=ok)
     with pytest.raises(ValueError, match="guards.action='halt'"):
         GuardConfig(action="halt")
+
+
+# --- raw vs normalised reward, window span (issue 18) -------------------------------------
+
+def test_raw_reward_and_length_rising_fire_while_the_normalised_reward_stays_flat():
+    """Running normalisation keeps ``reward_mean`` near 0 by construction; the guard must
+    see the raw score mean rise (``reward_raw_mean``) and fire on it."""
+    g = _guard(window=3, max_length_growth=1.5)
+    rows = [{"reward_mean": m, "reward_raw_mean": raw, "response_length": n}
+            for m, raw, n in [(0.02, 1.0, 10.0), (-0.01, 2.0, 12.0), (0.0, 3.0, 14.0),
+                              (-0.02, 4.0, 16.0)]]
+    fired = _feed(g, rows)
+    assert list(fired) == [4], fired
+    assert "reward_raw_mean rose 1.000->4.000" in fired[4]
+    assert "response_length grew 10.0->16.0" in fired[4] and "steps 1-4" in fired[4]
+
+
+def test_falling_raw_reward_does_not_fire_even_if_the_normalised_reward_rises():
+    g = _guard(window=2, max_length_growth=1.2)
+    rows = [{"reward_mean": m, "reward_raw_mean": raw, "response_length": n}
+            for m, raw, n in [(-0.5, 3.0, 10.0), (0.0, 2.0, 20.0), (0.5, 1.0, 40.0)]]
+    assert _feed(g, rows) == {}
+
+
+def test_window_compares_steps_window_apart():
+    """window=2: step 3 is compared with step 1. x1.3 per step stays under the x1.5 limit
+    step to step, but x1.69 over the two steps fires."""
+    g = _guard(window=2, max_length_growth=1.5)
+    rows = [{"reward_mean": 0.1 * i, "response_length": 10.0 * 1.3 ** i} for i in range(3)]
+    fired = _feed(g, rows)
+    assert list(fired) == [3], fired
+    assert "steps 1-3" in fired[3] and "x1.69" in fired[3]
+
+
+def test_window_must_be_at_least_one():
+    with pytest.raises(ValueError, match="guards.window=0: must be >= 1"):
+        GuardConfig(window=0)
+    with pytest.raises(ValueError, match="guards.window=0: must be >= 1"):
+        _guard(window=0)

@@ -83,3 +83,24 @@ def test_lr_warmup_then_cosine_decay_to_min_lr():
 def test_bad_optimizer_config_names_the_key():
     with pytest.raises(ValueError, match=r"optim\.decay_style='step'"):
         OptimizerConfig(decay_style="step")
+
+
+def test_step_only_selected_params_leaves_the_others_without_update_state_or_decay():
+    """Critic warm-up steps the value head only: the rest must not move, not even through
+    AdamW's weight decay, and must not start Adam moments or a step count."""
+    m = _Tiny()
+    opt = MixedPrecisionOptimizer(m, OptimizerConfig(lr=0.1, weight_decay=0.5, clip_grad=0))
+    w0, b0 = m.w.detach().clone(), m.b.detach().clone()
+    for _ in range(2):
+        m.w.grad = torch.ones_like(m.w)
+        m.b.grad = torch.full_like(m.b, 2.0)
+        stepped, norm = opt.step(only=lambda name: name == "b")
+        assert stepped and norm == pytest.approx(4.0)  # sqrt(4 * 2^2): b's gradient only
+    assert torch.equal(m.w, w0)
+    assert not torch.equal(m.b, b0)
+    assert m.w not in opt.optimizer.state or not opt.optimizer.state[m.w]
+    opt.zero_grad()
+    m.w.grad = torch.ones_like(m.w)
+    m.b.grad = torch.ones_like(m.b)
+    opt.step()  # then a plain step moves everything
+    assert not torch.equal(m.w, w0)

@@ -451,19 +451,20 @@ def compute_advantages(
 # --------------------------------------------------------------------------------------
 
 
-def group_ids_from_samples(batch_size: int, n_samples_per_prompt: int) -> torch.Tensor:
+def group_ids_from_samples(batch_size: int, n_samples_per_prompt: int,
+                           device: torch.device | str = "cpu") -> torch.Tensor:
     """Group ids of a batch whose ``n_samples_per_prompt`` samples per prompt are contiguous.
 
     ``[p0, p0, p1, p1, ...]`` -> ``[0, 0, 1, 1, ...]`` (``row // n_samples_per_prompt``).
 
     Returns:
-        ``[batch_size]`` int64 on the CPU.
+        ``[batch_size]`` int64 on ``device`` (the trainer passes ``dims.device``).
 
     Raises:
         ValueError: ``n_samples_per_prompt < 1`` or a batch size it does not divide.
     """
     check_groups_divisible(batch_size, n_samples_per_prompt, "batch_size")
-    return torch.arange(batch_size, dtype=torch.long) // n_samples_per_prompt
+    return torch.arange(batch_size, dtype=torch.long, device=device) // n_samples_per_prompt
 
 
 def check_groups_divisible(size: int, n_samples_per_prompt: int, name: str) -> None:

@@ -12,9 +12,11 @@ batches both work (the score goes to the last True of each row).
 
 Defined behaviour for a zero-length response (a row with no valid token): it cannot
 carry its score (there is no token to put it on), so it is never scored on a masked
-slot. The trainer drops such rows with ``drop_empty_responses`` and counts them before
-calling ``compute_token_rewards``, which raises ``ValueError`` naming the rows if any
-reach it.
+slot: ``compute_token_rewards`` raises ``ValueError`` naming the rows. The PPO trainer
+never produces such rows: a rollout row always holds its first generated token (an EOS
+or stop token drawn first gives the one-token response ``[EOS]``, whose score sits on
+that token), and the PPO config requires ``rollout.max_new_tokens >= 1``. Callers with
+other data can filter rows with ``drop_empty_responses`` first.
 
 Simplified / left out: no reward clipping/normalisation of the score (done by the
 reward module if wanted), no per-sequence KL reward (all KL is per token).
@@ -43,8 +45,9 @@ __all__ = ["compute_token_rewards", "drop_empty_responses"]
 def drop_empty_responses(response_mask: torch.Tensor) -> torch.Tensor:
     """Which rows to keep: those with at least one valid response token.
 
-    A zero-length response can't carry its score, so it is dropped (and the trainer
-    counts it) before rewards are computed; it is never scored on a masked slot.
+    A zero-length response can't carry its score, so a caller whose data may hold one
+    drops it (and counts it) before rewards are computed; it is never scored on a masked
+    slot. The PPO trainer's rollouts never hold one (see the module docstring).
 
     Args:
         response_mask: ``[batch, response_len]`` bool or 0/1.

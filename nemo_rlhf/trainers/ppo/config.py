@@ -15,6 +15,8 @@ from nemo_rlhf.models.config import PRECISIONS, ModelConfig
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.trainers.optim import OptimizerConfig
 
+KL_TEMPERATURES = ("sampling", "unscaled")
+
 
 @dataclass
 class TrainerConfig:
@@ -33,7 +35,8 @@ class TrainerConfig:
     sample_table_every: int = 5
     """Print a table of sample prompts/responses/rewards every N steps (0: never)."""
     critic_warmup_steps: int = 0
-    """First N steps update the value head only (policy loss off)."""
+    """First N steps train the value head only: policy loss off and only the value head's
+    parameters stepped (the backbone's gradient is dropped: no update, Adam state or decay)."""
     max_time_per_run: Optional[float] = None
     """Seconds; save and exit with the requeue code before this wall time (None: off)."""
     max_consecutive_nonfinite: int = 3
@@ -120,6 +123,15 @@ class KLConfig:
     """``k1``, ``k2`` or ``k3``."""
     clamp: Optional[float] = None
     """Clamp the per-token KL to [-clamp, clamp] (None: off)."""
+    temperature: str = "sampling"
+    """Temperature of both log-probs in the KL: ``sampling`` (default, as TRL: the rollout's
+    logprob_temperature, the distribution the actor samples from and PPO trains) or
+    ``unscaled`` (1.0: the InstructGPT objective's KL(pi || pi_ref))."""
+
+    def __post_init__(self) -> None:
+        if self.temperature not in KL_TEMPERATURES:
+            raise ValueError(f"kl.temperature={self.temperature!r}: valid choices are "
+                             f"{list(KL_TEMPERATURES)}")
 
 
 @dataclass
@@ -199,17 +211,20 @@ class GuardConfig:
     action: str = "warn"
     """``off``, ``warn`` or ``stop`` (save a checkpoint and stop)."""
     window: int = 5
-    """Steps compared: first vs last of the window."""
+    """Steps between the two compared entries: step s is compared with step s - window (>= 1)."""
     max_length_growth: float = 1.5
-    """Trigger when reward rises while response length grows by more than this factor."""
+    """Trigger when the raw reward (``reward_raw_mean``) rises while response length grows by
+    more than this factor."""
     max_repetition: float = 0.5
-    """Trigger when reward rises while the n-gram repetition rate exceeds this."""
+    """Trigger when the raw reward rises while the n-gram repetition rate exceeds this."""
     kl_ceiling: float = 50.0
     """Trigger when kl_mean (per sequence) exceeds this, whatever the reward does."""
 
     def __post_init__(self) -> None:
         if self.action not in ("off", "warn", "stop"):
             raise ValueError(f"guards.action={self.action!r}: valid choices are ['off', 'warn', 'stop']")
+        if self.window < 1:
+            raise ValueError(f"guards.window={self.window}: must be >= 1")
 
 
 @dataclass
@@ -231,6 +246,15 @@ class PPOConfig:
     """``train_file``: PPO prompts; ``val_file``: held-out evaluation prompts."""
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
     guards: GuardConfig = field(default_factory=GuardConfig)
+
+    def __post_init__(self) -> None:
+        # Every rollout row holds at least its first generated token (an EOS drawn first
+        # gives the one-token response [EOS]), so with >= 1 new token no response is
+        # empty and every score has a token to sit on.
+        if self.rollout.max_new_tokens < 1:
+            raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens}: the PPO "
+                             f"trainer needs >= 1 (a response must have a token to carry its "
+                             f"score)")
 
 
 def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int) -> None:

@@ -24,27 +24,41 @@ def ngram_repetition_rate(tokens: list[int], n: int = 3) -> float:
 
 
 class RewardHackingGuard:
-    """Window check on ``reward_mean``, ``response_length``, ``repetition`` and ``kl_mean``.
+    """Window check on the reward, ``response_length``, ``repetition`` and ``kl_mean``.
+
+    The reward watched is the *raw* score mean, ``reward_raw_mean``, when the metrics hold
+    it: the normalised ``reward_mean`` (running normalisation) drifts towards 0 by
+    construction, so it would hide a rising score. Metrics without ``reward_raw_mean``
+    (callers that log only ``reward_mean``) are judged on ``reward_mean``; the message
+    names the metric used.
 
     Args:
-        window: steps between the compared first and last entries.
+        window: steps between the compared first and last entries (``>= 1``): the check
+            at step ``s`` compares step ``s - window`` with step ``s``.
         max_length_growth: length ratio last/first that, with a rising reward, triggers.
         max_repetition: repetition rate that, with a rising reward, triggers.
         kl_ceiling: kl_mean above this triggers on its own.
+
+    Raises:
+        ValueError: ``window < 1``.
     """
 
     def __init__(self, window: int, max_length_growth: float, max_repetition: float,
                  kl_ceiling: float):
+        if window < 1:
+            raise ValueError(f"guards.window={window}: must be >= 1")
         self.window = window
         self.max_length_growth = max_length_growth
         self.max_repetition = max_repetition
         self.kl_ceiling = kl_ceiling
-        self.history: deque = deque(maxlen=max(window, 2))
+        self.history: deque = deque(maxlen=window + 1)
 
     def update(self, step: int, metrics: dict) -> Optional[str]:
         """Record a step; return a message if a trigger fired, else None."""
         entry = {k: float(metrics.get(k, 0.0)) for k in
                  ("reward_mean", "response_length", "repetition", "kl_mean")}
+        if "reward_raw_mean" in metrics:
+            entry["reward_raw_mean"] = float(metrics["reward_raw_mean"])
         entry["step"] = step
         self.history.append(entry)
         if entry["kl_mean"] > self.kl_ceiling:
@@ -53,18 +67,19 @@ class RewardHackingGuard:
         if len(self.history) < self.history.maxlen:
             return None
         first, last = self.history[0], self.history[-1]
-        if last["reward_mean"] <= first["reward_mean"]:
+        key = "reward_raw_mean" if "reward_raw_mean" in first and "reward_raw_mean" in last \
+            else "reward_mean"
+        if last[key] <= first[key]:
             return None
+        rose = f"{key} rose {first[key]:.3f}->{last[key]:.3f}"
         length_ratio = last["response_length"] / max(first["response_length"], 1e-6)
         if length_ratio > self.max_length_growth:
-            return (f"reward_mean rose {first['reward_mean']:.3f}->{last['reward_mean']:.3f} "
-                    f"while response_length grew {first['response_length']:.1f}->"
+            return (f"{rose} while response_length grew {first['response_length']:.1f}->"
                     f"{last['response_length']:.1f} (x{length_ratio:.2f} > "
                     f"guards.max_length_growth={self.max_length_growth}) over steps "
                     f"{first['step']}-{last['step']}")
         if last["repetition"] > self.max_repetition:
-            return (f"reward_mean rose {first['reward_mean']:.3f}->{last['reward_mean']:.3f} "
-                    f"while n-gram repetition reached {last['repetition']:.3f} (> "
+            return (f"{rose} while n-gram repetition reached {last['repetition']:.3f} (> "
                     f"guards.max_repetition={self.max_repetition}) at step {last['step']}")
         return None
 

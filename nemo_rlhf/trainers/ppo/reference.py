@@ -79,21 +79,38 @@ class ReferencePolicy:
         """Yield a model stage that computes with the reference weights.
 
         ``offload``: the actor's own stage with reference weights copied in; the actor's
-        weights are restored on exit (also on error). ``colocated``: the resident copy.
+        weights are restored on exit. Exception-safe: an error part-way through the
+        swap-in (or in the body) restores every tensor already overwritten before it
+        propagates; an error restoring one tensor does not stop the others from being
+        restored, and the first such error is raised afterwards. ``colocated``: the
+        resident copy.
         """
         if self.mode == "colocated":
             yield self.resident
             return
         params = _backbone_params(self.model)
-        with torch.no_grad():
-            for n, p in params.items():
-                self.stash[n].copy_(p.detach(), non_blocking=True)
-                p.copy_(self.ref[n], non_blocking=True)
+        swapped: list[str] = []  # names whose parameter may hold reference weights
         try:
-            yield self.model
-        finally:
             with torch.no_grad():
                 for n, p in params.items():
-                    p.copy_(self.stash[n], non_blocking=True)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+                    self.stash[n].copy_(p.detach(), non_blocking=True)
+                    swapped.append(n)
+                    p.copy_(self.ref[n], non_blocking=True)
+            yield self.model
+        finally:
+            self._restore(params, swapped)
+
+    def _restore(self, params: dict, names: list[str]) -> None:
+        """Copy the stashed actor weights back into ``names``; try every one, then raise
+        the first error (if any)."""
+        first_error = None
+        with torch.no_grad():
+            for n in names:
+                try:
+                    params[n].copy_(self.stash[n], non_blocking=True)
+                except Exception as exc:  # noqa: BLE001 - re-raised below
+                    first_error = first_error or exc
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if first_error is not None:
+            raise first_error

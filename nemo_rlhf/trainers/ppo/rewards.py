@@ -1,8 +1,41 @@
-"""Build the PPO side's reward from config: the served RM and/or reward functions."""
+"""Build the PPO side's reward from config: the served RM and/or reward functions.
+
+Scores are fetched on the *scoring ranks*: model-parallel rank 0 (TP rank 0, PP rank 0)
+of every data-parallel replica. megatron's DP group of such a rank holds exactly the
+scoring ranks (the DP group joins the ranks with the same TP and PP coordinates), so a
+collective over ``dims.dp_group`` called on the scoring ranks only is a collective over
+all of them: :func:`gather_over_scoring_ranks` is the one place that does it.
+"""
 
 from __future__ import annotations
 
+import functools
+
+import torch
+import torch.distributed as dist
+
 from nemo_rlhf.trainers.ppo.config import RewardConfig
+
+
+def gather_over_scoring_ranks(dims, local: torch.Tensor) -> torch.Tensor:
+    """All-gather a small host tensor over the scoring ranks, in DP-rank order.
+
+    Call on every scoring rank (TP rank 0 and PP rank 0 of each DP replica) together, and
+    on no other rank.
+
+    Args:
+        dims: :class:`~nemo_rlhf.distributed.ParallelDims` of this (scoring) rank.
+        local: ``[k]`` host tensor, e.g. a running normaliser's float64 moments.
+
+    Returns:
+        ``[dp, k]`` host tensor of the same dtype; ``local[None]`` when DP is 1.
+    """
+    if dims.dp == 1:
+        return local.reshape(1, -1)
+    group = dims.dp_group  # host collective (gloo): the DP group's host twin on NCCL
+    parts = [torch.empty_like(local) for _ in range(dims.dp)]  # host
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.stack(parts)
 
 
 def build_reward(cfg: RewardConfig, dims=None):
@@ -10,6 +43,10 @@ def build_reward(cfg: RewardConfig, dims=None):
 
     The RM client waits for the server's ``/health`` (``reward.wait_for_server_s``); the
     RM's normalisation stats come from its ``/metadata`` when ``normalization: fixed``.
+    With ``running`` normalisation and DP > 1 (``dims``), the statistics are reduced over
+    the scoring ranks (:func:`gather_over_scoring_ranks`): one statistic on every DP
+    rank, the same as with DP = 1, and the same on every rank after a resume (rank 0's
+    saved state is everyone's). Call it on the scoring ranks only.
 
     Raises:
         ValueError: no source configured, or ``fixed`` normalisation without RM stats.
@@ -51,4 +88,6 @@ def build_reward(cfg: RewardConfig, dims=None):
     if not sources:
         raise ValueError("no reward source: set reward.rm_url / reward.rm_address_file and/or "
                          "reward.functions")
-    return CombinedReward(sources)
+    gather = (functools.partial(gather_over_scoring_ranks, dims)
+              if dims is not None and dims.dp > 1 else None)
+    return CombinedReward(sources, gather=gather)

@@ -3,8 +3,10 @@
 Per step: (1) prompts from a resumable sampler; (2) rollout with the actor (KV cache);
 (3) scores from the served RM and/or reward functions; (4) reference log-probs with the
 reference weights swapped into the backbone; (5) old log-probs and values from one
-forward-only pass (so the ratio is exactly 1 on the first mini-batch), token rewards
-``-beta*KL`` plus the score at the last response token, GAE; (6) ``ppo_epochs`` over
+forward-only pass (every forward-only pass runs in eval mode, the updates in train mode:
+without dropout the ratio is exactly 1 on the first mini-batch), token rewards
+``-beta*KL`` (both log-probs at ``kl.temperature``'s temperature) plus the score at the
+last response token, GAE; (6) ``ppo_epochs`` over
 mini-batches through megatron's pipeline schedule, one optimizer step per mini-batch,
 loss = policy + vf_coef * value - entropy_bonus * entropy; then the KL controller update.
 
@@ -218,28 +220,82 @@ class PPOTrainer:
 
     def score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
         """Step 3: scores ``[B]`` float32 on ``dims.device`` from the reward sources (computed
-        on the host by MP rank 0, broadcast as an object, moved to the device here)."""
-        result = None
+        on the host by MP rank 0, broadcast as an object, moved to the device here), and
+        reward metrics, ``reward_raw_mean`` (raw weighted score mean over DP) included.
+
+        Raises:
+            the reward source's error on the rank where it failed and
+            :class:`RewardScoringError` (same message) on every other rank, all in the
+            same step: no rank is left waiting in a collective.
+        """
+        raw, failure = None, None
         if self.is_mp_src:
             rows = [self.prompts[i] for i in idx]
-            out = self.reward.score([r.prompt for r in rows], self._response_texts(batch),
-                                    [r.extras for r in rows])
-            result = (out.scores, out.metrics(prefix="reward/"))
+            try:
+                raw = self.reward.fetch([r.prompt for r in rows], self._response_texts(batch),
+                                        [r.extras for r in rows])
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                failure = exc
+        self._raise_if_scoring_failed(failure)
+        result = None
+        if self.is_mp_src:
+            out = self.reward.combine(raw)  # running normalisation: a scoring-rank collective
+            result = (out.scores, {**out.metrics(prefix="reward/"),
+                                   "reward_raw_mean": self._raw_mean(out.raw_scores)})
         scores, metrics = self._mp_broadcast(result)
         return to_device(scores, self.dims.device), metrics
 
-    def _forward_logprobs(self, model, batch, with_values: bool):
-        """Forward-only over the rollout in micro-batches: logprobs (and values) [B, R]."""
+    def _raw_mean(self, raw_scores: torch.Tensor) -> float:
+        """Mean of the raw weighted scores over every DP rank (scoring ranks only)."""
+        from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
+
+        local = torch.tensor([float(raw_scores.sum()), raw_scores.numel()],  # host
+                             dtype=torch.float64, device="cpu")
+        total = gather_over_scoring_ranks(self.dims, local).sum(0)
+        return float(total[0] / total[1])
+
+    def _raise_if_scoring_failed(self, failure: Optional[BaseException]) -> None:
+        """Every rank learns whether a scoring rank's reward call failed; all raise.
+
+        One flag all-reduce per call (host); the message is gathered only on failure.
+        """
+        if self.dims.world_size == 1:
+            if failure is not None:
+                raise failure
+            return
+        flag = torch.tensor([0.0 if failure is None else 1.0], device="cpu")  # host: gloo
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() == 0.0:
+            return
+        info = None if failure is None else f"{type(failure).__name__}: {failure}"
+        infos = [None] * self.dims.world_size
+        dist.all_gather_object(infos, info)
+        if failure is not None:
+            raise failure
+        src = next(i for i, m in enumerate(infos) if m is not None)
+        raise RewardScoringError(f"reward scoring failed on rank {src} (stopping every rank): "
+                                 f"{infos[src]}")
+
+    def _forward_logprobs(self, model, batch, with_values: bool,
+                          temperature: Optional[float] = None,
+                          kl_temperature: Optional[float] = None):
+        """Forward-only over the rollout in micro-batches (eval mode): ``logprobs`` [B, R]
+        at ``temperature`` (default: the rollout's), ``values`` [B, R] if asked, and
+        ``kl_logprobs`` at ``kl_temperature`` when that differs."""
         from nemo_rlhf.rollout import response_logprobs
 
         P_len = batch.prompt_length
-        temp = self.cfg.rollout.logprob_temperature
+        temp = self.cfg.rollout.logprob_temperature if temperature is None else temperature
 
         def loss_fn(output, mb):
             logits, values = output if isinstance(output, tuple) else (output, None)
             lp, _ = response_logprobs(logits, (mb["input_ids"], P_len), self.dims, temp,
                                       vocab_size=self.cfg.model.vocab_size, compute_entropy=False)
             out = {"logprobs": lp}
+            if kl_temperature is not None and kl_temperature != temp:
+                out["kl_logprobs"], _ = response_logprobs(
+                    logits, (mb["input_ids"], P_len), self.dims, kl_temperature,
+                    vocab_size=self.cfg.model.vocab_size, compute_entropy=False)
             if with_values and values is not None:
                 R = lp.shape[1]
                 out["values"] = values[:, P_len - 1:P_len - 1 + R].float()
@@ -248,7 +304,7 @@ class PPOTrainer:
         mbs = self.cfg.ppo.forward_micro_batch_size
         micro = [{"input_ids": batch.input_ids[s], "attention_mask": batch.attention_mask[s]}
                  for s in _chunks(batch.input_ids.shape[0], mbs)]
-        with torch.no_grad():
+        with torch.no_grad(), _eval_mode(model):
             res = forward_backward(model, micro, loss_fn, forward_only=True)
         if not res:
             return None
@@ -256,25 +312,37 @@ class PPOTrainer:
         return out
 
     def compute_old_and_reference(self, batch) -> Optional[dict]:
-        """Steps 4-5a: old log-probs and values (actor), reference log-probs (swapped in)."""
+        """Steps 4-5a: old log-probs and values (actor), reference log-probs (swapped in).
+
+        ``old_logprobs`` are at the sampling temperature (the PPO ratio's);
+        ``ref_logprobs`` and the actor's ``kl_logprobs`` at ``kl.temperature``'s."""
+        kl_temp = self._kl_temperature()
         unwrap(self.model).compute_values = True
         with self.timers("old_logprobs_values"):
-            old = self._forward_logprobs(self.model, batch, with_values=True)
+            old = self._forward_logprobs(self.model, batch, with_values=True,
+                                         kl_temperature=kl_temp)
         with self.timers("reference_logprobs"), self.reference.swapped_in() as ref_model:
             unwrap(ref_model).compute_values = False
-            ref = self._forward_logprobs(ref_model, batch, with_values=False)
+            ref = self._forward_logprobs(ref_model, batch, with_values=False, temperature=kl_temp)
             unwrap(ref_model).compute_values = True
         if old is None:
             return None
         return {"old_logprobs": old["logprobs"], "values": old["values"],
-                "ref_logprobs": ref["logprobs"]}
+                "ref_logprobs": ref["logprobs"],
+                "kl_logprobs": old.get("kl_logprobs", old["logprobs"])}
+
+    def _kl_temperature(self) -> float:
+        """Temperature of the two log-probs the KL penalty compares (``kl.temperature``)."""
+        if self.cfg.kl.temperature == "sampling":
+            return self.cfg.rollout.logprob_temperature
+        return 1.0
 
     def compute_advantages(self, batch, scores, fwd) -> tuple[dict, dict]:
         """Step 5b (last stage): token rewards, GAE, whitening. Returns tensors and metrics."""
         mask = batch.response_mask
         c = self.cfg
         rewards, kl = P.compute_token_rewards(
-            fwd["old_logprobs"], fwd["ref_logprobs"], scores, mask, self.kl_ctl.value,
+            fwd["kl_logprobs"], fwd["ref_logprobs"], scores, mask, self.kl_ctl.value,
             kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
             missing_eos_penalty=c.ppo.missing_eos_penalty)
         adv, ret = P.compute_gae(rewards, fwd["values"], mask, c.ppo.discount_factor,
@@ -351,6 +419,7 @@ class PPOTrainer:
             tensors.update(old_logprobs=fwd["old_logprobs"], old_values=fwd["values"],
                            advantages=adv["advantages"], returns=adv["returns"])
         value_only = self.step < self.cfg.trainer.critic_warmup_steps
+        self.model.train()  # training passes: dropout on (forward-only passes run in eval)
         all_stats, norms, skipped = [], [], 0
         # host permutation (the same order on every device type), moved to the device
         g = torch.Generator(device="cpu").manual_seed(self.cfg.trainer.seed + self.step)
@@ -366,7 +435,7 @@ class PPOTrainer:
                 res = forward_backward(self.model, micro,
                                        self._ppo_loss_fn(n_tokens, batch.prompt_length, value_only))
                 finalize_grads(self.model)
-                stepped, norm = self.optimizer.step()
+                stepped, norm = self._optimizer_step(value_only)
                 maybe_crash("update", self.step + 1)
                 norms.append(norm)
                 skipped += int(not stepped)
@@ -386,6 +455,14 @@ class PPOTrainer:
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
         return out
+
+    def _optimizer_step(self, value_only: bool) -> tuple[bool, float]:
+        """One optimizer step; during critic warm-up (``value_only``) the value head's
+        parameters only: the value loss's gradient into the shared backbone is dropped,
+        so the policy does not move (no update, Adam state or weight decay)."""
+        if value_only:
+            return self.optimizer.step(only=_is_value_head)
+        return self.optimizer.step()
 
     # --- one step --------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -462,27 +539,31 @@ class PPOTrainer:
         batch = self._generate([self.eval_encoded[i] for i in mine], greedy=True)
         texts = self._response_texts(batch)
         reps = self._repetition(batch)
-        result = None
+        result, failure = None, None
         if self.is_mp_src:
-            rows = [self.eval_prompts[i] for i in mine]
-            out = self.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
-                                    update_stats=False, normalize=False)
-            correct = [0.0] * len(rows)
-            if self.cfg.trainer.eval_checker:
-                from nemo_rlhf.reward.functions import get_reward_function
+            try:
+                rows = [self.eval_prompts[i] for i in mine]
+                out = self.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
+                                        update_stats=False, normalize=False)
+                correct = [0.0] * len(rows)
+                if self.cfg.trainer.eval_checker:
+                    from nemo_rlhf.reward.functions import get_reward_function
 
-                correct = get_reward_function(self.cfg.trainer.eval_checker)(
-                    [r.prompt for r in rows], texts, [r.extras for r in rows])
-            extra = {}
-            for name in self.cfg.trainer.eval_extra_checkers:
-                from nemo_rlhf.reward.functions import get_reward_function
+                    correct = get_reward_function(self.cfg.trainer.eval_checker)(
+                        [r.prompt for r in rows], texts, [r.extras for r in rows])
+                extra = {}
+                for name in self.cfg.trainer.eval_extra_checkers:
+                    from nemo_rlhf.reward.functions import get_reward_function
 
-                extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
-                                                             [r.extras for r in rows]))
-            result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
-                      "correct": list(correct), "extra": extra,
-                      "per_source": {k: v.tolist() for k, v in out.per_source.items()},
-                      "lengths": batch.response_lengths.tolist(), "rep": reps}
+                    extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
+                                                                 [r.extras for r in rows]))
+                result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
+                          "correct": list(correct), "extra": extra,
+                          "per_source": {k: v.tolist() for k, v in out.per_source.items()},
+                          "lengths": batch.response_lengths.tolist(), "rep": reps}
+            except Exception as exc:  # noqa: BLE001 - every rank raises it below
+                failure = exc
+        self._raise_if_scoring_failed(failure)
         gathered = [None] * self.dims.world_size
         dist.all_gather_object(gathered, result)
         rows = [g for g in gathered if g is not None]
@@ -545,6 +626,25 @@ class PPOTrainer:
         self.initial_eval = sd.get("initial_eval")
 
 
+class RewardScoringError(RuntimeError):
+    """Scoring failed on another rank; the message is that rank's error."""
+
+
+def _is_value_head(name: str) -> bool:
+    return "value_head" in name.split(".")
+
+
+@contextmanager
+def _eval_mode(model):
+    """Forward-only passes run in eval mode (no dropout); the previous mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def _jsonable(obj):
     if isinstance(obj, torch.Tensor):
         return obj.tolist()
@@ -560,5 +660,5 @@ def config_to_dict(cfg: PPOConfig) -> dict:
     return asdict(cfg)
 
 
-__all__ = ["PPOTrainer", "PromptSampler", "config_to_dict"]
+__all__ = ["PPOTrainer", "PromptSampler", "RewardScoringError", "config_to_dict"]
 

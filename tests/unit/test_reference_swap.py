@@ -1,0 +1,123 @@
+"""The offloaded reference swap (``ReferencePolicy.swapped_in``) is exception-safe.
+
+An error part-way through copying the reference weights into the backbone, inside the
+``with`` body, or part-way through copying the actor's weights back must leave the actor
+bit-identical (in fp32 the optimizer's master weights are these very tensors).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.single_rank import single_rank
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def dims():
+    with single_rank(seed=0) as d:
+        yield d
+
+
+def _actor_and_reference(dims):
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import load_model_preset
+    from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
+
+    model = build_model(load_model_preset("tiny", vocab_size=VOCAB), dims, seed=3)
+    ref = ReferencePolicy(model, "offload")
+    with torch.no_grad():  # the actor moves away from the reference
+        for p in model.parameters():
+            p.add_(0.01)
+    return model, ref
+
+
+def _snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_bit_identical(model, before: dict) -> None:
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert not changed, f"actor weights left changed: {changed}"
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+class _FailingCopy:
+    """Stands in for one host tensor: copying from/into it raises (a failed transfer)."""
+
+    def __init__(self, like: torch.Tensor):
+        self.like = like
+
+    def __getattr__(self, name):
+        return getattr(self.like, name)
+
+    def copy_(self, *args, **kwargs):
+        raise _Boom("injected copy failure")
+
+
+def test_failure_after_the_first_copied_tensor_of_swap_in_leaves_the_actor_bit_identical(dims):
+    model, ref = _actor_and_reference(dims)
+    before = _snapshot(model)
+    names = list(ref.ref)
+    # the second reference tensor cannot be copied in: a wrong shape fails the copy_
+    good = ref.ref[names[1]]
+    ref.ref[names[1]] = torch.zeros(good.numel() + 1, dtype=good.dtype)
+    with pytest.raises(RuntimeError):
+        with ref.swapped_in():
+            pytest.fail("the body must not run when the swap-in failed")
+    _assert_bit_identical(model, before)
+    ref.ref[names[1]] = good
+    with ref.swapped_in() as m:  # and the policy still works afterwards
+        assert m is model
+        assert torch.equal(dict(model.named_parameters())[names[1]], good)
+    _assert_bit_identical(model, before)
+
+
+def test_failure_stashing_a_later_tensor_leaves_the_actor_bit_identical(dims):
+    model, ref = _actor_and_reference(dims)
+    before = _snapshot(model)
+    names = list(ref.stash)
+    ref.stash[names[2]] = _FailingCopy(ref.stash[names[2]])
+    with pytest.raises(_Boom):
+        with ref.swapped_in():
+            pytest.fail("the body must not run when the swap-in failed")
+    _assert_bit_identical(model, before)
+
+
+def test_error_in_the_body_restores_the_actor_bit_identically(dims):
+    model, ref = _actor_and_reference(dims)
+    before = _snapshot(model)
+    with pytest.raises(_Boom):
+        with ref.swapped_in():
+            raise _Boom("forward failed")
+    _assert_bit_identical(model, before)
+
+
+def test_failure_restoring_one_tensor_still_restores_all_others_and_raises(dims):
+    model, ref = _actor_and_reference(dims)
+    before = _snapshot(model)
+    params = dict(model.named_parameters())
+    names = list(ref.stash)
+    victim = names[1]
+    with pytest.raises(_Boom):
+        with ref.swapped_in():
+            # swap-out: copying the actor's weights back into this parameter fails
+            real = params[victim]
+            real_copy = real.copy_
+            calls = {"n": 0}
+
+            def failing_copy_(src, *a, **kw):
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    raise _Boom("injected restore failure")
+                return real_copy(src, *a, **kw)
+
+            real.copy_ = failing_copy_
+    del params[victim].copy_
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert changed == [victim], changed  # only the tensor whose copy failed is not restored
