@@ -340,7 +340,7 @@ def _validate_job(job: str, cfg, cluster: SlurmClusterConfig, rm_dedicated: int)
         if job == "ppo":
             from nemo_rlhf.trainers.ppo.config import validate_batch_sizes
 
-            validate_batch_sizes(cfg.ppo, dp)
+            validate_batch_sizes(cfg.ppo, dp, cfg.rollout.n_samples_per_prompt)
         elif job in ("sft", "rm"):
             cfg.trainer.validate(dp)
     except ValueError as exc:

@@ -91,7 +91,7 @@ def build(cfg: PPOConfig):
                                   num_layers=cfg.model.num_layers,
                                   num_attention_heads=cfg.model.num_attention_heads,
                                   num_query_groups=cfg.model.num_query_groups)
-    validate_batch_sizes(cfg.ppo, dims.dp)
+    validate_batch_sizes(cfg.ppo, dims.dp, cfg.rollout.n_samples_per_prompt)
     max_prompt = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
     prompts = load_prompt_dataset(cfg.data.train_file, tok, cfg.data, max_prompt).samples
     eval_prompts = (load_prompt_dataset(cfg.data.val_file, tok, cfg.data, max_prompt).samples
@@ -102,6 +102,7 @@ def build(cfg: PPOConfig):
                            seed=cfg.trainer.seed)
 
     model = make_stage()
+    model.detach_value_head = cfg.critic.mode == "shared_detached"
     if cfg.exp_manager.init_from:
         load_model_weights(cfg.exp_manager.init_from, model,
                            init_heads=cfg.exp_manager.init_value_head)

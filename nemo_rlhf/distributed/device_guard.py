@@ -102,12 +102,13 @@ def _device_kind(device) -> str | None:
 def _where_called() -> str:
     """``file:line in function`` of the innermost frame in ``nemo_rlhf`` (the guard and
     the CPU shim excluded), or the innermost frame outside torch."""
-    frames = traceback.extract_stack()[:-2]
-    ours = [f for f in frames if "nemo_rlhf" in f.filename
-            and not f.filename.endswith(("device_guard.py", "cpu_compat.py"))]
+    from nemo_rlhf.distributed import cpu_compat
+
+    skip = {os.path.abspath(__file__), os.path.abspath(cpu_compat.__file__)}
+    frames = [f for f in traceback.extract_stack()[:-2] if os.path.abspath(f.filename) not in skip]
+    ours = [f for f in frames if f"{os.sep}nemo_rlhf{os.sep}" in f.filename]
     pick = ours[-1] if ours else next(
-        (f for f in reversed(frames) if "/torch/" not in f.filename
-         and not f.filename.endswith(("device_guard.py", "cpu_compat.py"))), frames[-1])
+        (f for f in reversed(frames) if f"{os.sep}torch{os.sep}" not in f.filename), frames[-1])
     return f"{pick.filename}:{pick.lineno} in {pick.name}: {pick.line}"
 
 

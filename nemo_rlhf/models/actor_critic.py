@@ -60,6 +60,9 @@ class ActorCriticModel(GPTModel):
         self.model_cfg = model_cfg
         self.compute_values = True
         """When False the last stage returns logits only (rollout / reference passes)."""
+        self.detach_value_head = False
+        """When True the value head reads the hidden states with the gradient stopped
+        (``critic.mode=shared_detached``): the value loss does not reach the backbone."""
         if post_process:
             head = torch.nn.Linear(config.hidden_size, 1, bias=True, dtype=torch.float32)
             with torch.no_grad():
@@ -77,7 +80,8 @@ class ActorCriticModel(GPTModel):
         logits = super()._postprocess(hidden_states, *args, **kwargs)
         if not self.post_process or not self.compute_values or kwargs.get("inference_context"):
             return logits
-        values = self._head()(hidden_states.float()).squeeze(-1).transpose(0, 1).contiguous()
+        h = hidden_states.detach() if self.detach_value_head else hidden_states
+        values = self._head()(h.float()).squeeze(-1).transpose(0, 1).contiguous()
         return logits, values
 
 

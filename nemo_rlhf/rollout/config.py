@@ -37,6 +37,9 @@ class RolloutConfig:
     """Base seed of the sampler's torch.Generator (offset by DP rank and call index)."""
     use_kv_cache: bool = True
     """KV-cached decoding; False recomputes the whole sequence each step (reference)."""
+    n_samples_per_prompt: int = 1
+    """Responses sampled per prompt in a PPO step (a group, kept contiguous and on one DP
+    rank; ``grpo`` / ``rloo`` need >= 2). Read by the PPO trainer, not by ``generate``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -47,7 +50,7 @@ class RolloutConfig:
         Raises:
             ValueError: naming ``rollout.<key>``, the value and what is valid.
         """
-        for key in ("max_new_tokens", "min_new_tokens", "top_k", "seed"):
+        for key in ("max_new_tokens", "min_new_tokens", "top_k", "seed", "n_samples_per_prompt"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"rollout.{key}={value!r}: must be an integer")
@@ -61,6 +64,8 @@ class RolloutConfig:
                 f"rollout.max_new_tokens={self.max_new_tokens}: valid values are "
                 f"0 .. {self.max_new_tokens}"
             )
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"rollout.n_samples_per_prompt={self.n_samples_per_prompt}: must be >= 1")
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k={self.top_k}: must be >= 0 (0 = off)")
         if not 0.0 < self.top_p <= 1.0:

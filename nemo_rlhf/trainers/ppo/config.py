@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from nemo_rlhf.algorithms.ppo.advantages import ADVANTAGE_ESTIMATORS
+from nemo_rlhf.algorithms.ppo.kl import KL_ESTIMATORS
+from nemo_rlhf.algorithms.ppo.losses import LOSS_AGG_MODES
 from nemo_rlhf.data.datasets import DataConfig
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.models.config import PRECISIONS, ModelConfig
@@ -90,7 +93,21 @@ class PPOAlgoConfig:
     gae_lambda: float = 0.95
     """GAE lambda."""
     normalize_advantages: bool = True
-    """Whiten advantages over valid tokens (statistics all-reduced over DP)."""
+    """Whiten ``gae`` advantages over valid tokens (statistics all-reduced over DP); the
+    critic-free estimators normalise by their own rule and are not whitened again."""
+    advantage_estimator: str = "gae"
+    """``gae`` (with the critic), or critic-free: ``grpo`` (group-normalised outcome, Shao
+    et al. 2024), ``rloo`` (leave-one-out baseline, Ahmadian et al. 2024),
+    ``reinforce_plus_plus`` (batch-whitened returns, Hu 2025). Critic-free: no values are
+    computed and the value head is not trained. ``grpo``/``rloo`` need
+    ``rollout.n_samples_per_prompt >= 2``."""
+    grpo_norm_by_std: bool = True
+    """``grpo``: divide by the group's std (GRPO); false: Dr. GRPO (Liu et al. 2025)."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses become one loss, always over global (all micro-batches, all DP
+    ranks) counts: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``,
+    ``seq-mean-token-sum-norm`` (horizon: ``rollout.max_new_tokens``); see
+    :func:`nemo_rlhf.algorithms.ppo.losses.aggregate_loss`."""
     missing_eos_penalty: Optional[float] = None
     """Added to the score of truncated responses (None: off)."""
     shuffle: bool = True
@@ -105,6 +122,12 @@ class PPOAlgoConfig:
             raise ValueError(f"ppo.ratio_eps={self.ratio_eps}: must be in (0, 1)")
         if not 0 <= self.discount_factor <= 1 or not 0 <= self.gae_lambda <= 1:
             raise ValueError("ppo.discount_factor and ppo.gae_lambda must be in [0, 1]")
+        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"ppo.advantage_estimator={self.advantage_estimator!r}: valid choices "
+                             f"are {sorted(ADVANTAGE_ESTIMATORS)}")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"ppo.loss_agg_mode={self.loss_agg_mode!r}: valid choices are "
+                             f"{list(LOSS_AGG_MODES)}")
 
 
 @dataclass
@@ -127,11 +150,25 @@ class KLConfig:
     """Temperature of both log-probs in the KL: ``sampling`` (default, as TRL: the rollout's
     logprob_temperature, the distribution the actor samples from and PPO trains) or
     ``unscaled`` (1.0: the InstructGPT objective's KL(pi || pi_ref))."""
+    in_reward: bool = True
+    """Subtract ``beta * KL_t`` from the token rewards (InstructGPT). False: no KL in the
+    reward (then set ``kl.loss_coef`` for a KL term in the loss, as GRPO recipes do)."""
+    loss_coef: float = 0.0
+    """Weight of a KL(actor || reference) term added to the PPO loss (0: off); aggregated
+    like the other losses (``ppo.loss_agg_mode``); may be combined with ``in_reward``."""
+    loss_estimator: str = "k3"
+    """Estimator of the loss's KL term: ``k1``, ``k2`` or ``k3`` (Schulman 2020; k3 is
+    non-negative and unbiased, GRPO's choice)."""
 
     def __post_init__(self) -> None:
         if self.temperature not in KL_TEMPERATURES:
             raise ValueError(f"kl.temperature={self.temperature!r}: valid choices are "
                              f"{list(KL_TEMPERATURES)}")
+        if self.loss_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl.loss_estimator={self.loss_estimator!r}: valid choices are "
+                             f"{sorted(KL_ESTIMATORS)}")
+        if self.loss_coef < 0:
+            raise ValueError(f"kl.loss_coef={self.loss_coef}: must be >= 0 (0: off)")
 
 
 @dataclass
@@ -178,6 +215,25 @@ class ReferenceConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("offload", "colocated"):
             raise ValueError(f"reference.mode={self.mode!r}: valid choices are ['offload', 'colocated']")
+
+
+CRITIC_MODES = ("shared", "shared_detached")
+
+
+@dataclass
+class CriticConfig:
+    """How the critic (value head) sits on the actor's backbone (group ``critic``)."""
+
+    mode: str = "shared"
+    """``shared``: the value loss trains the shared backbone too (InstructGPT/NeMo-Aligner's
+    critic on the actor); ``shared_detached``: the value head reads the backbone's hidden
+    states with the gradient stopped, so the critic cannot disturb the policy (Stiennon et
+    al. 2020, App. G.1), at the cost of a weaker critic. A ``separate`` critic (own backbone
+    and optimizer) is not available yet."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in CRITIC_MODES:
+            raise ValueError(f"critic.mode={self.mode!r}: valid choices are {list(CRITIC_MODES)}")
 
 
 @dataclass
@@ -239,6 +295,7 @@ class PPOConfig:
     kl: KLConfig = field(default_factory=KLConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=lambda: DataConfig(
         train_file="data/demo/ppo_prompts.jsonl", val_file="data/demo/eval.jsonl",
@@ -255,14 +312,30 @@ class PPOConfig:
             raise ValueError(f"rollout.max_new_tokens={self.rollout.max_new_tokens}: the PPO "
                              f"trainer needs >= 1 (a response must have a token to carry its "
                              f"score)")
+        est, n = self.ppo.advantage_estimator, self.rollout.n_samples_per_prompt
+        if est in ("grpo", "rloo") and n < 2:
+            raise ValueError(f"ppo.advantage_estimator={est} compares the samples of one prompt: "
+                             f"set rollout.n_samples_per_prompt >= 2 (got {n})")
+        if est != "gae" and self.trainer.critic_warmup_steps:
+            raise ValueError(f"trainer.critic_warmup_steps={self.trainer.critic_warmup_steps} with "
+                             f"the critic-free ppo.advantage_estimator={est}: set it to 0")
 
 
-def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int) -> None:
-    """Rollout, global and micro batch sizes against the DP size.
+def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int, n_samples_per_prompt: int = 1) -> None:
+    """Rollout, global and micro batch sizes against the DP size and the group size.
+
+    ``ppo.num_rollout_samples`` counts samples (rows); each DP rank holds whole groups of
+    ``rollout.n_samples_per_prompt`` samples of one prompt.
 
     Raises:
         ValueError: naming the key, its value and what would work.
     """
+    group = dp * n_samples_per_prompt
+    if ppo.num_rollout_samples % group:
+        raise ValueError(
+            f"ppo.num_rollout_samples={ppo.num_rollout_samples} is not divisible by the data-"
+            f"parallel size {dp} x rollout.n_samples_per_prompt={n_samples_per_prompt}: every DP "
+            f"rank holds whole groups; valid: multiples of {group}")
     if ppo.num_rollout_samples % dp:
         raise ValueError(f"ppo.num_rollout_samples={ppo.num_rollout_samples} is not divisible by "
                          f"the data-parallel size {dp}")

@@ -139,6 +139,12 @@ class PPOTrainer:
         self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.initial_policy_kl_penalty,
                                             cfg.kl.target, cfg.kl.horizon)
         self.sampler = PromptSampler(len(prompts), cfg.trainer.seed, cfg.ppo.shuffle)
+        self.advantage_cfg = P.AdvantageConfig(
+            estimator=cfg.ppo.advantage_estimator, gamma=cfg.ppo.discount_factor,
+            lam=cfg.ppo.gae_lambda, norm_by_std=cfg.ppo.grpo_norm_by_std)
+        self.needs_values = self.advantage_cfg.needs_values
+        """Whether the critic is used (``gae``); critic-free estimators compute no values."""
+        unwrap(model).compute_values = self.needs_values
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.timers = Timers()
@@ -200,7 +206,7 @@ class PPOTrainer:
                             max_sequence_length=self.cfg.model.max_position_embeddings,
                             decode_fn=self.tok.decode, call_index=self.step)
         finally:
-            m.compute_values = True
+            m.compute_values = self.needs_values
             m.train()
 
     def _response_texts(self, batch) -> list[str]:
@@ -212,11 +218,11 @@ class PPOTrainer:
 
     # --- the six steps -----------------------------------------------------------------
     def sample_prompts(self) -> list[int]:
-        """Step 1: this DP rank's slice of the next global prompt batch."""
-        n = self.cfg.ppo.num_rollout_samples
-        idx = self.sampler.next_global_batch(n)
-        per = n // self.dims.dp
-        return idx[self.dims.dp_rank * per:(self.dims.dp_rank + 1) * per]
+        """Step 1: this DP rank's prompts of the next global batch, each repeated
+        ``rollout.n_samples_per_prompt`` times (a group: contiguous, on one DP rank)."""
+        n = self.cfg.rollout.n_samples_per_prompt
+        idx = self.sampler.next_global_batch(self.cfg.ppo.num_rollout_samples // n)
+        return dp_group_slice(idx, self.dims.dp_rank, self.dims.dp, n)
 
     def score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
         """Step 3: scores ``[B]`` float32 on ``dims.device`` from the reward sources (computed
@@ -297,8 +303,7 @@ class PPOTrainer:
                     logits, (mb["input_ids"], P_len), self.dims, kl_temperature,
                     vocab_size=self.cfg.model.vocab_size, compute_entropy=False)
             if with_values and values is not None:
-                R = lp.shape[1]
-                out["values"] = values[:, P_len - 1:P_len - 1 + R].float()
+                out["values"] = response_values(values, P_len, lp.shape[1])
             return torch.zeros((), device=lp.device), out
 
         mbs = self.cfg.ppo.forward_micro_batch_size
@@ -317,17 +322,17 @@ class PPOTrainer:
         ``old_logprobs`` are at the sampling temperature (the PPO ratio's);
         ``ref_logprobs`` and the actor's ``kl_logprobs`` at ``kl.temperature``'s."""
         kl_temp = self._kl_temperature()
-        unwrap(self.model).compute_values = True
+        unwrap(self.model).compute_values = self.needs_values
         with self.timers("old_logprobs_values"):
-            old = self._forward_logprobs(self.model, batch, with_values=True,
+            old = self._forward_logprobs(self.model, batch, with_values=self.needs_values,
                                          kl_temperature=kl_temp)
         with self.timers("reference_logprobs"), self.reference.swapped_in() as ref_model:
             unwrap(ref_model).compute_values = False
             ref = self._forward_logprobs(ref_model, batch, with_values=False, temperature=kl_temp)
-            unwrap(ref_model).compute_values = True
+            unwrap(ref_model).compute_values = self.needs_values
         if old is None:
             return None
-        return {"old_logprobs": old["logprobs"], "values": old["values"],
+        return {"old_logprobs": old["logprobs"], "values": old.get("values"),
                 "ref_logprobs": ref["logprobs"],
                 "kl_logprobs": old.get("kl_logprobs", old["logprobs"])}
 
@@ -338,17 +343,22 @@ class PPOTrainer:
         return 1.0
 
     def compute_advantages(self, batch, scores, fwd) -> tuple[dict, dict]:
-        """Step 5b (last stage): token rewards, GAE, whitening. Returns tensors and metrics."""
+        """Step 5b (last stage): token rewards (``-beta*KL`` when ``kl.in_reward``), the
+        advantage estimator (``ppo.advantage_estimator``), whitening (``gae``). Returns
+        tensors and metrics."""
         mask = batch.response_mask
         c = self.cfg
+        beta = self.kl_ctl.value if c.kl.in_reward else 0.0
         rewards, kl = P.compute_token_rewards(
-            fwd["kl_logprobs"], fwd["ref_logprobs"], scores, mask, self.kl_ctl.value,
+            fwd["kl_logprobs"], fwd["ref_logprobs"], scores, mask, beta,
             kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
             missing_eos_penalty=c.ppo.missing_eos_penalty)
-        adv, ret = P.compute_gae(rewards, fwd["values"], mask, c.ppo.discount_factor,
-                                 c.ppo.gae_lambda)
+        group_ids = P.group_ids_from_samples(mask.shape[0], c.rollout.n_samples_per_prompt,
+                                             device=mask.device)
+        adv, ret = P.compute_advantages(self.advantage_cfg, rewards, fwd["values"], mask,
+                                        group_ids, reduce_fn=self._whiten_reduce)
         raw_adv = adv
-        if c.ppo.normalize_advantages:
+        if c.ppo.normalize_advantages and self.advantage_cfg.estimator == "gae":
             adv = P.masked_whiten(adv, mask, reduce_fn=self._whiten_reduce)
         seq_kl = torch.where(mask, kl, 0.0).sum(-1)
         B = torch.tensor(float(mask.shape[0]), device=mask.device)
@@ -377,32 +387,49 @@ class PPOTrainer:
         t = self._dp_sum(torch.stack([s, sq, n]).float())
         return t[0], t[1], t[2]
 
-    def _ppo_loss_fn(self, n_tokens: torch.Tensor, P_len: int, value_only: bool):
+    def _ppo_loss_fn(self, n_tokens: torch.Tensor, n_seqs: torch.Tensor, P_len: int,
+                     value_only: bool):
+        """The mini-batch's loss: ``policy + vf_coef * value - entropy_bonus * entropy
+        (+ kl.loss_coef * KL)``, each aggregated by ``ppo.loss_agg_mode`` over the global
+        ``n_tokens`` / ``n_seqs`` (scalar tensors, all micro-batches and DP ranks)."""
         from nemo_rlhf.rollout import response_logprobs
 
-        c = self.cfg.ppo
+        c, kl = self.cfg.ppo, self.cfg.kl
+        agg = dict(loss_agg_mode=c.loss_agg_mode, global_sequences=n_seqs,
+                   norm_length=self.cfg.rollout.max_new_tokens)
+        temp, kl_temp = self.cfg.rollout.logprob_temperature, self._kl_temperature()
 
         def fn(output, mb):
-            logits, values = output
-            lp, ent = response_logprobs(logits, (mb["input_ids"], P_len), self.dims,
-                                        self.cfg.rollout.logprob_temperature,
+            logits, values = output if isinstance(output, tuple) else (output, None)
+            lp, ent = response_logprobs(logits, (mb["input_ids"], P_len), self.dims, temp,
                                         vocab_size=self.cfg.model.vocab_size)
-            R = lp.shape[1]
-            v = values[:, P_len - 1:P_len - 1 + R]
             m = mb["response_mask"]
             pl, pstats = P.policy_loss(lp, mb["old_logprobs"], mb["advantages"], m, n_tokens,
                                        clip_eps=c.ratio_eps, clip_eps_low=c.ratio_eps_low,
-                                       clip_eps_high=c.ratio_eps_high, dual_clip=c.dual_clip)
-            vl, vstats = P.value_loss(v, mb["old_values"], mb["returns"], m, n_tokens,
-                                      clip_range=c.value_clip)
-            ent_b = P.entropy_bonus(ent, m, n_tokens)
-            loss = c.value_loss_coef * vl
+                                       clip_eps_high=c.ratio_eps_high, dual_clip=c.dual_clip,
+                                       **agg)
+            ent_b = P.entropy_bonus(ent, m, n_tokens, **agg)
+            loss = torch.zeros((), device=lp.device)
+            stats = dict(pstats)
+            scale = n_tokens.float()
+            if self.needs_values:
+                v = response_values(values, P_len, lp.shape[1])
+                vl, vstats = P.value_loss(v, mb["old_values"], mb["returns"], m, n_tokens,
+                                          clip_range=c.value_clip, **agg)
+                loss = loss + c.value_loss_coef * vl
+                stats.update({k: v_ for k, v_ in vstats.items() if k != "valid_tokens"})
+                stats["value_loss_sum"] = vl.detach() * scale
             if not value_only:
                 loss = loss + pl - c.entropy_bonus * ent_b
-            stats = {**pstats, **{k: v_ for k, v_ in vstats.items() if k != "valid_tokens"}}
-            scale = n_tokens.float()
+                if kl.loss_coef > 0:
+                    lp_kl = lp if kl_temp == temp else response_logprobs(
+                        logits, (mb["input_ids"], P_len), self.dims, kl_temp,
+                        vocab_size=self.cfg.model.vocab_size, compute_entropy=False)[0]
+                    kll, kstats = P.kl_loss(lp_kl, mb["ref_logprobs"], m, n_tokens,
+                                            estimator=kl.loss_estimator, **agg)
+                    loss = loss + kl.loss_coef * kll
+                    stats["kl_loss_sum"] = kll.detach() * scale
             stats["policy_loss_sum"] = pl.detach() * scale
-            stats["value_loss_sum"] = vl.detach() * scale
             stats["entropy_sum"] = ent_b.detach() * scale
             return loss, stats
 
@@ -416,8 +443,11 @@ class PPOTrainer:
         tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                    "response_mask": batch.response_mask}
         if fwd is not None:
-            tensors.update(old_logprobs=fwd["old_logprobs"], old_values=fwd["values"],
-                           advantages=adv["advantages"], returns=adv["returns"])
+            tensors.update(old_logprobs=fwd["old_logprobs"], advantages=adv["advantages"])
+            if self.needs_values:
+                tensors.update(old_values=fwd["values"], returns=adv["returns"])
+            if self.cfg.kl.loss_coef > 0:
+                tensors.update(ref_logprobs=fwd["ref_logprobs"])
         value_only = self.step < self.cfg.trainer.critic_warmup_steps
         self.model.train()  # training passes: dropout on (forward-only passes run in eval)
         all_stats, norms, skipped = [], [], 0
@@ -428,12 +458,15 @@ class PPOTrainer:
                      else torch.arange(B, device="cpu")).to(self.dims.device)
             for mb_slice in _chunks(B, per_rank):
                 idx = order[mb_slice]
-                n_tokens = self._dp_sum(batch.response_mask[idx].sum().float().reshape(1))[0]
+                counts = torch.stack([batch.response_mask[idx].sum().float(),
+                                      torch.tensor(float(len(idx)), device=self.dims.device)])
+                n_tokens, n_seqs = self._dp_sum(counts)
                 micro = [{k: v[idx[s]] for k, v in tensors.items()}
                          for s in _chunks(len(idx), c.micro_batch_size)]
                 self.optimizer.zero_grad()
                 res = forward_backward(self.model, micro,
-                                       self._ppo_loss_fn(n_tokens, batch.prompt_length, value_only))
+                                       self._ppo_loss_fn(n_tokens, n_seqs, batch.prompt_length,
+                                                         value_only))
                 finalize_grads(self.model)
                 stepped, norm = self._optimizer_step(value_only)
                 maybe_crash("update", self.step + 1)
@@ -469,7 +502,7 @@ class PPOTrainer:
         """Run the six steps once; return the step's metrics (valid on the reporter)."""
         t0 = time.perf_counter()
         idx = self.sample_prompts()
-        self._log_prompt_ids(idx)
+        self._log_prompt_ids(idx[::self.cfg.rollout.n_samples_per_prompt])
         with self.timers("rollout"):
             batch = self._generate([self.encoded[i] for i in idx])
         maybe_crash("rollout", self.step + 1)
@@ -485,8 +518,9 @@ class PPOTrainer:
 
                 metrics.update(logprob_diff_stats(batch.logprobs, fwd["old_logprobs"],
                                                   batch.response_mask))
-                metrics["explained_variance"] = float(P.explained_variance(
-                    fwd["values"], adv["returns"], batch.response_mask))
+                if self.needs_values:
+                    metrics["explained_variance"] = float(P.explained_variance(
+                        fwd["values"], adv["returns"], batch.response_mask))
                 reps = [P_rep for P_rep in self._repetition(batch)]
                 metrics["repetition"] = float(sum(reps) / max(len(reps), 1))
                 metrics["response_length_max"] = float(batch.response_lengths.max())
@@ -643,6 +677,42 @@ def _eval_mode(model):
         yield model
     finally:
         model.train(was_training)
+
+
+def dp_group_slice(global_idx: list[int], dp_rank: int, dp: int, n_samples_per_prompt: int
+                   ) -> list[int]:
+    """This DP rank's share of a global prompt batch, each prompt repeated
+    ``n_samples_per_prompt`` times in a row: groups stay contiguous and on one rank.
+
+    Args:
+        global_idx: the step's prompt indices (all DP ranks), a multiple of ``dp`` long.
+
+    Returns:
+        ``len(global_idx) // dp * n_samples_per_prompt`` prompt indices.
+
+    Raises:
+        ValueError: if ``dp`` does not divide ``len(global_idx)``.
+    """
+    if len(global_idx) % dp:
+        raise ValueError(f"{len(global_idx)} prompts do not split over {dp} data-parallel ranks")
+    per = len(global_idx) // dp
+    mine = global_idx[dp_rank * per:(dp_rank + 1) * per]
+    return [i for i in mine for _ in range(n_samples_per_prompt)]
+
+
+def response_values(values: torch.Tensor, prompt_length: int, response_length: int) -> torch.Tensor:
+    """Values of the states that predict the response tokens.
+
+    Args:
+        values: ``[B, P+R]`` from the actor-critic's forward (position ``t`` is the state
+            after token ``t``).
+        prompt_length: ``P``; response token ``j`` (column ``P+j``) is predicted at ``P-1+j``.
+        response_length: ``R``.
+
+    Returns:
+        ``[B, R]`` float32.
+    """
+    return values[:, prompt_length - 1:prompt_length - 1 + response_length].float()
 
 
 def _jsonable(obj):

@@ -1,0 +1,189 @@
+"""Advantage estimators, loss aggregation, KL in the loss and critic modes in the trainer.
+
+One 1-rank spawn runs every estimator and critic mode for two steps (and checks what each
+trains); one 2-rank spawn runs a critic-free and a detached-critic configuration at TP=2
+and PP=2, whose first-step metrics must match the TP=1 run's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+from tests.ppo_helpers import compose_ppo, make_demo_data
+
+BASE = ("reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", "optim.lr=1e-3",
+        "ppo.num_rollout_samples=8", "ppo.global_batch_size=8", "ppo.micro_batch_size=2",
+        "ppo.forward_micro_batch_size=2", "ppo.ppo_epochs=1")
+RUNS = {
+    "grpo": ("ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"),
+    "dr_grpo": ("ppo.advantage_estimator=grpo", "ppo.grpo_norm_by_std=false",
+                "rollout.n_samples_per_prompt=4", "ppo.loss_agg_mode=seq-mean-token-sum-norm"),
+    "rloo": ("ppo.advantage_estimator=rloo", "rollout.n_samples_per_prompt=2"),
+    "reinforce_plus_plus": ("ppo.advantage_estimator=reinforce_plus_plus",),
+    "kl_in_loss": ("kl.in_reward=false", "kl.loss_coef=0.1", "kl.loss_estimator=k3",
+                   "ppo.loss_agg_mode=seq-mean-token-mean"),
+    "shared_detached": ("critic.mode=shared_detached", "ppo.loss_agg_mode=seq-mean-token-sum"),
+}
+# one mini-batch, no shuffle: every layout sees the same samples in the same update (grpo
+# samples: greedy copies of a prompt would all get advantage 0; the sampler's seed depends on
+# the DP rank only, which is 0 in every layout here)
+PARITY = {
+    "grpo_kl_loss": ("ppo.shuffle=false", "ppo.advantage_estimator=grpo",
+                     "rollout.n_samples_per_prompt=2", "kl.loss_coef=0.1",
+                     "ppo.loss_agg_mode=seq-mean-token-mean"),
+    "gae_detached": ("rollout.greedy=true", "ppo.shuffle=false", "critic.mode=shared_detached",
+                     "ppo.loss_agg_mode=seq-mean-token-sum"),
+}
+COMPARED = ("reward_mean", "response_length", "kl_mean", "policy_loss", "entropy", "approx_kl",
+            "grad_norm", "advantages_mean")
+
+
+def _head(trainer) -> dict:
+    from nemo_rlhf.trainers.engine import unwrap
+
+    return {n: p.detach().clone() for n, p in unwrap(trainer.model).named_parameters()
+            if n.startswith("value_head.")}
+
+
+def _backbone_grads_from_values(trainer) -> float:
+    """Sum of |grad| the backbone gets from a loss on the values alone."""
+    from nemo_rlhf.trainers.engine import model_forward, unwrap
+
+    core = unwrap(trainer.model)
+    ids = torch.tensor([trainer.encoded[0]], device=trainer.dims.device)
+    trainer.optimizer.zero_grad()
+    _, values = model_forward(core, ids, torch.ones_like(ids))
+    values.sum().backward()
+    total = 0.0
+    for n, p in core.named_parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        if not n.startswith("value_head.") and g is not None:
+            total += float(g.abs().sum())
+    trainer.optimizer.zero_grad()
+    return total
+
+
+def _single(rank: int, tmp: str):
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    out = {}
+    for name, overrides in {**RUNS, "shared": ()}.items():
+        tr = build(compose_ppo(data, tmp / name, *BASE, *overrides))
+        head = _head(tr)
+        metrics = []
+        for _ in range(2):
+            metrics.append(tr.train_step())
+            tr.step += 1
+        after = _head(tr)
+        out[name] = {"metrics": metrics,
+                     "head_changed": any(not torch.equal(head[k], after[k]) for k in head)}
+        if name in ("shared", "shared_detached"):
+            out[name]["backbone_grad_from_values"] = _backbone_grads_from_values(tr)
+    return out
+
+
+def _reference(rank: int, tmp: str, name: str):
+    from nemo_rlhf.checkpoint import save_checkpoint
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    trainer = build(compose_ppo(data, tmp / f"ref_{name}", *BASE, *PARITY[name]))
+    save_checkpoint(tmp / f"init_{name}", 0, trainer.model, dims=trainer.dims)
+    return [trainer.train_step()]
+
+
+def _layouts(rank: int, tmp: str):
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    out = {}
+    for name in PARITY:
+        for layout, tp, pp in (("tp2", 2, 1), ("pp2", 1, 2)):
+            cfg = compose_ppo(data, tmp / f"{name}_{layout}", *BASE, *PARITY[name],
+                              f"exp_manager.init_from={tmp}/init_{name}/step_0",
+                              f"parallel.tensor_model_parallel_size={tp}",
+                              f"parallel.pipeline_model_parallel_size={pp}")
+            out[(name, layout)] = [build(cfg).train_step()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return run_ranks(_single, world_size=1, tmp=str(tmp_path_factory.mktemp("est")))[0]
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("est_par"))
+    refs = {name: run_ranks(_reference, world_size=1, tmp=tmp, name=name)[0] for name in PARITY}
+    return refs, run_ranks(_layouts, world_size=2, tmp=tmp)[0]
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus"])
+def test_critic_free_estimators_train_the_policy_and_not_the_value_head(single, name):
+    run = single[name]
+    for m in run["metrics"]:
+        assert torch.isfinite(torch.tensor([m["policy_loss"], m["grad_norm"]])).all()
+        assert "value_loss" not in m and "explained_variance" not in m  # no values computed
+    assert any(m["grad_norm"] > 0 for m in run["metrics"])
+    assert not run["head_changed"]
+    assert single["shared"]["head_changed"]  # the comparison is not vacuous
+
+
+def test_kl_in_the_loss_instead_of_the_reward(single):
+    m = single["kl_in_loss"]["metrics"]
+    assert all("kl_loss" in s and s["kl_loss"] >= 0 for s in m)  # k3 is non-negative
+    assert m[1]["kl_loss"] > 0  # the first update moved the actor off the reference
+    # no KL in the reward: the token rewards sum to the score
+    assert m[1]["token_reward_sum_mean"] == pytest.approx(m[1]["reward_mean"], rel=1e-5)
+    assert single["shared"]["metrics"][1]["token_reward_sum_mean"] != pytest.approx(
+        single["shared"]["metrics"][1]["reward_mean"], rel=1e-5)
+
+
+def test_detached_critic_sends_no_value_gradient_into_the_backbone(single):
+    assert single["shared_detached"]["backbone_grad_from_values"] == 0.0
+    assert single["shared"]["backbone_grad_from_values"] > 0.0
+    assert single["shared_detached"]["head_changed"]
+
+
+@pytest.mark.parametrize("name", list(PARITY))
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_first_step_metrics_match_tp1(parity, name, layout):
+    refs, par = parity
+    ref, got = refs[name][0], par[(name, layout)][0]
+    for key in COMPARED:
+        assert abs(got[key] - ref[key]) <= 1e-4 * max(1.0, abs(ref[key])), f"{layout} {key}"
+    assert ref["grad_norm"] > 0
+
+
+def test_groups_stay_whole_and_on_one_dp_rank():
+    from nemo_rlhf.trainers.ppo.config import PPOAlgoConfig, validate_batch_sizes
+    from nemo_rlhf.trainers.ppo.trainer import dp_group_slice
+
+    prompts = [10, 11, 12, 13]
+    ranks = [dp_group_slice(prompts, r, 2, 3) for r in range(2)]
+    assert ranks == [[10, 10, 10, 11, 11, 11], [12, 12, 12, 13, 13, 13]]
+    with pytest.raises(ValueError, match="rollout.n_samples_per_prompt=3"):
+        validate_batch_sizes(PPOAlgoConfig(num_rollout_samples=8, global_batch_size=8,
+                                           micro_batch_size=2, forward_micro_batch_size=2), 2, 3)
+
+
+def test_config_rejects_what_cannot_work(tmp_path):
+    data = make_demo_data(tmp_path / "data")
+    with pytest.raises(Exception, match="n_samples_per_prompt >= 2"):
+        compose_ppo(data, tmp_path / "x", "ppo.advantage_estimator=grpo")
+    with pytest.raises(Exception, match="ppo.advantage_estimator='ppo2'.*valid choices"):
+        compose_ppo(data, tmp_path / "x", "ppo.advantage_estimator=ppo2")
+    with pytest.raises(Exception, match="ppo.loss_agg_mode"):
+        compose_ppo(data, tmp_path / "x", "ppo.loss_agg_mode=mean")
+    with pytest.raises(Exception, match="critic.mode='separate'"):
+        compose_ppo(data, tmp_path / "x", "critic.mode=separate")
