@@ -267,7 +267,7 @@ def initialize_distributed(
     if not dist.is_initialized():
         if env.launcher == "single" and env.master_port == 0:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_port()}"
         else:
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
         dist.init_process_group(
@@ -316,7 +316,8 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (bound and released; racy by nature)."""
     import socket
 
     with socket.socket() as s:

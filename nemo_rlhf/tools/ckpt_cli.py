@@ -443,13 +443,6 @@ def cmd_prune(args) -> int:
 
 
 # --------------------------------------------------------------------------- layout workers
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _layout_rank(rank: int, world: int, port: int, job: dict) -> None:
     """One rank of a resharding job (spawned): build at the new layout, load, save."""
@@ -494,9 +487,11 @@ def _layout_rank(rank: int, world: int, port: int, job: dict) -> None:
 def _spawn_layout(job: dict) -> None:
     import torch.multiprocessing as mp
 
+    from nemo_rlhf.distributed.parallel import free_port
+
     world = job["tp"] * job["pp"]
     try:
-        mp.start_processes(_layout_rank, args=(world, _free_port(), job), nprocs=world, join=True,
+        mp.start_processes(_layout_rank, args=(world, free_port(), job), nprocs=world, join=True,
                            start_method="spawn")
     except Exception as exc:  # noqa: BLE001 - a rank's error, reported as one line
         lines = [x for x in str(exc).splitlines() if x.strip()]

@@ -33,8 +33,6 @@ class TrainerConfig:
     """Base seed (rollout sampling, shuffling, init)."""
     val_check_interval: int = 5
     """Evaluate on the held-out set every N steps (0: never; also at the end)."""
-    log_every: int = 1
-    """Console line every N steps."""
     sample_table_every: int = 5
     """Print a table of sample prompts/responses/rewards every N steps (0: never)."""
     critic_warmup_steps: int = 0

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
-from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
@@ -628,7 +627,6 @@ class PPOTrainer:
             wins = [1.0 if a["score"] > b["score"] else 0.5 if a["score"] == b["score"] else 0.0
                     for a, b in zip(items, self.initial_eval)]
             metrics["eval/win_rate_vs_initial"] = sum(wins) / len(wins)
-        self._eval_items = items
         return metrics
 
     def sample_table(self, n: int = 4) -> list[dict]:
@@ -725,10 +723,6 @@ def _jsonable(obj):
     return obj
 
 
-def config_to_dict(cfg: PPOConfig) -> dict:
-    """The resolved config as a plain dict (for checkpoints and the experiment folder)."""
-    return asdict(cfg)
-
-
-__all__ = ["PPOTrainer", "PromptSampler", "RewardScoringError", "config_to_dict"]
+__all__ = ["PPOTrainer", "PromptSampler", "RewardScoringError", "dp_group_slice",
+           "response_values"]
 
