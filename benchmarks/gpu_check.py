@@ -425,8 +425,12 @@ def missing_requirements(reqs: list[str]) -> list[str]:
     satisfy them (first occurrence of a name wins)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
+    try:
+        from packaging.requirements import Requirement
+        from packaging.utils import canonicalize_name
+    except ImportError:  # pip's own copy, where packaging is not installed
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.utils import canonicalize_name
 
     seen, missing = set(), []
     for text in reqs:
@@ -468,13 +472,16 @@ def _install(python: str, wheels: Optional[str], log, env: dict) -> tuple[bool, 
                      f"gpu_check_wheels.sh {wheels}` on a machine with network)" if wheels
                      else "the package index (offline? pass --wheels DIR)")
             return False, f"pip could not install {missing} from {where}"
+    done = (f"installed {len(missing)} package(s): {', '.join(missing)}" if missing
+            else "nothing missing")
+    # the package itself; the check's subprocesses also get the clone on PYTHONPATH, so a
+    # failure here (e.g. a setuptools older than pyproject's >=64) is reported, not fatal
     rc = subprocess.run(pip + ["--no-deps", "--no-build-isolation", "-e", str(REPO)],
                         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                         timeout=300).returncode
     if rc != 0:
-        return False, "pip install --no-deps --no-build-isolation -e . failed"
-    return True, (f"installed {len(missing)} package(s): {', '.join(missing)}" if missing
-                  else "nothing missing") + "; nemo_rlhf installed editable"
+        return True, f"{done}; `pip install --no-deps -e .` FAILED (see the log), runs use PYTHONPATH"
+    return True, f"{done}; nemo_rlhf installed editable"
 
 
 # --------------------------------------------------------------------------- results

@@ -61,6 +61,7 @@ class PhaseProbe:
         self.cuda = self.device.type == "cuda"
         self.record: dict | None = None
         self.records: list[dict] = []
+        self.unwrapped: list[str] = []
 
     # --- measuring ---------------------------------------------------------------------
     def _sync(self) -> None:
@@ -91,7 +92,9 @@ class PhaseProbe:
     # --- wrappers ----------------------------------------------------------------------
     def install(self) -> "PhaseProbe":
         t = self.trainer
-        step, generate, forward, update = t.train_step, t._generate, t._forward_logprobs, t.update
+        step = t.train_step
+        generate, forward, update = (getattr(t, n, None) for n in
+                                     ("_generate", "_forward_logprobs", "update"))
 
         def train_step():
             self.record = {"phases": {}, "shapes": {}}
@@ -123,10 +126,24 @@ class PhaseProbe:
             with self.measure("train"):
                 return update(batch, fwd, adv)
 
-        t.train_step, t._generate, t._forward_logprobs, t.update = (
-            train_step, _generate, _forward_logprobs, _update)
-        self._wrap_reference(t.reference)
+        t.train_step = train_step
+        # a phase method the trainer no longer has is left out (and named in each record)
+        # rather than failing the run
+        self.unwrapped = [name for name, fn in (("_generate", _generate),
+                                                ("_forward_logprobs", _forward_logprobs),
+                                                ("update", _update))
+                          if not self._replace(name, fn)]
+        if callable(getattr(getattr(t, "reference", None), "swapped_in", None)):
+            self._wrap_reference(t.reference)
+        else:
+            self.unwrapped.append("reference.swapped_in")
         return self
+
+    def _replace(self, name: str, fn) -> bool:
+        if not callable(getattr(self.trainer, name, None)):
+            return False
+        setattr(self.trainer, name, fn)
+        return True
 
     def _wrap_reference(self, reference) -> None:
         original = reference.swapped_in
@@ -160,8 +177,11 @@ class PhaseProbe:
                 self.cfg.model, batch=shapes["batch"], prompt_len=shapes["prompt_len"],
                 response_len=shapes["response_len"],
                 ppo_epochs=shapes["ppo_epochs"]).to_dict()
-        record["reference_mode"] = self.trainer.reference.mode
-        record["reference_host_bytes"] = self.trainer.reference.host_bytes()
+        reference = getattr(self.trainer, "reference", None)
+        record["reference_mode"] = getattr(reference, "mode", None)
+        record["reference_host_bytes"] = (reference.host_bytes()
+                                          if hasattr(reference, "host_bytes") else None)
+        record["probe_unwrapped"] = self.unwrapped
         record["metrics_memory"] = {k: v for k, v in (metrics or {}).items()
                                     if k.startswith("memory/")}
         self.records.append(record)

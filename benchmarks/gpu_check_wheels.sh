@@ -15,7 +15,7 @@
 #
 # The GPU machines of this workplace take at most 64 MiB along with the working tree: the
 # script fails when DIR is larger. DIR is not for committing (.gitignore lists .whl/).
-# Not downloaded: torch (the machine's CUDA build is used) and transformer-engine (hundreds
+# PY_VERSION=3.11 (etc.) downloads for another Python. Not downloaded: torch (the machine's CUDA build is used) and transformer-engine (hundreds
 # of MB and built against one torch; without it the local layer spec is used).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +24,8 @@ PYTHON=${PYTHON:-python3}
 LIMIT_MIB=${LIMIT_MIB:-64}
 REQS=benchmarks/gpu_check_requirements.txt
 mkdir -p "$DIR"
-PLATFORM=(--python-version 3.12 --implementation cp --abi cp312
+PY_VERSION=${PY_VERSION:-3.12}  # the GPU machine's Python (3.12 on this workplace's)
+PLATFORM=(--python-version "$PY_VERSION" --implementation cp --abi "cp${PY_VERSION/./}"
           --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 for req in $(grep -v '^#' "$REQS" | sed 's/[[:space:]]//g' | grep -v '^$'); do
@@ -35,7 +36,7 @@ for req in $(grep -v '^#' "$REQS" | sed 's/[[:space:]]//g' | grep -v '^$'); do
     if "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --platform any -d "$DIR" "$req" 2>/dev/null; then
         continue
     fi
-    echo "gpu_check_wheels: no cp312 manylinux x86_64 or pure wheel of $req on the index; building it from source" >&2
+    echo "gpu_check_wheels: no cp${PY_VERSION/./} manylinux x86_64 or pure wheel of $req on the index; building it from source" >&2
     "$PYTHON" -m pip wheel -q --no-deps --no-binary "$name" -w "$DIR" "$req"
     built=$(ls "$DIR" | grep -i "^$(echo "$name" | tr '-' '_')-" | grep '\.whl$' || true)
     case "$built" in

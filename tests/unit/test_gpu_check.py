@@ -156,3 +156,107 @@ def test_summary_takes_medians_after_the_first_step_and_divides_by_the_peak():
                                         "metrics_peak_allocated_gib": 5.5,
                                         "metrics_peak_reserved_gib": 6.5}
     assert gpu_check.summarise_run(run, peak_tflops=None)["train_mfu"] is None
+
+
+def _load_probe():
+    spec = importlib.util.spec_from_file_location("gpu_check_trainer",
+                                                  REPO / "benchmarks" / "gpu_check_trainer.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class _FakeReference:
+    mode = "offload"
+
+    def __init__(self, log):
+        self.log = log
+
+    def host_bytes(self):
+        return 1000
+
+    def swapped_in(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def cm():
+            self.log.append("swap_in")
+            yield "ref-model"
+            self.log.append("swap_out")
+
+        return cm()
+
+
+class _FakeTrainer:
+    """The call structure of PPOTrainer.train_step: rollout, old forward, reference forward
+    inside the swap, update."""
+
+    def __init__(self):
+        import torch
+
+        self.log, self.step = [], 0
+        self.dims = SimpleNamespace(device=torch.device("cpu"), rank=0)
+        self.reference = _FakeReference(self.log)
+        self.torch = torch
+
+    def _generate(self, prompt_ids, greedy=False):
+        torch = self.torch
+        B, P, R = len(prompt_ids), 5, 3
+        self.log.append("rollout")
+        return SimpleNamespace(input_ids=torch.zeros(B, P + R), prompt_length=P,
+                               response_ids=torch.zeros(B, R),
+                               response_mask=torch.tensor([[1, 1, 0]] * B, dtype=torch.bool))
+
+    def _forward_logprobs(self, model, batch, with_values):
+        self.log.append(f"forward:{model}:{with_values}")
+        return {}
+
+    def update(self, batch, fwd, adv):
+        self.log.append("update")
+        return {"policy_loss": 0.0}
+
+    def train_step(self):
+        batch = self._generate([[1]] * 4)
+        self._forward_logprobs("actor", batch, with_values=True)
+        with self.reference.swapped_in() as ref:
+            self._forward_logprobs(ref, batch, with_values=False)
+        return {**self.update(batch, None, None), "memory/train_peak_allocated_gib": 1.5}
+
+
+def test_probe_times_each_phase_and_computes_the_step_flops(tmp_path):
+    from nemo_rlhf.metrics.flops import ppo_step_flops
+    from nemo_rlhf.models.config import load_model_preset
+
+    probe_mod = _load_probe()
+    trainer = _FakeTrainer()
+    cfg = SimpleNamespace(model=load_model_preset("tiny", vocab_size=17),
+                          ppo=SimpleNamespace(ppo_epochs=2))
+    path = tmp_path / "probe.jsonl"
+    probe = probe_mod.PhaseProbe(trainer, cfg, path).install()
+    metrics = trainer.train_step()
+    assert metrics["policy_loss"] == 0.0  # the step's own result passes through
+    assert trainer.log == ["rollout", "forward:actor:True", "swap_in", "forward:ref-model:False",
+                           "swap_out", "update"]
+    trainer._generate([[1]])  # outside a step (evaluation): runs, not recorded
+    (record,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert record == probe.records[0]
+    assert record["step"] == 1 and record["probe_unwrapped"] == []
+    assert set(record["phases"]) == {"rollout", "old_logprobs_values", "reference_swap_in",
+                                     "reference_forward", "reference_swap_out", "train"}
+    assert all(p["s"] >= 0 and "peak_allocated_gib" not in p for p in record["phases"].values())
+    assert record["shapes"] == {"batch": 4, "prompt_len": 5, "response_len": 3,
+                                "generated_tokens": 8, "seq_len": 8, "ppo_epochs": 2}
+    assert record["flops"] == ppo_step_flops(cfg.model, batch=4, prompt_len=5, response_len=3,
+                                             ppo_epochs=2).to_dict()
+    assert record["metrics_memory"] == {"memory/train_peak_allocated_gib": 1.5}
+    assert record["reference_mode"] == "offload" and record["reference_host_bytes"] == 1000
+
+
+def test_probe_leaves_out_a_phase_the_trainer_no_longer_has(tmp_path):
+    probe_mod = _load_probe()
+    trainer = _FakeTrainer()
+    trainer._forward_logprobs = None  # e.g. renamed by a refactor
+    cfg = SimpleNamespace(model=None, ppo=SimpleNamespace(ppo_epochs=1))
+    probe = probe_mod.PhaseProbe(trainer, cfg, None).install()
+    assert probe.unwrapped == ["_forward_logprobs"]
