@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test setup smoke clean-demo
+.PHONY: demo test setup smoke clean-demo gpu-check gpu-check-cpu
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,3 +26,14 @@ smoke: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The prepared GPU check (benchmarks/gpu_check.py): on a CUDA machine, with that machine's
+# own python and CUDA torch (GPU_PY; never the CPU .venv), installing what is missing with
+# pip, offline from WHEELS=DIR (made by `bash benchmarks/gpu_check_wheels.sh DIR` where
+# there is network). `make gpu-check-cpu`: the same pipeline at tiny size on the host.
+GPU_PY ?= python3
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py $(if $(WHEELS),--wheels $(WHEELS)) $(ARGS)
+
+gpu-check-cpu: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py --cpu $(ARGS)

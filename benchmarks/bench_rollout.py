@@ -22,6 +22,13 @@ Models (``--model``):
 ``--sample`` samples (temperature 0.7, top-p 0.9, top-k off) on both sides instead of
 decoding greedily; the rows then differ (different random streams).
 
+Device and precision: both sides run on the device the project's distributed set-up picks
+(the GPU of this process when CUDA is present, else the host). The weight mapping is
+checked in fp32; with ``--dtype bf16`` both models are then cast to bfloat16 for the timed
+runs (ours rebuilt with ``trainer.precision=bf16-mixed`` and filled with the same weights).
+On a GPU every timed call is bracketed by ``torch.cuda.synchronize``. ``--json PATH`` also
+writes the results as JSON (``benchmarks/gpu_check.py`` reads them).
+
 Both generators produce the full length (``min_new_tokens = max_new_tokens``: no EOS stop),
 so the work is the same. ``kv`` and ``hf`` runs are interleaved (``--repeats`` pairs per
 batch size, after one warm-up each), so both see the same machine load; the table gives
@@ -33,12 +40,14 @@ near-tie in fp32).
 
 Run: ``python benchmarks/bench_rollout.py`` (CPU, 2 threads by default; transformers runs
 in a spawned process); ``python benchmarks/bench_rollout.py --model smollm2 [--hf-dir
-/path/to/hf]``.
+/path/to/hf]``; on a GPU ``python benchmarks/bench_rollout.py --model smollm2 --dtype bf16
+--batch 8 64``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -73,10 +82,22 @@ def _model_config(args):
     return ModelConfig(name="bench", max_position_embeddings=max_pos, **TINY)
 
 
-def _time(fn):
-    """``(wall seconds, process CPU seconds, result)`` of one call."""
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""``--dtype``: the timed models' parameter dtype."""
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: str = "cpu"):
+    """``(wall seconds, process CPU seconds, result)`` of one call (queued GPU work
+    included: synchronised before and after on a CUDA device)."""
+    _sync(device)
     w0, c0 = time.perf_counter(), time.process_time()
     out = fn()
+    _sync(device)
     return time.perf_counter() - w0, time.process_time() - c0, out
 
 
@@ -99,13 +120,15 @@ def _hf_server(conn, path: str, args) -> None:
     hf = LlamaForCausalLM(LlamaConfig(**blob["hf_config"])).eval()
     missing, unexpected = hf.load_state_dict(blob["hf_state"], strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.to(args.device)
     vocab = blob["vocab"]
     with torch.no_grad():
-        theirs = hf(blob["probe_ids"]).logits[..., :vocab]
+        theirs = hf(blob["probe_ids"].to(args.device)).logits[..., :vocab].float().cpu()
     conn.send(float((theirs - blob["probe_logits"]).abs().max()))
+    hf.to(DTYPES[args.dtype])
     eos = vocab - 1
     while (B := conn.recv()) is not None:
-        ids = _prompts(B, args, vocab)
+        ids = _prompts(B, args, vocab).to(args.device)
 
         sampling = (dict(do_sample=True, temperature=SAMPLE["temperature"],
                          top_p=SAMPLE["top_p"], top_k=0) if args.sample else dict(do_sample=False))
@@ -116,11 +139,12 @@ def _hf_server(conn, path: str, args) -> None:
                                    max_new_tokens=args.new, min_new_tokens=args.new,
                                    eos_token_id=eos, pad_token_id=0, use_cache=True)
 
-        wall, cpu, out = _time(run)
-        conn.send((wall, cpu, out[:, args.prompt:]))
+        wall, cpu, out = _time(run, args.device)
+        conn.send((wall, cpu, out[:, args.prompt:].cpu()))
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The benchmark's options (``--help``); defaults filled in per model."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                    help="tiny (4 layers, hidden 256) or the SmolLM2-135M shape")
@@ -136,13 +160,23 @@ def main() -> None:
                    help=f"sample ({SAMPLE}) instead of greedy decoding, on both sides")
     p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
                    help="also time full recompute (default: on for tiny, off for smollm2)")
-    args = p.parse_args()
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="parameter dtype of the timed models (the mapping check is fp32)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    args = p.parse_args(argv)
     if args.hf_dir:
         args.model = "smollm2"
     if args.new is None:
         args.new = 32 if args.model == "smollm2" else 64
     if args.recompute is None:
         args.recompute = args.model == "tiny"
+    return args
+
+
+def main(argv=None) -> dict:
+    """Run the benchmark and print the table; return (and with ``--json`` write) the
+    results (see :func:`_results`)."""
+    args = parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]
@@ -160,6 +194,7 @@ def main() -> None:
     mcfg = _model_config(args)
     vocab = mcfg.vocab_size
     dims = initialize_distributed(ParallelConfig(), seed=0)
+    args.device = str(dims.device)
     model = build_model(mcfg, dims, seed=7).eval()
     if args.hf_dir:
         hf_weights = hf_convert.read_hf_weights(Path(args.hf_dir))
@@ -169,7 +204,8 @@ def main() -> None:
         del hf_weights
     probe = torch.randint(0, vocab, (2, args.prompt), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        probe_logits = model_forward(model, probe, torch.ones_like(probe))[0][..., :vocab]
+        ids = probe.to(dims.device)
+        probe_logits = model_forward(model, ids, torch.ones_like(ids))[0][..., :vocab].cpu()
     hf_state = hf_convert.megatron_to_hf(hf_convert.model_full_tensors(model), mcfg, "llama")
     hf_cfg = hf_convert.hf_config(mcfg, "llama", torch.float32)
     hf_cfg.pop("architectures", None)
@@ -192,6 +228,10 @@ def main() -> None:
               f" fp32, {args.prompt} tokens)")
         if logit_diff > 1e-4 * max(1.0, scale):
             raise SystemExit("weight mapping is wrong: logits differ")
+        if args.dtype != "fp32":  # the same weights, cast: ours rebuilt at that precision
+            cast = build_model(mcfg, dims, "bf16-mixed", seed=7).eval()
+            hf_convert.fill_model(cast, dict(hf_convert.model_full_tensors(model)))
+            model = cast
 
         def ours(prompts, cache: bool):
             sampling = dict(greedy=False, seed=0, **SAMPLE) if args.sample else dict(greedy=True)
@@ -209,7 +249,7 @@ def main() -> None:
         # interleaved repeats: both sides see the same machine load
         for _ in range(args.repeats):
             for B in args.batch:
-                wall, cpu, outputs[B, "kv"] = _time(lambda: ours(prompts[B], True))
+                wall, cpu, outputs[B, "kv"] = _time(lambda: ours(prompts[B], True), args.device)
                 times.setdefault((B, "kv"), []).append((wall, cpu))
                 conn.send(B)
                 wall, cpu, outputs[B, "hf"] = conn.recv()
@@ -219,16 +259,19 @@ def main() -> None:
     for B in args.batch:
         times[B, "re"] = [(float("nan"), float("nan"))]
         if args.recompute:
-            wall, cpu, out = _time(lambda: ours(prompts[B], False))
+            wall, cpu, out = _time(lambda: ours(prompts[B], False), args.device)
             times[B, "re"] = [(wall, cpu)]
-            if not args.sample:  # sampled tokens can part after a last-bit difference
+            # sampled tokens can part after a last-bit difference, and bf16 greedy ones
+            # after a near-tie
+            if not args.sample and args.dtype == "fp32":
                 assert torch.equal(out.response_ids, outputs[B, "kv"].response_ids), \
                     "kv != recompute"
 
     print(f"\nmodel: {args.model}{' (' + args.hf_dir + ')' if args.hf_dir else ''}, "
           f"{mcfg.num_layers} layers, hidden {mcfg.hidden_size}, vocab {mcfg.padded_vocab_size}, "
           f"GQA {mcfg.num_attention_heads}/{mcfg.num_query_groups}; prompt {args.prompt} + "
-          f"{args.new} new tokens; {'sampling ' + str(SAMPLE) if args.sample else 'greedy'}; fp32; {args.threads} threads; median of "
+          f"{args.new} new tokens; {'sampling ' + str(SAMPLE) if args.sample else 'greedy'}; "
+          f"{args.dtype} on {args.device}; {args.threads} threads; median of "
           f"{args.repeats} interleaved kv/hf runs (recompute: 1 run); transformers "
           f"{_hf_version()} in a separate clean process")
     print("generated tokens/s (wall clock; 'cpu' = per second of process CPU time); "
@@ -241,6 +284,7 @@ def main() -> None:
     def med(key, i):
         return statistics.median(t[i] for t in times[key])
 
+    rows = []
     for B in args.batch:
         n = B * args.new
         kv, re, hf = (n / med((B, k), 0) for k in ("kv", "re", "hf"))
@@ -250,6 +294,19 @@ def main() -> None:
         rng = f"{statistics.median(pairs):.2f} ({min(pairs):.2f}-{max(pairs):.2f})"
         print(f"{B:>5} {kv:>9.1f} {re:>10.1f} {hf:>9.1f} {kv / hf:>7.2f} {rng:>17} "
               f"{kv / re:>10.2f} {kvc:>9.1f} {hfc:>9.1f} {kvc / hfc:>10.2f} {same:>5}/{B}")
+        rows.append({"batch": B, "kv_tokens_per_s": kv, "hf_tokens_per_s": hf,
+                     "kv_over_hf": kv / hf, "pair_ratios": pairs,
+                     "recompute_tokens_per_s": None if re != re else re,
+                     "rows_identical_to_hf": same})
+    results = {"model": args.model, "hf_dir": args.hf_dir, "device": args.device,
+               "dtype": args.dtype, "prompt_tokens": args.prompt, "new_tokens": args.new,
+               "sampling": SAMPLE if args.sample else "greedy", "repeats": args.repeats,
+               "logits_max_abs_diff_fp32": logit_diff, "transformers": _hf_version(),
+               "num_layers": mcfg.num_layers, "hidden_size": mcfg.hidden_size,
+               "padded_vocab_size": mcfg.padded_vocab_size, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
 
 
 def _hf_version() -> str:

@@ -322,7 +322,6 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
                               f"(it passes reward.rm_address_file itself); drop the override")
     exp_dir, overrides = _resolve_exp_dir(cfg, overrides)
     exp_dir.mkdir(parents=True, exist_ok=True)
-    from nemo_rlhf.train_ppo import REQUEUE_EXIT_CODE
     server: Optional[_RMServer] = None
     trainer: Optional[subprocess.Popen] = None
     sigterm = _SigtermForwarder()
@@ -339,7 +338,7 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
         trainer = _start_group(cmd)
         sigterm.trainer = trainer
         code = _wait_trainer(trainer, server)
-        _report_exit(code, REQUEUE_EXIT_CODE)
+        _report_exit(code)
         return code
     except _Terminated:
         _say("SIGTERM before the trainer started; stopping")
@@ -376,13 +375,18 @@ def _wait_trainer(trainer: subprocess.Popen, server: Optional[_RMServer]) -> int
             warned = True
 
 
-def _report_exit(code: int, requeue_code: int) -> None:
-    if code == requeue_code:
-        _say(f"trainer saved and asked to be requeued (exit code {code})")
-    elif code != 0:
-        _say(f"trainer failed (exit code {code})")
-    else:
+def _report_exit(code: int) -> None:
+    if code == 0:
         _say("trainer finished")
+        return
+    # imported only here: the trainer module pulls in torch and megatron (seconds of start-up
+    # the launcher does not need before the trainer and the RM server run)
+    from nemo_rlhf.train_ppo import REQUEUE_EXIT_CODE
+
+    if code == REQUEUE_EXIT_CODE:
+        _say(f"trainer saved and asked to be requeued (exit code {code})")
+    else:
+        _say(f"trainer failed (exit code {code})")
 
 
 # --------------------------------------------------------------------------- CLI

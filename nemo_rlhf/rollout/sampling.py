@@ -197,7 +197,8 @@ def choose_tokens(
         temperature, top_k, top_p: sampling controls (unused when greedy).
         suppress_ids: ``[n]`` int64 ids that may not be chosen (min-new-tokens: EOS and
             stop ids), or None.
-        generator: the sampler's generator (required unless greedy).
+        generator: the sampler's generator (required unless greedy), on any device: the
+            uniforms are drawn on its device and moved to the logits'.
 
     Returns:
         ``(tokens [batch] int64, logprobs [batch] float32)`` where ``logprobs`` is
@@ -220,9 +221,11 @@ def choose_tokens(
     else:
         if generator is None:
             raise ValueError("choose_tokens: sampling needs a torch.Generator")
-        # one uniform per row, drawn first: the stream does not depend on the filtering
+        # one uniform per row, drawn first: the stream does not depend on the filtering.
+        # Drawn on the generator's device (the rollout's is on dims.device: no copy), then
+        # moved to the logits' (a host generator works too, at one small copy per step).
         u_B = torch.rand(z_BV.shape[0], generator=generator, dtype=torch.float64,
-                         device=z_BV.device)
+                         device=generator.device).to(z_BV.device)
         suppress = suppress_ids is not None and bool(suppress_ids.numel())
         filtered = suppress or 0 < top_k < z_BV.shape[-1] or top_p < 1.0
         scores_BV = z_BV.clone() if filtered else z_BV

@@ -2,6 +2,12 @@
 
 One spawn per call: put many checks in one worker function and let the tests assert on
 its results, so the ranks' start-up (imports, process groups) is paid once per module.
+
+Devices: on a machine without CUDA the ranks run on the host with gloo. With CUDA, a world
+of N ranks runs one rank per GPU with NCCL (what ``initialize_distributed`` picks) only
+when at least N GPUs are visible; with fewer, the ranks are started with no GPU visible
+(``CUDA_VISIBLE_DEVICES=""``) and run on the host with gloo, as on a CPU machine, instead
+of sharing a GPU.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -44,14 +51,23 @@ def _entry(rank: int, fn, world_size: int, port: int, outdir: str, kwargs: dict)
             pass
 
 
+def ranks_use_gpus(world_size: int) -> bool:
+    """Whether ``world_size`` ranks get one GPU each (else they run on the host)."""
+    return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
 def run_ranks(fn, world_size: int, **kwargs) -> list:
     """Run ``fn(rank, **kwargs)`` on ``world_size`` processes; return each rank's result.
 
     Raises:
         RuntimeError: with the failing rank's traceback.
     """
+    hide_gpus = torch.cuda.is_available() and not ranks_use_gpus(world_size)
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     with tempfile.TemporaryDirectory() as outdir:
         try:
+            if hide_gpus:  # spawned children inherit the environment as it is at start
+                os.environ["CUDA_VISIBLE_DEVICES"] = ""
             mp.start_processes(_entry, args=(fn, world_size, _free_port(), outdir, kwargs),
                                nprocs=world_size, join=True, start_method="spawn")
         except Exception as exc:  # noqa: BLE001
@@ -63,6 +79,12 @@ def run_ranks(fn, world_size: int, **kwargs) -> list:
                     if status == "error":
                         errors.append(f"--- rank {r} ---\n{payload}")
             raise RuntimeError("\n".join(errors) or str(exc)) from exc
+        finally:
+            if hide_gpus:
+                if saved is None:
+                    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                else:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = saved
         results = []
         for r in range(world_size):
             status, payload = pickle.loads((Path(outdir) / f"rank{r}.pkl").read_bytes())

@@ -22,46 +22,56 @@ def _naive(logits, ids, temperature, vocab_size=None):
     return lp, ent
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
-def test_vocab_parallel_logprobs_and_entropy_equal_log_softmax(temperature):
+def test_vocab_parallel_logprobs_and_entropy_equal_log_softmax(temperature, test_device):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 5, 64, generator=g) * 3
-    ids = torch.randint(0, 64, (3, 5), generator=g)
+    logits = (torch.randn(3, 5, 64, generator=g) * 3).to(test_device)
+    ids = torch.randint(0, 64, (3, 5), generator=g).to(test_device)
     lp, ent = vocab_parallel_logprobs(logits, ids, temperature=temperature)
     ref_lp, ref_ent = _naive(logits, ids, temperature)
-    torch.testing.assert_close(lp, ref_lp, atol=1e-6, rtol=0)
-    torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
+    assert lp.device == ent.device == logits.device
+    # |log-probs| reach ~20, where a float32 ulp is ~2e-6: a GPU's reduction order may
+    # differ from log_softmax's by a few ulps; on the host both agree to 1e-6
+    atol = 1e-6 if test_device.type == "cpu" else 1e-5
+    torch.testing.assert_close(lp, ref_lp, atol=atol, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=atol, rtol=0)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
 
 
-def test_vocab_parallel_gradients_equal_autograd_of_log_softmax():
+@pytest.mark.device
+def test_vocab_parallel_gradients_equal_autograd_of_log_softmax(test_device):
     g = torch.Generator().manual_seed(1)
-    base = torch.randn(2, 4, 32, generator=g, dtype=torch.float64).float()
-    ids = torch.randint(0, 32, (2, 4), generator=g)
-    w_lp = torch.randn(2, 4, generator=g)
-    w_ent = torch.randn(2, 4, generator=g)
+    base = torch.randn(2, 4, 32, generator=g, dtype=torch.float64).float().to(test_device)
+    ids = torch.randint(0, 32, (2, 4), generator=g).to(test_device)
+    w_lp = torch.randn(2, 4, generator=g).to(test_device)
+    w_ent = torch.randn(2, 4, generator=g).to(test_device)
     a = base.clone().requires_grad_(True)
     lp, ent = vocab_parallel_logprobs(a, ids, temperature=0.7)
     ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
     b = base.clone().requires_grad_(True)
     ref_lp, ref_ent = _naive(b, ids, 0.7)
     ((ref_lp * w_lp).sum() + (ref_ent * w_ent).sum()).backward()
+    assert a.grad.device == a.device
     torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
 
 
-def test_padded_vocab_rows_get_zero_probability():
-    logits = torch.zeros(1, 2, 8)
+@pytest.mark.device
+def test_padded_vocab_rows_get_zero_probability(test_device):
+    logits = torch.zeros(1, 2, 8, device=test_device)
     logits[..., 6:] = 50.0  # padding rows with huge logits must not steal mass
-    ids = torch.tensor([[0, 5]])
+    ids = torch.tensor([[0, 5]], device=test_device)
     lp, ent = vocab_parallel_logprobs(logits, ids, vocab_size=6)
-    torch.testing.assert_close(lp, torch.full((1, 2), -torch.log(torch.tensor(6.0)).item()))
-    torch.testing.assert_close(ent, torch.full((1, 2), torch.log(torch.tensor(6.0)).item()))
+    log6 = torch.log(torch.tensor(6.0)).item()
+    torch.testing.assert_close(lp, torch.full((1, 2), -log6, device=test_device))
+    torch.testing.assert_close(ent, torch.full((1, 2), log6, device=test_device))
 
 
-def test_bf16_logits_give_fp32_logprobs_close_to_fp32():
+@pytest.mark.device
+def test_bf16_logits_give_fp32_logprobs_close_to_fp32(test_device):
     g = torch.Generator().manual_seed(2)
-    logits = torch.randn(2, 6, 128, generator=g) * 2
-    ids = torch.randint(0, 128, (2, 6), generator=g)
+    logits = (torch.randn(2, 6, 128, generator=g) * 2).to(test_device)
+    ids = torch.randint(0, 128, (2, 6), generator=g).to(test_device)
     lp16, ent16 = vocab_parallel_logprobs(logits.bfloat16(), ids)
     lp32, ent32 = vocab_parallel_logprobs(logits, ids)
     assert lp16.dtype == torch.float32 and ent16.dtype == torch.float32

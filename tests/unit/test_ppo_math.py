@@ -1,4 +1,8 @@
-"""Worked examples and behaviour tests for nemo_rlhf.algorithms.ppo (CPU, fp32)."""
+"""Worked examples and behaviour tests for nemo_rlhf.algorithms.ppo (fp32).
+
+Tests marked ``device`` build their inputs on the ``test_device`` fixture (the host by
+default, a GPU under ``NEMO_RLHF_TEST_DEVICE=cuda``): the same worked numbers must come out
+on any device, and the outputs must stay on it."""
 
 from __future__ import annotations
 
@@ -28,17 +32,25 @@ from nemo_rlhf.algorithms.ppo import (
 NAN = float("nan")
 
 
-def t(rows, dtype=torch.float32):
-    return torch.tensor(rows, dtype=dtype)
+def t(rows, dtype=torch.float32, device=None):
+    return torch.tensor(rows, dtype=dtype, device=device)
 
 
 def close(actual, expected, atol=1e-6):
+    """``actual`` (a tensor on any device, or numbers) equals ``expected`` (numbers)."""
+    actual = torch.as_tensor(actual, dtype=torch.float32)
     torch.testing.assert_close(
-        torch.as_tensor(actual, dtype=torch.float32),
-        torch.as_tensor(expected, dtype=torch.float32),
+        actual,
+        torch.as_tensor(expected, dtype=torch.float32, device=actual.device),
         atol=atol,
         rtol=0,
     )
+
+
+def on(device, *tensors) -> None:
+    """Every tensor lives on ``device`` (results do not fall back to the host)."""
+    for x in tensors:
+        assert x.device == device, (x.device, device)
 
 
 # --------------------------------------------------------------------------------------
@@ -46,35 +58,42 @@ def close(actual, expected, atol=1e-6):
 # --------------------------------------------------------------------------------------
 
 
-def test_kl_reward_worked_numbers_per_token_penalty():
+@pytest.mark.device
+def test_kl_reward_worked_numbers_per_token_penalty(test_device):
+    d = test_device
     # Token 0 of each row is the worked token; token 1 carries the (zero) score.
     # Row: logp -1.2, ref -1.6 -> k1 = 0.4; beta 0.05 -> r = -0.02.
     rewards, kl = compute_token_rewards(
-        t([[-1.2, -1.0]]), t([[-1.6, -1.0]]), t([0.0]), t([[1, 1]]), beta=0.05
+        t([[-1.2, -1.0]], device=d), t([[-1.6, -1.0]], device=d), t([0.0], device=d),
+        t([[1, 1]], device=d), beta=0.05
     )
+    on(d, rewards, kl)
     close(kl, [[0.4, 0.0]])
     close(rewards, [[-0.02, 0.0]])
     # logp -2.0, ref -2.4 -> k1 = 0.4; beta 0.1 -> r = -0.04.
     rewards, _ = compute_token_rewards(
-        t([[-2.0, -1.0]]), t([[-2.4, -1.0]]), t([0.0]), t([[1, 1]]), beta=0.1
+        t([[-2.0, -1.0]], device=d), t([[-2.4, -1.0]], device=d), t([0.0], device=d),
+        t([[1, 1]], device=d), beta=0.1
     )
     close(rewards, [[-0.04, 0.0]])
 
 
-def _one_token_policy(new_prob, old_prob, adv, **kw):
+def _one_token_policy(new_prob, old_prob, adv, device=None, **kw):
     return policy_loss(
-        t([[math.log(new_prob)]]),
-        t([[math.log(old_prob)]]),
-        t([[adv]]),
-        t([[1]]),
+        t([[math.log(new_prob)]], device=device),
+        t([[math.log(old_prob)]], device=device),
+        t([[adv]], device=device),
+        t([[1]], device=device),
         global_valid_tokens=1,
         **kw,
     )
 
 
-def test_policy_loss_worked_positive_advantage_is_clipped():
+@pytest.mark.device
+def test_policy_loss_worked_positive_advantage_is_clipped(test_device):
     # ratio = 0.13 / 0.10 = 1.3 -> clip to 1.2; objective min(1.3*2, 1.2*2) = 2.4.
-    loss, stats = _one_token_policy(0.13, 0.10, 2.0, clip_eps=0.2)
+    loss, stats = _one_token_policy(0.13, 0.10, 2.0, device=test_device, clip_eps=0.2)
+    on(test_device, loss)
     close(loss, -2.4, atol=1e-5)
     out = finalize_token_stats(stats)
     assert out["clip_fraction"] == 1.0
@@ -90,15 +109,17 @@ def test_policy_loss_worked_negative_advantage_is_not_clipped():
     assert finalize_token_stats(stats)["clip_fraction"] == 0.0
 
 
-def test_policy_loss_dual_clip_caps_negative_advantage():
+@pytest.mark.device
+def test_policy_loss_dual_clip_caps_negative_advantage(test_device):
+    d = test_device
     # ratio 4, A = -2: min(-8, 1.2 * -2) = -8; dual-clip c=3: max(-8, 3 * -2) = -6.
-    loss, _ = _one_token_policy(0.4, 0.1, -2.0)
+    loss, _ = _one_token_policy(0.4, 0.1, -2.0, device=d)
     close(loss, 8.0, atol=1e-5)
-    loss, stats = _one_token_policy(0.4, 0.1, -2.0, dual_clip=3.0)
+    loss, stats = _one_token_policy(0.4, 0.1, -2.0, device=d, dual_clip=3.0)
     close(loss, 6.0, atol=1e-5)
     assert finalize_token_stats(stats)["dual_clip_fraction"] == 1.0
     # Dual-clip never touches A > 0: ratio 4, A = 2 -> min(8, 2.4) = 2.4.
-    loss, _ = _one_token_policy(0.4, 0.1, 2.0, dual_clip=3.0)
+    loss, _ = _one_token_policy(0.4, 0.1, 2.0, device=d, dual_clip=3.0)
     close(loss, -2.4, atol=1e-5)
 
 
@@ -117,7 +138,8 @@ def test_policy_loss_dual_clip_must_exceed_one(dual_clip):
         _one_token_policy(0.4, 0.1, -2.0, dual_clip=dual_clip)
 
 
-def test_gae_worked_three_tokens_gamma_1_lambda_095():
+@pytest.mark.device
+def test_gae_worked_three_tokens_gamma_1_lambda_095(test_device):
     # r = [0.0, -0.1, 1.0], V = [0.5, 0.4, 0.6], V after the last token = 0.
     # deltas: d2 = 1.0 + 1*0   - 0.6 =  0.4
     #         d1 = -0.1 + 1*0.6 - 0.4 =  0.1
@@ -127,9 +149,11 @@ def test_gae_worked_three_tokens_gamma_1_lambda_095():
     #         A1 = 0.1 + 0.95 * 0.4   = 0.48
     #         A0 = -0.1 + 0.95 * 0.48 = 0.356
     # returns = A + V = [0.856, 0.88, 1.0]
-    rewards, values = t([[0.0, -0.1, 1.0]]), t([[0.5, 0.4, 0.6]])
+    d = test_device
+    rewards, values = t([[0.0, -0.1, 1.0]], device=d), t([[0.5, 0.4, 0.6]], device=d)
     for fn in (compute_gae, compute_gae_reference):
-        adv, ret = fn(rewards, values, t([[1, 1, 1]]), gamma=1.0, lam=0.95)
+        adv, ret = fn(rewards, values, t([[1, 1, 1]], device=d), gamma=1.0, lam=0.95)
+        on(d, adv, ret)
         close(adv, [[0.356, 0.48, 0.4]])
         close(ret, [[0.856, 0.88, 1.0]])
 
@@ -176,9 +200,14 @@ def test_gae_outputs_are_detached():
     assert not adv.requires_grad and not ret.requires_grad
 
 
-def test_value_loss_worked_numbers():
+@pytest.mark.device
+def test_value_loss_worked_numbers(test_device):
+    def t(rows):
+        return torch.tensor(rows, dtype=torch.float32, device=test_device)
+
     # V=1.5, V_old=1.0, R=2.0, c=0.2: V_clip=1.2; max(0.25, 0.64) -> 0.5*0.64 = 0.32.
     loss, stats = value_loss(t([[1.5]]), t([[1.0]]), t([[2.0]]), t([[1]]), 1, clip_range=0.2)
+    on(test_device, loss)
     close(loss, 0.32)
     assert finalize_token_stats(stats)["value_clip_fraction"] == 1.0
     # Inside the clip range: V=1.1 -> 0.5 * 0.9^2 = 0.405, not clipped.
@@ -234,18 +263,22 @@ def test_reward_on_eos_token_of_response_that_ended():
     close(rewards, [[0.0, 0.0, 1.5, 0.0, 0.0]])
 
 
-def test_truncated_response_scored_on_last_generated_token_with_penalty():
-    lp, ref = _no_kl(2, 4)
-    rewards, _ = compute_token_rewards(
-        lp, ref, t([0.5, 0.5]), t([[1, 1, 1, 1], [1, 1, 0, 0]]), beta=0.1,
-        ended=torch.tensor([False, True]), missing_eos_penalty=-1.0,
+@pytest.mark.device
+def test_truncated_response_scored_on_last_generated_token_with_penalty(test_device):
+    d = test_device
+    lp, ref = (x.to(d) for x in _no_kl(2, 4))
+    mask = t([[1, 1, 1, 1], [1, 1, 0, 0]], device=d)
+    rewards, kl = compute_token_rewards(
+        lp, ref, t([0.5, 0.5], device=d), mask, beta=0.1,
+        ended=torch.tensor([False, True], device=d), missing_eos_penalty=-1.0,
     )
+    on(d, rewards, kl)
     close(rewards, [[0.0, 0.0, 0.0, -0.5], [0.0, 0.5, 0.0, 0.0]])
     # Without a penalty the truncated row keeps its raw score.
-    rewards, _ = compute_token_rewards(lp, ref, t([0.5, 0.5]), t([[1, 1, 1, 1], [1, 1, 0, 0]]), 0.1)
+    rewards, _ = compute_token_rewards(lp, ref, t([0.5, 0.5], device=d), mask, 0.1)
     close(rewards[0], [0.0, 0.0, 0.0, 0.5])
     with pytest.raises(ValueError, match="ended"):
-        compute_token_rewards(lp, ref, t([0.5, 0.5]), t([[1, 1, 1, 1], [1, 1, 0, 0]]), 0.1,
+        compute_token_rewards(lp, ref, t([0.5, 0.5], device=d), mask, 0.1,
                               missing_eos_penalty=-1.0)
 
 
@@ -346,9 +379,11 @@ def test_last_valid_index_left_right_holes_and_empty():
 # --------------------------------------------------------------------------------------
 
 
-def test_masked_mean_var_whiten_worked():
-    x = t([[2.0, 4.0, NAN], [6.0, math.inf, 100.0]])
-    mask = t([[1, 1, 0], [1, 0, 0]])
+@pytest.mark.device
+def test_masked_mean_var_whiten_worked(test_device):
+    x = t([[2.0, 4.0, NAN], [6.0, math.inf, 100.0]], device=test_device)
+    mask = t([[1, 1, 0], [1, 0, 0]], device=test_device)
+    on(test_device, masked_mean(x, mask), masked_var(x, mask), masked_whiten(x, mask))
     close(masked_mean(x, mask), 4.0)
     close(masked_mean(x, mask, dim=1), [3.0, 6.0])
     close(masked_var(x, mask), 4.0)  # ((4 + 0 + 4) / 2)
@@ -407,11 +442,11 @@ def test_masked_whiten_reduce_fn_all_reduces_across_fake_ranks():
 # --------------------------------------------------------------------------------------
 
 
-def _random_batch(batch=8, length=6, seed=0):
+def _random_batch(batch=8, length=6, seed=0, device=None):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, length + 1, (batch,), generator=gen)
     mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
-    return {
+    out = {
         "logprobs": -torch.rand(batch, length, generator=gen) * 3,
         "old_logprobs": -torch.rand(batch, length, generator=gen) * 3,
         "advantages": torch.randn(batch, length, generator=gen),
@@ -421,6 +456,7 @@ def _random_batch(batch=8, length=6, seed=0):
         "entropy": torch.rand(batch, length, generator=gen) * 2,
         "mask": mask,
     }
+    return {k: v.to(device) for k, v in out.items()} if device is not None else out
 
 
 def _total_loss(d, rows, lp, values, entropy, global_tokens):
@@ -437,16 +473,18 @@ def _leaves(d):
     return [d[k].clone().requires_grad_() for k in ("logprobs", "values", "entropy")]
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("splits", [[(0, 2), (2, 4), (4, 6), (6, 8)], [(0, 3), (3, 8)]])
-def test_microbatch_split_gives_same_loss_grads_and_stats(splits):
-    d = _random_batch()
+def test_microbatch_split_gives_same_loss_grads_and_stats(splits, test_device):
+    d = _random_batch(device=test_device)
     global_tokens = int(d["mask"].sum())
     lp, values, entropy = _leaves(d)
     full, p_full, v_full = _total_loss(d, (0, 8), lp, values, entropy, global_tokens)
     full.backward()
+    on(test_device, full, lp.grad, values.grad, entropy.grad)
 
     lp2, values2, entropy2 = _leaves(d)
-    total = torch.zeros(())
+    total = torch.zeros((), device=test_device)
     p_parts, v_parts = [], []
     for rows in splits:
         loss, p_stats, v_stats = _total_loss(d, rows, lp2, values2, entropy2, global_tokens)

@@ -1,17 +1,27 @@
-"""Next-token choice: greedy, temperature, top-k, top-p, suppression, padded vocabulary."""
+"""Next-token choice: greedy, temperature, top-k, top-p, suppression, padded vocabulary.
+
+Tests marked ``device`` put the logits on the ``test_device`` fixture (a GPU under
+``NEMO_RLHF_TEST_DEVICE=cuda``) and keep the sampler's generator on the host, as the
+rollout does: tokens and log-probs must come back on the logits' device."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nemo_rlhf.rollout import choose_tokens, top_k_top_p_filter
 
 
-def _logits(batch=4, vocab=16, padded=24, seed=0):
+def _logits(batch=4, vocab=16, padded=24, seed=0, device=None):
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(batch, padded, generator=g) * 2
     z[:, vocab:] = 50.0  # padded rows would win everything if they were not cut off
-    return z
+    return z.to(device) if device is not None else z
+
+
+def _on(device, *tensors):
+    for x in tensors:
+        assert x.device == device, (x.device, device)
 
 
 def _nucleus_loop(probs: list[float], top_p: float) -> set[int]:
@@ -26,27 +36,33 @@ def _nucleus_loop(probs: list[float], top_p: float) -> set[int]:
     return kept
 
 
-def test_greedy_is_argmax_over_real_vocab_and_logprob_at_temperature_one():
-    z = _logits()
+@pytest.mark.device
+def test_greedy_is_argmax_over_real_vocab_and_logprob_at_temperature_one(test_device):
+    z = _logits(device=test_device)
     tok, lp = choose_tokens(z, vocab_size=16, greedy=True, temperature=0.3)
+    _on(test_device, tok, lp)
     assert torch.equal(tok, z[:, :16].argmax(-1))
     ref = torch.log_softmax(z[:, :16], -1).gather(-1, tok[:, None]).squeeze(-1)
     torch.testing.assert_close(lp, ref)
     assert lp.dtype == torch.float32
 
 
-def test_padded_vocab_rows_are_never_sampled():
-    z = _logits(batch=2000, seed=1)
+@pytest.mark.device
+def test_padded_vocab_rows_are_never_sampled(test_device):
+    z = _logits(batch=2000, seed=1, device=test_device)
     g = torch.Generator().manual_seed(0)
-    tok, _ = choose_tokens(z, vocab_size=16, greedy=False, temperature=5.0, generator=g)
+    tok, lp = choose_tokens(z, vocab_size=16, greedy=False, temperature=5.0, generator=g)
+    _on(test_device, tok, lp)
     assert int(tok.max()) < 16 and int(tok.min()) >= 0
 
 
-def test_recorded_logprob_is_temperature_scaled_and_before_filtering():
-    z = _logits(batch=64, seed=2)
+@pytest.mark.device
+def test_recorded_logprob_is_temperature_scaled_and_before_filtering(test_device):
+    z = _logits(batch=64, seed=2, device=test_device)
     g = torch.Generator().manual_seed(0)
     tok, lp = choose_tokens(z, vocab_size=16, greedy=False, temperature=0.7, top_k=3, top_p=0.5,
                             generator=g)
+    _on(test_device, tok, lp)
     ref = torch.log_softmax(z[:, :16] / 0.7, -1).gather(-1, tok[:, None]).squeeze(-1)
     torch.testing.assert_close(lp, ref)
 
@@ -69,8 +85,9 @@ def test_top_p_filter_matches_plain_loop():
                 probs[b].tolist(), top_p), (b, top_p)
 
 
-def test_top_k_one_equals_greedy():
-    z = _logits(batch=50, seed=5)
+@pytest.mark.device
+def test_top_k_one_equals_greedy(test_device):
+    z = _logits(batch=50, seed=5, device=test_device)
     g = torch.Generator().manual_seed(0)
     tok, _ = choose_tokens(z, vocab_size=16, greedy=False, temperature=1.3, top_k=1, generator=g)
     assert torch.equal(tok, z[:, :16].argmax(-1))
@@ -93,8 +110,9 @@ def test_empirical_frequencies_follow_the_tempered_distribution():
     assert (freq - expected).abs().max() < 0.01
 
 
-def test_suppressed_ids_are_never_chosen_greedy_or_sampled():
-    z = _logits(batch=500, seed=8)
+@pytest.mark.device
+def test_suppressed_ids_are_never_chosen_greedy_or_sampled(test_device):
+    z = _logits(batch=500, seed=8, device=test_device)
     suppress = torch.unique(z[:3, :16].argmax(-1))  # the favourites of the first rows
     tok, _ = choose_tokens(z, vocab_size=16, greedy=True, suppress_ids=suppress)
     assert not torch.isin(tok, suppress).any()
@@ -103,8 +121,9 @@ def test_suppressed_ids_are_never_chosen_greedy_or_sampled():
     assert not torch.isin(tok, suppress).any()
 
 
-def test_same_generator_seed_same_tokens():
-    z = _logits(batch=64, seed=9)
+@pytest.mark.device
+def test_same_generator_seed_same_tokens(test_device):
+    z = _logits(batch=64, seed=9, device=test_device)
     a, _ = choose_tokens(z, vocab_size=16, greedy=False, generator=torch.Generator().manual_seed(3))
     b, _ = choose_tokens(z, vocab_size=16, greedy=False, generator=torch.Generator().manual_seed(3))
     c, _ = choose_tokens(z, vocab_size=16, greedy=False, generator=torch.Generator().manual_seed(4))
@@ -142,14 +161,18 @@ def test_top_p_candidate_search_equals_full_sort_on_a_large_vocab():
     assert torch.equal(with_k, torch.isfinite(_reference_nucleus_filter(ref_k, 0.9)))
 
 
-def test_top_p_draw_among_candidates_equals_the_full_vocabulary_draw():
+@pytest.mark.device
+def test_top_p_draw_among_candidates_equals_the_full_vocabulary_draw(test_device):
     """Same uniforms -> the same tokens as the inverse CDF over the whole filtered vocab."""
-    z = _large_vocab_scores().repeat(50, 1)
+    z = _large_vocab_scores().repeat(50, 1).to(test_device)
     vocab = z.shape[1]
     for temperature, top_p in ((0.7, 0.9), (1.0, 0.5), (1.3, 0.99)):
         tok, lp = choose_tokens(z, vocab_size=vocab, greedy=False, temperature=temperature,
                                 top_p=top_p, generator=torch.Generator().manual_seed(7))
-        u = torch.rand(z.shape[0], generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        _on(test_device, tok, lp)
+        # the uniforms come from the (host) generator, whatever the logits' device
+        u = torch.rand(z.shape[0], generator=torch.Generator().manual_seed(7),
+                       dtype=torch.float64).to(test_device)
         filt = _reference_nucleus_filter(z / temperature, top_p)
         cdf = torch.softmax(filt, -1, dtype=torch.float64).cumsum(-1)
         ref = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
