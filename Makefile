@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test setup smoke clean-demo gpu-check gpu-check-cpu
+.PHONY: demo test setup gpu-check gpu-check-cpu
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,9 +20,6 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m launchers.demo $(ARGS)
-
-smoke: $(STAMP)
-	$(BIN)/python -m nemo_rlhf.smoke $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -62,6 +62,7 @@ class PhaseProbe:
         self.record: dict | None = None
         self.records: list[dict] = []
         self.unwrapped: list[str] = []
+        self.in_reference = False
 
     # --- measuring ---------------------------------------------------------------------
     def _sync(self) -> None:
@@ -115,9 +116,10 @@ class PhaseProbe:
                     generated_tokens=int(batch.response_mask.sum()))
             return batch
 
-        def _forward_logprobs(model, batch, with_values):
-            with self.measure("old_logprobs_values" if with_values else "reference_forward"):
-                return forward(model, batch, with_values)
+        def _forward_logprobs(model, batch, *args, **kwargs):
+            # inside reference.swapped_in(): the reference forward; otherwise the actor's
+            with self.measure("reference_forward" if self.in_reference else "old_logprobs_values"):
+                return forward(model, batch, *args, **kwargs)
 
         def _update(batch, fwd, adv):
             if self.record is not None:
@@ -154,10 +156,12 @@ class PhaseProbe:
             with self.measure("reference_swap_in"):
                 model = cm.__enter__()
             done = False
+            self.in_reference = True
             try:
                 yield model
                 done = True
             finally:
+                self.in_reference = False
                 if done:
                     with self.measure("reference_swap_out"):
                         cm.__exit__(None, None, None)
