@@ -99,7 +99,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     from nemo_rlhf.data.datasets import DataConfig, load_prompt_dataset
     from nemo_rlhf.data.tokenizer import Tokenizer
     from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.models.config import ModelConfig
+    from nemo_rlhf.models.config import ModelConfig, agree_on_precision
     from nemo_rlhf.reward.functions import get_reward_function
     from nemo_rlhf.rollout import RolloutConfig, generate
     from nemo_rlhf.trainers.common import chunks, dp_shard, resolve_checkpoint, setup_run
@@ -116,7 +116,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     checker = get_reward_function(cfg.checker)
     extra_checkers = {name: get_reward_function(name) for name in cfg.extra_checkers}
     dims, model_cfg = setup_run(cfg.parallel, model_cfg, tok, cfg.seed)
-    model = build_model(model_cfg, dims, str(cfg.precision), kind="actor_critic", seed=cfg.seed)
+    precision = agree_on_precision(str(cfg.precision), dims)
+    model = build_model(model_cfg, dims, precision, kind="actor_critic", seed=cfg.seed)
     load_model_weights(path, model, skip_heads=True)
     model.eval()
 

@@ -76,6 +76,7 @@ def build(cfg: PPOConfig):
     from nemo_rlhf.data.datasets import load_prompt_dataset
     from nemo_rlhf.data.tokenizer import Tokenizer
     from nemo_rlhf.distributed import initialize_distributed
+    from nemo_rlhf.models.config import agree_on_precision
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.trainers.engine import wrap_ddp
     from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer
@@ -92,6 +93,7 @@ def build(cfg: PPOConfig):
                                   num_attention_heads=cfg.model.num_attention_heads,
                                   num_query_groups=cfg.model.num_query_groups)
     validate_batch_sizes(cfg.ppo, dims.dp, cfg.rollout.n_samples_per_prompt)
+    cfg.trainer.precision = agree_on_precision(cfg.trainer.precision, dims)
     max_prompt = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
     prompts = load_prompt_dataset(cfg.data.train_file, tok, cfg.data, max_prompt).samples
     eval_prompts = (load_prompt_dataset(cfg.data.val_file, tok, cfg.data, max_prompt).samples

@@ -25,7 +25,10 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
-PRECISIONS = ("32", "bf16-mixed", "fp16-mixed")
+PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "auto")
+"""``trainer.precision`` choices; ``auto`` is resolved once at start-up (:func:`resolve_precision`)."""
+AUTO_BF16_MIN_SPEEDUP = 1.2
+"""``auto`` picks bf16-mixed on the host only when a bf16 GEMM is at least this much faster."""
 
 
 @dataclass
@@ -129,7 +132,77 @@ def precision_dtype(precision: str) -> torch.dtype:
     """
     precision = str(precision)
     _choice("trainer.precision", precision, PRECISIONS)
+    if precision == "auto":
+        raise ValueError("trainer.precision=auto must be resolved first (resolve_precision)")
     return {"32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
+
+
+def host_gemm_gflops(n: int = 256, reps: int = 3) -> dict[str, float]:
+    """Best-of-``reps`` ``n x n x n`` host matrix products in fp32 and bf16, GFLOP/s
+    (``2 n^3`` FLOPs each), on this process's torch threads. About 0.1 s where bf16 is
+    slow (no AVX-512 BF16 / AMX: ~1 GFLOP/s), a few ms where it is fast.
+    """
+    import time
+
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(n, n, dtype=dtype, device="cpu")  # host: the probe is about the host
+        b = torch.randn(n, n, dtype=dtype, device="cpu")
+        a @ b
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 2 * n ** 3 / max(best, 1e-9) / 1e9
+    return out
+
+
+def resolve_precision(precision: str, device: torch.device, probe=host_gemm_gflops) -> tuple[str, str]:
+    """The concrete ``trainer.precision`` for ``auto`` (others are returned as they are).
+
+    On CUDA: ``bf16-mixed`` where the GPU supports bf16, else ``32``. On the host: a short
+    GEMM probe; ``bf16-mixed`` only if bf16 is at least :data:`AUTO_BF16_MIN_SPEEDUP` times
+    faster than fp32 (log-probs, KL, advantages and losses stay fp32 either way). Call it
+    on one rank and broadcast the choice (timings differ between processes).
+
+    Args:
+        precision: ``trainer.precision``.
+        device: ``dims.device``.
+        probe: ``() -> {"fp32": GFLOP/s, "bf16": GFLOP/s}`` (tests pass a fake).
+
+    Returns:
+        ``(precision, reason)``: the concrete choice and a sentence saying why.
+    """
+    precision = str(precision)
+    _choice("trainer.precision", precision, PRECISIONS)
+    if precision != "auto":
+        return precision, "set explicitly"
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        return ("bf16-mixed" if ok else "32"), f"CUDA device {'supports' if ok else 'lacks'} bf16"
+    rates = probe()
+    fast = rates["bf16"] >= AUTO_BF16_MIN_SPEEDUP * rates["fp32"]
+    return ("bf16-mixed" if fast else "32"), (
+        f"host GEMM probe: bf16 {rates['bf16']:.1f} vs fp32 {rates['fp32']:.1f} GFLOP/s "
+        f"(bf16 needs >= {AUTO_BF16_MIN_SPEEDUP}x)")
+
+
+def agree_on_precision(precision: str, dims) -> str:
+    """:func:`resolve_precision` on global rank 0, broadcast to every rank (an object
+    collective: the gloo part of the backend map), logged once. Every entry point calls
+    it before building a model, so checkpoints record the concrete choice."""
+    import logging
+
+    import torch.distributed as dist
+
+    box = [resolve_precision(precision, dims.device) if dims.rank == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    choice, reason = box[0]
+    if dims.rank == 0 and str(precision) == "auto":
+        logging.getLogger("nemo_rlhf").info("trainer.precision=auto -> %s (%s)", choice, reason)
+    return choice
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -231,6 +231,9 @@ class RewardModelScorer:
         if self.max_seq_length > model_cfg.max_position_embeddings:
             raise ValueError(f"max_seq_length={self.max_seq_length} exceeds the model's "
                              f"max_position_embeddings={model_cfg.max_position_embeddings}")
+        from nemo_rlhf.models.config import agree_on_precision
+
+        self.precision = agree_on_precision(self.precision, dims)
         self.model = build_model(model_cfg, dims, self.precision, kind="reward")
         try:
             load_model_weights(self.info.path, self.model)

@@ -309,6 +309,7 @@ class SupervisedTrainer:
     def __init__(self, cfg):
         from nemo_rlhf.data.tokenizer import Tokenizer
         from nemo_rlhf.models.actor_critic import build_model
+        from nemo_rlhf.models.config import agree_on_precision
         from nemo_rlhf.trainers.engine import wrap_ddp
         from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer
 
@@ -316,6 +317,7 @@ class SupervisedTrainer:
         self.tokenizer = Tokenizer(cfg.data.tokenizer_dir)
         self.dims, self.model_cfg = setup_run(cfg.parallel, cfg.model, self.tokenizer, cfg.trainer.seed)
         cfg.trainer.validate(self.dims.dp)
+        cfg.trainer.precision = agree_on_precision(cfg.trainer.precision, self.dims)
         if cfg.data.max_seq_length > self.model_cfg.max_position_embeddings:
             raise ValueError(f"data.max_seq_length={cfg.data.max_seq_length} exceeds "
                              f"model.max_position_embeddings={self.model_cfg.max_position_embeddings}")

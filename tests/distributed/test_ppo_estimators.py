@@ -27,6 +27,7 @@ RUNS = {
     "kl_in_loss": ("kl.in_reward=false", "kl.loss_coef=0.1", "kl.loss_estimator=k3",
                    "ppo.loss_agg_mode=seq-mean-token-mean"),
     "shared_detached": ("critic.mode=shared_detached", "ppo.loss_agg_mode=seq-mean-token-sum"),
+    "precision_auto": ("trainer.precision=auto",),
 }
 # one mini-batch, no shuffle: every layout sees the same samples in the same update (grpo
 # samples: greedy copies of a prompt would all get advantage 0; the sampler's seed depends on
@@ -82,7 +83,7 @@ def _single(rank: int, tmp: str):
             metrics.append(tr.train_step())
             tr.step += 1
         after = _head(tr)
-        out[name] = {"metrics": metrics,
+        out[name] = {"metrics": metrics, "precision": tr.cfg.trainer.precision,
                      "head_changed": any(not torch.equal(head[k], after[k]) for k in head)}
         if name in ("shared", "shared_detached"):
             out[name]["backbone_grad_from_values"] = _backbone_grads_from_values(tr)
@@ -147,6 +148,18 @@ def test_kl_in_the_loss_instead_of_the_reward(single):
     assert m[1]["token_reward_sum_mean"] == pytest.approx(m[1]["reward_mean"], rel=1e-5)
     assert single["shared"]["metrics"][1]["token_reward_sum_mean"] != pytest.approx(
         single["shared"]["metrics"][1]["reward_mean"], rel=1e-5)
+
+
+def test_precision_auto_is_resolved_to_a_concrete_choice_before_the_build(single):
+    from nemo_rlhf.models.config import host_gemm_gflops
+
+    rates = host_gemm_gflops()
+    expected = "bf16-mixed" if rates["bf16"] >= 1.2 * rates["fp32"] else "32"
+    run = single["precision_auto"]
+    assert run["precision"] in ("32", "bf16-mixed")
+    if max(rates.values()) > 3 * min(rates.values()):  # a clear case: the probe must agree
+        assert run["precision"] == expected
+    assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in run["metrics"])
 
 
 def test_detached_critic_sends_no_value_gradient_into_the_backbone(single):
