@@ -222,6 +222,12 @@ class _Generator(_BASE_GENERATOR, metaclass=_GeneratorMeta):
     def __init__(self, device="cpu"):
         pass
 
+    @property
+    def device(self) -> torch.device:
+        """``dims.device`` for a generator made for it (as a CUDA generator reads
+        ``cuda:N``), the host's ``cpu`` otherwise."""
+        return EMULATED_DEVICE if getattr(self, _ATTR, _HOST) == _DEVICE else torch.device("cpu")
+
 
 def _collective(fn):
     def checked(*args, **kwargs):

@@ -143,6 +143,9 @@ class MixedPrecisionOptimizer:
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone()
                         for p in self.params]
+        # the stage's device (dims.device), also where every parameter is frozen (a PP stage
+        # of an RM with rm.freeze_layers): the grad norm's partial sum is made there
+        self.device = next(model.parameters()).device
         for m in self.masters:
             m.requires_grad_(True)
         from megatron.core import parallel_state
@@ -202,7 +205,7 @@ class MixedPrecisionOptimizer:
 
     def grad_norm(self) -> float:
         """Global L2 norm of the masters' grads, each parameter counted once."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for m, count in zip(self.masters, self.count_for_norm):
             if count and m.grad is not None:
                 sq += m.grad.float().pow(2).sum()
