@@ -21,6 +21,9 @@ Otherwise it runs, each step a subprocess with a timeout and its output in
    job with per-phase timers), ``trainer.precision=bf16-mixed``, ``reference.mode=offload``:
 
    * ``tiny``: ``conf/ppo.yaml``'s tiny model on the synthetic arithmetic prompts;
+   * ``tiny_distopt`` (GPU only): the tiny run with ``optim.use_distributed_optimizer=true``
+     (megatron's ZeRO-1 optimizer), ``steps - 1`` steps, then resumed from its checkpoint
+     to ``steps``;
    * ``smollm2``: SmolLM2-135M-Instruct when ``models/smollm2`` exists (``python -m
      nemo_rlhf.tools.real_model --out models/smollm2``: real weights and tokenizer, the RM
      then uses that tokenizer); otherwise the SmolLM2 *shape* (``model=smollm2_135m``, random
@@ -312,6 +315,46 @@ class GPUCheck:
         summary = f"{result['steps']} steps, core metrics finite" if not problems else "; ".join(problems)
         return self.settle(step, not problems, f"{about}: {summary}")
 
+    def ppo_distopt(self, rm: Path, overrides: list[str], steps: int) -> bool:
+        """The tiny PPO run with megatron's DistributedOptimizer: ``steps - 1`` steps (a
+        checkpoint at the end), then the same command resumed to ``steps``; passes when both
+        exit 0, the resumed run starts where the first stopped, its metrics are finite and
+        the checkpoint holds the ``megatron_distributed`` optimizer format."""
+        exp = self.work / "ppo_tiny_distopt"
+        shutil.rmtree(exp, ignore_errors=True)
+        base = [self.python, "-m", "launchers.local", "--rm-checkpoint", str(rm),
+                "--exp-dir", str(exp), "--trainer-module", str(TRAINER),
+                "--rm-start-timeout-s", str(self.args.timeout_rm), "--stop-grace-s", "15", "--",
+                "trainer.val_check_interval=0", "trainer.sample_table_every=0",
+                "trainer.precision=bf16-mixed", "reference.mode=offload",
+                "optim.use_distributed_optimizer=true", *overrides]
+        first, rc1 = self.run("ppo_tiny_distopt_first", [*base, "exp_manager.resume=none",
+                                                          f"trainer.max_steps={steps - 1}"],
+                              self.args.timeout_ppo)
+        self.settle(first, rc1 == 0, f"{steps - 1} steps" if rc1 == 0 else f"exit {rc1}")
+        step, rc = self.run("ppo_tiny_distopt", [*base, "exp_manager.resume=auto",
+                                                  f"trainer.max_steps={steps}"],
+                            self.args.timeout_ppo)
+        result = {"about": "tiny model, optim.use_distributed_optimizer=true, resumed",
+                  "exit_code": rc, "exp_dir": str(exp), "steps_expected": steps, **_read_run(exp)}
+        result["summary"] = summarise_run(result, self.report["peak"]["tflops"])
+        self.report["ppo"]["tiny_distopt"] = result
+        problems = [] if rc1 == 0 else [f"first run exit {rc1}"]
+        if rc != 0:
+            problems.append(f"resumed run exit {rc}")
+        done = sorted({r["step"] for r in result["per_step"]})
+        if done != list(range(1, steps + 1)):
+            problems.append(f"steps in metrics.jsonl {done}, expected 1..{steps}")
+        if result["nonfinite_core"]:
+            problems.append(f"non-finite metrics: {result['nonfinite_core'][:6]}")
+        meta = exp / "checkpoints" / f"step_{steps}" / "metadata.json"
+        fmt = json.loads(meta.read_text()).get("optimizer_format") if meta.is_file() else None
+        if fmt != "megatron_distributed":
+            problems.append(f"checkpoint optimizer_format {fmt!r}, expected 'megatron_distributed'")
+        return self.settle(step, not problems,
+                           "; ".join(problems) or f"{steps - 1} steps, saved, resumed to {steps}: "
+                           f"finite, megatron_distributed checkpoint")
+
     def start_bench(self) -> Proc:
         out = self.work / "bench_rollout.json"
         if self.cpu:
@@ -370,7 +413,7 @@ class GPUCheck:
     def _ppo_runs(self) -> None:
         data = self.make_data()
         if data is None:
-            for name in ("rm_tiny", "ppo_tiny", "ppo_smollm2"):
+            for name in ("rm_tiny", "ppo_tiny", "ppo_tiny_distopt", "ppo_smollm2"):
                 self.skip(name, "no data (the data step failed)")
             return
         files = [f"data.train_file={data / 'ppo_prompts.jsonl'}",
@@ -387,8 +430,13 @@ class GPUCheck:
             self.ppo("tiny", rm, [*files, f"data.tokenizer_dir={tiny_tok}", *small], steps,
                      "tiny demo model (conf/ppo.yaml)")
         if self.cpu:
+            self.skip("ppo_tiny_distopt", "--cpu: megatron's DistributedOptimizer needs CUDA")
             self.skip("ppo_smollm2", "--cpu: the 135M model is for the GPU run")
             return
+        if rm is None:
+            self.skip("ppo_tiny_distopt", "no RM checkpoint (rm_tiny failed)")
+        else:
+            self.ppo_distopt(rm, [*files, f"data.tokenizer_dir={tiny_tok}"], steps)
         ckpt = self.smollm2_dir / "megatron_tp1_pp1"
         real = (ckpt / "step_0").is_dir() and (ckpt / "tokenizer" / "tokenizer.json").is_file()
         model = ["model=smollm2_135m", "ppo.num_rollout_samples=128", "ppo.global_batch_size=64",
@@ -653,7 +701,7 @@ def print_report(report: dict, path: Path) -> None:
         print(f"{s['name']:<26} {s['status']:<8} {s['seconds']:>7.1f}  {s['detail'][:150]}")
     runs = report.get("ppo", {})
     if runs:
-        print(f"\n{'PPO run':<9} {'train TFLOP/s':>13} {'MFU':>7} {'rollout tok/s':>13} "
+        print(f"\n{'PPO run':<13} {'train TFLOP/s':>13} {'MFU':>7} {'rollout tok/s':>13} "
               f"{'ref swap in/out s':>18} {'ref fwd s':>9} {'train peak alloc/resv GiB':>26}  steps")
         for name, run in runs.items():
             s = run.get("summary", {})
@@ -661,7 +709,7 @@ def print_report(report: dict, path: Path) -> None:
             alloc = mem.get("metrics_peak_allocated_gib", mem.get("probe_peak_allocated_gib"))
             resv = mem.get("metrics_peak_reserved_gib", mem.get("probe_peak_reserved_gib"))
             mfu = s.get("train_mfu")
-            print(f"{name:<9} {_fmt(s.get('train_tflops_per_s'), '.4g'):>13} "
+            print(f"{name:<13} {_fmt(s.get('train_tflops_per_s'), '.4g'):>13} "
                   f"{_fmt(None if mfu is None else 100 * mfu, '.3g', '%'):>7} "
                   f"{_fmt(s.get('rollout_tokens_per_s'), '.0f'):>13} "
                   f"{_fmt(s.get('reference_swap_in_s'), '.4f') + '/' + _fmt(s.get('reference_swap_out_s'), '.4f'):>18} "
@@ -671,7 +719,7 @@ def print_report(report: dict, path: Path) -> None:
               "(memory/<phase>_peak_*_gib) | probe")
         for name, run in runs.items():
             for phase, m in run.get("summary", {}).get("memory_gib", {}).items():
-                print(f"  {name:<8} {phase:<22} "
+                print(f"  {name:<13} {phase:<22} "
                       f"{_fmt(m.get('metrics_peak_allocated_gib'))}/{_fmt(m.get('metrics_peak_reserved_gib'))}"
                       f" | {_fmt(m.get('probe_peak_allocated_gib'))}/{_fmt(m.get('probe_peak_reserved_gib'))}")
     bench = report.get("rollout_benchmark")

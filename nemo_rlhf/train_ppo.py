@@ -79,7 +79,7 @@ def build(cfg: PPOConfig):
     from nemo_rlhf.models.config import agree_on_precision
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.trainers.engine import wrap_ddp
-    from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer
+    from nemo_rlhf.trainers.optim import build_optimizer, validate_optimizer
     from nemo_rlhf.trainers.ppo.config import validate_batch_sizes
     from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
     from nemo_rlhf.trainers.ppo.rewards import build_reward
@@ -94,6 +94,7 @@ def build(cfg: PPOConfig):
                                   num_query_groups=cfg.model.num_query_groups)
     validate_batch_sizes(cfg.ppo, dims.dp, cfg.rollout.n_samples_per_prompt)
     cfg.trainer.precision = agree_on_precision(cfg.trainer.precision, dims)
+    validate_optimizer(cfg.optim, dims)
     max_prompt = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
     prompts = load_prompt_dataset(cfg.data.train_file, tok, cfg.data, max_prompt).samples
     eval_prompts = (load_prompt_dataset(cfg.data.val_file, tok, cfg.data, max_prompt).samples
@@ -109,9 +110,8 @@ def build(cfg: PPOConfig):
         load_model_weights(cfg.exp_manager.init_from, model,
                            init_heads=cfg.exp_manager.init_value_head)
     reference = ReferencePolicy(model, cfg.reference.mode, build_fn=make_stage)
-    ddp = wrap_ddp(model)
-    optimizer = MixedPrecisionOptimizer(ddp, cfg.optim, mp_group=dims.mp_group,
-                                        fp16=cfg.trainer.precision == "fp16-mixed")
+    ddp = wrap_ddp(model, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    optimizer = build_optimizer(ddp, cfg.optim, dims, cfg.trainer.precision)
     reward = build_reward(cfg.reward, dims) if (dims.tp_rank == 0 and dims.pp_rank == 0) else None
     trainer = PPOTrainer(cfg, dims, ddp, optimizer, reference, reward, tok, prompts, eval_prompts)
     trainer.fingerprint = {

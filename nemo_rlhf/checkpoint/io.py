@@ -3,12 +3,14 @@
 Layout of ``<root>/step_<N>/``::
 
     dist/                  megatron dist_checkpointing: model (incl. value/reward head) and
-                           optimizer state (Adam moments, fp32 masters) as sharded tensors,
-                           so a checkpoint written at one TP/PP/DP loads at another
+                           optimizer state (Adam moments, fp32 masters; or megatron's
+                           DistributedOptimizer's own layout) as sharded tensors, so a
+                           checkpoint written at one TP/PP/DP loads at another
     rng/rank_<r>.pt        python, numpy, torch and megatron TP-tracker RNG states per rank
     trainer_state.json     counters, sampler position, KL controller, reward stats, ...
     config.yaml            the run's resolved config
-    metadata.json          step, parallel layout, fingerprint, optimizer step count
+    metadata.json          step, parallel layout, fingerprint, optimizer format and Adam
+                           step counts (per parameter, by layout-independent name)
     COMPLETE               written last, before the rename
 
 Publication: every rank writes into ``<root>/.tmp_step_<N>``; after a barrier rank 0
@@ -132,14 +134,61 @@ def set_rng_state(state: dict) -> None:
 
 # --- sharded state --------------------------------------------------------------------
 
+ADAMW_FORMAT = "adamw"
+"""``optimizer_format`` of :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer`'s
+state (Adam moments and fp32 masters keyed like the model params); megatron's
+DistributedOptimizer writes ``megatron_distributed``."""
+
+
+def _optimizer_format(optimizer) -> str:
+    return getattr(optimizer, "checkpoint_format", ADAMW_FORMAT)
+
+
 def _model_sharded_state_dict(model) -> dict:
     from nemo_rlhf.trainers.engine import unwrap
 
     return unwrap(model).sharded_state_dict(prefix="model.")
 
 
-def _optimizer_sharded_state_dict(model_sd: dict, optimizer) -> tuple[dict, int]:
-    """Adam moments and fp32 masters as ShardedTensors keyed like the model params."""
+def _global_param_names(model, params) -> list[str]:
+    """Names of ``params`` that do not depend on the layout: the bare model's parameter
+    names with each transformer layer's local index replaced by its global one (a PP
+    stage's ``decoder.layers.0`` is global layer ``layer_number - 1``); TP shards of one
+    parameter share its name."""
+    from nemo_rlhf.trainers.engine import unwrap
+
+    bare = unwrap(model)
+    prefixes = {}
+    for mname, mod in bare.named_modules():
+        head, _, idx = mname.rpartition(".")
+        if head.endswith("layers") and idx.isdigit() and hasattr(mod, "layer_number"):
+            prefixes[mname + "."] = f"{head}.{int(mod.layer_number) - 1}."
+    by_id = {}
+    for name, p in bare.named_parameters():
+        for local, global_ in prefixes.items():
+            if name.startswith(local):
+                name = global_ + name[len(local):]
+                break
+        by_id.setdefault(id(p), name)
+    return [by_id.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
+
+
+def _gather_param_steps(steps: dict[str, int]) -> dict[str, int]:
+    """Every rank's ``{global parameter name: Adam step count}`` merged (host objects)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return steps
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, steps)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def _optimizer_sharded_state_dict(model_sd: dict, optimizer) -> tuple[dict, dict[str, int]]:
+    """Adam moments and fp32 masters as ShardedTensors keyed like the model params, and
+    this stage's Adam step count per parameter, by :func:`_global_param_names` (0: never
+    stepped, e.g. the backbone during a critic warm-up)."""
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         make_sharded_optimizer_tensor,
@@ -150,7 +199,16 @@ def _optimizer_sharded_state_dict(model_sd: dict, optimizer) -> tuple[dict, int]
     ordered = optimizer.ordered_params
     id_map = get_param_id_to_sharded_param_map(model_sd, ordered)
     sd = opt.state_dict()
-    steps = [int(s["step"]) for s in sd["state"].values() if "step" in s]
+    names = _global_param_names(optimizer.model, ordered)
+    steps = {names[i]: int(sd["state"][i]["step"]) if "step" in sd["state"].get(i, {}) else 0
+             for i in range(len(ordered))}
+    # A parameter not stepped yet (the backbone during a critic warm-up) has no Adam state:
+    # zero moments stand in for it (what AdamW starts from), so the checkpoint covers every
+    # parameter the load template asks for.
+    for i, p in enumerate(ordered):
+        if "exp_avg" not in sd["state"].get(i, {}):
+            sd["state"][i] = {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                              "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
     # Frozen parameters (e.g. rm.freeze_layers) have no optimizer state, but megatron stacks
     # the layers of one tensor name into one ShardedTensor that must be covered whole: they
     # get zero moments under ids after the optimizer's own (dropped again on load).
@@ -173,7 +231,7 @@ def _optimizer_sharded_state_dict(model_sd: dict, optimizer) -> tuple[dict, int]
                 masters[len(ordered) + j] = make_sharded_optimizer_tensor(
                     id_map[len(ordered) + j], p.detach().float(), prefix="optimizer.master")
     out["masters"] = masters
-    return out, (max(steps) if steps else 0)
+    return out, steps
 
 
 def _frozen_params(optimizer, ordered) -> list:
@@ -233,12 +291,18 @@ def save_checkpoint(
         (tmp / "rng").mkdir()
     _barrier()
     sharded = {**_model_sharded_state_dict(model)}
-    opt_step = 0
+    opt_step, opt_steps = 0, None
     extra = {}
     if optimizer is not None:
-        opt_sd, opt_step = _optimizer_sharded_state_dict(sharded, optimizer)
-        sharded["optimizer"] = opt_sd["optimizer"]
-        sharded["optimizer_masters"] = opt_sd["masters"]
+        if _optimizer_format(optimizer) == ADAMW_FORMAT:
+            opt_sd, opt_steps = _optimizer_sharded_state_dict(sharded, optimizer)
+            sharded["optimizer"] = opt_sd["optimizer"]
+            sharded["optimizer_masters"] = opt_sd["masters"]
+            opt_steps = _gather_param_steps(opt_steps)
+            opt_step = max(opt_steps.values(), default=0)
+        else:  # megatron's DistributedOptimizer: its own reshardable layout
+            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=False)
+            opt_step = optimizer.scheduler.last_epoch
         extra = {"scheduler": optimizer.scheduler.state_dict(),
                  "scaler": optimizer.scaler.state_dict() if optimizer.scaler else None}
     dist_checkpointing.save(sharded, str(tmp / "dist"))
@@ -251,7 +315,9 @@ def save_checkpoint(
             "time": time.time(),
             "parallel": dims.describe() if dims is not None else None,
             "optimizer_step": opt_step,
+            "optimizer_param_steps": opt_steps,
             "has_optimizer": optimizer is not None,
+            "optimizer_format": _optimizer_format(optimizer) if optimizer is not None else None,
             "optimizer_extra": extra,
             "fingerprint": fingerprint or {},
             "files": file_checksums(tmp),
@@ -433,17 +499,34 @@ def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
     sharded = _model_sharded_state_dict(model)
     available = _checkpoint_keys(path)
     _drop_missing_heads(sharded, available, init_heads, path)
+    fmt = _optimizer_format(optimizer) if optimizer is not None else None
     if optimizer is not None:
         if not meta.get("has_optimizer"):
             raise CheckpointError(f"{path}: holds no optimizer state")
-        _materialize_adam_state(optimizer)
-        opt_sd, _ = _optimizer_sharded_state_dict(sharded, optimizer)
-        sharded["optimizer"] = opt_sd["optimizer"]
-        sharded["optimizer_masters"] = opt_sd["masters"]
+        saved = meta.get("optimizer_format") or ADAMW_FORMAT
+        if saved != fmt:
+            raise CheckpointError(
+                f"{path}: optimizer state in the {saved!r} format, this run's optimizer writes "
+                f"{fmt!r}: set optim.use_distributed_optimizer="
+                f"{str(saved != ADAMW_FORMAT).lower()} to resume it (or start from its weights "
+                f"with exp_manager.init_from)")
+        if fmt == ADAMW_FORMAT:
+            _materialize_adam_state(optimizer)
+            opt_sd, _ = _optimizer_sharded_state_dict(sharded, optimizer)
+            sharded["optimizer"] = opt_sd["optimizer"]
+            sharded["optimizer_masters"] = opt_sd["masters"]
+        else:
+            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(path / "dist"))
     _copy_into_model(model, loaded)
     if optimizer is not None:
-        _restore_optimizer(optimizer, loaded, meta)
+        if fmt == ADAMW_FORMAT:
+            _restore_optimizer(optimizer, loaded, meta)
+        else:
+            extra = meta.get("optimizer_extra") or {}
+            if extra.get("scheduler"):
+                optimizer.scheduler.load_state_dict(extra["scheduler"])
+            optimizer.load_sharded(loaded["optimizer"])
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if load_rng and rng_file.is_file() and _same_layout(meta):
         set_rng_state(torch.load(rng_file, weights_only=False)["rng"])
@@ -463,11 +546,16 @@ def _same_layout(meta: dict) -> bool:
 def _restore_optimizer(optimizer, loaded: dict, meta: dict) -> None:
     opt = optimizer.optimizer
     sd = loaded["optimizer"]
-    step = float(meta.get("optimizer_step", 0))
     n = len(optimizer.ordered_params)
+    # per parameter, by its layout-independent name (one that never stepped restarts from
+    # 0, as it would have); checkpoints without the table hold one count for all
+    table = meta.get("optimizer_param_steps") or {}
+    names = _global_param_names(optimizer.model, optimizer.ordered_params)
+    default = meta.get("optimizer_step", 0)
     state = {pid: st for pid, st in sd["state"].items() if int(pid) < n}  # not frozen placeholders
-    for st in state.values():
-        st["step"] = torch.tensor(step)  # host, as torch's AdamW keeps it
+    for pid, st in state.items():
+        step = table.get(names[int(pid)], default)
+        st["step"] = torch.tensor(float(step))  # host, as torch's AdamW keeps it
     # the saved param_groups carry the learning rate the schedule had reached
     opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
     with torch.no_grad():

@@ -311,13 +311,14 @@ class SupervisedTrainer:
         from nemo_rlhf.models.actor_critic import build_model
         from nemo_rlhf.models.config import agree_on_precision
         from nemo_rlhf.trainers.engine import wrap_ddp
-        from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer
+        from nemo_rlhf.trainers.optim import build_optimizer, validate_optimizer
 
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.data.tokenizer_dir)
         self.dims, self.model_cfg = setup_run(cfg.parallel, cfg.model, self.tokenizer, cfg.trainer.seed)
         cfg.trainer.validate(self.dims.dp)
         cfg.trainer.precision = agree_on_precision(cfg.trainer.precision, self.dims)
+        validate_optimizer(cfg.optim, self.dims)
         if cfg.data.max_seq_length > self.model_cfg.max_position_embeddings:
             raise ValueError(f"data.max_seq_length={cfg.data.max_seq_length} exceeds "
                              f"model.max_position_embeddings={self.model_cfg.max_position_embeddings}")
@@ -329,9 +330,8 @@ class SupervisedTrainer:
         model = build_model(self.model_cfg, self.dims, cfg.trainer.precision, kind=self.model_kind,
                             seed=cfg.trainer.seed)
         self.init_weights(model)
-        self.model = wrap_ddp(model)
-        self.optimizer = MixedPrecisionOptimizer(self.model, cfg.optim, mp_group=self.dims.mp_group,
-                                                 fp16=cfg.trainer.precision == "fp16-mixed")
+        self.model = wrap_ddp(model, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.dims, cfg.trainer.precision)
         self.step = 0
         self.last_metrics: dict[str, float] = {}
         self.history: list[dict[str, float]] = []

@@ -22,18 +22,21 @@ from nemo_rlhf.distributed.device import to_device
 LossFn = Callable[[object, dict], tuple[torch.Tensor, dict]]
 
 
-def wrap_ddp(model: torch.nn.Module, grad_reduce_in_fp32: bool = True) -> torch.nn.Module:
+def wrap_ddp(model: torch.nn.Module, grad_reduce_in_fp32: bool = True,
+             use_distributed_optimizer: bool = False) -> torch.nn.Module:
     """Wrap a model stage in megatron-core ``DistributedDataParallel``.
 
     Gradients accumulate into fp32 ``param.main_grad`` buffers (``grad_reduce_in_fp32``)
-    and are summed over the DP group by :func:`finalize_grads`.
+    and are summed over the DP group by :func:`finalize_grads` (all-reduced; with
+    ``use_distributed_optimizer``, megatron's ZeRO-1 layout, reduce-scattered into each
+    rank's shard, CUDA only).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=use_distributed_optimizer,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 

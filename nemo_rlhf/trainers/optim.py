@@ -61,6 +61,13 @@ class OptimizerConfig:
     """fp16 only: the scale never goes below this."""
     loss_scale_window: int = 100
     """fp16 only: clean steps before the scale doubles."""
+    use_distributed_optimizer: bool = False
+    """CUDA only: megatron-core's ``DistributedOptimizer`` (ZeRO-1: fp32 main params and
+    Adam moments sharded over the data-parallel group, gradients reduce-scattered, params
+    all-gathered after the step), checkpointed in its reshardable
+    ``fully_sharded_model_space`` format. False: this module's AdamW on replicated fp32
+    masters (every device; the only choice on the host, where megatron's optimizer asserts
+    CUDA tensors and gloo has no reduce-scatter)."""
 
     def __post_init__(self) -> None:
         if self.decay_style not in DECAY_STYLES:
@@ -273,3 +280,35 @@ class MixedPrecisionOptimizer:
             for m, p in zip(self.masters, self.params):
                 if m is not p:
                     m.copy_(next(masters))
+
+
+def validate_optimizer(cfg: OptimizerConfig, dims) -> None:
+    """Rules of ``optim`` that need the device, checked before the model is built.
+
+    Raises:
+        ValueError: ``optim.use_distributed_optimizer=true`` on a run without CUDA.
+    """
+    if cfg.use_distributed_optimizer and dims.device.type != "cuda":
+        raise ValueError(
+            f"optim.use_distributed_optimizer=true needs CUDA GPUs (megatron's "
+            f"DistributedOptimizer asserts CUDA tensors, gloo has no reduce-scatter); this run "
+            f"is on {dims.device.type}: set optim.use_distributed_optimizer=false")
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, dims, precision: str):
+    """The optimizer of a DDP-wrapped stage: :class:`MixedPrecisionOptimizer`, or with
+    ``optim.use_distributed_optimizer`` megatron's ZeRO-1 optimizer
+    (:class:`~nemo_rlhf.trainers.megatron_optim.MegatronDistributedOptimizer`; the stage
+    must be wrapped with ``wrap_ddp(..., use_distributed_optimizer=True)``).
+
+    Raises:
+        ValueError: see :func:`validate_optimizer`.
+    """
+    validate_optimizer(cfg, dims)
+    if cfg.use_distributed_optimizer:
+        from nemo_rlhf.trainers.megatron_optim import MegatronDistributedOptimizer
+
+        return MegatronDistributedOptimizer(model, cfg, precision)
+    return MixedPrecisionOptimizer(model, cfg, mp_group=dims.mp_group,
+                                   fp16=precision == "fp16-mixed")
+

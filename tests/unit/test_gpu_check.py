@@ -52,7 +52,8 @@ def test_cpu_dry_run_passes_and_writes_the_report(tmp_path):
     assert report["mode"] == "cpu" and report["ok"] is True
     status = {s["name"]: s["status"] for s in report["steps"]}
     assert status == {"setup": "skipped", "device_tests_cpu": "ok", "data": "ok", "rm_tiny": "ok",
-                      "ppo_tiny": "ok", "ppo_smollm2": "skipped", "rollout_benchmark": "ok"}
+                      "ppo_tiny": "ok", "ppo_tiny_distopt": "skipped", "ppo_smollm2": "skipped",
+                      "rollout_benchmark": "ok"}
     assert report["device_tests"]["passed"] > 0 and report["device_tests"]["failures"] == []
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"]
     assert report["peak"]["source"].startswith("measured host") and report["peak"]["tflops"] > 0
