@@ -104,16 +104,21 @@ def build(cfg: PPOConfig):
         return build_model(cfg.model, dims, cfg.trainer.precision, kind="actor_critic",
                            seed=cfg.trainer.seed)
 
+    separate = cfg.critic.mode == "separate"
     model = make_stage()
     model.detach_value_head = cfg.critic.mode == "shared_detached"
+    if separate and hasattr(model, model.head_name):
+        delattr(model, model.head_name)  # the actor of a separate critic has no value head
     if cfg.exp_manager.init_from:
         load_model_weights(cfg.exp_manager.init_from, model,
                            init_heads=cfg.exp_manager.init_value_head)
     reference = ReferencePolicy(model, cfg.reference.mode, build_fn=make_stage)
     ddp = wrap_ddp(model, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optim, dims, cfg.trainer.precision)
+    critic = build_separate_critic(cfg, dims) if separate else None
     reward = build_reward(cfg.reward, dims) if (dims.tp_rank == 0 and dims.pp_rank == 0) else None
-    trainer = PPOTrainer(cfg, dims, ddp, optimizer, reference, reward, tok, prompts, eval_prompts)
+    trainer = PPOTrainer(cfg, dims, ddp, optimizer, reference, reward, tok, prompts, eval_prompts,
+                         critic=critic)
     trainer.fingerprint = {
         "model": cfg.model.fingerprint(),
         "tokenizer": _file_hash(Path(cfg.data.tokenizer_dir) / "tokenizer.json"),
@@ -121,6 +126,33 @@ def build(cfg: PPOConfig):
         "reference": _reference_fingerprint(cfg),
     }
     return trainer
+
+
+def build_separate_critic(cfg: PPOConfig, dims) -> tuple:
+    """``critic.mode=separate``: the critic's own stage (backbone + value head, DDP-wrapped)
+    and optimizer, from ``critic.init_from`` or ``exp_manager.init_from``.
+
+    From a separate-critic PPO checkpoint the critic part is loaded; from any other (SFT,
+    actor, RM) the backbone, the value head from the checkpoint's value head or an RM's
+    reward head, else initialised (``exp_manager.init_value_head``).
+    """
+    from dataclasses import replace
+
+    from nemo_rlhf.checkpoint import load_model_weights, read_metadata
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.trainers.engine import wrap_ddp
+    from nemo_rlhf.trainers.optim import build_optimizer
+
+    critic = build_model(cfg.model, dims, cfg.trainer.precision, kind="critic",
+                         seed=cfg.trainer.seed + 1)
+    source = cfg.critic.init_from or cfg.exp_manager.init_from
+    if source:
+        part = "critic" if read_metadata(source).get("has_critic") else "model"
+        load_model_weights(source, critic, init_heads=cfg.exp_manager.init_value_head, part=part,
+                           head_aliases={"value_head": "reward_head"})
+    ddp = wrap_ddp(critic, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+    optim = cfg.optim if cfg.critic.lr is None else replace(cfg.optim, lr=cfg.critic.lr)
+    return ddp, build_optimizer(ddp, optim, dims, cfg.trainer.precision)
 
 
 def fit(cfg: PPOConfig, trainer, sig: "_Signals | None" = None) -> int:
@@ -144,7 +176,7 @@ def fit(cfg: PPOConfig, trainer, sig: "_Signals | None" = None) -> int:
     def save():
         state = {**trainer.state_dict(), "guard": guard.state_dict()}
         path = save_checkpoint(ckpt_root, trainer.step, trainer.model, trainer.optimizer, state,
-                               cfg_dict, trainer.dims, trainer.fingerprint)
+                               cfg_dict, trainer.dims, trainer.fingerprint, critic=trainer.critic)
         if trainer.dims.rank == 0:
             prune(ckpt_root, cfg.exp_manager.keep_last)
         return path

@@ -144,13 +144,31 @@ def _optimizer_format(optimizer) -> str:
     return getattr(optimizer, "checkpoint_format", ADAMW_FORMAT)
 
 
-def _model_sharded_state_dict(model) -> dict:
+CRITIC = "critic"
+"""Prefix of a separate critic's tensors (``critic.mode=separate``) and of its optimizer's
+entries (``critic_optimizer``), beside the actor's ``model.`` / ``optimizer``."""
+
+
+def _model_sharded_state_dict(model, prefix: str = "model.") -> dict:
     from nemo_rlhf.trainers.engine import unwrap
 
-    return unwrap(model).sharded_state_dict(prefix="model.")
+    return unwrap(model).sharded_state_dict(prefix=prefix)
 
 
-def _global_param_names(model, params) -> list[str]:
+def _parts(model, optimizer, critic) -> list[tuple[str, object, object]]:
+    """``(name, model, optimizer)`` of what a checkpoint holds: ``model`` (the actor or a
+    single model) and, in separate-critic runs, ``critic``."""
+    parts = [("model", model, optimizer)]
+    if critic is not None:
+        parts.append((CRITIC, critic[0], critic[1]))
+    return parts
+
+
+def _opt_key(name: str) -> str:
+    return "optimizer" if name == "model" else f"{name}_optimizer"
+
+
+def _global_param_names(model, params, prefix: str = "") -> list[str]:
     """Names of ``params`` that do not depend on the layout: the bare model's parameter
     names with each transformer layer's local index replaced by its global one (a PP
     stage's ``decoder.layers.0`` is global layer ``layer_number - 1``); TP shards of one
@@ -170,7 +188,7 @@ def _global_param_names(model, params) -> list[str]:
                 name = global_ + name[len(local):]
                 break
         by_id.setdefault(id(p), name)
-    return [by_id.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
+    return [prefix + by_id.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
 
 
 def _gather_param_steps(steps: dict[str, int]) -> dict[str, int]:
@@ -185,10 +203,12 @@ def _gather_param_steps(steps: dict[str, int]) -> dict[str, int]:
     return dict(sorted(merged.items()))
 
 
-def _optimizer_sharded_state_dict(model_sd: dict, optimizer) -> tuple[dict, dict[str, int]]:
+def _optimizer_sharded_state_dict(model_sd: dict, optimizer, name: str = "model"
+                                  ) -> tuple[dict, dict[str, int]]:
     """Adam moments and fp32 masters as ShardedTensors keyed like the model params, and
     this stage's Adam step count per parameter, by :func:`_global_param_names` (0: never
-    stepped, e.g. the backbone during a critic warm-up)."""
+    stepped, e.g. the backbone during a critic warm-up; a critic's names start with
+    ``critic.``)."""
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         make_sharded_optimizer_tensor,
@@ -199,7 +219,7 @@ def _optimizer_sharded_state_dict(model_sd: dict, optimizer) -> tuple[dict, dict
     ordered = optimizer.ordered_params
     id_map = get_param_id_to_sharded_param_map(model_sd, ordered)
     sd = opt.state_dict()
-    names = _global_param_names(optimizer.model, ordered)
+    names = _global_param_names(optimizer.model, ordered, "" if name == "model" else f"{name}.")
     steps = {names[i]: int(sd["state"][i]["step"]) if "step" in sd["state"].get(i, {}) else 0
              for i in range(len(ordered))}
     # A parameter not stepped yet (the backbone during a critic warm-up) has no Adam state:
@@ -262,6 +282,7 @@ def save_checkpoint(
     config: Optional[dict] = None,
     dims=None,
     fingerprint: Optional[dict] = None,
+    critic: Optional[tuple] = None,
 ) -> Path:
     """Write ``<root>/step_<step>`` on every rank and publish it atomically.
 
@@ -274,6 +295,8 @@ def save_checkpoint(
         config: the resolved run config (a plain dict), written as ``config.yaml``.
         dims: :class:`ParallelDims` (the layout is recorded in ``metadata.json``).
         fingerprint: facts a resume must match (model, tokenizer, data, reference).
+        critic: ``(critic stage, its optimizer or None)`` of a separate critic
+            (``critic.mode=separate``): saved under ``critic.`` / ``critic_optimizer``.
 
     Returns:
         The published ``step_<step>`` path.
@@ -290,21 +313,29 @@ def save_checkpoint(
         (tmp / "dist").mkdir(parents=True)
         (tmp / "rng").mkdir()
     _barrier()
-    sharded = {**_model_sharded_state_dict(model)}
+    sharded, part_meta = {}, {}
     opt_step, opt_steps = 0, None
-    extra = {}
-    if optimizer is not None:
-        if _optimizer_format(optimizer) == ADAMW_FORMAT:
-            opt_sd, opt_steps = _optimizer_sharded_state_dict(sharded, optimizer)
-            sharded["optimizer"] = opt_sd["optimizer"]
-            sharded["optimizer_masters"] = opt_sd["masters"]
-            opt_steps = _gather_param_steps(opt_steps)
-            opt_step = max(opt_steps.values(), default=0)
+    for name, part_model, part_opt in _parts(model, optimizer, critic):
+        model_sd = _model_sharded_state_dict(part_model, f"{name}.")
+        sharded.update(model_sd)
+        if part_opt is None:
+            continue
+        key = _opt_key(name)
+        if _optimizer_format(part_opt) == ADAMW_FORMAT:
+            opt_sd, steps = _optimizer_sharded_state_dict(model_sd, part_opt, name)
+            sharded[key] = opt_sd["optimizer"]
+            sharded[f"{key}_masters"] = opt_sd["masters"]
+            steps = _gather_param_steps(steps)
+            opt_steps = {**(opt_steps or {}), **steps}
+            if name == "model":
+                opt_step = max(steps.values(), default=0)
         else:  # megatron's DistributedOptimizer: its own reshardable layout
-            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=False)
-            opt_step = optimizer.scheduler.last_epoch
-        extra = {"scheduler": optimizer.scheduler.state_dict(),
-                 "scaler": optimizer.scaler.state_dict() if optimizer.scaler else None}
+            sharded[key] = part_opt.sharded_state_dict(dict(model_sd), is_loading=False)
+            if name == "model":
+                opt_step = part_opt.scheduler.last_epoch
+        part_meta[f"{key}_extra"] = {
+            "scheduler": part_opt.scheduler.state_dict(),
+            "scaler": part_opt.scaler.state_dict() if part_opt.scaler else None}
     dist_checkpointing.save(sharded, str(tmp / "dist"))
     torch.save({"rng": rng_state()}, tmp / "rng" / f"rank_{_rank()}.pt")
     _barrier()
@@ -318,7 +349,9 @@ def save_checkpoint(
             "optimizer_param_steps": opt_steps,
             "has_optimizer": optimizer is not None,
             "optimizer_format": _optimizer_format(optimizer) if optimizer is not None else None,
-            "optimizer_extra": extra,
+            "optimizer_extra": part_meta.get("optimizer_extra", {}),
+            "has_critic": critic is not None,
+            **{k: v for k, v in part_meta.items() if k != "optimizer_extra"},
             "fingerprint": fingerprint or {},
             "files": file_checksums(tmp),
         }
@@ -436,7 +469,8 @@ def _drop_missing_heads(sharded: dict, available: set[str], init_heads: bool, pa
 
 
 def load_model_weights(path: Path, model, init_heads: bool = False,
-                       skip_heads: bool = False) -> list[str]:
+                       skip_heads: bool = False, part: str = "model",
+                       head_aliases: Optional[dict[str, str]] = None) -> list[str]:
     """Load model weights (any TP/PP layout) from a checkpoint into this rank's stage.
 
     Args:
@@ -444,6 +478,11 @@ def load_model_weights(path: Path, model, init_heads: bool = False,
             initialisation instead of raising.
         skip_heads: do not load head weights even if present (e.g. an RM started from an
             actor checkpoint, or a PPO critic head re-initialised on purpose).
+        part: which model of the checkpoint: ``model`` (the actor, or an SFT / RM model),
+            or ``critic`` (a separate critic's).
+        head_aliases: ``{head of this model: head in the checkpoint}`` tried when the
+            model's own head is absent, e.g. ``{"value_head": "reward_head"}``: a critic's
+            value head starts from an RM's reward head.
 
     Returns:
         Keys of head tensors that were not loaded.
@@ -454,10 +493,18 @@ def load_model_weights(path: Path, model, init_heads: bool = False,
     """
     from megatron.core import dist_checkpointing
 
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
     path = Path(path)
     read_metadata(path)
-    sharded = _model_sharded_state_dict(model)
+    sharded = _model_sharded_state_dict(model, f"{part}.")
     available = _checkpoint_keys(path)
+    for v in sharded.values():
+        if isinstance(v, ShardedTensor) and v.key not in available:
+            for mine, theirs in (head_aliases or {}).items():
+                alt = v.key.replace(f".{mine}.", f".{theirs}.", 1)
+                if alt != v.key and alt in available:
+                    v.key = alt
     skipped = []
     if skip_heads:
         skipped = [k for k in list(sharded) if any(h in k for h in HEAD_KEYS)]
@@ -465,14 +512,14 @@ def load_model_weights(path: Path, model, init_heads: bool = False,
             sharded.pop(k)
     skipped += _drop_missing_heads(sharded, available, init_heads or skip_heads, path)
     loaded = dist_checkpointing.load(sharded, str(path / "dist"))
-    _copy_into_model(model, loaded)
+    _copy_into_model(model, loaded, f"{part}.")
     return skipped
 
 
-def _copy_into_model(model, loaded: dict) -> None:
+def _copy_into_model(model, loaded: dict, prefix: str = "model.") -> None:
     from nemo_rlhf.trainers.engine import unwrap
 
-    state = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
+    state = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
     missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")
                and not any(k.startswith(h) for h in HEAD_KEYS)]
@@ -481,28 +528,45 @@ def _copy_into_model(model, loaded: dict) -> None:
 
 
 def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
-                    load_rng: bool = True) -> dict:
+                    load_rng: bool = True, critic: Optional[tuple] = None) -> dict:
     """Load model, optimizer, scheduler and RNG from ``path``; return the trainer state.
 
     The checkpoint may have been written with another TP/PP/DP layout (resharding is done
     by dist_checkpointing). RNG states are restored only when the layout is unchanged
     (otherwise a rank has no state of its own to restore).
 
+    Args:
+        critic: ``(critic stage, its optimizer or None)`` of a separate critic, loaded from
+            the checkpoint's ``critic.`` part.
+
     Raises:
         CheckpointError: see :func:`load_model_weights`; also a checkpoint without optimizer
-            state when an optimizer is passed.
+            state when an optimizer is passed, optimizer state of the other format, or no
+            separate critic when one is passed (and one when none is).
     """
     from megatron.core import dist_checkpointing
 
     path = Path(path)
     meta = read_metadata(path)
-    sharded = _model_sharded_state_dict(model)
     available = _checkpoint_keys(path)
-    _drop_missing_heads(sharded, available, init_heads, path)
-    fmt = _optimizer_format(optimizer) if optimizer is not None else None
-    if optimizer is not None:
-        if not meta.get("has_optimizer"):
-            raise CheckpointError(f"{path}: holds no optimizer state")
+    has_critic = any(k.startswith(f"{CRITIC}.") for k in available)
+    if has_critic != (critic is not None):
+        raise CheckpointError(
+            f"{path}: {'holds' if has_critic else 'has no'} a separate critic, this run "
+            f"{'has none' if has_critic else 'has one'}: resume it with critic.mode="
+            f"{'separate' if has_critic else 'shared (or shared_detached)'}, or start from "
+            f"its actor weights with exp_manager.init_from")
+    parts = _parts(model, optimizer, critic)
+    if optimizer is not None and not meta.get("has_optimizer"):
+        raise CheckpointError(f"{path}: holds no optimizer state")
+    sharded, formats = {}, {}
+    for name, part_model, part_opt in parts:
+        model_sd = _model_sharded_state_dict(part_model, f"{name}.")
+        _drop_missing_heads(model_sd, available, init_heads, path)
+        sharded.update(model_sd)
+        if part_opt is None:
+            continue
+        fmt = formats[name] = _optimizer_format(part_opt)
         saved = meta.get("optimizer_format") or ADAMW_FORMAT
         if saved != fmt:
             raise CheckpointError(
@@ -510,23 +574,28 @@ def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
                 f"{fmt!r}: set optim.use_distributed_optimizer="
                 f"{str(saved != ADAMW_FORMAT).lower()} to resume it (or start from its weights "
                 f"with exp_manager.init_from)")
+        key = _opt_key(name)
         if fmt == ADAMW_FORMAT:
-            _materialize_adam_state(optimizer)
-            opt_sd, _ = _optimizer_sharded_state_dict(sharded, optimizer)
-            sharded["optimizer"] = opt_sd["optimizer"]
-            sharded["optimizer_masters"] = opt_sd["masters"]
+            _materialize_adam_state(part_opt)
+            opt_sd, _ = _optimizer_sharded_state_dict(model_sd, part_opt, name)
+            sharded[key] = opt_sd["optimizer"]
+            sharded[f"{key}_masters"] = opt_sd["masters"]
         else:
-            sharded["optimizer"] = optimizer.sharded_state_dict(dict(sharded), is_loading=True)
+            sharded[key] = part_opt.sharded_state_dict(dict(model_sd), is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(path / "dist"))
-    _copy_into_model(model, loaded)
-    if optimizer is not None:
-        if fmt == ADAMW_FORMAT:
-            _restore_optimizer(optimizer, loaded, meta)
+    for name, part_model, part_opt in parts:
+        _copy_into_model(part_model, loaded, f"{name}.")
+        if part_opt is None:
+            continue
+        key = _opt_key(name)
+        extra = meta.get(f"{key}_extra") or {}
+        if formats[name] == ADAMW_FORMAT:
+            _restore_optimizer(part_opt, loaded[key], loaded.get(f"{key}_masters", {}), meta,
+                               extra, "" if name == "model" else f"{name}.")
         else:
-            extra = meta.get("optimizer_extra") or {}
             if extra.get("scheduler"):
-                optimizer.scheduler.load_state_dict(extra["scheduler"])
-            optimizer.load_sharded(loaded["optimizer"])
+                part_opt.scheduler.load_state_dict(extra["scheduler"])
+            part_opt.load_sharded(loaded[key])
     rng_file = path / "rng" / f"rank_{_rank()}.pt"
     if load_rng and rng_file.is_file() and _same_layout(meta):
         set_rng_state(torch.load(rng_file, weights_only=False)["rng"])
@@ -543,14 +612,14 @@ def _same_layout(meta: dict) -> bool:
             and layout.get("pp") == ps.get_pipeline_model_parallel_world_size())
 
 
-def _restore_optimizer(optimizer, loaded: dict, meta: dict) -> None:
+def _restore_optimizer(optimizer, sd: dict, masters: dict, meta: dict, extra: dict,
+                       name_prefix: str = "") -> None:
     opt = optimizer.optimizer
-    sd = loaded["optimizer"]
     n = len(optimizer.ordered_params)
     # per parameter, by its layout-independent name (one that never stepped restarts from
     # 0, as it would have); checkpoints without the table hold one count for all
     table = meta.get("optimizer_param_steps") or {}
-    names = _global_param_names(optimizer.model, optimizer.ordered_params)
+    names = _global_param_names(optimizer.model, optimizer.ordered_params, name_prefix)
     default = meta.get("optimizer_step", 0)
     state = {pid: st for pid, st in sd["state"].items() if int(pid) < n}  # not frozen placeholders
     for pid, st in state.items():
@@ -559,10 +628,9 @@ def _restore_optimizer(optimizer, loaded: dict, meta: dict) -> None:
     # the saved param_groups carry the learning rate the schedule had reached
     opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
     with torch.no_grad():
-        for i, m in loaded.get("optimizer_masters", {}).items():
+        for i, m in masters.items():
             if int(i) < n:
                 optimizer.ordered_masters[int(i)].copy_(m)
-    extra = meta.get("optimizer_extra") or {}
     if extra.get("scheduler"):
         optimizer.scheduler.load_state_dict(extra["scheduler"])
     if extra.get("scaler") and optimizer.scaler is not None:

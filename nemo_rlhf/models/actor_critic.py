@@ -78,7 +78,8 @@ class ActorCriticModel(GPTModel):
 
     def _postprocess(self, hidden_states, *args, **kwargs):
         logits = super()._postprocess(hidden_states, *args, **kwargs)
-        if not self.post_process or not self.compute_values or kwargs.get("inference_context"):
+        if (not self.post_process or not self.compute_values or kwargs.get("inference_context")
+                or not hasattr(self, self.head_name)):  # an actor without its head: logits
             return logits
         h = hidden_states.detach() if self.detach_value_head else hidden_states
         values = self._head()(h.float()).squeeze(-1).transpose(0, 1).contiguous()
@@ -99,6 +100,18 @@ class RewardModel(ActorCriticModel):
         if not self.post_process:
             return hidden_states
         return self._head()(hidden_states.float()).squeeze(-1).transpose(0, 1).contiguous()
+
+
+class CriticModel(RewardModel):
+    """A critic with its own backbone (``critic.mode=separate``): GPT backbone + value head.
+
+    The last stage returns per-token values ``[batch, seq]`` float32 (position ``t``: the
+    state after token ``t``), like the reward model's per-token scores; the output layer
+    exists (keys compatible with actor, SFT and RM checkpoints, so a critic can start from
+    any of them) but is not called.
+    """
+
+    head_name = "value_head"
 
 
 def gather_last_token(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -128,14 +141,14 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
         model_cfg: architecture; ``vocab_size`` must be set.
         dims: :class:`nemo_rlhf.distributed.ParallelDims` of this process.
         precision: ``trainer.precision`` (``32``, ``bf16-mixed``, ``fp16-mixed``).
-        kind: ``actor_critic`` or ``reward``.
+        kind: ``actor_critic``, ``reward`` or ``critic`` (:class:`CriticModel`).
         seed: if given, re-seed megatron's TP RNG tracker first, so two builds give the
             same weights (tests; reference copies).
 
     Raises:
         ValueError: unknown ``kind``, or a padded vocabulary not divisible by TP.
     """
-    classes = {"actor_critic": ActorCriticModel, "reward": RewardModel}
+    classes = {"actor_critic": ActorCriticModel, "reward": RewardModel, "critic": CriticModel}
     if kind not in classes:
         raise ValueError(f"model kind {kind!r}: valid kinds are {sorted(classes)}")
     if model_cfg.padded_vocab_size % dims.tp:

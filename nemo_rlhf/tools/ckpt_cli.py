@@ -467,14 +467,21 @@ def _layout_rank(rank: int, world: int, port: int, job: dict) -> None:
         model = build_model(cfg, dims, job["precision"], kind=job["kind"])
         if not job["has_head"] and hasattr(model, model.head_name):
             delattr(model, model.head_name)
-        opt = None
-        if job["optim"] is not None:
-            opt = MixedPrecisionOptimizer(model, OptimizerConfig(**job["optim"]),
-                                          mp_group=dims.mp_group,
-                                          fp16=job["precision"] == "fp16-mixed")
-        load_checkpoint(job["src"], model, opt)
+        def optimizer_of(stage):
+            if job["optim"] is None:
+                return None
+            return MixedPrecisionOptimizer(stage, OptimizerConfig(**job["optim"]),
+                                           mp_group=dims.mp_group,
+                                           fp16=job["precision"] == "fp16-mixed")
+
+        opt = optimizer_of(model)
+        critic = None
+        if job["critic"]:  # a separate critic (critic.mode=separate), resharded alike
+            critic_model = build_model(cfg, dims, job["precision"], kind="critic")
+            critic = (critic_model, optimizer_of(critic_model))
+        load_checkpoint(job["src"], model, opt, critic=critic)
         save_checkpoint(job["out"], job["step"], model, opt, job["trainer_state"], job["config"],
-                        dims, job["fingerprint"])
+                        dims, job["fingerprint"], critic=critic)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException;
@@ -549,6 +556,11 @@ def _layout_job(src: Path, out: Path, tp: int, pp: int, cfg: dict, model, with_o
         "torch.bfloat16": "bf16-mixed", "torch.float16": "fp16-mixed"}.get(dtype, "32")
     optim = None
     if with_optimizer and meta.get("has_optimizer"):
+        if (meta.get("optimizer_format") or "adamw") != "adamw":
+            raise CLIError(f"{src} holds megatron DistributedOptimizer state "
+                           f"(optim.use_distributed_optimizer=true), which this offline tool "
+                           f"cannot rebuild: resume the run at the new layout on GPUs (it "
+                           f"reshards on load), or pass --model-only to reshard the weights")
         if not isinstance(cfg.get("optim"), dict):
             raise CLIError(f"{src} holds optimizer state but config.yaml has no optim section; "
                            "pass --model-only to reshard the weights alone")
@@ -559,6 +571,7 @@ def _layout_job(src: Path, out: Path, tp: int, pp: int, cfg: dict, model, with_o
     return {"src": str(src), "out": str(out), "tp": tp, "pp": pp, "model": asdict(model),
             "precision": str(precision), "kind": kind,
             "has_head": any(k.startswith(("model.value_head.", "model.reward_head.")) for k in keys),
+            "critic": any(k.startswith("critic.") for k in keys),
             "optim": optim, "step": int(meta["step"]), "trainer_state": read_trainer_state(src),
             "config": new_cfg, "fingerprint": meta.get("fingerprint") or {}}
 
@@ -588,7 +601,8 @@ def cmd_reshard(args) -> int:
     try:
         _spawn_layout(job)
         dst = out / f"step_{job['step']}"
-        prefixes = ("model.", "optimizer.") if job["optim"] is not None else ("model.",)
+        prefixes = (("model.", "critic.", "optimizer.", "critic_optimizer.")
+                    if job["optim"] is not None else ("model.", "critic."))
         problems, n = compare_checkpoints(src, dst, prefixes=prefixes)
     except BaseException:
         _discard_out(out, created)

@@ -1,8 +1,8 @@
 """Advantage estimators, loss aggregation, KL in the loss and critic modes in the trainer.
 
 One 1-rank spawn runs every estimator and critic mode for two steps (and checks what each
-trains); one 2-rank spawn runs a critic-free and a detached-critic configuration at TP=2
-and PP=2, whose first-step metrics must match the TP=1 run's.
+trains); one 2-rank spawn runs a critic-free, a detached-critic and a separate-critic
+configuration at TP=2 and PP=2, whose first-step metrics must match the TP=1 run's.
 """
 
 from __future__ import annotations
@@ -38,9 +38,11 @@ PARITY = {
                      "ppo.loss_agg_mode=seq-mean-token-mean"),
     "gae_detached": ("rollout.greedy=true", "ppo.shuffle=false", "critic.mode=shared_detached",
                      "ppo.loss_agg_mode=seq-mean-token-sum"),
+    "gae_separate": ("rollout.greedy=true", "ppo.shuffle=false", "critic.mode=separate"),
 }
 COMPARED = ("reward_mean", "response_length", "kl_mean", "policy_loss", "entropy", "approx_kl",
             "grad_norm", "advantages_mean")
+COMPARED_IF_PRESENT = ("value_loss", "critic_grad_norm", "returns_mean")
 
 
 def _head(trainer) -> dict:
@@ -97,7 +99,9 @@ def _reference(rank: int, tmp: str, name: str):
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
     trainer = build(compose_ppo(data, tmp / f"ref_{name}", *BASE, *PARITY[name]))
-    save_checkpoint(tmp / f"init_{name}", 0, trainer.model, dims=trainer.dims)
+    # a separate critic's initial weights too (the layouts' critics start from them)
+    critic = None if trainer.critic_model is None else (trainer.critic_model, None)
+    save_checkpoint(tmp / f"init_{name}", 0, trainer.model, dims=trainer.dims, critic=critic)
     return [trainer.train_step()]
 
 
@@ -173,9 +177,11 @@ def test_detached_critic_sends_no_value_gradient_into_the_backbone(single):
 def test_first_step_metrics_match_tp1(parity, name, layout):
     refs, par = parity
     ref, got = refs[name][0], par[(name, layout)][0]
-    for key in COMPARED:
+    for key in COMPARED + tuple(k for k in COMPARED_IF_PRESENT if k in ref):
         assert abs(got[key] - ref[key]) <= 1e-4 * max(1.0, abs(ref[key])), f"{layout} {key}"
     assert ref["grad_norm"] > 0
+    if name == "gae_separate":
+        assert ref["critic_grad_norm"] > 0 and "critic_grad_norm" in got
 
 
 def test_groups_stay_whole_and_on_one_dp_rank():
@@ -198,5 +204,10 @@ def test_config_rejects_what_cannot_work(tmp_path):
         compose_ppo(data, tmp_path / "x", "ppo.advantage_estimator=ppo2")
     with pytest.raises(Exception, match="ppo.loss_agg_mode"):
         compose_ppo(data, tmp_path / "x", "ppo.loss_agg_mode=mean")
-    with pytest.raises(Exception, match="critic.mode='separate'"):
-        compose_ppo(data, tmp_path / "x", "critic.mode=separate")
+    with pytest.raises(Exception, match="critic.mode='separated'.*'separate'"):
+        compose_ppo(data, tmp_path / "x", "critic.mode=separated")
+    with pytest.raises(Exception, match="critic.mode=separate with the critic-free"):
+        compose_ppo(data, tmp_path / "x", "critic.mode=separate", "ppo.advantage_estimator=rloo",
+                    "rollout.n_samples_per_prompt=2")
+    with pytest.raises(Exception, match="critic.init_from / critic.lr are for critic.mode=separate"):
+        compose_ppo(data, tmp_path / "x", "critic.lr=1e-5")

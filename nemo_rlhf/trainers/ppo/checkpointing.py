@@ -98,7 +98,7 @@ def resume(cfg, trainer, ckpt_root: Path, guard=None) -> None:
         raise CheckpointError(
             f"{path} does not match this run: " + "; ".join(diff) +
             " (set exp_manager.ignore_fingerprint=true to load it anyway)")
-    state = load_checkpoint(path, trainer.model, trainer.optimizer)
+    state = load_checkpoint(path, trainer.model, trainer.optimizer, critic=trainer.critic)
     trainer.load_state_dict(state)
     if guard is not None and state.get("guard"):
         guard.load_state_dict(state["guard"])

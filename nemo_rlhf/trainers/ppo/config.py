@@ -215,23 +215,36 @@ class ReferenceConfig:
             raise ValueError(f"reference.mode={self.mode!r}: valid choices are ['offload', 'colocated']")
 
 
-CRITIC_MODES = ("shared", "shared_detached")
+CRITIC_MODES = ("shared", "shared_detached", "separate")
 
 
 @dataclass
 class CriticConfig:
-    """How the critic (value head) sits on the actor's backbone (group ``critic``)."""
+    """Where the critic (value function) lives (group ``critic``)."""
 
     mode: str = "shared"
-    """``shared``: the value loss trains the shared backbone too (InstructGPT/NeMo-Aligner's
-    critic on the actor); ``shared_detached``: the value head reads the backbone's hidden
-    states with the gradient stopped, so the critic cannot disturb the policy (Stiennon et
-    al. 2020, App. G.1), at the cost of a weaker critic. A ``separate`` critic (own backbone
-    and optimizer) is not available yet."""
+    """``shared``: a value head on the actor's backbone, and the value loss trains that
+    backbone too (InstructGPT/NeMo-Aligner's critic on the actor); ``shared_detached``: the
+    value head reads the backbone's hidden states with the gradient stopped, so the critic
+    cannot disturb the policy (Stiennon et al. 2020, App. G.1), at the cost of a weaker
+    critic; ``separate``: its own backbone + value head and its own optimizer (twice the
+    trained model state), checkpointed beside the actor (``critic.`` tensors) and resharded
+    like it; the actor then has no value head."""
+    init_from: Optional[str] = None
+    """``separate``: checkpoint the critic starts from (backbone, and value head when it
+    has one): an SFT/actor checkpoint, an RM checkpoint (its reward head becomes the value
+    head) or a separate-critic PPO checkpoint (its critic). None: ``exp_manager.init_from``
+    (the value head initialised)."""
+    lr: Optional[float] = None
+    """``separate``: the critic optimizer's peak learning rate (None: ``optim.lr``; the rest
+    of ``optim`` applies to both)."""
 
     def __post_init__(self) -> None:
         if self.mode not in CRITIC_MODES:
             raise ValueError(f"critic.mode={self.mode!r}: valid choices are {list(CRITIC_MODES)}")
+        if self.mode != "separate" and (self.init_from is not None or self.lr is not None):
+            raise ValueError(f"critic.init_from / critic.lr are for critic.mode=separate "
+                             f"(critic.mode={self.mode!r})")
 
 
 @dataclass
@@ -314,6 +327,9 @@ class PPOConfig:
         if est in ("grpo", "rloo") and n < 2:
             raise ValueError(f"ppo.advantage_estimator={est} compares the samples of one prompt: "
                              f"set rollout.n_samples_per_prompt >= 2 (got {n})")
+        if est != "gae" and self.critic.mode == "separate":
+            raise ValueError(f"critic.mode=separate with the critic-free ppo.advantage_estimator="
+                             f"{est}: no critic is trained; use critic.mode=shared")
         if est != "gae" and self.trainer.critic_warmup_steps:
             raise ValueError(f"trainer.critic_warmup_steps={self.trainer.critic_warmup_steps} with "
                              f"the critic-free ppo.advantage_estimator={est}: set it to 0")

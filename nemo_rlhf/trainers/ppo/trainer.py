@@ -128,11 +128,15 @@ class PPOTrainer:
         tokenizer: encode/decode and the special token ids.
         prompts / eval_prompts: lists of ``PromptSample`` (prompt_ids, prompt, extras).
         logger: metrics sink (``log_metrics(dict, step)``, ``log_text``), reporter rank only.
+        critic: ``(critic stage, its optimizer)`` for ``critic.mode=separate`` (the critic's
+            own DDP-wrapped backbone + value head); None: the value head on ``model``.
     """
 
     def __init__(self, cfg: PPOConfig, dims, model, optimizer, reference, reward, tokenizer,
-                 prompts: list, eval_prompts: Optional[list], logger=None):
+                 prompts: list, eval_prompts: Optional[list], logger=None,
+                 critic: Optional[tuple] = None):
         self.cfg, self.dims, self.model, self.optimizer = cfg, dims, model, optimizer
+        self.critic_model, self.critic_optimizer = critic if critic is not None else (None, None)
         self.reference, self.reward, self.tok = reference, reward, tokenizer
         self.prompts, self.eval_prompts, self.logger = prompts, eval_prompts or [], logger
         self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.initial_policy_kl_penalty,
@@ -143,7 +147,9 @@ class PPOTrainer:
             lam=cfg.ppo.gae_lambda, norm_by_std=cfg.ppo.grpo_norm_by_std)
         self.needs_values = self.advantage_cfg.needs_values
         """Whether the critic is used (``gae``); critic-free estimators compute no values."""
-        unwrap(model).compute_values = self.needs_values
+        self.actor_values = self.needs_values and self.critic_model is None
+        """Whether the actor's forward gives the values (a value head on its backbone)."""
+        unwrap(model).compute_values = self.actor_values
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.timers = Timers()
@@ -205,7 +211,7 @@ class PPOTrainer:
                             max_sequence_length=self.cfg.model.max_position_embeddings,
                             decode_fn=self.tok.decode, call_index=self.step)
         finally:
-            m.compute_values = self.needs_values
+            m.compute_values = self.actor_values
             m.train()
 
     def _response_texts(self, batch) -> list[str]:
@@ -315,23 +321,45 @@ class PPOTrainer:
         out = {k: torch.cat([r[k] for r in res]) for k in res[0]}
         return out
 
+    def _forward_values(self, critic, batch) -> Optional[torch.Tensor]:
+        """A separate critic's values ``[B, R]`` float32 over the rollout (forward-only,
+        eval mode, micro-batches of ``ppo.forward_micro_batch_size``); None off the last
+        pipeline stage."""
+        P_len, R = batch.prompt_length, batch.response_mask.shape[1]
+
+        def loss_fn(values, mb):
+            v = response_values(values, P_len, R)
+            return torch.zeros((), device=v.device), {"values": v}
+
+        mbs = self.cfg.ppo.forward_micro_batch_size
+        micro = [{"input_ids": batch.input_ids[s], "attention_mask": batch.attention_mask[s]}
+                 for s in _chunks(batch.input_ids.shape[0], mbs)]
+        with torch.no_grad(), _eval_mode(critic):
+            res = forward_backward(critic, micro, loss_fn, forward_only=True)
+        return torch.cat([r["values"] for r in res]) if res else None
+
     def compute_old_and_reference(self, batch) -> Optional[dict]:
         """Steps 4-5a: old log-probs and values (actor), reference log-probs (swapped in).
 
         ``old_logprobs`` are at the sampling temperature (the PPO ratio's);
         ``ref_logprobs`` and the actor's ``kl_logprobs`` at ``kl.temperature``'s."""
         kl_temp = self._kl_temperature()
-        unwrap(self.model).compute_values = self.needs_values
+        unwrap(self.model).compute_values = self.actor_values
         with self.timers("old_logprobs_values"):
-            old = self._forward_logprobs(self.model, batch, with_values=self.needs_values,
+            old = self._forward_logprobs(self.model, batch, with_values=self.actor_values,
                                          kl_temperature=kl_temp)
+        values = None
+        if self.critic_model is not None:
+            with self.timers("critic_values"):
+                values = self._forward_values(self.critic_model, batch)
         with self.timers("reference_logprobs"), self.reference.swapped_in() as ref_model:
             unwrap(ref_model).compute_values = False
             ref = self._forward_logprobs(ref_model, batch, with_values=False, temperature=kl_temp)
-            unwrap(ref_model).compute_values = self.needs_values
+            unwrap(ref_model).compute_values = self.actor_values
         if old is None:
             return None
-        return {"old_logprobs": old["logprobs"], "values": old.get("values"),
+        return {"old_logprobs": old["logprobs"],
+                "values": old.get("values") if values is None else values,
                 "ref_logprobs": ref["logprobs"],
                 "kl_logprobs": old.get("kl_logprobs", old["logprobs"])}
 
@@ -411,7 +439,7 @@ class PPOTrainer:
             loss = torch.zeros((), device=lp.device)
             stats = dict(pstats)
             scale = n_tokens.float()
-            if self.needs_values:
+            if self.actor_values:
                 v = response_values(values, P_len, lp.shape[1])
                 vl, vstats = P.value_loss(v, mb["old_values"], mb["returns"], m, n_tokens,
                                           clip_range=c.value_clip, **agg)
@@ -434,6 +462,23 @@ class PPOTrainer:
 
         return fn
 
+    def _critic_loss_fn(self, n_tokens: torch.Tensor, n_seqs: torch.Tensor, P_len: int):
+        """A separate critic's mini-batch loss: the clipped value loss alone (``vf_coef``
+        weighs it against the policy loss only on a shared backbone), aggregated like the
+        policy loss."""
+        c = self.cfg.ppo
+        agg = dict(loss_agg_mode=c.loss_agg_mode, global_sequences=n_seqs,
+                   norm_length=self.cfg.rollout.max_new_tokens)
+
+        def fn(values, mb):
+            m = mb["response_mask"]
+            v = response_values(values, P_len, m.shape[1])
+            vl, vstats = P.value_loss(v, mb["old_values"], mb["returns"], m, n_tokens,
+                                      clip_range=c.value_clip, **agg)
+            return vl, {**vstats, "value_loss_sum": vl.detach() * n_tokens.float()}
+
+        return fn
+
     def update(self, batch, fwd, adv) -> dict:
         """Step 6: ``ppo_epochs`` x mini-batches, one optimizer step each."""
         c = self.cfg.ppo
@@ -449,7 +494,9 @@ class PPOTrainer:
                 tensors.update(ref_logprobs=fwd["ref_logprobs"])
         value_only = self.step < self.cfg.trainer.critic_warmup_steps
         self.model.train()  # training passes: dropout on (forward-only passes run in eval)
-        all_stats, norms, skipped = [], [], 0
+        if self.critic_model is not None:
+            self.critic_model.train()
+        all_stats, norms, critic_norms, skipped = [], [], [], 0
         # host permutation (the same order on every device type), moved to the device
         g = torch.Generator(device="cpu").manual_seed(self.cfg.trainer.seed + self.step)
         for _ in range(c.ppo_epochs):
@@ -462,14 +509,27 @@ class PPOTrainer:
                 n_tokens, n_seqs = self._dp_sum(counts)
                 micro = [{k: v[idx[s]] for k, v in tensors.items()}
                          for s in _chunks(len(idx), c.micro_batch_size)]
-                self.optimizer.zero_grad()
-                res = forward_backward(self.model, micro,
-                                       self._ppo_loss_fn(n_tokens, n_seqs, batch.prompt_length,
-                                                         value_only))
-                finalize_grads(self.model)
-                stepped, norm = self._optimizer_step(value_only)
+                res, stepped = [], True
+                if self.critic_model is None or not value_only:  # a separate critic's warm-up
+                    self.optimizer.zero_grad()                    # leaves the actor alone
+                    res = forward_backward(
+                        self.model, micro,
+                        self._ppo_loss_fn(n_tokens, n_seqs, batch.prompt_length,
+                                          value_only and self.critic_model is None))
+                    finalize_grads(self.model)
+                    stepped, norm = self._optimizer_step(value_only)
+                    norms.append(norm)
+                if self.critic_model is not None and self.needs_values:
+                    self.critic_optimizer.zero_grad()
+                    critic_res = forward_backward(
+                        self.critic_model, micro,
+                        self._critic_loss_fn(n_tokens, n_seqs, batch.prompt_length))
+                    finalize_grads(self.critic_model)
+                    critic_stepped, critic_norm = self.critic_optimizer.step()
+                    critic_norms.append(critic_norm)
+                    stepped = stepped and critic_stepped
+                    res = [{**c_, **a} for c_, a in zip(critic_res, res)] if res else critic_res
                 maybe_crash("update", self.step + 1)
-                norms.append(norm)
                 skipped += int(not stepped)
                 self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
                 if res:
@@ -483,7 +543,9 @@ class PPOTrainer:
             for k, v in merged.items():
                 if k != "valid_tokens":
                     out[k] = v
-        out["grad_norm"] = float(sum(norms) / max(len(norms), 1))
+        out["grad_norm"] = float(sum(norms) / len(norms)) if norms else 0.0
+        if critic_norms:
+            out["critic_grad_norm"] = float(sum(critic_norms) / len(critic_norms))
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
         return out
@@ -495,6 +557,11 @@ class PPOTrainer:
         if value_only:
             return self.optimizer.step(only=_is_value_head)
         return self.optimizer.step()
+
+    @property
+    def critic(self) -> Optional[tuple]:
+        """``(critic stage, its optimizer)`` of a separate critic (checkpoints), or None."""
+        return None if self.critic_model is None else (self.critic_model, self.critic_optimizer)
 
     # --- one step --------------------------------------------------------------------------
     def train_step(self) -> dict:
