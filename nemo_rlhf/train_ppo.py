@@ -79,7 +79,7 @@ def build(cfg: PPOConfig):
     from nemo_rlhf.models.config import agree_on_precision
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.trainers.engine import wrap_ddp
-    from nemo_rlhf.trainers.optim import build_optimizer, validate_optimizer
+    from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
     from nemo_rlhf.trainers.ppo.config import validate_batch_sizes
     from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
     from nemo_rlhf.trainers.ppo.rewards import build_reward
@@ -141,7 +141,7 @@ def build_separate_critic(cfg: PPOConfig, dims) -> tuple:
     from nemo_rlhf.checkpoint import load_model_weights, read_metadata
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.trainers.engine import wrap_ddp
-    from nemo_rlhf.trainers.optim import build_optimizer
+    from nemo_rlhf.trainers.optimizers import build_optimizer
 
     critic = build_model(cfg.model, dims, cfg.trainer.precision, kind="critic",
                          seed=cfg.trainer.seed + 1)

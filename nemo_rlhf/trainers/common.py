@@ -311,7 +311,7 @@ class SupervisedTrainer:
         from nemo_rlhf.models.actor_critic import build_model
         from nemo_rlhf.models.config import agree_on_precision
         from nemo_rlhf.trainers.engine import wrap_ddp
-        from nemo_rlhf.trainers.optim import build_optimizer, validate_optimizer
+        from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
 
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.data.tokenizer_dir)

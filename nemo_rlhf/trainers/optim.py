@@ -281,34 +281,3 @@ class MixedPrecisionOptimizer:
                 if m is not p:
                     m.copy_(next(masters))
 
-
-def validate_optimizer(cfg: OptimizerConfig, dims) -> None:
-    """Rules of ``optim`` that need the device, checked before the model is built.
-
-    Raises:
-        ValueError: ``optim.use_distributed_optimizer=true`` on a run without CUDA.
-    """
-    if cfg.use_distributed_optimizer and dims.device.type != "cuda":
-        raise ValueError(
-            f"optim.use_distributed_optimizer=true needs CUDA GPUs (megatron's "
-            f"DistributedOptimizer asserts CUDA tensors, gloo has no reduce-scatter); this run "
-            f"is on {dims.device.type}: set optim.use_distributed_optimizer=false")
-
-
-def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, dims, precision: str):
-    """The optimizer of a DDP-wrapped stage: :class:`MixedPrecisionOptimizer`, or with
-    ``optim.use_distributed_optimizer`` megatron's ZeRO-1 optimizer
-    (:class:`~nemo_rlhf.trainers.megatron_optim.MegatronDistributedOptimizer`; the stage
-    must be wrapped with ``wrap_ddp(..., use_distributed_optimizer=True)``).
-
-    Raises:
-        ValueError: see :func:`validate_optimizer`.
-    """
-    validate_optimizer(cfg, dims)
-    if cfg.use_distributed_optimizer:
-        from nemo_rlhf.trainers.megatron_optim import MegatronDistributedOptimizer
-
-        return MegatronDistributedOptimizer(model, cfg, precision)
-    return MixedPrecisionOptimizer(model, cfg, mp_group=dims.mp_group,
-                                   fp16=precision == "fp16-mixed")
-

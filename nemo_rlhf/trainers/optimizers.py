@@ -1,4 +1,5 @@
-"""megatron-core's ``DistributedOptimizer`` (ZeRO-1) behind the trainers' optimizer interface.
+"""The optimizer a run gets (:func:`build_optimizer`), and megatron-core's
+``DistributedOptimizer`` (ZeRO-1) behind the trainers' optimizer interface.
 
 ``optim.use_distributed_optimizer=true`` (CUDA only) replaces
 :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer` by
@@ -35,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from nemo_rlhf.trainers.engine import unwrap
-from nemo_rlhf.trainers.optim import OptimizerConfig, lr_lambda
+from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig, lr_lambda
 
 CHECKPOINT_FORMAT = "megatron_distributed"
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
@@ -191,5 +192,34 @@ class MegatronDistributedOptimizer:
         self._apply_lr()
 
 
-__all__ = ["CHECKPOINT_FORMAT", "MegatronDistributedOptimizer", "StepSchedule",
-           "megatron_optimizer_config"]
+def validate_optimizer(cfg: OptimizerConfig, dims) -> None:
+    """Rules of ``optim`` that need the device, checked before the model is built.
+
+    Raises:
+        ValueError: ``optim.use_distributed_optimizer=true`` on a run without CUDA.
+    """
+    if cfg.use_distributed_optimizer and dims.device.type != "cuda":
+        raise ValueError(
+            f"optim.use_distributed_optimizer=true needs CUDA GPUs (megatron's "
+            f"DistributedOptimizer asserts CUDA tensors, gloo has no reduce-scatter); this run "
+            f"is on {dims.device.type}: set optim.use_distributed_optimizer=false")
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, dims, precision: str):
+    """The optimizer of a DDP-wrapped stage: :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer`, or with
+    ``optim.use_distributed_optimizer`` megatron's ZeRO-1 optimizer
+    (:class:`MegatronDistributedOptimizer`; the stage
+    must be wrapped with ``wrap_ddp(..., use_distributed_optimizer=True)``).
+
+    Raises:
+        ValueError: see :func:`validate_optimizer`.
+    """
+    validate_optimizer(cfg, dims)
+    if cfg.use_distributed_optimizer:
+        return MegatronDistributedOptimizer(model, cfg, precision)
+    return MixedPrecisionOptimizer(model, cfg, mp_group=dims.mp_group,
+                                   fp16=precision == "fp16-mixed")
+
+
+__all__ = ["CHECKPOINT_FORMAT", "MegatronDistributedOptimizer", "StepSchedule", "build_optimizer",
+           "megatron_optimizer_config", "validate_optimizer"]

@@ -14,12 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nemo_rlhf.trainers.megatron_optim import MegatronDistributedOptimizer, megatron_optimizer_config
-from nemo_rlhf.trainers.optim import (
-    MixedPrecisionOptimizer,
-    OptimizerConfig,
+from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig, lr_lambda
+from nemo_rlhf.trainers.optimizers import (
+    MegatronDistributedOptimizer,
     build_optimizer,
-    lr_lambda,
+    megatron_optimizer_config,
     validate_optimizer,
 )
 
