@@ -189,7 +189,7 @@ def main(argv=None) -> dict:
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.rollout import RolloutConfig, generate
     from nemo_rlhf.tools import hf_convert
-    from nemo_rlhf.trainers.engine import model_forward
+    from nemo_rlhf.models.engine import model_forward
 
     mcfg = _model_config(args)
     vocab = mcfg.vocab_size

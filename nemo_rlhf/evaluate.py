@@ -30,9 +30,17 @@ import torch
 import torch.distributed as dist
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from nemo_rlhf.checkpoint import load_model_weights, read_metadata, resolve_checkpoint
 from nemo_rlhf.config import to_typed
+from nemo_rlhf.data.datasets import DataConfig, load_prompt_dataset
+from nemo_rlhf.data.tokenizer import Tokenizer
+from nemo_rlhf.distributed import destroy_distributed
 from nemo_rlhf.distributed.parallel import ParallelConfig
-from nemo_rlhf.models.config import PRECISIONS
+from nemo_rlhf.models.actor_critic import build_model
+from nemo_rlhf.models.config import PRECISIONS, ModelConfig, agree_on_precision
+from nemo_rlhf.reward.functions import get_reward_function
+from nemo_rlhf.rollout import RolloutConfig, generate
+from nemo_rlhf.trainers.common import chunks, dp_shard, setup_run
 
 
 @dataclass
@@ -95,15 +103,6 @@ def _checkpoint_config(path: Path) -> dict:
 
 def evaluate(cfg: EvalConfig) -> dict:
     """Run the evaluation; return the result dict (on every rank; rank 0 writes it)."""
-    from nemo_rlhf.checkpoint import load_model_weights, read_metadata
-    from nemo_rlhf.data.datasets import DataConfig, load_prompt_dataset
-    from nemo_rlhf.data.tokenizer import Tokenizer
-    from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.models.config import ModelConfig, agree_on_precision
-    from nemo_rlhf.reward.functions import get_reward_function
-    from nemo_rlhf.rollout import RolloutConfig, generate
-    from nemo_rlhf.trainers.common import chunks, dp_shard, resolve_checkpoint, setup_run
-
     start = time.perf_counter()
     path = resolve_checkpoint(cfg.checkpoint)
     saved = _checkpoint_config(path)
@@ -213,8 +212,6 @@ def main(dcfg: DictConfig) -> None:
     try:
         evaluate(cfg)
     finally:
-        from nemo_rlhf.distributed import destroy_distributed
-
         destroy_distributed()
 
 

@@ -33,9 +33,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from nemo_rlhf.config import to_typed
+from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
 from nemo_rlhf.distributed.parallel import ParallelConfig
-from nemo_rlhf.reward.rm_scorer import RMScorerConfig
-from nemo_rlhf.reward.server import RMServerConfig
+from nemo_rlhf.reward.rm_scorer import RewardModelScorer, RMScorerConfig, read_rm_checkpoint
+from nemo_rlhf.reward.server import RMServerConfig, serve
 
 log = logging.getLogger("nemo_rlhf.serve_rm")
 
@@ -65,10 +66,6 @@ def run(cfg: ServeRMConfig) -> None:
         OSError: the server cannot bind ``server.host:server.port``.
         RuntimeError: the scorer failed to load on rank 0.
     """
-    from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
-    from nemo_rlhf.reward.rm_scorer import RewardModelScorer, read_rm_checkpoint
-    from nemo_rlhf.reward.server import serve
-
     info = read_rm_checkpoint(cfg.checkpoint)
     dims = initialize_distributed(cfg.parallel, seed=cfg.seed, num_layers=info.model.num_layers,
                                   num_attention_heads=info.model.num_attention_heads,

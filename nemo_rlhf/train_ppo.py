@@ -23,8 +23,22 @@ import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from nemo_rlhf.checkpoint import load_model_weights, read_metadata, save_checkpoint
 from nemo_rlhf.config import to_typed
-from nemo_rlhf.trainers.ppo.config import PPOConfig
+from nemo_rlhf.data.datasets import load_prompt_dataset
+from nemo_rlhf.data.tokenizer import Tokenizer
+from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
+from nemo_rlhf.metrics import MetricsLogger
+from nemo_rlhf.models.actor_critic import build_model
+from nemo_rlhf.models.config import agree_on_precision
+from nemo_rlhf.models.engine import wrap_ddp
+from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
+from nemo_rlhf.trainers.ppo.checkpointing import prune, resume
+from nemo_rlhf.trainers.ppo.config import PPOConfig, validate_batch_sizes
+from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
+from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
+from nemo_rlhf.trainers.ppo.rewards import build_reward
+from nemo_rlhf.trainers.ppo.trainer import PPOTrainer
 
 REQUEUE_EXIT_CODE = 42
 log = logging.getLogger("nemo_rlhf.ppo")
@@ -63,8 +77,6 @@ def _reference_fingerprint(cfg: PPOConfig) -> str:
     of the ``init_from`` checkpoint's shards, or the seed of a random initialisation."""
     if not cfg.exp_manager.init_from:
         return f"random-init:seed={cfg.trainer.seed}"
-    from nemo_rlhf.checkpoint import read_metadata
-
     files = read_metadata(cfg.exp_manager.init_from).get("files") or {}
     digest = hashlib.sha256(json.dumps(sorted((k, v[1]) for k, v in files.items())).encode())
     return digest.hexdigest()[:16]
@@ -72,19 +84,6 @@ def _reference_fingerprint(cfg: PPOConfig) -> str:
 
 def build(cfg: PPOConfig):
     """Set up distributed, data, model, optimizer, reference, reward; return the trainer."""
-    from nemo_rlhf.checkpoint import load_model_weights
-    from nemo_rlhf.data.datasets import load_prompt_dataset
-    from nemo_rlhf.data.tokenizer import Tokenizer
-    from nemo_rlhf.distributed import initialize_distributed
-    from nemo_rlhf.models.config import agree_on_precision
-    from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.trainers.engine import wrap_ddp
-    from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
-    from nemo_rlhf.trainers.ppo.config import validate_batch_sizes
-    from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
-    from nemo_rlhf.trainers.ppo.rewards import build_reward
-    from nemo_rlhf.trainers.ppo.trainer import PPOTrainer
-
     tok = Tokenizer(cfg.data.tokenizer_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tok.vocab_size
@@ -138,11 +137,6 @@ def build_separate_critic(cfg: PPOConfig, dims) -> tuple:
     """
     from dataclasses import replace
 
-    from nemo_rlhf.checkpoint import load_model_weights, read_metadata
-    from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.trainers.engine import wrap_ddp
-    from nemo_rlhf.trainers.optimizers import build_optimizer
-
     critic = build_model(cfg.model, dims, cfg.trainer.precision, kind="critic",
                          seed=cfg.trainer.seed + 1)
     source = cfg.critic.init_from or cfg.exp_manager.init_from
@@ -157,11 +151,6 @@ def build_separate_critic(cfg: PPOConfig, dims) -> tuple:
 
 def fit(cfg: PPOConfig, trainer, sig: "_Signals | None" = None) -> int:
     """The training loop; returns the process exit code."""
-    from nemo_rlhf.checkpoint import save_checkpoint
-    from nemo_rlhf.trainers.ppo.checkpointing import prune, resume
-    from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
-    from nemo_rlhf.metrics import MetricsLogger
-
     exp = Path(cfg.exp_manager.exp_dir)
     ckpt_root = exp / "checkpoints"
     sig = sig or _Signals()
@@ -247,8 +236,6 @@ def main(dcfg: DictConfig) -> None:
             f.write(json.dumps({"time": time.time(), "argv": sys.argv}) + "\n")
     trainer = build(cfg)
     code = fit(cfg, trainer, sig)
-    from nemo_rlhf.distributed import destroy_distributed
-
     destroy_distributed()
     if code:
         sys.exit(code)

@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig
 
 from nemo_rlhf.config import to_typed
+from nemo_rlhf.distributed import destroy_distributed
 from nemo_rlhf.trainers.sft import SFTRunConfig, register_configs, run_sft
 
 register_configs()
@@ -27,8 +28,6 @@ def main(dcfg: DictConfig) -> None:
     try:
         run_sft(cfg)
     finally:
-        from nemo_rlhf.distributed import destroy_distributed
-
         destroy_distributed()
 
 

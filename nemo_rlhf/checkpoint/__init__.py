@@ -9,6 +9,7 @@ from nemo_rlhf.checkpoint.io import (
     load_model_weights,
     read_metadata,
     read_trainer_state,
+    resolve_checkpoint,
     save_checkpoint,
     step_dir,
     verify_checkpoint,
@@ -17,5 +18,5 @@ from nemo_rlhf.checkpoint.io import (
 __all__ = [
     "CheckpointError", "find_latest_checkpoint", "is_complete", "list_checkpoints",
     "load_checkpoint", "load_model_weights", "read_metadata", "read_trainer_state",
-    "save_checkpoint", "step_dir", "verify_checkpoint",
+    "resolve_checkpoint", "save_checkpoint", "step_dir", "verify_checkpoint",
 ]

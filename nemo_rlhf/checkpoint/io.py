@@ -39,6 +39,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.checkpoint.faults import maybe_crash
+from nemo_rlhf.distributed import cpu_compat
+from nemo_rlhf.models.engine import unwrap
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -150,8 +152,6 @@ entries (``critic_optimizer``), beside the actor's ``model.`` / ``optimizer``.""
 
 
 def _model_sharded_state_dict(model, prefix: str = "model.") -> dict:
-    from nemo_rlhf.trainers.engine import unwrap
-
     return unwrap(model).sharded_state_dict(prefix=prefix)
 
 
@@ -173,8 +173,6 @@ def _global_param_names(model, params, prefix: str = "") -> list[str]:
     names with each transformer layer's local index replaced by its global one (a PP
     stage's ``decoder.layers.0`` is global layer ``layer_number - 1``); TP shards of one
     parameter share its name."""
-    from nemo_rlhf.trainers.engine import unwrap
-
     bare = unwrap(model)
     prefixes = {}
     for mname, mod in bare.named_modules():
@@ -256,8 +254,6 @@ def _optimizer_sharded_state_dict(model_sd: dict, optimizer, name: str = "model"
 
 def _frozen_params(optimizer, ordered) -> list:
     """Model parameters the optimizer does not update (``requires_grad=False``)."""
-    from nemo_rlhf.trainers.engine import unwrap
-
     trained = {id(p) for p in ordered}
     return [p for p in unwrap(optimizer.model).parameters() if id(p) not in trained]
 
@@ -422,6 +418,21 @@ def verify_checkpoint(path: Path) -> list[str]:
     return problems
 
 
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder: ``path`` itself if complete, else the newest one under it.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at or under ``path``.
+    """
+    path = Path(path)
+    if is_complete(path):
+        return path
+    found = find_latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"{path}: neither a complete checkpoint nor a folder holding one")
+    return found
+
+
 def read_metadata(path: Path) -> dict:
     """``metadata.json`` of a checkpoint.
 
@@ -492,7 +503,6 @@ def load_model_weights(path: Path, model, init_heads: bool = False,
             without ``init_heads``.
     """
     from megatron.core import dist_checkpointing
-
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     path = Path(path)
@@ -517,8 +527,6 @@ def load_model_weights(path: Path, model, init_heads: bool = False,
 
 
 def _copy_into_model(model, loaded: dict, prefix: str = "model.") -> None:
-    from nemo_rlhf.trainers.engine import unwrap
-
     state = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
     missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")
@@ -651,8 +659,6 @@ def load_full_tensors(path: Path) -> dict:
     created = False
     if not dist.is_initialized():
         import socket
-
-        from nemo_rlhf.distributed import cpu_compat
 
         cpu_compat.activate_if_no_cuda()
         with socket.socket() as s:

@@ -36,7 +36,9 @@ import random
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
+
+from nemo_rlhf.data.answers import check_lengths, first_integer, integer_answers
 
 PROMPT = "What is {a}+{b}? Answer with just the number."
 SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -149,11 +151,9 @@ def _answer_span(response: str, answer: int | None) -> tuple[int, int] | None:
     """Character span of the number the checker reads as the answer, or None.
 
     Found by editing: the first integer whose replacement changes what
-    :func:`nemo_rlhf.reward.functions.addition_answer` reads to the replacement (numbers
+    :func:`addition_answer` reads to the replacement (numbers
     inside a restated ``a + b`` are skipped by the checker, so they fail this test).
     """
-    from nemo_rlhf.reward.functions import addition_answer
-
     probe = -123457 if answer is None else answer + 777
     for m in _NUMBER_SPAN.finditer(response):
         edited = response[:m.start()] + str(probe) + response[m.end():]
@@ -184,8 +184,6 @@ def answer_edit_pairs(samples: Sequence[Mapping], per_prompt: int = 1, seed: int
     Raises:
         KeyError: a row without ``answer``.
     """
-    from nemo_rlhf.reward.functions import two_digit_addition
-
     rng = random.Random(seed)
     by_prompt: dict[str, list[Mapping]] = {}
     for row in samples:
@@ -215,3 +213,53 @@ def answer_edit_pairs(samples: Sequence[Mapping], per_prompt: int = 1, seed: int
                               "answer": str(answer), "edit": "wrong_sum" if right else "right_sum"})
                 made += 1
     return pairs
+
+
+# --------------------------------------------------------------------------- checkers
+_ADDITION = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)")
+_JUST_A_NUMBER = re.compile(r"-?\d+\.?")
+
+
+def _expected_sums(prompts: Sequence[str], extras: Sequence[Mapping[str, Any]], fn_name: str) -> list[int]:
+    out = []
+    for i, (prompt, ex) in enumerate(zip(prompts, extras)):
+        if "answer" in ex:
+            out.append(integer_answers([ex], fn_name)[0])
+            continue
+        match = _ADDITION.search(prompt)
+        if match is None:
+            raise ValueError(f"{fn_name}: extras[{i}] has no 'answer' and prompts[{i}] has no 'a+b': {prompt[:80]!r}")
+        out.append(int(match.group(1)) + int(match.group(2)))
+    return out
+
+
+def addition_answer(response: str) -> int | None:
+    """The integer a chat answer to ``"What is a+b?"`` gives, or None.
+
+    Restatements of a sum (``a+b``, ``a + b``) are removed first, then the first integer
+    left is the answer: ``"54"``, ``"The answer is 54."`` and ``"26 + 28 = 54"`` give 54;
+    ``"26+28 is 26+28, which is"`` gives None; ``"54 or 55"`` gives 54 (first answer wins,
+    so hedging does not pay).
+    """
+    return first_integer(_ADDITION.sub(" ", response))
+
+
+def two_digit_addition(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
+    """1.0 when a chat answer states the sum asked for (:func:`addition_answer`), else 0.0.
+
+    For prompts like ``"What is 26+28? Answer with just the number."``: the expected value
+    is ``extras[i]["answer"]`` when present, else the ``a+b`` found in the prompt.
+    ``"54"``, ``"The answer is 54."`` and ``"26+28=54"`` score 1.0; ``"55"``, ``"26+28"``
+    and ``""`` score 0.0. Raises ``ValueError`` naming the index when neither source gives
+    an answer.
+    """
+    check_lengths(prompts, responses, extras, "two_digit_addition")
+    expected = _expected_sums(prompts, extras, "two_digit_addition")
+    return [1.0 if addition_answer(r) == e else 0.0 for r, e in zip(responses, expected)]
+
+
+def just_the_number(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
+    """Format compliance: 1.0 when the whole response is one integer (``"54"``, ``" 54.\n"``),
+    right or wrong; 0.0 otherwise (``"The answer is 54."``, ``"26+28=54"``, ``""``)."""
+    check_lengths(prompts, responses, extras, "just_the_number")
+    return [1.0 if _JUST_A_NUMBER.fullmatch(r.strip()) else 0.0 for r in responses]

@@ -34,6 +34,8 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from nemo_rlhf.data.answers import check_lengths, first_integer, integer_answers
+
 OPS = ("+", "-", "*")
 DIGITS = tuple(range(10))
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>"}
@@ -274,3 +276,17 @@ def make_demo_dataset(out: str | Path, cfg: DemoTaskConfig, force: bool = False)
             tmp.write_bytes(text.encode())
             tmp.replace(target)
     return status
+
+
+# --------------------------------------------------------------------------- checker
+def arithmetic_exact_match(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
+    """1.0 when the response *starts* (after whitespace) with the integer ``extras[i]["answer"]``.
+
+    For completion prompts like ``"3+3*6="`` with ``{"answer": "21"}``: ``"21"``, ``" 21\\n"``
+    and ``"21."`` score 1.0; ``"36"``, ``""``, ``"21.5"`` and ``"is 21"`` score 0.0;
+    ``"-3"`` scores 1.0 for answer ``"-3"``. Raises ``KeyError`` / ``ValueError`` naming
+    the index when an answer is missing or not an integer.
+    """
+    check_lengths(prompts, responses, extras, "arithmetic_exact_match")
+    answers = integer_answers(extras, "arithmetic_exact_match")
+    return [1.0 if first_integer(r, anchored=True) == a else 0.0 for r, a in zip(responses, answers)]

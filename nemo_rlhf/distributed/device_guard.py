@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from nemo_rlhf.distributed import cpu_compat
+
 ENV_VAR = "NEMO_RLHF_DEVICE_GUARD"
 EMULATED_DEVICE = torch.device("cpu", 0)
 """``dims.device`` while the guard is on: distinct from the host's ``torch.device("cpu")``."""
@@ -102,8 +104,6 @@ def _device_kind(device) -> str | None:
 def _where_called() -> str:
     """``file:line in function`` of the innermost frame in ``nemo_rlhf`` (the guard and
     the CPU shim excluded), or the innermost frame outside torch."""
-    from nemo_rlhf.distributed import cpu_compat
-
     skip = {os.path.abspath(__file__), os.path.abspath(cpu_compat.__file__)}
     frames = [f for f in traceback.extract_stack()[:-2] if os.path.abspath(f.filename) not in skip]
     ours = [f for f in frames if f"{os.sep}nemo_rlhf{os.sep}" in f.filename]
@@ -270,8 +270,6 @@ def activate(cuda_backend: str) -> None:
         _HOST_COLLECTIVES_OK = "gloo" in cuda_backend
         if _ACTIVE:
             return
-        from nemo_rlhf.distributed import cpu_compat
-
         cpu_compat.set_target_device(EMULATED_DEVICE)
         for name in _COLLECTIVES:
             if hasattr(dist, name):

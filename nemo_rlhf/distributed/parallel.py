@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nemo_rlhf.distributed import cpu_compat, device_guard
 from nemo_rlhf.distributed.launch_env import LaunchEnv, read_launch_env
 
 
@@ -202,8 +203,6 @@ class ParallelDims:
 def _make_dims(local_rank: int) -> ParallelDims:
     from megatron.core import parallel_state as ps
 
-    from nemo_rlhf.distributed import device_guard
-
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
     elif device_guard.is_active():
@@ -255,8 +254,6 @@ def initialize_distributed(
     env = launch_env or read_launch_env()
     validate_parallel_layout(parallel, env.world_size, num_layers, num_attention_heads,
                              num_query_groups)
-    from nemo_rlhf.distributed import cpu_compat, device_guard
-
     cpu_compat.activate_if_no_cuda()
     cuda = torch.cuda.is_available()
     if cuda:

@@ -26,7 +26,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from nemo_rlhf.distributed.parallel import reseed_model_parallel
 from nemo_rlhf.models.config import ModelConfig, build_transformer_config
+from nemo_rlhf.models.decode_layers import local_layer_spec
 
 
 class ActorCriticModel(GPTModel):
@@ -158,8 +160,6 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
             f"to a multiple of {dims.tp}"
         )
     if seed is not None:
-        from nemo_rlhf.distributed.parallel import reseed_model_parallel
-
         reseed_model_parallel(seed)
     config = build_transformer_config(model_cfg, dims.tp, dims.pp, precision)
     model = classes[kind](config, model_cfg, pre_process=dims.is_first_stage,
@@ -171,7 +171,7 @@ def _layer_spec(model_cfg: ModelConfig):
     """Transformer-engine layer spec when TE is installed (the ``gpu`` extra), else the
     local spec. TE needs CUDA to import, so CPU machines always get the local spec.
 
-    The local spec is :func:`nemo_rlhf.rollout.decode_layers.local_layer_spec`: megatron's
+    The local spec is :func:`nemo_rlhf.models.decode_layers.local_layer_spec`: megatron's
     local spec with a layer and self-attention class that add an incremental KV-cache
     decoding path (same parameters and keys, same training forward)."""
     try:
@@ -180,7 +180,5 @@ def _layer_spec(model_cfg: ModelConfig):
             get_gpt_layer_with_transformer_engine_spec,
         )
     except (ImportError, OSError, RuntimeError):
-        from nemo_rlhf.rollout.decode_layers import local_layer_spec
-
         return local_layer_spec(normalization=model_cfg.normalization)
     return get_gpt_layer_with_transformer_engine_spec()

@@ -13,7 +13,7 @@ log-probs and sampling (``ModelConfig.vocab_size`` is the real vocabulary).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 

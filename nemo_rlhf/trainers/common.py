@@ -32,7 +32,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import MISSING
 
-from nemo_rlhf.models.config import PRECISIONS
+from nemo_rlhf.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from nemo_rlhf.data.tokenizer import Tokenizer
+from nemo_rlhf.distributed import initialize_distributed
+from nemo_rlhf.models.actor_critic import build_model
+from nemo_rlhf.models.config import PRECISIONS, agree_on_precision
+from nemo_rlhf.models.engine import finalize_grads, wrap_ddp
+from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
 
 
 @dataclass
@@ -117,8 +123,6 @@ def setup_run(parallel, model_cfg, tokenizer, seed: int):
     Raises:
         ValueError: ``model.vocab_size`` disagrees with the tokenizer, or a bad layout.
     """
-    from nemo_rlhf.distributed import initialize_distributed
-
     if model_cfg.vocab_size == 0:
         model_cfg = replace(model_cfg, vocab_size=tokenizer.vocab_size)
     elif model_cfg.vocab_size != tokenizer.vocab_size:
@@ -275,23 +279,6 @@ class Experiment:
             self._metrics_file.close()
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder: ``path`` itself if complete, else the newest one under it.
-
-    Raises:
-        FileNotFoundError: no complete checkpoint at or under ``path``.
-    """
-    from nemo_rlhf.checkpoint import find_latest_checkpoint, is_complete
-
-    path = Path(path)
-    if is_complete(path):
-        return path
-    found = find_latest_checkpoint(path)
-    if found is None:
-        raise FileNotFoundError(f"{path}: neither a complete checkpoint nor a folder holding one")
-    return found
-
-
 class SupervisedTrainer:
     """The SFT / RM loop: build, resume, ``fit()`` (train, log, validate, save).
 
@@ -307,12 +294,6 @@ class SupervisedTrainer:
     model_kind = "actor_critic"
 
     def __init__(self, cfg):
-        from nemo_rlhf.data.tokenizer import Tokenizer
-        from nemo_rlhf.models.actor_critic import build_model
-        from nemo_rlhf.models.config import agree_on_precision
-        from nemo_rlhf.trainers.engine import wrap_ddp
-        from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
-
         self.cfg = cfg
         self.tokenizer = Tokenizer(cfg.data.tokenizer_dir)
         self.dims, self.model_cfg = setup_run(cfg.parallel, cfg.model, self.tokenizer, cfg.trainer.seed)
@@ -371,8 +352,6 @@ class SupervisedTrainer:
 
     def maybe_resume(self) -> None:
         """Load the newest complete checkpoint of this experiment when resuming."""
-        from nemo_rlhf.checkpoint import find_latest_checkpoint, load_checkpoint
-
         if not (self.cfg.exp_manager.resume and self.cfg.exp_manager.checkpoints):
             return
         path = find_latest_checkpoint(self.checkpoint_dir)
@@ -384,8 +363,6 @@ class SupervisedTrainer:
 
     def save(self) -> Optional[Path]:
         """Checkpoint the model, optimizer and :meth:`trainer_state` (all ranks)."""
-        from nemo_rlhf.checkpoint import save_checkpoint
-
         if not self.cfg.exp_manager.checkpoints:
             return None
         fingerprint = {"model": self.model_cfg.fingerprint(), "tokenizer": self.tokenizer.describe()}
@@ -404,8 +381,6 @@ class SupervisedTrainer:
 
     def optimizer_step(self) -> dict[str, float]:
         """Finalize grads (DP all-reduce), clip and step; ``{"lr", "grad_norm"}``."""
-        from nemo_rlhf.trainers.engine import finalize_grads
-
         finalize_grads(self.model)
         lr = self.optimizer.lr
         stepped, norm = self.optimizer.step()

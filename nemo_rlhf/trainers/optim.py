@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_rlhf.trainers.engine import unwrap
+from nemo_rlhf.models.engine import unwrap
 
 DECAY_STYLES = ("constant", "linear", "cosine")
 

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from nemo_rlhf.trainers.engine import unwrap
+from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig, lr_lambda
 
 CHECKPOINT_FORMAT = "megatron_distributed"
@@ -87,7 +87,7 @@ class MegatronDistributedOptimizer:
     """megatron's ZeRO-1 ``DistributedOptimizer`` with the trainers' optimizer interface.
 
     Args:
-        model: the stage wrapped by :func:`~nemo_rlhf.trainers.engine.wrap_ddp` with
+        model: the stage wrapped by :func:`~nemo_rlhf.models.engine.wrap_ddp` with
             ``use_distributed_optimizer=True``.
         cfg: :class:`~nemo_rlhf.trainers.optim.OptimizerConfig`.
         precision: ``trainer.precision`` (``32``, ``bf16-mixed``, ``fp16-mixed``).

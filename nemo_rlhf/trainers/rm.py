@@ -25,9 +25,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nemo_rlhf.data.datasets import DataConfig, collate_preference, load_preference_dataset, preference_length
+from nemo_rlhf.checkpoint import load_model_weights, resolve_checkpoint
+from nemo_rlhf.data.datasets import (
+    DataConfig,
+    collate_preference,
+    load_preference_dataset,
+    preference_length,
+)
 from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.models.actor_critic import gather_last_token
 from nemo_rlhf.models.config import ModelConfig
+from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.trainers.common import (
     ExpManagerConfig,
     SupervisedTrainer,
@@ -109,8 +117,6 @@ def make_rm_loss_fn(num_pairs: float):
     Rows ``0..m-1`` of the micro-batch are chosen, ``m..2m-1`` rejected
     (:func:`collate_preference`).
     """
-    from nemo_rlhf.models.actor_critic import gather_last_token
-
     def loss_fn(rewards_BS, mb):
         scores = gather_last_token(rewards_BS, mb["lengths"])
         m = scores.shape[0] // 2
@@ -169,9 +175,6 @@ class RMTrainer(SupervisedTrainer):
     def _load_backbone(self, model) -> None:
         if not self.cfg.rm.init_from:
             return
-        from nemo_rlhf.checkpoint import load_model_weights
-        from nemo_rlhf.trainers.common import resolve_checkpoint
-
         path = resolve_checkpoint(self.cfg.rm.init_from)
         skipped = load_model_weights(path, model, skip_heads=True)
         self.exp.print(f"RM backbone loaded from {path}; reward head freshly initialised "
@@ -180,8 +183,6 @@ class RMTrainer(SupervisedTrainer):
 
     def _forward(self, pairs, num_pairs: float, forward_only: bool) -> dict[str, float]:
         """Run this rank's ``pairs`` in micro-batches; return summed stats (last stage)."""
-        from nemo_rlhf.trainers.engine import forward_backward
-
         mbs, pad = self.cfg.trainer.micro_batch_size, self.tokenizer.pad_id
         sums = dict.fromkeys(PAIR_KEYS, 0.0)
         if not pairs:

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from nemo_rlhf.checkpoint import load_model_weights, resolve_checkpoint
 from nemo_rlhf.data.datasets import (
     DataConfig,
     collate_sft,
@@ -27,6 +28,9 @@ from nemo_rlhf.data.datasets import (
 )
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.models.config import ModelConfig
+from nemo_rlhf.models.engine import forward_backward
+from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
+from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.common import (
     ExpManagerConfig,
     SupervisedTrainer,
@@ -97,8 +101,6 @@ def make_sft_loss_fn(dims, vocab_size: int, num_tokens: float):
 
     ``stats``: ``loss`` (this micro-batch's share) and ``tokens`` (its response tokens).
     """
-    from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
-
     def loss_fn(output, mb):
         logits_BSV = output[0] if isinstance(output, tuple) else output
         lp, _ = vocab_parallel_logprobs(logits_BSV[:, :-1], mb["input_ids"][:, 1:], dims.tp_group,
@@ -125,17 +127,12 @@ class SFTTrainer(SupervisedTrainer):
     def init_weights(self, model) -> None:
         model.compute_values = False  # SFT trains the LM only
         if self.cfg.sft.init_from:
-            from nemo_rlhf.checkpoint import load_model_weights
-            from nemo_rlhf.trainers.common import resolve_checkpoint
-
             path = resolve_checkpoint(self.cfg.sft.init_from)
             skipped = load_model_weights(path, model, skip_heads=True)
             self.exp.print(f"initialised from {path} (heads not loaded: {skipped or 'none'})")
 
     def _forward(self, samples, num_tokens: float, forward_only: bool) -> float:
         """Run ``samples`` (this rank's) in micro-batches; return the summed loss share."""
-        from nemo_rlhf.trainers.engine import forward_backward
-
         mbs, pad = self.cfg.trainer.micro_batch_size, self.tokenizer.pad_id
         length = max(sft_length(s) for s in samples)
         groups = chunks(samples, mbs)
@@ -176,8 +173,6 @@ class SFTTrainer(SupervisedTrainer):
 
     def log_samples(self) -> None:
         """Greedy generations on the first validation prompts (console + TensorBoard)."""
-        from nemo_rlhf.rollout import RolloutConfig, generate
-
         n, new = self.cfg.sft.num_sample_prompts, self.cfg.sft.sample_max_new_tokens
         limit = self.model_cfg.max_position_embeddings
         samples = [s for s in self.val_ds.samples[:n] if len(s.prompt_ids) + new <= limit]

@@ -77,7 +77,7 @@ def _forward_logits(ckpt: Path, dims, kind: str = "actor_critic"):
     from nemo_rlhf.checkpoint import load_model_weights
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.vocab_parallel import gather_vocab_parallel
-    from nemo_rlhf.trainers.engine import forward_backward
+    from nemo_rlhf.models.engine import forward_backward
 
     cfg = _model_cfg(ckpt)
     model = build_model(cfg, dims, kind=kind).eval()
@@ -97,7 +97,7 @@ def _worker(rank: int, root: str):
     from nemo_rlhf.checkpoint import load_model_weights, save_checkpoint
     from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
     from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.trainers.engine import model_forward
+    from nemo_rlhf.models.engine import model_forward
 
     root = Path(root)
     out = {}

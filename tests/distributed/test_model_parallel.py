@@ -55,7 +55,7 @@ def _loss_fn(dims, n_tokens):
 
 def _forward_outputs(model, dims, ids, mask):
     from nemo_rlhf.models.vocab_parallel import gather_vocab_parallel, vocab_parallel_logprobs
-    from nemo_rlhf.trainers.engine import model_forward
+    from nemo_rlhf.models.engine import model_forward
 
     with torch.no_grad():
         logits, values = model_forward(model, ids, mask)
@@ -73,7 +73,7 @@ def _replicated_params(model):
 def _worker(rank: int):
     from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
     from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.trainers.engine import finalize_grads, forward_backward, unwrap, wrap_ddp
+    from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap, wrap_ddp
     from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
 
     cfg = _cfg()

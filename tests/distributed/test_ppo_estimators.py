@@ -46,7 +46,7 @@ COMPARED_IF_PRESENT = ("value_loss", "critic_grad_norm", "returns_mean")
 
 
 def _head(trainer) -> dict:
-    from nemo_rlhf.trainers.engine import unwrap
+    from nemo_rlhf.models.engine import unwrap
 
     return {n: p.detach().clone() for n, p in unwrap(trainer.model).named_parameters()
             if n.startswith("value_head.")}
@@ -54,7 +54,7 @@ def _head(trainer) -> dict:
 
 def _backbone_grads_from_values(trainer) -> float:
     """Sum of |grad| the backbone gets from a loss on the values alone."""
-    from nemo_rlhf.trainers.engine import model_forward, unwrap
+    from nemo_rlhf.models.engine import model_forward, unwrap
 
     core = unwrap(trainer.model)
     ids = torch.tensor([trainer.encoded[0]], device=trainer.dims.device)

@@ -42,8 +42,8 @@ def _global_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
 
 def _train_logprobs(model, dims, batch, temperature):
     """Training-side log-probs through the engine's schedule (last stage; else None)."""
-    from nemo_rlhf.rollout import response_logprobs
-    from nemo_rlhf.trainers.engine import forward_backward
+    from nemo_rlhf.models.logprobs import response_logprobs
+    from nemo_rlhf.models.engine import forward_backward
 
     with torch.no_grad():
         res = forward_backward(model, [{"input_ids": batch.input_ids,

@@ -28,7 +28,7 @@ BASE = ("critic.mode=separate", "reward.functions=[{name: 'tests.ppo_helpers:len
 
 
 def _weights(model) -> dict:
-    from nemo_rlhf.trainers.engine import unwrap
+    from nemo_rlhf.models.engine import unwrap
 
     return {n: p.detach().clone() for n, p in unwrap(model).named_parameters()}
 

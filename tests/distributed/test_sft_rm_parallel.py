@@ -56,7 +56,7 @@ def _configs(kind: str, data: Path, exp: Path, tp: int, pp: int, **extra):
 
 
 def _params(trainer) -> dict:
-    from nemo_rlhf.trainers.engine import unwrap
+    from nemo_rlhf.models.engine import unwrap
 
     per_stage = trainer.model_cfg.num_layers // trainer.dims.pp
     return {_global_name(n, trainer.dims.pp_rank, per_stage): p

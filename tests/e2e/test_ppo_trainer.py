@@ -23,7 +23,7 @@ def _params(model):
 
 def _worker(rank: int, tmp: str):
     from nemo_rlhf.train_ppo import build
-    from nemo_rlhf.trainers.engine import unwrap
+    from nemo_rlhf.models.engine import unwrap
     from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
 
     tmp = Path(tmp)

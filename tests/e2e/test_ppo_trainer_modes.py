@@ -24,8 +24,8 @@ COMMON = ("reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", "optim
 
 def _direct_logprobs(trainer, model, batch, temperature: float) -> torch.Tensor:
     """Response log-probs ``[B, R]`` of ``model`` at ``temperature``, one plain eval forward."""
-    from nemo_rlhf.rollout import response_logprobs
-    from nemo_rlhf.trainers.engine import model_forward, unwrap
+    from nemo_rlhf.models.logprobs import response_logprobs
+    from nemo_rlhf.models.engine import model_forward, unwrap
 
     core = unwrap(model)
     was_training, had_values = core.training, core.compute_values
@@ -100,7 +100,7 @@ def test_critic_warmup_trains_the_value_head_then_the_policy_trains(warmup):
 def _dropout_worker(rank: int, tmp: str):
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.train_ppo import build
-    from nemo_rlhf.trainers.engine import unwrap
+    from nemo_rlhf.models.engine import unwrap
     from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
 
     tmp = Path(tmp)

@@ -70,7 +70,7 @@ def _outputs(ckpt: str, name: str, tp: int, pp: int, ids, mask, prompts, eos: in
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.vocab_parallel import gather_vocab_parallel
     from nemo_rlhf.rollout import RolloutConfig, generate
-    from nemo_rlhf.trainers.engine import forward_backward
+    from nemo_rlhf.models.engine import forward_backward
 
     cfg = _model_cfg(Path(ckpt))
     dims = initialize_distributed(

@@ -23,7 +23,7 @@ def _loss_fn(output, mb):
 def _build(dims):
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.engine import wrap_ddp
+    from nemo_rlhf.models.engine import wrap_ddp
     from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
 
     model = wrap_ddp(build_model(load_model_preset("tiny", vocab_size=64,
@@ -32,7 +32,7 @@ def _build(dims):
 
 
 def _step(model, opt, batch, only=None):
-    from nemo_rlhf.trainers.engine import finalize_grads, forward_backward
+    from nemo_rlhf.models.engine import finalize_grads, forward_backward
 
     opt.zero_grad()
     forward_backward(model, [batch], _loss_fn)

@@ -55,7 +55,7 @@ def exp(tmp_path_factory):
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
     from nemo_rlhf.tools.hf_convert import model_full_tensors
-    from nemo_rlhf.trainers.engine import finalize_grads, forward_backward, unwrap, wrap_ddp
+    from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap, wrap_ddp
     from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
 
     root = tmp_path_factory.mktemp("exp")

@@ -219,7 +219,7 @@ def test_resuming_with_the_other_optimizer_fails_naming_the_key(tmp_path):
     from nemo_rlhf.checkpoint.io import CheckpointError
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.engine import wrap_ddp
+    from nemo_rlhf.models.engine import wrap_ddp
     from tests.single_rank import single_rank
 
     with single_rank() as dims:

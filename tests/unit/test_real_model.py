@@ -210,7 +210,7 @@ def _parity(tiny) -> SimpleNamespace:
     from nemo_rlhf.models.config import ModelConfig
     from nemo_rlhf.rollout import RolloutConfig, generate
     from nemo_rlhf.rollout.generate import left_pad
-    from nemo_rlhf.trainers.engine import model_forward
+    from nemo_rlhf.models.engine import model_forward
 
     ckpt = Path(tiny.result["checkpoint"])
     yaml = OmegaConf.load(ckpt / "config.yaml")

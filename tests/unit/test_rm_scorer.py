@@ -73,7 +73,7 @@ def rm(tmp_path_factory):
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
     from nemo_rlhf.trainers.common import ExpManagerConfig, to_plain
-    from nemo_rlhf.trainers.engine import model_forward
+    from nemo_rlhf.models.engine import model_forward
     from nemo_rlhf.trainers.rm import RMRunConfig
 
     tmp = tmp_path_factory.mktemp("rm")

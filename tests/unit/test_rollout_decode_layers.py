@@ -1,4 +1,4 @@
-"""The decoding layer spec (nemo_rlhf.rollout.decode_layers): same training forward as
+"""The decoding layer spec (nemo_rlhf.models.decode_layers): same training forward as
 megatron's local spec, and an incremental KV-cache path that agrees with megatron's own
 static-batching path."""
 
@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_rlhf.rollout import RolloutConfig, generate
-from nemo_rlhf.rollout.decode_layers import (
+from nemo_rlhf.models.decode_layers import (
     CACHE_TAG,
-    IncrementalStage,
     KVCacheSelfAttention,
     KVCacheTransformerLayer,
     local_layer_spec,
 )
+from nemo_rlhf.rollout import RolloutConfig, generate
+from nemo_rlhf.rollout.incremental_stage import IncrementalStage
 from tests.single_rank import random_prompts, single_rank
 
 VOCAB = 100
@@ -92,7 +92,7 @@ def test_training_forward_is_megatrons_bit_for_bit(dims, name):
     from nemo_rlhf.distributed.parallel import reseed_model_parallel
     from nemo_rlhf.models.actor_critic import ActorCriticModel
     from nemo_rlhf.models.config import build_transformer_config
-    from nemo_rlhf.trainers.engine import model_forward
+    from nemo_rlhf.models.engine import model_forward
 
     cfg = _cfg(**MODELS[name])
 
@@ -144,7 +144,6 @@ def test_incremental_path_equals_megatrons_static_path(models, dims, name, greed
 
 def _step_logits(model, ctx, ids, mask=None):
     """One forward of ``ids [B, s]`` at the context's offset; returns ``[B, vocab]``."""
-    from nemo_rlhf.trainers.engine import causal_padding_mask
 
     s0 = ctx.sequence_len_offset
     b, s = ids.shape
@@ -161,7 +160,7 @@ def test_chunked_prefill_and_decode_match_one_full_forward(models, dims, name):
     context's dict, megatron's absent) and the logits match a forward without cache."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    from nemo_rlhf.trainers.engine import model_forward
+    from nemo_rlhf.models.engine import model_forward
 
     model = models[name]
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
@@ -183,7 +182,7 @@ def test_incremental_stage_gives_the_models_own_logits_step_by_step(models, dims
     context; the last-token logits are bit-identical."""
     from megatron.core.inference.contexts import StaticInferenceContext
 
-    from nemo_rlhf.trainers.engine import causal_padding_mask, position_ids_for
+    from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for
 
     model = models[name]
     stage = IncrementalStage.for_model(model, 16)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_rlhf.rollout import RolloutBatch, RolloutConfig, generate, response_logprobs
+from nemo_rlhf.models.logprobs import response_logprobs
+from nemo_rlhf.rollout import RolloutBatch, RolloutConfig, generate
 from tests.single_rank import random_prompts, single_rank
 
 VOCAB = 100
@@ -61,7 +62,7 @@ def _assert_same(a: RolloutBatch, b: RolloutBatch, atol=1e-5):
 
 
 def _train_logprobs(model, batch, dims, temperature):
-    from nemo_rlhf.trainers.engine import model_forward
+    from nemo_rlhf.models.engine import model_forward
 
     with torch.no_grad():
         logits, _values = model_forward(model, batch.input_ids, batch.attention_mask)
@@ -221,7 +222,7 @@ def test_greedy_logprobs_are_at_temperature_one(models, dims):
 
 
 def test_response_logprobs_tuple_form_is_unmasked_and_rejects_a_model_output_tuple(models, dims):
-    from nemo_rlhf.trainers.engine import model_forward
+    from nemo_rlhf.models.engine import model_forward
 
     model = models["rope_std0.1"]
     b = _gen(model, dims, temperature=0.7, seed=4)

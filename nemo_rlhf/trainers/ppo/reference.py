@@ -18,7 +18,7 @@ import contextlib
 
 import torch
 
-from nemo_rlhf.trainers.engine import unwrap
+from nemo_rlhf.models.engine import unwrap
 
 
 def _host_buffer(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,14 @@ import functools
 import torch
 import torch.distributed as dist
 
+from nemo_rlhf.reward.client import RewardModelClient
+from nemo_rlhf.reward.functions import (
+    CombinedReward,
+    RemoteRewardModel,
+    RewardFunctionScorer,
+    WeightedSource,
+)
+from nemo_rlhf.reward.normalization import RewardNormalizer
 from nemo_rlhf.trainers.ppo.config import RewardConfig
 
 
@@ -52,15 +60,6 @@ def build_reward(cfg: RewardConfig, dims=None):
         ValueError: no source configured, or ``fixed`` normalisation without RM stats.
         RewardServiceError: the RM server is not reachable before the deadline.
     """
-    from nemo_rlhf.reward.client import RewardModelClient
-    from nemo_rlhf.reward.functions import (
-        CombinedReward,
-        RemoteRewardModel,
-        RewardFunctionScorer,
-        WeightedSource,
-    )
-    from nemo_rlhf.reward.normalization import RewardNormalizer
-
     sources = []
     if cfg.rm_url or cfg.rm_address_file:
         kw = dict(timeout_s=cfg.timeout_s, max_retries=cfg.max_retries)

@@ -29,8 +29,13 @@ import torch.distributed as dist
 from nemo_rlhf.algorithms import ppo as P
 from nemo_rlhf.checkpoint.faults import maybe_crash
 from nemo_rlhf.distributed.device import to_device
-from nemo_rlhf.trainers.engine import forward_backward, finalize_grads, unwrap
+from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap
+from nemo_rlhf.models.logprobs import response_logprobs, response_values
+from nemo_rlhf.reward.functions import get_reward_function
+from nemo_rlhf.rollout import generate, logprob_diff_stats
 from nemo_rlhf.trainers.ppo.config import PPOConfig
+from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
+from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
 
 log = logging.getLogger("nemo_rlhf.ppo")
 
@@ -200,8 +205,6 @@ class PPOTrainer:
         ``(rollout.seed, dp_rank, step)``, so a resumed run draws the same tokens."""
         from dataclasses import replace
 
-        from nemo_rlhf.rollout import generate
-
         cfg = replace(self.cfg.rollout, greedy=True) if greedy else self.cfg.rollout
         m = unwrap(self.model)
         try:
@@ -258,8 +261,6 @@ class PPOTrainer:
 
     def _raw_mean(self, raw_scores: torch.Tensor) -> float:
         """Mean of the raw weighted scores over every DP rank (scoring ranks only)."""
-        from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
-
         local = torch.tensor([float(raw_scores.sum()), raw_scores.numel()],  # host
                              dtype=torch.float64, device="cpu")
         total = gather_over_scoring_ranks(self.dims, local).sum(0)
@@ -293,8 +294,6 @@ class PPOTrainer:
         """Forward-only over the rollout in micro-batches (eval mode): ``logprobs`` [B, R]
         at ``temperature`` (default: the rollout's), ``values`` [B, R] if asked, and
         ``kl_logprobs`` at ``kl_temperature`` when that differs."""
-        from nemo_rlhf.rollout import response_logprobs
-
         P_len = batch.prompt_length
         temp = self.cfg.rollout.logprob_temperature if temperature is None else temperature
 
@@ -419,8 +418,6 @@ class PPOTrainer:
         """The mini-batch's loss: ``policy + vf_coef * value - entropy_bonus * entropy
         (+ kl.loss_coef * KL)``, each aggregated by ``ppo.loss_agg_mode`` over the global
         ``n_tokens`` / ``n_seqs`` (scalar tensors, all micro-batches and DP ranks)."""
-        from nemo_rlhf.rollout import response_logprobs
-
         c, kl = self.cfg.ppo, self.cfg.kl
         agg = dict(loss_agg_mode=c.loss_agg_mode, global_sequences=n_seqs,
                    norm_length=self.cfg.rollout.max_new_tokens)
@@ -580,8 +577,6 @@ class PPOTrainer:
         if fwd is not None:
             with self.timers("advantages"):
                 adv, metrics = self.compute_advantages(batch, scores, fwd)
-                from nemo_rlhf.rollout import logprob_diff_stats
-
                 metrics.update(logprob_diff_stats(batch.logprobs, fwd["old_logprobs"],
                                                   batch.response_mask))
                 if self.needs_values:
@@ -623,8 +618,6 @@ class PPOTrainer:
         return float(t[0])
 
     def _repetition(self, batch) -> list[float]:
-        from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
-
         return [ngram_repetition_rate([t for t, m in zip(ids, mk) if m])
                 for ids, mk in zip(batch.response_ids.tolist(), batch.response_mask.tolist())]
 
@@ -647,14 +640,10 @@ class PPOTrainer:
                                         update_stats=False, normalize=False)
                 correct = [0.0] * len(rows)
                 if self.cfg.trainer.eval_checker:
-                    from nemo_rlhf.reward.functions import get_reward_function
-
                     correct = get_reward_function(self.cfg.trainer.eval_checker)(
                         [r.prompt for r in rows], texts, [r.extras for r in rows])
                 extra = {}
                 for name in self.cfg.trainer.eval_extra_checkers:
-                    from nemo_rlhf.reward.functions import get_reward_function
-
                     extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
                                                                  [r.extras for r in rows]))
                 result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
@@ -765,21 +754,6 @@ def dp_group_slice(global_idx: list[int], dp_rank: int, dp: int, n_samples_per_p
     return [i for i in mine for _ in range(n_samples_per_prompt)]
 
 
-def response_values(values: torch.Tensor, prompt_length: int, response_length: int) -> torch.Tensor:
-    """Values of the states that predict the response tokens.
-
-    Args:
-        values: ``[B, P+R]`` from the actor-critic's forward (position ``t`` is the state
-            after token ``t``).
-        prompt_length: ``P``; response token ``j`` (column ``P+j``) is predicted at ``P-1+j``.
-        response_length: ``R``.
-
-    Returns:
-        ``[B, R]`` float32.
-    """
-    return values[:, prompt_length - 1:prompt_length - 1 + response_length].float()
-
-
 def _jsonable(obj):
     if isinstance(obj, torch.Tensor):
         return obj.tolist()
@@ -790,6 +764,5 @@ def _jsonable(obj):
     return obj
 
 
-__all__ = ["PPOTrainer", "PromptSampler", "RewardScoringError", "dp_group_slice",
-           "response_values"]
+__all__ = ["PPOTrainer", "PromptSampler", "RewardScoringError", "dp_group_slice"]
 
