@@ -60,8 +60,7 @@ class ActorCriticModel(GPTModel):
             rotary_base=model_cfg.rotary_base,
         )
         self.model_cfg = model_cfg
-        self.compute_values = True
-        """When False the last stage returns logits only (rollout / reference passes)."""
+        self._with_values = True  # this call's with_values (forward's argument)
         self.detach_value_head = False
         """When True the value head reads the hidden states with the gradient stopped
         (``critic.mode=shared_detached``): the value loss does not reach the backbone."""
@@ -78,9 +77,19 @@ class ActorCriticModel(GPTModel):
     def _head(self) -> torch.nn.Linear:
         return getattr(self, self.head_name)
 
+    def forward(self, *args, with_values: bool = True, **kwargs):
+        """megatron ``GPTModel.forward``; on the last stage ``(logits, values)`` when
+        ``with_values`` (and the stage has its value head, outside KV-cache decoding),
+        else the logits alone (rollout, reference and SFT passes)."""
+        self._with_values = with_values
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._with_values = True
+
     def _postprocess(self, hidden_states, *args, **kwargs):
         logits = super()._postprocess(hidden_states, *args, **kwargs)
-        if (not self.post_process or not self.compute_values or kwargs.get("inference_context")
+        if (not self.post_process or not self._with_values or kwargs.get("inference_context")
                 or not hasattr(self, self.head_name)):  # an actor without its head: logits
             return logits
         h = hidden_states.detach() if self.detach_value_head else hidden_states

@@ -74,18 +74,23 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (~allowed).unsqueeze(1)
 
 
-def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  with_values: Optional[bool] = None):
     """Run one stage's forward on a batch-first batch.
 
     Args:
         input_ids: ``[batch, seq]`` int64.
         attention_mask: ``[batch, seq]``, 1 for real tokens (left or right padding).
+        with_values: actor-critic stages only: whether the last stage returns the values
+            with the logits (None: the model's default, ``(logits, values)``).
 
     Returns:
-        Last stage: the model's output (``(logits, values)`` or rewards); other stages:
-        hidden states for the next stage.
+        Last stage: the model's output (``(logits, values)``, logits, or rewards); other
+        stages: hidden states for the next stage.
     """
-    return model(input_ids, position_ids_for(attention_mask), causal_padding_mask(attention_mask))
+    kwargs = {} if with_values is None else {"with_values": with_values}
+    return model(input_ids, position_ids_for(attention_mask), causal_padding_mask(attention_mask),
+                 **kwargs)
 
 
 def forward_backward(
@@ -94,6 +99,7 @@ def forward_backward(
     loss_fn: Optional[LossFn],
     forward_only: bool = False,
     device: Optional[torch.device] = None,
+    with_values: Optional[bool] = None,
 ) -> list[dict]:
     """Run micro-batches through megatron's schedule; return the per-micro-batch stats.
 
@@ -108,6 +114,8 @@ def forward_backward(
         device: ``dims.device``: each micro-batch's tensors are moved there in the forward
             step, the one boundary between host data and the model (no copy for tensors
             already there). None: the micro-batches must already be on the model's device.
+        with_values: actor-critic stages: whether ``loss_fn`` gets ``(logits, values)``
+            (True) or the logits (False); see :func:`model_forward`.
 
     Returns:
         On the last pipeline stage, one stats dict per micro-batch; elsewhere ``[]``.
@@ -129,7 +137,7 @@ def forward_backward(
         if device is not None:
             mb = to_device(mb, device)
         dev = mb["input_ids"].device
-        out = model_forward(stage, mb["input_ids"], mb["attention_mask"])
+        out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values)
 
         def loss_func(output):
             one = torch.ones((), dtype=torch.int, device=dev)

@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.distributed.device import to_device
+from nemo_rlhf.models.actor_critic import ActorCriticModel
 from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for, unwrap
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.incremental_stage import IncrementalStage
@@ -238,6 +239,8 @@ class _StageRunner:
         self.dtype = cfg.pipeline_dtype or cfg.params_dtype
         self.ctx = StaticInferenceContext(batch, max_seq) if use_cache else None
         self.batch = batch
+        # an actor-critic returns (logits, values) unless told otherwise
+        self.kwargs = {"with_values": False} if isinstance(model, ActorCriticModel) else {}
         # the whole stage without megatron's model/block wrappers, where it applies
         self.stage = IncrementalStage.for_model(model, max_seq) if use_cache else None
 
@@ -255,7 +258,7 @@ class _StageRunner:
                              None if dims.is_first_stage else buf)
         else:
             out = self.model(ids_BS, pos_BS, mask_B1QK, inference_context=self.ctx,
-                             runtime_gather_output=True)
+                             runtime_gather_output=True, **self.kwargs)
         if self.ctx is not None:
             self.ctx.sequence_len_offset += s
             self.ctx.enable_decode_mode()
@@ -290,8 +293,8 @@ def generate(
 
     Args:
         model: this rank's pipeline stage of the actor (megatron ``GPTModel`` /
-            ``ActorCriticModel``, optionally DDP-wrapped). Put in eval mode and
-            ``compute_values=False`` for the call; both are restored afterwards.
+            ``ActorCriticModel``, optionally DDP-wrapped). Put in eval mode for the call
+            (restored afterwards); an actor-critic is called for its logits only.
         dims: :class:`nemo_rlhf.distributed.ParallelDims` of this process.
         prompts: ``B`` lists of token ids (each non-empty); the same on every rank of one
             TP x PP group, different across DP ranks (the caller splits).
@@ -325,18 +328,13 @@ def generate(
 
     core = unwrap(model)
     was_training = core.training
-    had_values = getattr(core, "compute_values", None)
     core.eval()
-    if had_values is not None:
-        core.compute_values = False
     try:
         with torch.no_grad(), cpu_compat.suspended():
             return _decode(core, dims, prompt_ids, prompt_mask, prompt_lengths, cfg,
                            eos_token_id, pad_token_id, vocab_size, decode_fn, call_index)
     finally:
         core.train(was_training)
-        if had_values is not None:
-            core.compute_values = had_values
         if not dims.is_first_stage:
             core.set_input_tensor(None)
 

@@ -76,7 +76,8 @@ class IncrementalStage:
             return None
         # a subclass with its own forward pieces (e.g. the reward model's head) is not this
         cls_ = type(gpt)
-        if (cls_.forward is not GPTModel.forward or cls_._preprocess is not GPTModel._preprocess
+        if (cls_.forward not in (GPTModel.forward, ActorCriticModel.forward)
+                or cls_._preprocess is not GPTModel._preprocess
                 or cls_._postprocess not in (GPTModel._postprocess,
                                              ActorCriticModel._postprocess)):
             return None

@@ -125,7 +125,6 @@ class SFTTrainer(SupervisedTrainer):
         return train, val
 
     def init_weights(self, model) -> None:
-        model.compute_values = False  # SFT trains the LM only
         if self.cfg.sft.init_from:
             path = resolve_checkpoint(self.cfg.sft.init_from)
             skipped = load_model_weights(path, model, skip_heads=True)
@@ -143,7 +142,8 @@ class SFTTrainer(SupervisedTrainer):
             if call:
                 stats = forward_backward(self.model, [collate_sft(g, pad, length) for g in call],
                                          loss_fn, forward_only=forward_only,
-                                         device=self.dims.device)
+                                         device=self.dims.device,
+                                         with_values=False)  # SFT trains the LM only
                 total += sum(float(s["loss"]) for s in stats)
         return total
 

@@ -81,11 +81,10 @@ def _forward_logits(ckpt: Path, dims, kind: str = "actor_critic"):
 
     cfg = _model_cfg(ckpt)
     model = build_model(cfg, dims, kind=kind).eval()
-    model.compute_values = False
     load_model_weights(ckpt, model, init_heads=True)
     with torch.no_grad():
         res = forward_backward(model, [{"input_ids": IDS, "attention_mask": torch.ones_like(IDS)}],
-                               None, forward_only=True)
+                               None, forward_only=True, with_values=False)
     if not res:
         return None
     return gather_vocab_parallel(res[0]["output"], dims.tp_group)[..., :cfg.vocab_size]

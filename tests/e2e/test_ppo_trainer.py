@@ -33,8 +33,8 @@ def _worker(rank: int, tmp: str):
     trainer = build(cfg)
     out = {}
     batch = trainer._generate([trainer.encoded[i] for i in range(8)])
-    ref0 = trainer.compute_old_and_reference(batch)["ref_logprobs"]
-    out["rollout_vs_train"] = (trainer.compute_old_and_reference(batch)["old_logprobs"]
+    ref0 = trainer.compute_old_and_reference(batch).ref_logprobs
+    out["rollout_vs_train"] = (trainer.compute_old_and_reference(batch).old_logprobs
                                - batch.logprobs).abs()[batch.response_mask].max().item()
 
     orig = _params(trainer.model)
@@ -60,7 +60,7 @@ def _worker(rank: int, tmp: str):
 
     offload = trainer.reference
     trainer.reference = ReferencePolicy(unwrap(trainer.model), "colocated", build_fn=make_stage)
-    ref_coloc = trainer.compute_old_and_reference(batch)["ref_logprobs"]
+    ref_coloc = trainer.compute_old_and_reference(batch).ref_logprobs
     trainer.reference = offload
     out["offload_vs_colocated_maxdiff"] = (ref_coloc - ref0).abs().max().item()
 
@@ -71,7 +71,7 @@ def _worker(rank: int, tmp: str):
     after = _params(trainer.model)
     out["actor_changed"] = any(not torch.equal(after[n], before[n]) for n in before
                                if "value_head" not in n)
-    ref_after = trainer.compute_old_and_reference(batch)["ref_logprobs"]
+    ref_after = trainer.compute_old_and_reference(batch).ref_logprobs
     out["ref_after_updates_maxdiff"] = (ref_after - ref0).abs().max().item()
     return out
 

@@ -28,13 +28,11 @@ def _direct_logprobs(trainer, model, batch, temperature: float) -> torch.Tensor:
     from nemo_rlhf.models.engine import model_forward, unwrap
 
     core = unwrap(model)
-    was_training, had_values = core.training, core.compute_values
+    was_training = core.training
     core.eval()
-    core.compute_values = False
     with torch.no_grad():
-        logits = model_forward(core, batch.input_ids, batch.attention_mask)
+        logits = model_forward(core, batch.input_ids, batch.attention_mask, with_values=False)
     core.train(was_training)
-    core.compute_values = had_values
     lp, _ = response_logprobs(logits, batch, trainer.dims, temperature,
                               vocab_size=trainer.cfg.model.vocab_size, compute_entropy=False)
     return torch.where(batch.response_mask, lp, 0.0)
@@ -112,18 +110,18 @@ def _dropout_worker(rank: int, tmp: str):
     batch = trainer._generate([trainer.encoded[i] for i in range(8)])
     first = trainer.compute_old_and_reference(batch)
     again = trainer.compute_old_and_reference(batch)
-    out["old_deterministic"] = torch.equal(first["old_logprobs"], again["old_logprobs"])
-    out["values_deterministic"] = torch.equal(first["values"], again["values"])
-    out["ref_deterministic"] = torch.equal(first["ref_logprobs"], again["ref_logprobs"])
-    out["rollout_vs_old"] = (first["old_logprobs"] - batch.logprobs).abs()[batch.response_mask].max().item()
+    out["old_deterministic"] = torch.equal(first.old_logprobs, again.old_logprobs)
+    out["values_deterministic"] = torch.equal(first.values, again.values)
+    out["ref_deterministic"] = torch.equal(first.ref_logprobs, again.ref_logprobs)
+    out["rollout_vs_old"] = (first.old_logprobs - batch.logprobs).abs()[batch.response_mask].max().item()
 
     def make_stage():
         return build_model(cfg.model, trainer.dims, cfg.trainer.precision, seed=99)
 
     offload = trainer.reference
     trainer.reference = ReferencePolicy(unwrap(trainer.model), "colocated", build_fn=make_stage)
-    coloc = trainer.compute_old_and_reference(batch)["ref_logprobs"]
-    out["offload_vs_colocated"] = (coloc - first["ref_logprobs"]).abs().max().item()
+    coloc = trainer.compute_old_and_reference(batch).ref_logprobs
+    out["offload_vs_colocated"] = (coloc - first.ref_logprobs).abs().max().item()
     trainer.reference = offload
 
     # which mode each forward of the actor's stage ran in, by phase of one PPO step
@@ -191,10 +189,10 @@ def _kl_temperature_worker(rank: int, tmp: str):
         direct_s = _direct_logprobs(trainer, trainer.model, batch, 0.7)
         mask = batch.response_mask
         out[mode] = {
-            "ref_vs_direct": (fwd["ref_logprobs"] - direct_t).abs()[mask].max().item(),
-            "kl_lp_vs_direct": (fwd["kl_logprobs"] - direct_t).abs()[mask].max().item(),
-            "old_vs_sampling_temp": (fwd["old_logprobs"] - direct_s).abs()[mask].max().item(),
-            "ref_vs_sampling_temp": (fwd["ref_logprobs"] - direct_s).abs()[mask].max().item(),
+            "ref_vs_direct": (fwd.ref_logprobs - direct_t).abs()[mask].max().item(),
+            "kl_lp_vs_direct": (fwd.kl_logprobs - direct_t).abs()[mask].max().item(),
+            "old_vs_sampling_temp": (fwd.old_logprobs - direct_s).abs()[mask].max().item(),
+            "ref_vs_sampling_temp": (fwd.ref_logprobs - direct_s).abs()[mask].max().item(),
             "kl_mean_step1": trainer.train_step()["kl_mean"],
         }
     return out

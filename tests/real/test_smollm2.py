@@ -78,13 +78,12 @@ def _outputs(ckpt: str, name: str, tp: int, pp: int, ids, mask, prompts, eos: in
         num_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups, launch_env=launch_env)
     model = build_model(cfg, dims).eval()
-    model.compute_values = False
     load_model_weights(Path(ckpt), model, init_heads=True)
     if dims.dp_rank != 0:
         return {}
     with torch.no_grad():
         res = forward_backward(model, [{"input_ids": ids, "attention_mask": mask}], None,
-                               forward_only=True)
+                               forward_only=True, with_values=False)
     logits = None
     if res:  # the last stage
         logits = gather_vocab_parallel(res[0]["output"], dims.tp_group)[..., :cfg.vocab_size]

@@ -236,10 +236,9 @@ def _parity(tiny) -> SimpleNamespace:
                                   launch_env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
     try:
         model = build_model(cfg, dims).eval()
-        model.compute_values = False
         load_model_weights(ckpt, model, init_heads=True)
         with torch.no_grad():
-            logits = model_forward(model, ids, mask)[..., :cfg.vocab_size]
+            logits = model_forward(model, ids, mask, with_values=False)[..., :cfg.vocab_size]
         batch = generate(model, dims, prompts, RolloutConfig(max_new_tokens=12, greedy=True),
                          eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, vocab_size=cfg.vocab_size,
                          max_sequence_length=cfg.max_position_embeddings, call_index=0)

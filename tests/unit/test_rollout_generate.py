@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nemo_rlhf.models.engine import model_forward
 from nemo_rlhf.models.logprobs import response_logprobs
 from nemo_rlhf.rollout import RolloutBatch, RolloutConfig, generate
 from tests.single_rank import random_prompts, single_rank
@@ -257,7 +258,10 @@ def test_model_and_torch_function_modes_are_restored_after_generation(models, di
     modes = _get_current_function_mode_stack()
     model.train()
     _gen(model, dims, greedy=True, max_new_tokens=2)
-    assert model.training and model.compute_values
+    assert model.training
+    ids = torch.tensor([[1, 2, 3]])
+    logits, values = model_forward(model, ids, torch.ones_like(ids))  # values by default again
+    assert values.shape == (1, 3)
     assert _get_current_function_mode_stack() == modes  # the CPU shim's mode is back
     with pytest.raises(ValueError):
         _gen(model, dims, [[]])

@@ -5,7 +5,7 @@ Modules: ``core`` (masked statistics), ``kl`` (KL estimators and coefficient con
 ``rewards`` (per-token rewards), ``gae`` (GAE advantages/returns), ``advantages`` (the
 registry of advantage estimators: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++; group
 bookkeeping), ``losses`` (policy, value, entropy and KL losses, their aggregation modes
-and stats). See each module's docstring for sources and for what is simplified.
+and stats), ``objective`` (those losses assembled into one micro-batch's loss). See each module's docstring for sources and for what is simplified.
 """
 
 from nemo_rlhf.algorithms.ppo.advantages import (
@@ -53,6 +53,7 @@ from nemo_rlhf.algorithms.ppo.losses import (
     stat_reduce_op,
     value_loss,
 )
+from nemo_rlhf.algorithms.ppo.objective import PPOObjective, critic_loss, ppo_loss
 from nemo_rlhf.algorithms.ppo.rewards import compute_token_rewards, drop_empty_responses
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "AdaptiveKLController",
     "AdvantageConfig",
     "FixedKLController",
+    "PPOObjective",
     "ReduceFn",
     "aggregate_loss",
     "build_kl_controller",
@@ -74,6 +76,7 @@ __all__ = [
     "compute_gae",
     "compute_gae_reference",
     "compute_token_rewards",
+    "critic_loss",
     "discounted_returns",
     "drop_empty_responses",
     "entropy_bonus",
@@ -92,6 +95,7 @@ __all__ = [
     "masked_whiten",
     "merge_token_stats",
     "policy_loss",
+    "ppo_loss",
     "reinforce_plus_plus_advantages",
     "rloo_advantages",
     "stat_reduce_op",

@@ -65,7 +65,6 @@ class ReferencePolicy:
                 for n, p in _backbone_params(self.resident).items():
                     p.copy_(src[n])
                     p.requires_grad_(False)
-            unwrap(self.resident).compute_values = False
             self.resident.eval()
 
     def host_bytes(self) -> int:

@@ -36,6 +36,7 @@ from nemo_rlhf.rollout import generate, logprob_diff_stats
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
 from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
+from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
 
 log = logging.getLogger("nemo_rlhf.ppo")
 
@@ -154,7 +155,13 @@ class PPOTrainer:
         """Whether the critic is used (``gae``); critic-free estimators compute no values."""
         self.actor_values = self.needs_values and self.critic_model is None
         """Whether the actor's forward gives the values (a value head on its backbone)."""
-        unwrap(model).compute_values = self.actor_values
+        self.objective = P.PPOObjective(
+            clip_eps=cfg.ppo.ratio_eps, clip_eps_low=cfg.ppo.ratio_eps_low,
+            clip_eps_high=cfg.ppo.ratio_eps_high, dual_clip=cfg.ppo.dual_clip,
+            value_clip=cfg.ppo.value_clip, value_loss_coef=cfg.ppo.value_loss_coef,
+            entropy_coef=cfg.ppo.entropy_bonus, kl_coef=cfg.kl.loss_coef,
+            kl_estimator=cfg.kl.loss_estimator, loss_agg_mode=cfg.ppo.loss_agg_mode,
+            norm_length=cfg.rollout.max_new_tokens)
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.timers = Timers()
@@ -214,7 +221,6 @@ class PPOTrainer:
                             max_sequence_length=self.cfg.model.max_position_embeddings,
                             decode_fn=self.tok.decode, call_index=self.step)
         finally:
-            m.compute_values = self.actor_values
             m.train()
 
     def _response_texts(self, batch) -> list[str]:
@@ -227,10 +233,20 @@ class PPOTrainer:
     # --- the six steps -----------------------------------------------------------------
     def sample_prompts(self) -> list[int]:
         """Step 1: this DP rank's prompts of the next global batch, each repeated
-        ``rollout.n_samples_per_prompt`` times (a group: contiguous, on one DP rank)."""
+        ``rollout.n_samples_per_prompt`` times (a group: contiguous, on one DP rank),
+        logged to ``prompt_log.jsonl``."""
         n = self.cfg.rollout.n_samples_per_prompt
         idx = self.sampler.next_global_batch(self.cfg.ppo.num_rollout_samples // n)
-        return dp_group_slice(idx, self.dims.dp_rank, self.dims.dp, n)
+        mine = dp_group_slice(idx, self.dims.dp_rank, self.dims.dp, n)
+        self._log_prompt_ids(mine[::n])
+        return mine
+
+    def rollout(self, idx: list[int]):
+        """Step 2: the actor generates for this DP rank's prompts (a ``RolloutBatch``)."""
+        with self.timers("rollout"):
+            batch = self._generate([self.encoded[i] for i in idx])
+        maybe_crash("rollout", self.step + 1)
+        return batch
 
     def score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
         """Step 3: scores ``[B]`` float32 on ``dims.device`` from the reward sources (computed
@@ -242,6 +258,10 @@ class PPOTrainer:
             :class:`RewardScoringError` (same message) on every other rank, all in the
             same step: no rank is left waiting in a collective.
         """
+        with self.timers("reward"):
+            return self._score(idx, batch)
+
+    def _score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
         raw, failure = None, None
         if self.is_mp_src:
             rows = [self.prompts[i] for i in idx]
@@ -314,7 +334,8 @@ class PPOTrainer:
         micro = [{"input_ids": batch.input_ids[s], "attention_mask": batch.attention_mask[s]}
                  for s in _chunks(batch.input_ids.shape[0], mbs)]
         with torch.no_grad(), _eval_mode(model):
-            res = forward_backward(model, micro, loss_fn, forward_only=True)
+            res = forward_backward(model, micro, loss_fn, forward_only=True,
+                                   with_values=with_values)
         if not res:
             return None
         out = {k: torch.cat([r[k] for r in res]) for k in res[0]}
@@ -337,13 +358,10 @@ class PPOTrainer:
             res = forward_backward(critic, micro, loss_fn, forward_only=True)
         return torch.cat([r["values"] for r in res]) if res else None
 
-    def compute_old_and_reference(self, batch) -> Optional[dict]:
-        """Steps 4-5a: old log-probs and values (actor), reference log-probs (swapped in).
-
-        ``old_logprobs`` are at the sampling temperature (the PPO ratio's);
-        ``ref_logprobs`` and the actor's ``kl_logprobs`` at ``kl.temperature``'s."""
+    def compute_old_and_reference(self, batch) -> Optional[ForwardResults]:
+        """Steps 4-5a: old log-probs and values (actor, or the separate critic), reference
+        log-probs (weights swapped in); None off the last pipeline stage."""
         kl_temp = self._kl_temperature()
-        unwrap(self.model).compute_values = self.actor_values
         with self.timers("old_logprobs_values"):
             old = self._forward_logprobs(self.model, batch, with_values=self.actor_values,
                                          kl_temperature=kl_temp)
@@ -352,15 +370,12 @@ class PPOTrainer:
             with self.timers("critic_values"):
                 values = self._forward_values(self.critic_model, batch)
         with self.timers("reference_logprobs"), self.reference.swapped_in() as ref_model:
-            unwrap(ref_model).compute_values = False
             ref = self._forward_logprobs(ref_model, batch, with_values=False, temperature=kl_temp)
-            unwrap(ref_model).compute_values = self.actor_values
         if old is None:
             return None
-        return {"old_logprobs": old["logprobs"],
-                "values": old.get("values") if values is None else values,
-                "ref_logprobs": ref["logprobs"],
-                "kl_logprobs": old.get("kl_logprobs", old["logprobs"])}
+        return ForwardResults(old_logprobs=old["logprobs"], ref_logprobs=ref["logprobs"],
+                              kl_logprobs=old.get("kl_logprobs", old["logprobs"]),
+                              values=old.get("values") if values is None else values)
 
     def _kl_temperature(self) -> float:
         """Temperature of the two log-probs the KL penalty compares (``kl.temperature``)."""
@@ -368,46 +383,69 @@ class PPOTrainer:
             return self.cfg.rollout.logprob_temperature
         return 1.0
 
-    def compute_advantages(self, batch, scores, fwd) -> tuple[dict, dict]:
-        """Step 5b (last stage): token rewards (``-beta*KL`` when ``kl.in_reward``), the
-        advantage estimator (``ppo.advantage_estimator``), whitening (``gae``). Returns
-        tensors and metrics."""
+    def compute_advantages(self, batch, scores, fwd: Optional[ForwardResults]
+                           ) -> tuple[Optional[Advantages], dict]:
+        """Step 5: token rewards (``-beta*KL`` when ``kl.in_reward``), the advantage
+        estimator (``ppo.advantage_estimator``), whitening (``gae``); returns them and the
+        rollout's metrics (reduced over DP) on the last stage, ``(None, {})`` elsewhere."""
+        if fwd is None:
+            return None, {}
+        with self.timers("advantages"):
+            adv, metrics = self._advantages(batch, scores, fwd)
+            metrics.update(logprob_diff_stats(batch.logprobs, fwd.old_logprobs,
+                                              batch.response_mask))
+            if self.needs_values:
+                metrics["explained_variance"] = float(P.explained_variance(
+                    fwd.values, adv.returns, batch.response_mask))
+            reps = self._repetition(batch)
+            metrics["repetition"] = float(sum(reps) / max(len(reps), 1))
+            metrics["response_length_max"] = float(batch.response_lengths.max())
+        return adv, metrics
+
+    def _advantages(self, batch, scores, fwd: ForwardResults) -> tuple[Advantages, dict]:
         mask = batch.response_mask
         c = self.cfg
         beta = self.kl_ctl.value if c.kl.in_reward else 0.0
         rewards, kl = P.compute_token_rewards(
-            fwd["kl_logprobs"], fwd["ref_logprobs"], scores, mask, beta,
+            fwd.kl_logprobs, fwd.ref_logprobs, scores, mask, beta,
             kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
             missing_eos_penalty=c.ppo.missing_eos_penalty)
         group_ids = P.group_ids_from_samples(mask.shape[0], c.rollout.n_samples_per_prompt,
                                              device=mask.device)
-        adv, ret = P.compute_advantages(self.advantage_cfg, rewards, fwd["values"], mask,
+        adv, ret = P.compute_advantages(self.advantage_cfg, rewards, fwd.values, mask,
                                         group_ids, reduce_fn=self._whiten_reduce)
         raw_adv = adv
         if c.ppo.normalize_advantages and self.advantage_cfg.estimator == "gae":
             adv = P.masked_whiten(adv, mask, reduce_fn=self._whiten_reduce)
         seq_kl = torch.where(mask, kl, 0.0).sum(-1)
-        B = torch.tensor(float(mask.shape[0]), device=mask.device)
-        sums = torch.stack([seq_kl.sum(), scores.sum(), torch.where(mask, rewards, 0.0).sum(),
-                            mask.sum().float(), batch.truncated.float().sum(), B,
-                            torch.where(mask, raw_adv, 0.0).sum(), torch.where(mask, ret, 0.0).sum(),
-                            torch.where(mask, ret, 0.0).pow(2).sum(), (scores ** 2).sum()])
-        sums = self._dp_sum(sums)
-        n_tok, n_seq = sums[3], sums[5]
-        ret_mean = sums[7] / n_tok
+        ret_masked = torch.where(mask, ret, 0.0)
+        sums = self._dp_sum_named({  # one all-reduce of the rollout's sums
+            "kl": seq_kl.sum(), "score": scores.sum(),
+            "token_reward": torch.where(mask, rewards, 0.0).sum(), "tokens": mask.sum().float(),
+            "truncated": batch.truncated.float().sum(),
+            "sequences": torch.tensor(float(mask.shape[0]), device=mask.device),
+            "advantage": torch.where(mask, raw_adv, 0.0).sum(), "return": ret_masked.sum(),
+            "return_sq": ret_masked.pow(2).sum(), "score_sq": (scores ** 2).sum()})
+        n_tok, n_seq = sums["tokens"], sums["sequences"]
+        ret_mean = sums["return"] / n_tok
+        score_mean = sums["score"] / n_seq
         metrics = {
-            "kl_mean": float(sums[0] / n_seq),
-            "reward_mean": float(sums[1] / n_seq),
-            "reward_std": float((sums[9] / n_seq - (sums[1] / n_seq) ** 2).clamp_min(0).sqrt()),
-            "token_reward_sum_mean": float(sums[2] / n_seq),
+            "kl_mean": float(sums["kl"] / n_seq),
+            "reward_mean": float(score_mean),
+            "reward_std": float((sums["score_sq"] / n_seq - score_mean ** 2).clamp_min(0).sqrt()),
+            "token_reward_sum_mean": float(sums["token_reward"] / n_seq),
             "response_length": float(n_tok / n_seq),
-            "truncated_fraction": float(sums[4] / n_seq),
-            "advantages_mean": float(sums[6] / n_tok),
+            "truncated_fraction": float(sums["truncated"] / n_seq),
+            "advantages_mean": float(sums["advantage"] / n_tok),
             "returns_mean": float(ret_mean),
-            "returns_std": float((sums[8] / n_tok - ret_mean ** 2).clamp_min(0).sqrt()),
+            "returns_std": float((sums["return_sq"] / n_tok - ret_mean ** 2).clamp_min(0).sqrt()),
             "beta": float(self.kl_ctl.value),
         }
-        return {"advantages": adv, "returns": ret, "kl": kl}, metrics
+        return Advantages(advantages=adv, returns=ret, kl=kl), metrics
+
+    def _dp_sum_named(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Scalars summed over DP in one all-reduce (stacked in the dict's order)."""
+        return dict(zip(sums, self._dp_sum(torch.stack(list(sums.values())))))
 
     def _whiten_reduce(self, s, sq, n):
         t = self._dp_sum(torch.stack([s, sq, n]).float())
@@ -415,80 +453,55 @@ class PPOTrainer:
 
     def _ppo_loss_fn(self, n_tokens: torch.Tensor, n_seqs: torch.Tensor, P_len: int,
                      value_only: bool):
-        """The mini-batch's loss: ``policy + vf_coef * value - entropy_bonus * entropy
-        (+ kl.loss_coef * KL)``, each aggregated by ``ppo.loss_agg_mode`` over the global
-        ``n_tokens`` / ``n_seqs`` (scalar tensors, all micro-batches and DP ranks)."""
-        c, kl = self.cfg.ppo, self.cfg.kl
-        agg = dict(loss_agg_mode=c.loss_agg_mode, global_sequences=n_seqs,
-                   norm_length=self.cfg.rollout.max_new_tokens)
+        """The micro-batches' loss function: the current log-probs, entropy (and values on a
+        shared backbone) of the micro-batch, into :func:`~nemo_rlhf.algorithms.ppo.ppo_loss`
+        over the global ``n_tokens`` / ``n_seqs`` (scalar tensors, all micro-batches and DP
+        ranks); ``value_only``: a critic warm-up on the shared backbone."""
         temp, kl_temp = self.cfg.rollout.logprob_temperature, self._kl_temperature()
+        with_kl = self.objective.kl_coef > 0 and not value_only
 
         def fn(output, mb):
             logits, values = output if isinstance(output, tuple) else (output, None)
             lp, ent = response_logprobs(logits, (mb["input_ids"], P_len), self.dims, temp,
                                         vocab_size=self.cfg.model.vocab_size)
-            m = mb["response_mask"]
-            pl, pstats = P.policy_loss(lp, mb["old_logprobs"], mb["advantages"], m, n_tokens,
-                                       clip_eps=c.ratio_eps, clip_eps_low=c.ratio_eps_low,
-                                       clip_eps_high=c.ratio_eps_high, dual_clip=c.dual_clip,
-                                       **agg)
-            ent_b = P.entropy_bonus(ent, m, n_tokens, **agg)
-            loss = torch.zeros((), device=lp.device)
-            stats = dict(pstats)
-            scale = n_tokens.float()
-            if self.actor_values:
-                v = response_values(values, P_len, lp.shape[1])
-                vl, vstats = P.value_loss(v, mb["old_values"], mb["returns"], m, n_tokens,
-                                          clip_range=c.value_clip, **agg)
-                loss = loss + c.value_loss_coef * vl
-                stats.update({k: v_ for k, v_ in vstats.items() if k != "valid_tokens"})
-                stats["value_loss_sum"] = vl.detach() * scale
-            if not value_only:
-                loss = loss + pl - c.entropy_bonus * ent_b
-                if kl.loss_coef > 0:
-                    lp_kl = lp if kl_temp == temp else response_logprobs(
-                        logits, (mb["input_ids"], P_len), self.dims, kl_temp,
-                        vocab_size=self.cfg.model.vocab_size, compute_entropy=False)[0]
-                    kll, kstats = P.kl_loss(lp_kl, mb["ref_logprobs"], m, n_tokens,
-                                            estimator=kl.loss_estimator, **agg)
-                    loss = loss + kl.loss_coef * kll
-                    stats["kl_loss_sum"] = kll.detach() * scale
-            stats["policy_loss_sum"] = pl.detach() * scale
-            stats["entropy_sum"] = ent_b.detach() * scale
-            return loss, stats
+            lp_kl = None
+            if with_kl:
+                lp_kl = lp if kl_temp == temp else response_logprobs(
+                    logits, (mb["input_ids"], P_len), self.dims, kl_temp,
+                    vocab_size=self.cfg.model.vocab_size, compute_entropy=False)[0]
+            return P.ppo_loss(
+                self.objective, lp, ent, mb["response_mask"], n_tokens, n_seqs,
+                old_logprobs=mb["old_logprobs"], advantages=mb["advantages"],
+                values=response_values(values, P_len, lp.shape[1]) if self.actor_values else None,
+                old_values=mb.get("old_values"), returns=mb.get("returns"),
+                kl_logprobs=lp_kl, ref_logprobs=mb.get("ref_logprobs"), policy=not value_only)
 
         return fn
 
     def _critic_loss_fn(self, n_tokens: torch.Tensor, n_seqs: torch.Tensor, P_len: int):
-        """A separate critic's mini-batch loss: the clipped value loss alone (``vf_coef``
-        weighs it against the policy loss only on a shared backbone), aggregated like the
-        policy loss."""
-        c = self.cfg.ppo
-        agg = dict(loss_agg_mode=c.loss_agg_mode, global_sequences=n_seqs,
-                   norm_length=self.cfg.rollout.max_new_tokens)
+        """A separate critic's loss function (:func:`~nemo_rlhf.algorithms.ppo.critic_loss`)."""
 
         def fn(values, mb):
             m = mb["response_mask"]
-            v = response_values(values, P_len, m.shape[1])
-            vl, vstats = P.value_loss(v, mb["old_values"], mb["returns"], m, n_tokens,
-                                      clip_range=c.value_clip, **agg)
-            return vl, {**vstats, "value_loss_sum": vl.detach() * n_tokens.float()}
+            return P.critic_loss(self.objective, response_values(values, P_len, m.shape[1]),
+                                 mb["old_values"], mb["returns"], m, n_tokens, n_seqs)
 
         return fn
 
-    def update(self, batch, fwd, adv) -> dict:
-        """Step 6: ``ppo_epochs`` x mini-batches, one optimizer step each."""
+    def update(self, batch, fwd: Optional[ForwardResults], adv: Optional[Advantages]) -> dict:
+        """Step 6: ``ppo_epochs`` x mini-batches, one optimizer step each (and one of the
+        separate critic's); ``fwd`` / ``adv`` are None off the last pipeline stage."""
         c = self.cfg.ppo
         B = batch.input_ids.shape[0]
         per_rank = c.global_batch_size // self.dims.dp
         tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                    "response_mask": batch.response_mask}
         if fwd is not None:
-            tensors.update(old_logprobs=fwd["old_logprobs"], advantages=adv["advantages"])
+            tensors.update(old_logprobs=fwd.old_logprobs, advantages=adv.advantages)
             if self.needs_values:
-                tensors.update(old_values=fwd["values"], returns=adv["returns"])
+                tensors.update(old_values=fwd.values, returns=adv.returns)
             if self.cfg.kl.loss_coef > 0:
-                tensors.update(ref_logprobs=fwd["ref_logprobs"])
+                tensors.update(ref_logprobs=fwd.ref_logprobs)
         value_only = self.step < self.cfg.trainer.critic_warmup_steps
         self.model.train()  # training passes: dropout on (forward-only passes run in eval)
         if self.critic_model is not None:
@@ -512,7 +525,8 @@ class PPOTrainer:
                     res = forward_backward(
                         self.model, micro,
                         self._ppo_loss_fn(n_tokens, n_seqs, batch.prompt_length,
-                                          value_only and self.critic_model is None))
+                                          value_only and self.critic_model is None),
+                        with_values=self.actor_values)
                     finalize_grads(self.model)
                     stepped, norm = self._optimizer_step(value_only)
                     norms.append(norm)
@@ -564,30 +578,21 @@ class PPOTrainer:
     def train_step(self) -> dict:
         """Run the six steps once; return the step's metrics (valid on the reporter)."""
         t0 = time.perf_counter()
-        idx = self.sample_prompts()
-        self._log_prompt_ids(idx[::self.cfg.rollout.n_samples_per_prompt])
-        with self.timers("rollout"):
-            batch = self._generate([self.encoded[i] for i in idx])
-        maybe_crash("rollout", self.step + 1)
-        gen_tokens = self._dp_sum(batch.response_mask.sum().float().reshape(1))[0]
-        with self.timers("reward"):
-            scores, reward_metrics = self.score(idx, batch)
-        fwd = self.compute_old_and_reference(batch)
-        adv, metrics = None, {}
-        if fwd is not None:
-            with self.timers("advantages"):
-                adv, metrics = self.compute_advantages(batch, scores, fwd)
-                metrics.update(logprob_diff_stats(batch.logprobs, fwd["old_logprobs"],
-                                                  batch.response_mask))
-                if self.needs_values:
-                    metrics["explained_variance"] = float(P.explained_variance(
-                        fwd["values"], adv["returns"], batch.response_mask))
-                reps = [P_rep for P_rep in self._repetition(batch)]
-                metrics["repetition"] = float(sum(reps) / max(len(reps), 1))
-                metrics["response_length_max"] = float(batch.response_lengths.max())
+        idx = self.sample_prompts()                                  # 1. prompts
+        batch = self.rollout(idx)                                    # 2. rollout
+        scores, reward_metrics = self.score(idx, batch)              # 3. rewards
+        fwd = self.compute_old_and_reference(batch)                  # 4. reference, old log-probs
+        adv, metrics = self.compute_advantages(batch, scores, fwd)   # 5. advantages
         with self.timers("train"):
-            metrics.update(self.update(batch, fwd, adv))
-        metrics = self._to_reporter({**metrics, **reward_metrics} if fwd is not None else None) or {}
+            metrics.update(self.update(batch, fwd, adv))             # 6. PPO updates
+        self._last_batch = (idx, batch, scores)
+        return self._step_metrics(t0, batch, metrics, reward_metrics, fwd is not None)
+
+    def _step_metrics(self, t0: float, batch, metrics: dict, reward_metrics: dict,
+                      last_stage: bool) -> dict:
+        """The step's metrics on the reporter; the KL controller's update (every rank)."""
+        gen_tokens = self._dp_sum(batch.response_mask.sum().float().reshape(1))[0]
+        metrics = self._to_reporter({**metrics, **reward_metrics} if last_stage else None) or {}
         kl_mean = self._bcast_float(metrics.get("kl_mean", 0.0))
         self.kl_ctl.update(kl_mean, self.cfg.ppo.num_rollout_samples)
         metrics.update(self.timers.pop())
@@ -596,7 +601,6 @@ class PPOTrainer:
         metrics["generated_tokens_per_s"] = float(gen_tokens) / max(metrics.get("timing/rollout_s", elapsed), 1e-9)
         metrics["episodes_per_s"] = self.cfg.ppo.num_rollout_samples / elapsed
         metrics["consumed_samples"] = self.sampler.consumed_samples
-        self._last_batch = (idx, batch, scores)
         return metrics
 
     def _log_prompt_ids(self, idx: list[int]) -> None:
