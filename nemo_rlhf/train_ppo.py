@@ -23,7 +23,8 @@ import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_rlhf.checkpoint import load_model_weights, read_metadata, save_checkpoint
+from nemo_rlhf.checkpoint import load_checkpoint, load_model_weights, read_metadata, save_checkpoint
+from nemo_rlhf.checkpoint.policy import prune, resume_run
 from nemo_rlhf.config import to_typed
 from nemo_rlhf.data.datasets import load_prompt_dataset
 from nemo_rlhf.data.tokenizer import Tokenizer
@@ -33,7 +34,6 @@ from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import agree_on_precision
 from nemo_rlhf.models.engine import wrap_ddp
 from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
-from nemo_rlhf.trainers.ppo.checkpointing import prune, resume
 from nemo_rlhf.trainers.ppo.config import PPOConfig, validate_batch_sizes
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
@@ -211,6 +211,23 @@ def fit(cfg: PPOConfig, trainer, sig: "_Signals | None" = None) -> int:
             break
     logger.close()
     return code
+
+
+def resume(cfg: PPOConfig, trainer, ckpt_root: Path, guard=None) -> None:
+    """Load the checkpoint ``exp_manager.resume`` selects (the one policy of
+    :mod:`nemo_rlhf.checkpoint.policy`) into the trainer and the guard, if any."""
+    em = cfg.exp_manager
+    path, why, state = resume_run(
+        em.resume, ckpt_root, trainer.fingerprint,
+        lambda p: load_checkpoint(p, trainer.model, trainer.optimizer, critic=trainer.critic),
+        em.ignore_fingerprint)
+    if path is None:
+        log.info("starting fresh: %s", why)
+        return
+    trainer.load_state_dict(state)
+    if guard is not None and state.get("guard"):
+        guard.load_state_dict(state["guard"])
+    log.info("resumed from %s at step %d (%s)", path, trainer.step, why)
 
 
 def _bcast_text(message):

@@ -42,7 +42,6 @@ from pathlib import Path
 from nemo_rlhf.checkpoint import (
     CheckpointError,
     find_latest_checkpoint,
-    is_complete,
     list_checkpoints,
     load_checkpoint,
     read_metadata,
@@ -51,15 +50,12 @@ from nemo_rlhf.checkpoint import (
     verify_checkpoint,
 )
 from nemo_rlhf.checkpoint.io import load_full_tensors
+from nemo_rlhf.checkpoint.policy import prune_plan, select_resume_checkpoint
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
 from nemo_rlhf.distributed.parallel import free_port
-from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import ModelConfig
-from nemo_rlhf.tools import hf_convert as hc
-from nemo_rlhf.tools.hf_convert import check_shapes, infer_arch
 from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
-from nemo_rlhf.trainers.ppo.checkpointing import select_resume_checkpoint
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_BAD_INPUT = 0, 1, 2
 KEY_METRICS = ("reward_mean", "kl_mean", "train/loss", "val/loss", "train/accuracy",
@@ -269,6 +265,7 @@ def _model_summary(m) -> str:
 
 
 def cmd_inspect(args) -> int:
+    from nemo_rlhf.tools.hf_convert import infer_arch  # lazy: quick, quiet CLI
     ckpt = _resolve_ckpt(args.ckpt)
     meta = read_metadata(ckpt)
     cfg = _read_yaml(ckpt)
@@ -384,42 +381,6 @@ def cmd_resume_info(args) -> int:
 
 
 # --------------------------------------------------------------------------- prune
-def prune_plan(root: Path, keep: int) -> tuple[list, list]:
-    """``(delete, kept)``, each ``[(path, reason)]``; the newest complete checkpoint and
-    the one ``latest`` names are always kept, temps newer than it too (a save may be in
-    progress)."""
-    steps = list_checkpoints(root)
-    complete = [p for _, p, ok in steps if ok]
-    latest_file = root / "latest"
-    named = root / latest_file.read_text().strip() if latest_file.is_file() else None
-    protected = set(complete[-keep:]) | ({complete[-1]} if complete else set())
-    if named is not None and is_complete(named):
-        protected.add(named)
-    newest_step = int(complete[-1].name[5:]) if complete else None
-    delete, kept = [], []
-    for step, p, ok in steps:
-        if not ok:
-            kept.append((p, "incomplete step folder: not touched"))
-        elif p == complete[-1]:
-            kept.append((p, "newest complete"))
-        elif p in complete[-keep:]:
-            kept.append((p, f"within --keep {keep}"))
-        elif p in protected:
-            kept.append((p, "named by 'latest'"))
-        else:
-            delete.append((p, f"older than the newest {keep} complete"))
-    for t in sorted(root.glob(".tmp_step_*")) + sorted(root.glob(".trash_step_*")):
-        m = re.match(r"\.(tmp|trash)_step_(\d+)", t.name)
-        step = int(m.group(2)) if m else None
-        if m and m.group(1) == "trash" and is_complete(root / f"step_{step}"):
-            delete.append((t, f"leftover of re-saving step {step}"))
-        elif step is not None and newest_step is not None and step < newest_step:
-            delete.append((t, f"unpublished save older than step_{newest_step}"))
-        else:
-            kept.append((t, "unpublished save not older than the newest complete: may be in progress"))
-    return delete, kept
-
-
 def cmd_prune(args) -> int:
     p = _existing(args.exp_dir)
     if args.keep < 1:
@@ -449,6 +410,8 @@ def _layout_rank(rank: int, world: int, port: int, job: dict) -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _quiet()
     import torch
+
+    from nemo_rlhf.models.actor_critic import build_model  # lazy: megatron after _quiet()
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cfg = ModelConfig(**job["model"])
@@ -526,6 +489,8 @@ def compare_checkpoints(a, b: Path, expected: dict | None = None,
 def _layout_job(src: Path, out: Path, tp: int, pp: int, cfg: dict, model, with_optimizer: bool) -> dict:
     """Everything a resharding rank needs (plain, picklable values)."""
     from megatron.core import dist_checkpointing
+
+    from nemo_rlhf.tools.hf_convert import check_shapes  # lazy: quick, quiet CLI
 
     _check_layout(model, tp, pp)
     meta = read_metadata(src)
@@ -607,6 +572,7 @@ def cmd_reshard(args) -> int:
 
 # --------------------------------------------------------------------------- HF export
 def cmd_export_hf(args) -> int:
+    from nemo_rlhf.tools import hf_convert as hc  # lazy: quick, quiet CLI
     ckpt = _verified(_resolve_ckpt(args.ckpt))
     cfg = _read_yaml(ckpt)
     model = _model_config(cfg, ckpt)
@@ -662,6 +628,7 @@ def cmd_export_hf(args) -> int:
 
 # --------------------------------------------------------------------------- HF import
 def cmd_import_hf(args) -> int:
+    from nemo_rlhf.tools import hf_convert as hc  # lazy: quick, quiet CLI
     src = _existing(args.hf_dir)
     if not src.is_dir():
         raise CLIError(f"{src}: not a folder (expected a Hugging Face model folder)")

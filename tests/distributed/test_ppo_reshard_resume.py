@@ -33,7 +33,7 @@ def _worker(rank: int, tmp: str):
     from nemo_rlhf.checkpoint import save_checkpoint
     from nemo_rlhf.checkpoint.io import load_full_tensors
     from nemo_rlhf.train_ppo import build
-    from nemo_rlhf.trainers.ppo.checkpointing import resume
+    from nemo_rlhf.train_ppo import resume
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")

@@ -183,7 +183,7 @@ def test_validate_catches_damaged_shards(copy, capsys, damage):
 
 # --------------------------------------------------------------------------- resume-info
 def test_resume_info_agrees_with_the_trainer_selection(copy, capsys):
-    from nemo_rlhf.trainers.ppo.checkpointing import select_resume_checkpoint
+    from nemo_rlhf.checkpoint.policy import select_resume_checkpoint
 
     root = copy / "checkpoints"
     shutil.copytree(root / "step_3", root / "step_4")  # newer but incomplete
