@@ -1,2 +1,2 @@
-"""Offline tools: ``nemo-rlhf-ckpt`` (:mod:`.ckpt_cli`) and the Hugging Face mapping
-(:mod:`.hf_convert`)."""
+"""Offline tools: ``nemo-rlhf-ckpt`` (:mod:`.ckpt`, one module per command), the Hugging
+Face mapping (:mod:`.hf_convert`) and the SmolLM2 set-up (:mod:`.real_model`)."""

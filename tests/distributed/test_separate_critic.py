@@ -150,7 +150,7 @@ def test_reshard_tool_carries_the_separate_critic_and_its_optimizer(results, tmp
 
     src = results["tmp"] / "full" / "checkpoints" / "step_3"
     out = tmp_path / "tp2"
-    proc = subprocess.run([sys.executable, "-m", "nemo_rlhf.tools.ckpt_cli", "reshard", str(src),
+    proc = subprocess.run([sys.executable, "-m", "nemo_rlhf.tools.ckpt", "reshard", str(src),
                            "--tp", "2", "--out", str(out), "--json"],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -225,7 +225,7 @@ def test_greedy_generations_equal_transformers(env, layout):
 
 
 def test_import_at_tp2_says_tp_must_divide_the_kv_heads(real, tmp_path, capsys):
-    from nemo_rlhf.tools.ckpt_cli import main
+    from nemo_rlhf.tools.ckpt.cli import main
 
     out = tmp_path / "tp2"
     assert main(["import-hf", real["hf_dir"], "--out", str(out), "--tp", "2"]) == 2

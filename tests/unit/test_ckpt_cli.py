@@ -3,7 +3,7 @@ tiny trained experiment, and one clear stderr line for every bad input.
 
 The experiment (3 checkpoints of a tiny Llama-style actor-critic with real AdamW state,
 ``metrics.jsonl`` with a repeated step) is built once in this process; happy paths call
-``main()`` in-process, the bad-input table runs ``python -m nemo_rlhf.tools.ckpt_cli`` in
+``main()`` in-process, the bad-input table runs ``python -m nemo_rlhf.tools.ckpt`` in
 subprocesses (started concurrently, asserted per case).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_rlhf.tools.ckpt_cli import main
+from nemo_rlhf.tools.ckpt.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -132,7 +132,7 @@ def test_list_shows_steps_latest_layout_and_last_metrics_of_each_step(exp, capsy
 
 
 def test_list_through_python_m_prints_json(exp):
-    proc = subprocess.run([sys.executable, "-m", "nemo_rlhf.tools.ckpt_cli", "list", "--json",
+    proc = subprocess.run([sys.executable, "-m", "nemo_rlhf.tools.ckpt", "list", "--json",
                            str(exp)], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in json.loads(proc.stdout)["checkpoints"]] == [1, 2, 3]
@@ -344,7 +344,7 @@ def bad_results(exp, tmp_path_factory):
     assert tuple(cases) == BAD_CASES
 
     def run(argv):
-        return subprocess.run([sys.executable, "-m", "nemo_rlhf.tools.ckpt_cli", *map(str, argv)],
+        return subprocess.run([sys.executable, "-m", "nemo_rlhf.tools.ckpt", *map(str, argv)],
                               capture_output=True, text=True, cwd=REPO, timeout=180)
 
     with ThreadPoolExecutor(max_workers=3) as pool:
