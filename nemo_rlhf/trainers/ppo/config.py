@@ -10,15 +10,20 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from nemo_rlhf.algorithms.ppo.advantages import ADVANTAGE_ESTIMATORS
-from nemo_rlhf.algorithms.ppo.kl import KL_ESTIMATORS
+from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from nemo_rlhf.algorithms.ppo.losses import LOSS_AGG_MODES
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import DataConfig
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.models.config import PRECISIONS, ModelConfig
+from nemo_rlhf.reward.functions import check_reward_function_spec
+from nemo_rlhf.reward.normalization import NORMALIZATION_MODES
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.trainers.optim import OptimizerConfig
 
 KL_TEMPERATURES = ("sampling", "unscaled")
+REFERENCE_MODES = ("offload", "colocated")
+GUARD_ACTIONS = ("off", "warn", "stop")
 
 
 @dataclass
@@ -51,11 +56,14 @@ class TrainerConfig:
     (e.g. ``just_the_number``, answer-format compliance)."""
 
     def __post_init__(self) -> None:
-        if str(self.precision) not in PRECISIONS:
-            raise ValueError(f"trainer.precision={self.precision!r}: valid choices are {list(PRECISIONS)}")
         self.precision = str(self.precision)
+        check_choice("trainer.precision", self.precision, PRECISIONS)
         if self.max_steps < 0:
             raise ValueError(f"trainer.max_steps={self.max_steps}: must be >= 0")
+        if self.eval_checker is not None:
+            check_reward_function_spec("trainer.eval_checker", self.eval_checker)
+        for i, name in enumerate(self.eval_extra_checkers):
+            check_reward_function_spec(f"trainer.eval_extra_checkers[{i}]", name)
 
 
 @dataclass
@@ -120,12 +128,8 @@ class PPOAlgoConfig:
             raise ValueError(f"ppo.ratio_eps={self.ratio_eps}: must be in (0, 1)")
         if not 0 <= self.discount_factor <= 1 or not 0 <= self.gae_lambda <= 1:
             raise ValueError("ppo.discount_factor and ppo.gae_lambda must be in [0, 1]")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"ppo.advantage_estimator={self.advantage_estimator!r}: valid choices "
-                             f"are {sorted(ADVANTAGE_ESTIMATORS)}")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"ppo.loss_agg_mode={self.loss_agg_mode!r}: valid choices are "
-                             f"{list(LOSS_AGG_MODES)}")
+        check_choice("ppo.advantage_estimator", self.advantage_estimator, sorted(ADVANTAGE_ESTIMATORS))
+        check_choice("ppo.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
 
 @dataclass
@@ -159,12 +163,10 @@ class KLConfig:
     non-negative and unbiased, GRPO's choice)."""
 
     def __post_init__(self) -> None:
-        if self.temperature not in KL_TEMPERATURES:
-            raise ValueError(f"kl.temperature={self.temperature!r}: valid choices are "
-                             f"{list(KL_TEMPERATURES)}")
-        if self.loss_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl.loss_estimator={self.loss_estimator!r}: valid choices are "
-                             f"{sorted(KL_ESTIMATORS)}")
+        check_choice("kl.type", self.type, sorted(KL_CONTROLLERS))
+        check_choice("kl.estimator", self.estimator, sorted(KL_ESTIMATORS))
+        check_choice("kl.temperature", self.temperature, KL_TEMPERATURES)
+        check_choice("kl.loss_estimator", self.loss_estimator, sorted(KL_ESTIMATORS))
         if self.loss_coef < 0:
             raise ValueError(f"kl.loss_coef={self.loss_coef}: must be >= 0 (0: off)")
 
@@ -198,9 +200,16 @@ class RewardConfig:
     wait_for_server_s: float = 300.0
     """Deadline for the RM server's /health at start-up."""
     normalization: str = "none"
-    """``none``, ``fixed`` (RM checkpoint's stats) or ``running``."""
+    """Of the RM score: ``none``, ``fixed`` (the RM checkpoint's stats) or ``running``."""
     clip: Optional[float] = None
     """Clip normalised scores to [-clip, clip] (None: off)."""
+
+    def __post_init__(self) -> None:
+        check_choice("reward.normalization", self.normalization, NORMALIZATION_MODES)
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"reward.clip={self.clip}: must be > 0 (or null: off)")
+        for i, spec in enumerate(self.functions):
+            check_reward_function_spec(f"reward.functions[{i}].name", spec.name)
 
 
 @dataclass
@@ -211,8 +220,7 @@ class ReferenceConfig:
     """``offload`` (host copy swapped into the backbone) or ``colocated`` (resident copy)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("offload", "colocated"):
-            raise ValueError(f"reference.mode={self.mode!r}: valid choices are ['offload', 'colocated']")
+        check_choice("reference.mode", self.mode, REFERENCE_MODES)
 
 
 CRITIC_MODES = ("shared", "shared_detached", "separate")
@@ -240,8 +248,7 @@ class CriticConfig:
     of ``optim`` applies to both)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in CRITIC_MODES:
-            raise ValueError(f"critic.mode={self.mode!r}: valid choices are {list(CRITIC_MODES)}")
+        check_choice("critic.mode", self.mode, CRITIC_MODES)
         if self.mode != "separate" and (self.init_from is not None or self.lr is not None):
             raise ValueError(f"critic.init_from / critic.lr are for critic.mode=separate "
                              f"(critic.mode={self.mode!r})")
@@ -288,8 +295,7 @@ class GuardConfig:
     """Trigger when kl_mean (per sequence) exceeds this, whatever the reward does."""
 
     def __post_init__(self) -> None:
-        if self.action not in ("off", "warn", "stop"):
-            raise ValueError(f"guards.action={self.action!r}: valid choices are ['off', 'warn', 'stop']")
+        check_choice("guards.action", self.action, GUARD_ACTIONS)
         if self.window < 1:
             raise ValueError(f"guards.window={self.window}: must be >= 1")
 
