@@ -23,8 +23,13 @@ import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from nemo_rlhf.checkpoint import load_model_weights, read_metadata, save_checkpoint
-from nemo_rlhf.config import to_typed
+from nemo_rlhf.checkpoint import (
+    load_model_weights,
+    prune_checkpoints,
+    read_metadata,
+    save_checkpoint,
+)
+from nemo_rlhf.config import check_renamed_keys, to_typed
 from nemo_rlhf.data.datasets import load_prompt_dataset
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
@@ -33,7 +38,7 @@ from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import agree_on_precision
 from nemo_rlhf.models.engine import wrap_ddp
 from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
-from nemo_rlhf.trainers.ppo.checkpointing import prune, resume
+from nemo_rlhf.trainers.ppo.checkpointing import resume
 from nemo_rlhf.trainers.ppo.config import PPOConfig, validate_batch_sizes
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
@@ -166,8 +171,8 @@ def fit(cfg: PPOConfig, trainer, sig: "_Signals | None" = None) -> int:
         state = {**trainer.state_dict(), "guard": guard.state_dict()}
         path = save_checkpoint(ckpt_root, trainer.step, trainer.model, trainer.optimizer, state,
                                cfg_dict, trainer.dims, trainer.fingerprint, critic=trainer.critic)
-        if trainer.dims.rank == 0:
-            prune(ckpt_root, cfg.exp_manager.keep_last)
+        if cfg.exp_manager.keep_last and trainer.dims.rank == 0:
+            prune_checkpoints(ckpt_root, cfg.exp_manager.keep_last)
         return path
 
     if trainer.step == 0 and cfg.trainer.val_check_interval:
@@ -222,7 +227,7 @@ def _bcast_text(message):
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="ppo")
-def main(dcfg: DictConfig) -> None:
+def _hydra_main(dcfg: DictConfig) -> None:
     sig = _Signals()  # first: a SIGUSR1 during set-up must not kill the job
     # merging into the schema rejects keys added with `+` that the schema does not have
     cfg: PPOConfig = to_typed(dcfg, PPOConfig)
@@ -239,6 +244,15 @@ def main(dcfg: DictConfig) -> None:
     destroy_distributed()
     if code:
         sys.exit(code)
+
+
+def main() -> None:
+    """Console entry (``nemo-rlhf-ppo``): a renamed key is refused naming the new one."""
+    try:
+        check_renamed_keys(sys.argv[1:])
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -102,6 +102,21 @@ def find_latest_checkpoint(root: Path) -> Optional[Path]:
     return complete[-1] if complete else None
 
 
+def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints (``exp_manager.keep_last``).
+
+    Never deletes the newest complete checkpoint; incomplete folders are left alone.
+    Returns the deleted paths.
+    """
+    complete = [p for _, p, ok in list_checkpoints(root) if ok]
+    doomed = complete[:-max(keep_last, 1)] if len(complete) > keep_last else []
+    newest = complete[-1] if complete else None
+    for p in doomed:
+        if p != newest:
+            shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
 # --- RNG ------------------------------------------------------------------------------
 
 def rng_state() -> dict:

@@ -1,9 +1,9 @@
-"""Resume and retention for the PPO job (built on :mod:`nemo_rlhf.checkpoint`)."""
+"""Resume for the PPO job (built on :mod:`nemo_rlhf.checkpoint`; retention:
+:func:`nemo_rlhf.checkpoint.prune_checkpoints`)."""
 
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 
 from nemo_rlhf.checkpoint import (
@@ -105,18 +105,4 @@ def resume(cfg, trainer, ckpt_root: Path, guard=None) -> None:
     log.info("resumed from %s at step %d (%s)", path, trainer.step, why)
 
 
-def prune(ckpt_root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints (and stale temps).
-
-    Never deletes the newest complete checkpoint. Returns the deleted paths.
-    """
-    complete = [p for _, p, ok in list_checkpoints(ckpt_root) if ok]
-    doomed = complete[:-max(keep_last, 1)] if len(complete) > keep_last else []
-    newest = complete[-1] if complete else None
-    for p in doomed:
-        if p != newest:
-            shutil.rmtree(p, ignore_errors=True)
-    return doomed
-
-
-__all__ = ["CheckpointError", "fingerprint_diff", "prune", "resume", "select_resume_checkpoint"]
+__all__ = ["CheckpointError", "fingerprint_diff", "resume", "select_resume_checkpoint"]

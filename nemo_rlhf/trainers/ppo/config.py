@@ -15,10 +15,11 @@ from nemo_rlhf.algorithms.ppo.losses import LOSS_AGG_MODES
 from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import DataConfig
 from nemo_rlhf.distributed.parallel import ParallelConfig
-from nemo_rlhf.models.config import PRECISIONS, ModelConfig
+from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.reward.functions import check_reward_function_spec
 from nemo_rlhf.reward.normalization import NORMALIZATION_MODES
 from nemo_rlhf.rollout.config import RolloutConfig
+from nemo_rlhf.trainers.config import ExpManagerConfig, TrainerConfig
 from nemo_rlhf.trainers.optim import OptimizerConfig
 
 KL_TEMPERATURES = ("sampling", "unscaled")
@@ -27,17 +28,9 @@ GUARD_ACTIONS = ("off", "warn", "stop")
 
 
 @dataclass
-class TrainerConfig:
-    """Loop control (group ``trainer``)."""
+class PPOTrainerConfig(TrainerConfig):
+    """Loop control of the PPO job (group ``trainer``): the shared keys plus PPO's own."""
 
-    precision: str = "32"
-    """``32``, ``bf16-mixed`` or ``fp16-mixed``."""
-    max_steps: int = 20
-    """PPO steps (one step = rollout + ppo_epochs of updates)."""
-    seed: int = 1234
-    """Base seed (rollout sampling, shuffling, init)."""
-    val_check_interval: int = 5
-    """Evaluate on the held-out set every N steps (0: never; also at the end)."""
     sample_table_every: int = 5
     """Print a table of sample prompts/responses/rewards every N steps (0: never)."""
     critic_warmup_steps: int = 0
@@ -56,10 +49,7 @@ class TrainerConfig:
     (e.g. ``just_the_number``, answer-format compliance)."""
 
     def __post_init__(self) -> None:
-        self.precision = str(self.precision)
-        check_choice("trainer.precision", self.precision, PRECISIONS)
-        if self.max_steps < 0:
-            raise ValueError(f"trainer.max_steps={self.max_steps}: must be >= 0")
+        super().__post_init__()
         if self.eval_checker is not None:
             check_reward_function_spec("trainer.eval_checker", self.eval_checker)
         for i, name in enumerate(self.eval_extra_checkers):
@@ -255,27 +245,17 @@ class CriticConfig:
 
 
 @dataclass
-class ExpManagerConfig:
-    """Experiment folder, checkpoints and resume (group ``exp_manager``)."""
+class PPOExpManagerConfig(ExpManagerConfig):
+    """Experiment folder, checkpoints and resume of the PPO job (group ``exp_manager``): the
+    shared keys plus PPO's own. ``resume=auto`` loads the newest intact checkpoint (checksums
+    verified; a corrupt one is skipped for its predecessor)."""
 
-    exp_dir: str = "experiments/ppo"
-    """Everything of the run goes here (TensorBoard, checkpoints, config)."""
     init_from: Optional[str] = None
     """Checkpoint of the initial (SFT) policy; also the reference weights."""
     init_value_head: bool = True
     """Initialise the value head if ``init_from`` has none (an SFT checkpoint)."""
-    save_interval: int = 10
-    """Save every N steps (and at the end); 0: only at the end."""
-    keep_last: int = 2
-    """Checkpoints kept (>= 2)."""
-    resume: str = "auto"
-    """``auto`` (newest complete checkpoint), ``none``, or a checkpoint path."""
     ignore_fingerprint: bool = False
     """Resume even if the model/tokenizer/data fingerprint differs."""
-
-    def __post_init__(self) -> None:
-        if self.keep_last < 2:
-            raise ValueError(f"exp_manager.keep_last={self.keep_last}: must be >= 2")
 
 
 @dataclass
@@ -304,7 +284,7 @@ class GuardConfig:
 class PPOConfig:
     """The whole PPO job."""
 
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -318,7 +298,7 @@ class PPOConfig:
         train_file="data/demo/ppo_prompts.jsonl", val_file="data/demo/eval.jsonl",
         tokenizer_dir="data/demo/tokenizer"))
     """``train_file``: PPO prompts; ``val_file``: held-out evaluation prompts."""
-    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+    exp_manager: PPOExpManagerConfig = field(default_factory=PPOExpManagerConfig)
     guards: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
