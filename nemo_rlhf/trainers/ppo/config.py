@@ -80,8 +80,9 @@ class PPOAlgoConfig:
     """Dual-clip constant c > 1 for negative advantages (None: off)."""
     value_clip: Optional[float] = 0.2
     """Value clip range around the old values (None: off)."""
-    value_loss_coef: float = 0.5
-    """vf_coef in loss = policy + vf_coef * value - entropy_bonus * entropy."""
+    value_loss_coef: float = 0.1
+    """vf_coef in loss = policy + vf_coef * value - entropy_bonus * entropy (small: with the
+    shared backbone of ``critic.mode=shared`` it keeps the critic's gradient from dominating)."""
     entropy_bonus: float = 0.0
     """Entropy coefficient."""
     discount_factor: float = 1.0
@@ -189,7 +190,7 @@ class RewardConfig:
     """Retries before a scoring error stops training."""
     wait_for_server_s: float = 300.0
     """Deadline for the RM server's /health at start-up."""
-    normalization: str = "none"
+    normalization: str = "running"
     """Of the RM score: ``none``, ``fixed`` (the RM checkpoint's stats) or ``running``."""
     clip: Optional[float] = None
     """Clip normalised scores to [-clip, clip] (None: off)."""
@@ -294,9 +295,7 @@ class PPOConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
-    data: DataConfig = field(default_factory=lambda: DataConfig(
-        train_file="data/demo/ppo_prompts.jsonl", val_file="data/demo/eval.jsonl",
-        tokenizer_dir="data/demo/tokenizer"))
+    data: DataConfig = field(default_factory=DataConfig)
     """``train_file``: PPO prompts; ``val_file``: held-out evaluation prompts."""
     exp_manager: PPOExpManagerConfig = field(default_factory=PPOExpManagerConfig)
     guards: GuardConfig = field(default_factory=GuardConfig)
