@@ -227,7 +227,8 @@ def _bcast_text(message):
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="ppo")
-def _hydra_main(dcfg: DictConfig) -> None:
+def hydra_main(dcfg: DictConfig) -> None:
+    """The Hydra job (``main`` checks the command line first)."""
     sig = _Signals()  # first: a SIGUSR1 during set-up must not kill the job
     # merging into the schema rejects keys added with `+` that the schema does not have
     cfg: PPOConfig = to_typed(dcfg, PPOConfig)
@@ -252,7 +253,7 @@ def main() -> None:
         check_renamed_keys(sys.argv[1:])
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    _hydra_main()
+    hydra_main()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ register_configs()
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="sft")
-def _hydra_main(dcfg: DictConfig) -> None:
+def hydra_main(dcfg: DictConfig) -> None:
+    """The Hydra job (``main`` checks the command line first)."""
     cfg: SFTRunConfig = to_typed(dcfg, SFTRunConfig)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
@@ -38,7 +39,7 @@ def main() -> None:
         check_renamed_keys(sys.argv[1:])
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    _hydra_main()
+    hydra_main()
 
 
 if __name__ == "__main__":
