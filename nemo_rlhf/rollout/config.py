@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RolloutConfig:
-    """Sampling and stopping rules of rollout generation (config group ``rollout``)."""
+    """Sampling and stopping rules of rollout generation (config section ``rollout``)."""
 
     max_new_tokens: int = 32
     """Most tokens generated per prompt (the response length bound R); >= 0."""

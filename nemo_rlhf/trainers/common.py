@@ -31,6 +31,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
 from nemo_rlhf.checkpoint import (
     find_latest_checkpoint,
     load_checkpoint,
