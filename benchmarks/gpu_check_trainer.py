@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check_trainer.py [--config-name ppo] [nemo_rlhf.train_ppo overrides]
 
-This is ``python -m nemo_rlhf.train_ppo`` itself (its Hydra ``main``, ``build`` and ``fit``,
+This is ``python -m nemo_rlhf.train_ppo`` itself (its Hydra ``hydra_main``, ``build`` and ``fit``,
 so the launcher, the served RM, checkpoints and ``metrics.jsonl`` are the real ones), with
 one difference: the trainer that ``build`` returns gets thin wrappers around its phases
 (:class:`PhaseProbe`), which change nothing in what the phases compute and record, for
@@ -223,14 +223,14 @@ def main() -> None:
         PhaseProbe(trainer, cfg, path).install()
         return trainer
 
-    train_ppo.build = build_with_probe  # main() looks build up at call time
-    # train_ppo.main's own body under a Hydra decorator with an absolute config folder (its
+    train_ppo.build = build_with_probe  # hydra_main() looks build up at call time
+    # train_ppo.hydra_main's own body under a Hydra decorator with an absolute config folder (its
     # relative "../conf" is resolved against the module that calls it: this script)
     import hydra
 
     conf = Path(train_ppo.__file__).resolve().parents[1] / "conf"
     hydra.main(version_base=None, config_path=str(conf), config_name="ppo")(
-        train_ppo.main.__wrapped__)()
+        train_ppo.hydra_main.__wrapped__)()
 
 
 if __name__ == "__main__":

@@ -272,9 +272,11 @@ def _composed_exp_dir(overrides: Sequence[str], config_name: str = "ppo") -> str
     from hydra import compose, initialize_config_dir
 
     import nemo_rlhf.train_ppo  # noqa: F401 - registers the ppo_schema
+    from nemo_rlhf.config import check_renamed_keys
     from nemo_rlhf.models.config import CONF_DIR
 
     try:
+        check_renamed_keys(overrides)
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             composed = compose(config_name=config_name, overrides=list(overrides))
     except Exception as exc:  # noqa: BLE001 - hydra's composition errors name the key

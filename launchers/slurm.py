@@ -229,10 +229,18 @@ def compose_job(job: str, overrides: Sequence[str]):
     Raises:
         LaunchError: unknown key, wrong type, or a rule of the schema (naming the key);
             also ``+key=...`` for a key the schema lacks (Hydra lets ``+`` add it, and the
-            typed conversion then drops or keeps it silently).
+            typed conversion then drops or keeps it silently); a renamed key of a
+            training job (naming the new one).
     """
     import importlib
 
+    from nemo_rlhf.config import check_renamed_keys
+
+    if JOBS[job].exp_dir_key:  # the training jobs (the RM server has no trainer section)
+        try:
+            check_renamed_keys(overrides)
+        except ValueError as exc:
+            raise LaunchError(f"{job} overrides: {exc}") from None
     importlib.import_module(JOBS[job].module)  # registers the schema
     cfg = _compose(JOBS[job].config_name, overrides, f"{job} overrides")
     _check_added_keys(cfg, overrides, job)

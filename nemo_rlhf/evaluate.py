@@ -31,14 +31,15 @@ import torch.distributed as dist
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from nemo_rlhf.checkpoint import load_model_weights, read_metadata, resolve_checkpoint
-from nemo_rlhf.config import to_typed
+from nemo_rlhf.config import check_choice, to_typed
 from nemo_rlhf.data.datasets import DataConfig, load_prompt_dataset
+from nemo_rlhf.data.templates import check_template
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import destroy_distributed
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import PRECISIONS, ModelConfig, agree_on_precision
-from nemo_rlhf.reward.functions import get_reward_function
+from nemo_rlhf.reward.functions import check_reward_function_spec, get_reward_function
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.common import chunks, dp_shard, setup_run
 
@@ -82,8 +83,13 @@ class EvalConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        if str(self.precision) not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: valid choices are {list(PRECISIONS)}")
+        self.precision = str(self.precision)
+        check_choice("precision", self.precision, PRECISIONS)
+        check_reward_function_spec("checker", self.checker)
+        for i, name in enumerate(self.extra_checkers):
+            check_reward_function_spec(f"extra_checkers[{i}]", name)
+        if self.chat_template is not None:  # null: the checkpoint's
+            check_template(self.chat_template, "chat_template")
         for key in ("max_new_tokens", "batch_size", "num_samples"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")

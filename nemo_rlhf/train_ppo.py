@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_rlhf.checkpoint import load_checkpoint, load_model_weights, read_metadata, save_checkpoint
 from nemo_rlhf.checkpoint.policy import prune, resume_run
-from nemo_rlhf.config import to_typed
+from nemo_rlhf.config import check_renamed_keys, to_typed
 from nemo_rlhf.data.datasets import load_prompt_dataset
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
@@ -166,7 +166,7 @@ def fit(cfg: PPOConfig, trainer, sig: "_Signals | None" = None) -> int:
         state = {**trainer.state_dict(), "guard": guard.state_dict()}
         path = save_checkpoint(ckpt_root, trainer.step, trainer.model, trainer.optimizer, state,
                                cfg_dict, trainer.dims, trainer.fingerprint, critic=trainer.critic)
-        if trainer.dims.rank == 0:
+        if cfg.exp_manager.keep_last and trainer.dims.rank == 0:
             prune(ckpt_root, cfg.exp_manager.keep_last)
         return path
 
@@ -239,7 +239,8 @@ def _bcast_text(message):
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="ppo")
-def main(dcfg: DictConfig) -> None:
+def hydra_main(dcfg: DictConfig) -> None:
+    """The Hydra job (``main`` checks the command line first)."""
     sig = _Signals()  # first: a SIGUSR1 during set-up must not kill the job
     # merging into the schema rejects keys added with `+` that the schema does not have
     cfg: PPOConfig = to_typed(dcfg, PPOConfig)
@@ -256,6 +257,15 @@ def main(dcfg: DictConfig) -> None:
     destroy_distributed()
     if code:
         sys.exit(code)
+
+
+def main() -> None:
+    """Console entry (``nemo-rlhf-ppo``): a renamed key is refused naming the new one."""
+    try:
+        check_renamed_keys(sys.argv[1:])
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    hydra_main()
 
 
 if __name__ == "__main__":

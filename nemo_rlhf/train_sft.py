@@ -9,11 +9,12 @@ Config: ``conf/sft.yaml`` over the typed schema
 from __future__ import annotations
 
 import logging
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from nemo_rlhf.config import to_typed
+from nemo_rlhf.config import check_renamed_keys, to_typed
 from nemo_rlhf.distributed import destroy_distributed
 from nemo_rlhf.trainers.sft import SFTRunConfig, register_configs, run_sft
 
@@ -21,7 +22,8 @@ register_configs()
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="sft")
-def main(dcfg: DictConfig) -> None:
+def hydra_main(dcfg: DictConfig) -> None:
+    """The Hydra job (``main`` checks the command line first)."""
     cfg: SFTRunConfig = to_typed(dcfg, SFTRunConfig)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
@@ -29,6 +31,15 @@ def main(dcfg: DictConfig) -> None:
         run_sft(cfg)
     finally:
         destroy_distributed()
+
+
+def main() -> None:
+    """Console entry: a renamed key (``trainer.save_interval``) is refused naming the new one."""
+    try:
+        check_renamed_keys(sys.argv[1:])
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    hydra_main()
 
 
 if __name__ == "__main__":

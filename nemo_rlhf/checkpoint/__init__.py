@@ -17,6 +17,6 @@ from nemo_rlhf.checkpoint.io import (
 
 __all__ = [
     "CheckpointError", "find_latest_checkpoint", "is_complete", "list_checkpoints",
-    "load_checkpoint", "load_model_weights", "read_metadata", "read_trainer_state",
-    "resolve_checkpoint", "save_checkpoint", "step_dir", "verify_checkpoint",
+    "load_checkpoint", "load_model_weights", "read_metadata",
+    "read_trainer_state", "resolve_checkpoint", "save_checkpoint", "step_dir", "verify_checkpoint",
 ]

@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from nemo_rlhf.config import check_choice
+
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
@@ -81,9 +83,9 @@ class ModelConfig:
     """Std of the value head's weight init; 0 starts with values == bias == 0."""
 
     def __post_init__(self) -> None:
-        _choice("model.normalization", self.normalization, NORMALIZATIONS)
-        _choice("model.activation", self.activation, ACTIVATIONS)
-        _choice("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
+        check_choice("model.normalization", self.normalization, NORMALIZATIONS)
+        check_choice("model.activation", self.activation, ACTIVATIONS)
+        check_choice("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
         for key in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
                     "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
@@ -118,11 +120,6 @@ class ModelConfig:
         return d
 
 
-def _choice(key: str, value, valid) -> None:
-    if value not in valid:
-        raise ValueError(f"{key}={value!r}: valid choices are {list(valid)}")
-
-
 def precision_dtype(precision: str) -> torch.dtype:
     """Parameter dtype of ``trainer.precision`` (``32`` -> fp32, ``bf16-mixed`` -> bf16,
     ``fp16-mixed`` -> fp16).
@@ -131,7 +128,7 @@ def precision_dtype(precision: str) -> torch.dtype:
         ValueError: naming ``trainer.precision`` and the valid choices.
     """
     precision = str(precision)
-    _choice("trainer.precision", precision, PRECISIONS)
+    check_choice("trainer.precision", precision, PRECISIONS)
     if precision == "auto":
         raise ValueError("trainer.precision=auto must be resolved first (resolve_precision)")
     return {"32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
@@ -175,7 +172,7 @@ def resolve_precision(precision: str, device: torch.device, probe=host_gemm_gflo
         ``(precision, reason)``: the concrete choice and a sentence saying why.
     """
     precision = str(precision)
-    _choice("trainer.precision", precision, PRECISIONS)
+    check_choice("trainer.precision", precision, PRECISIONS)
     if precision != "auto":
         return precision, "set explicitly"
     if device.type == "cuda":

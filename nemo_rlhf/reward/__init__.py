@@ -35,6 +35,7 @@ _EXPORTS = {
     "two_digit_addition": "functions",
     "addition_answer": "functions",
     "just_the_number": "functions",
+    "check_reward_function_spec": "functions",
     "get_reward_function": "functions",
     "register_reward_function": "functions",
     "registered_reward_functions": "functions",

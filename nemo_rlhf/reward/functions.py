@@ -39,6 +39,7 @@ __all__ = [
     "RewardSource",
     "WeightedSource",
     "arithmetic_exact_match",
+    "check_reward_function_spec",
     "first_integer",
     "get_reward_function",
     "register_reward_function",
@@ -67,6 +68,18 @@ def register_reward_function(name: str) -> Callable[[RewardFn], RewardFn]:
 def registered_reward_functions() -> list[str]:
     """Registered reward function names, sorted."""
     return sorted(_REGISTRY)
+
+
+def check_reward_function_spec(key: str, spec: Any) -> None:
+    """Config-time check of a reward function spec (``reward.functions[i].name``, a checker):
+    a registered name, or a ``package.module:function`` path (imported only when used).
+
+    Raises:
+        ValueError: naming ``key``, the value and the registered names.
+    """
+    if not isinstance(spec, str) or not spec or (":" not in spec and spec not in _REGISTRY):
+        raise ValueError(f"{key}={spec!r}: valid choices are {registered_reward_functions()} "
+                         f"or a 'package.module:function' path")
 
 
 def get_reward_function(spec: str) -> RewardFn:

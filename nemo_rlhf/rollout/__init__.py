@@ -1,13 +1,13 @@
 """Rollout generation: KV-cached sampling on the megatron actor under TP/PP/DP.
 
-``config`` holds :class:`RolloutConfig` (config group ``rollout``), ``sampling`` the pure
+``config`` holds :class:`RolloutConfig` (config section ``rollout``), ``sampling`` the pure
 next-token functions, ``generate`` the decoding loop, :class:`RolloutBatch` (the layout the
 trainer consumes) and :func:`logprob_diff_stats`; ``incremental_stage`` runs a model stage
 in the decode loop. The training-side log-probs of the same tokens are
 :func:`nemo_rlhf.models.logprobs.response_logprobs`.
 """
 
-from nemo_rlhf.rollout.config import RolloutConfig, load_rollout_config, register_schema
+from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.generate import (
     RolloutBatch,
     generate,
@@ -19,6 +19,5 @@ from nemo_rlhf.rollout.sampling import choose_tokens, top_k_top_p_filter
 
 __all__ = [
     "RolloutBatch", "RolloutConfig", "choose_tokens", "generate", "left_pad",
-    "load_rollout_config", "logprob_diff_stats", "register_schema", "sampler_seed",
-    "top_k_top_p_filter",
+    "logprob_diff_stats", "sampler_seed", "top_k_top_p_filter",
 ]

@@ -1,21 +1,17 @@
-"""Rollout (generation) config: the schema of the Hydra config group ``rollout``.
+"""Rollout (generation) config: the ``rollout`` section of the PPO job.
 
-``conf/rollout/default.yaml`` extends :class:`RolloutConfig`; :func:`load_rollout_config`
-reads a YAML of that group outside Hydra (tests, scripts) and :func:`register_schema`
-stores the dataclass in Hydra's ConfigStore as the group's schema.
+Its defaults live in :class:`RolloutConfig` only; a job config states what differs
+(``conf/ppo.yaml``: ``rollout.max_new_tokens``), and ``generate`` callers build one directly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
-
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 @dataclass
 class RolloutConfig:
-    """Sampling and stopping rules of rollout generation (config group ``rollout``)."""
+    """Sampling and stopping rules of rollout generation (config section ``rollout``)."""
 
     max_new_tokens: int = 32
     """Most tokens generated per prompt (the response length bound R); >= 0."""
@@ -92,26 +88,3 @@ class RolloutConfig:
         training-side log-probs are of the same distribution.
         """
         return 1.0 if self.greedy else float(self.temperature)
-
-
-def load_rollout_config(name: str = "default", **overrides) -> RolloutConfig:
-    """Read ``conf/rollout/<name>.yaml`` into a :class:`RolloutConfig` (outside Hydra).
-
-    Raises:
-        ValueError: unknown file (the message lists the valid names) or an invalid value.
-    """
-    from omegaconf import OmegaConf
-
-    path = CONF_DIR / "rollout" / f"{name}.yaml"
-    if not path.is_file():
-        valid = sorted(p.stem for p in (CONF_DIR / "rollout").glob("*.yaml"))
-        raise ValueError(f"rollout={name!r}: unknown rollout config; valid names: {valid}")
-    merged = OmegaConf.merge(OmegaConf.structured(RolloutConfig), OmegaConf.load(path), overrides)
-    return OmegaConf.to_object(merged)
-
-
-def register_schema() -> None:
-    """Store :class:`RolloutConfig` in Hydra's ConfigStore as ``rollout/schema``."""
-    from hydra.core.config_store import ConfigStore
-
-    ConfigStore.instance().store(group="rollout", name="schema", node=RolloutConfig)

@@ -1,7 +1,8 @@
 """Plumbing shared by the SFT, RM and PPO trainers.
 
-* :class:`TrainerConfig` / :class:`ExpManagerConfig`: the ``trainer`` and ``exp_manager``
-  config sections (NeMo's names);
+* :class:`SupervisedTrainerConfig` / :class:`SupervisedExpManagerConfig`: the SFT/RM
+  ``trainer`` and ``exp_manager`` sections, the shared vocabulary of
+  :mod:`nemo_rlhf.trainers.config` plus their own keys;
 * :func:`setup_run`: distributed init + seeds + the model config's vocabulary from the
   tokenizer, in one call at the start of a run;
 * :class:`Experiment`: the experiment directory ``exp_manager.exp_dir`` with
@@ -30,48 +31,40 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from omegaconf import MISSING
 
-from nemo_rlhf.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+from nemo_rlhf.checkpoint import (
+    load_checkpoint,
+    save_checkpoint,
+)
+from nemo_rlhf.checkpoint.policy import prune, resume_run
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import initialize_distributed
 from nemo_rlhf.models.actor_critic import build_model
-from nemo_rlhf.models.config import PRECISIONS, agree_on_precision
+from nemo_rlhf.models.config import agree_on_precision
 from nemo_rlhf.models.engine import finalize_grads, wrap_ddp
+from nemo_rlhf.trainers.config import ExpManagerConfig, TrainerConfig
 from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
 
 
 @dataclass
-class TrainerConfig:
-    """Steps, batch sizes, intervals and precision (config section ``trainer``)."""
+class SupervisedTrainerConfig(TrainerConfig):
+    """Loop control of SFT and RM (config section ``trainer``): the shared keys plus batch
+    sizes and the logging interval."""
 
-    max_steps: int = 100
-    """Optimizer steps to run."""
     global_batch_size: int = 32
     """Examples (SFT rows / RM pairs) per optimizer step, across all DP ranks."""
     micro_batch_size: int = 8
     """Examples per forward on one rank; divides ``global_batch_size / dp``."""
-    val_check_interval: int = 0
-    """Validate every N steps and at the end; 0: only at the end."""
     log_every_n_steps: int = 10
     """Console / TensorBoard interval in steps."""
-    save_interval: int = 0
-    """Checkpoint every N steps; 0: only at the end."""
-    precision: str = "32"
-    """``32``, ``bf16-mixed`` or ``fp16-mixed``."""
-    seed: int = 1234
-    """Seed of the weights' init, the data order and every generator."""
 
     def __post_init__(self) -> None:
-        if str(self.precision) not in PRECISIONS:
-            raise ValueError(f"trainer.precision={self.precision!r}: valid choices are {list(PRECISIONS)}")
-        self.precision = str(self.precision)
+        super().__post_init__()
         for key in ("max_steps", "global_batch_size", "micro_batch_size"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key}={getattr(self, key)}: must be >= 1")
-        for key in ("val_check_interval", "log_every_n_steps", "save_interval"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"trainer.{key}={getattr(self, key)}: must be >= 0")
+        if self.log_every_n_steps < 0:
+            raise ValueError(f"trainer.log_every_n_steps={self.log_every_n_steps}: must be >= 0")
 
     def validate(self, dp: int) -> None:
         """Batch sizes against the data-parallel size.
@@ -93,17 +86,14 @@ class TrainerConfig:
 
 
 @dataclass
-class ExpManagerConfig:
-    """Where a run writes (config section ``exp_manager``)."""
+class SupervisedExpManagerConfig(ExpManagerConfig):
+    """Where an SFT/RM run writes (config section ``exp_manager``): the shared keys plus
+    switches for the sinks."""
 
-    exp_dir: str = MISSING
-    """The experiment directory (``checkpoints/``, ``tensorboard/``, ``metrics.jsonl``)."""
-    resume: bool = True
-    """Resume from the newest complete checkpoint in ``<exp_dir>/checkpoints``."""
     tensorboard: bool = True
     """Write TensorBoard event files (``<exp_dir>/tensorboard``)."""
     checkpoints: bool = True
-    """Write checkpoints (false: dry runs and tests)."""
+    """Write checkpoints (false: dry runs and tests; then ``resume=auto`` finds none)."""
 
 
 def to_plain(cfg) -> dict:
@@ -198,12 +188,12 @@ class Experiment:
     """The experiment directory and the run's metric sinks (writes on global rank 0).
 
     Args:
-        cfg: :class:`ExpManagerConfig`.
+        cfg: :class:`SupervisedExpManagerConfig`.
         dims: :class:`ParallelDims`.
         run_config: the whole resolved config, written to ``config.yaml``.
     """
 
-    def __init__(self, cfg: ExpManagerConfig, dims, run_config=None):
+    def __init__(self, cfg: SupervisedExpManagerConfig, dims, run_config=None):
         self.cfg = cfg
         self.dir = Path(cfg.exp_dir)
         self.checkpoint_dir = self.dir / "checkpoints"
@@ -350,25 +340,34 @@ class SupervisedTrainer:
         """``<exp_dir>/checkpoints``."""
         return self.exp.checkpoint_dir
 
+    def fingerprint(self) -> dict:
+        """What a resume must match (:func:`nemo_rlhf.checkpoint.policy.check_fingerprint`)."""
+        return {"model": self.model_cfg.fingerprint(), "tokenizer": self.tokenizer.describe()}
+
     def maybe_resume(self) -> None:
-        """Load the newest complete checkpoint of this experiment when resuming."""
-        if not (self.cfg.exp_manager.resume and self.cfg.exp_manager.checkpoints):
+        """Load the checkpoint ``exp_manager.resume`` selects, by the policy every job uses
+        (:func:`nemo_rlhf.checkpoint.policy.resume_run`: ``auto`` the newest intact one of
+        this experiment, none without ``exp_manager.checkpoints``; ``none``; or a path)."""
+        em = self.cfg.exp_manager
+        if em.resume == "auto" and not em.checkpoints:
             return
-        path = find_latest_checkpoint(self.checkpoint_dir)
+        path, why, state = resume_run(
+            em.resume, self.checkpoint_dir, self.fingerprint(),
+            lambda p: load_checkpoint(p, self.model, self.optimizer), em.ignore_fingerprint)
         if path is None:
             return
-        state = load_checkpoint(path, self.model, self.optimizer)
         self.step = int(state["step"])
-        self.exp.print(f"resumed from {path} at step {self.step}")
+        self.exp.print(f"resumed from {path} at step {self.step} ({why})")
 
     def save(self) -> Optional[Path]:
         """Checkpoint the model, optimizer and :meth:`trainer_state` (all ranks)."""
         if not self.cfg.exp_manager.checkpoints:
             return None
-        fingerprint = {"model": self.model_cfg.fingerprint(), "tokenizer": self.tokenizer.describe()}
         config = to_plain(replace(self.cfg, model=self.model_cfg))  # vocab_size resolved
         path = save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer,
-                               self.trainer_state(), config, self.dims, fingerprint)
+                               self.trainer_state(), config, self.dims, self.fingerprint())
+        if self.cfg.exp_manager.keep_last and self.dims.rank == 0:
+            prune(self.checkpoint_dir, self.cfg.exp_manager.keep_last)
         self.exp.print(f"saved {path}")
         return path
 
@@ -390,7 +389,7 @@ class SupervisedTrainer:
 
     def fit(self) -> dict[str, float]:
         """Train to ``trainer.max_steps``; return the last metrics (train, val, final)."""
-        t = self.cfg.trainer
+        t, save_interval = self.cfg.trainer, self.cfg.exp_manager.save_interval
         if self.step >= t.max_steps:
             self.exp.print(f"already at step {self.step} >= trainer.max_steps={t.max_steps}")
         start = time.perf_counter()
@@ -411,7 +410,7 @@ class SupervisedTrainer:
                                  {k: v for k, v in metrics.items() if not k.startswith("time/")})
             self.last_metrics = metrics
             self.history.append({"step": self.step, **metrics})
-            if t.save_interval and self.step % t.save_interval == 0 and not last:
+            if save_interval and self.step % save_interval == 0 and not last:
                 self.save()
         final = self.validate()
         final.update(self.on_fit_end())

@@ -37,9 +37,9 @@ from nemo_rlhf.models.actor_critic import gather_last_token
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.trainers.common import (
-    ExpManagerConfig,
+    SupervisedExpManagerConfig,
     SupervisedTrainer,
-    TrainerConfig,
+    SupervisedTrainerConfig,
     chunks,
     dp_shard,
     reduce_from_last_stage,
@@ -75,9 +75,9 @@ class RMRunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: SupervisedTrainerConfig = field(default_factory=SupervisedTrainerConfig)
     rm: RMConfig = field(default_factory=RMConfig)
-    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+    exp_manager: SupervisedExpManagerConfig = field(default_factory=SupervisedExpManagerConfig)
 
 
 def register_configs() -> None:

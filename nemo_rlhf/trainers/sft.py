@@ -32,9 +32,9 @@ from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.common import (
-    ExpManagerConfig,
+    SupervisedExpManagerConfig,
     SupervisedTrainer,
-    TrainerConfig,
+    SupervisedTrainerConfig,
     chunks,
     dp_shard,
     reduce_from_last_stage,
@@ -68,9 +68,9 @@ class SFTRunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: SupervisedTrainerConfig = field(default_factory=SupervisedTrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+    exp_manager: SupervisedExpManagerConfig = field(default_factory=SupervisedExpManagerConfig)
 
 
 def register_configs() -> None:

@@ -28,7 +28,7 @@ def _configs(kind: str, data: Path, exp: Path, tp: int, pp: int, **extra):
     from nemo_rlhf.data.datasets import DataConfig
     from nemo_rlhf.distributed import ParallelConfig
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.common import ExpManagerConfig, TrainerConfig
+    from nemo_rlhf.trainers.common import SupervisedExpManagerConfig, SupervisedTrainerConfig
     from nemo_rlhf.trainers.optim import OptimizerConfig
 
     files = {"sft": ("sft.jsonl", "sft_val.jsonl"), "rm": ("preference.jsonl", "preference_val.jsonl")}
@@ -41,10 +41,10 @@ def _configs(kind: str, data: Path, exp: Path, tp: int, pp: int, **extra):
         optim=OptimizerConfig(lr=0.1, adam_eps=1.0, clip_grad=0.0),
         data=DataConfig(train_file=str(data / files[kind][0]), val_file=str(data / files[kind][1]),
                         tokenizer_dir=str(data / "tokenizer"), max_seq_length=16),
-        trainer=TrainerConfig(max_steps=STEPS, global_batch_size=8, micro_batch_size=2,
-                              log_every_n_steps=1, seed=7),
-        exp_manager=ExpManagerConfig(exp_dir=str(exp), resume=False, tensorboard=False,
-                                     checkpoints=extra.pop("checkpoints", False)),
+        trainer=SupervisedTrainerConfig(max_steps=STEPS, global_batch_size=8, micro_batch_size=2,
+                                        log_every_n_steps=1, seed=7),
+        exp_manager=SupervisedExpManagerConfig(exp_dir=str(exp), resume="none", tensorboard=False,
+                                               checkpoints=extra.pop("checkpoints", False)),
     )
     if kind == "sft":
         from nemo_rlhf.trainers.sft import SFTConfig, SFTRunConfig
@@ -94,7 +94,7 @@ def _worker(rank: int, data: str, exp: str):
             out[f"{kind}_{name}"] = res
     # resume: continue the saved 2-step SFT run to step 3; compare with 3 steps in one go
     cfg = _configs("sft", data, exp / "sft_dp2", 1, 1, checkpoints=True)
-    cfg.trainer.max_steps, cfg.exp_manager.resume = STEPS + 1, True
+    cfg.trainer.max_steps, cfg.exp_manager.resume = STEPS + 1, "auto"
     tr = SFTTrainer(cfg)
     out["resumed_at"] = tr.step
     tr.fit()
@@ -121,7 +121,7 @@ def _worker(rank: int, data: str, exp: str):
     out["rm_frozen_changed"] = {n: not torch.equal(p, before[n]) for n, p in trained.items()}
     out["rm_frozen_trainable"] = {n: p.requires_grad for n, p in _params(tr).items()}
     cfg = _configs("rm", data, exp / "rm_frozen", 1, 2, checkpoints=True, **frozen_kw)
-    cfg.trainer.max_steps, cfg.exp_manager.resume = STEPS + 1, True
+    cfg.trainer.max_steps, cfg.exp_manager.resume = STEPS + 1, "auto"
     tr = RMTrainer(cfg)
     out["rm_frozen_resumed_at"] = tr.step
     out["rm_frozen_resumed_equal"] = all(torch.equal(p.detach(), trained[n]) for n, p in _params(tr).items())

@@ -14,7 +14,7 @@ import nemo_rlhf.evaluate  # noqa: F401 - registers eval_schema
 import nemo_rlhf.train_rm  # noqa: F401 - registers rm_schema
 import nemo_rlhf.train_sft  # noqa: F401 - registers sft_schema
 from nemo_rlhf.evaluate import EvalConfig
-from nemo_rlhf.trainers.common import TrainerConfig, chunks, dp_shard, step_indices
+from nemo_rlhf.trainers.common import SupervisedTrainerConfig, chunks, dp_shard, step_indices
 from nemo_rlhf.trainers.rm import RMRunConfig
 from nemo_rlhf.trainers.sft import SFTRunConfig
 
@@ -79,11 +79,11 @@ def test_eval_needs_its_mandatory_keys():
 
 
 def test_batch_sizes_are_validated_against_dp_naming_the_keys():
-    TrainerConfig(global_batch_size=8, micro_batch_size=2).validate(dp=2)
+    SupervisedTrainerConfig(global_batch_size=8, micro_batch_size=2).validate(dp=2)
     with pytest.raises(ValueError, match="trainer.global_batch_size=6 .* multiple of 4"):
-        TrainerConfig(global_batch_size=6, micro_batch_size=1).validate(dp=4)
+        SupervisedTrainerConfig(global_batch_size=6, micro_batch_size=1).validate(dp=4)
     with pytest.raises(ValueError, match=r"trainer.micro_batch_size=3 .* valid micro_batch_size values: \[1, 2, 4\]"):
-        TrainerConfig(global_batch_size=8, micro_batch_size=3).validate(dp=2)
+        SupervisedTrainerConfig(global_batch_size=8, micro_batch_size=3).validate(dp=2)
 
 
 def test_step_indices_are_a_pure_function_of_the_step_and_cover_each_epoch_once():

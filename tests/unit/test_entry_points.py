@@ -12,9 +12,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("module,schema", [("nemo_rlhf.train_ppo", "TrainerConfig"),
-                                           ("nemo_rlhf.train_sft", "TrainerConfig"),
-                                           ("nemo_rlhf.train_rm", "TrainerConfig")])
+@pytest.mark.parametrize("module,schema", [("nemo_rlhf.train_ppo", "PPOTrainerConfig"),
+                                           ("nemo_rlhf.train_sft", "SupervisedTrainerConfig"),
+                                           ("nemo_rlhf.train_rm", "SupervisedTrainerConfig")])
 def test_plus_added_unknown_key_fails_naming_it(module, schema, tmp_path):
     res = subprocess.run([sys.executable, "-m", module, "+trainer.no_such_key=1",
                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True,

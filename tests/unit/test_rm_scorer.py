@@ -72,7 +72,7 @@ def rm(tmp_path_factory):
     from nemo_rlhf.distributed import LaunchEnv, ParallelConfig, destroy_distributed, initialize_distributed
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.common import ExpManagerConfig, to_plain
+    from nemo_rlhf.trainers.common import SupervisedExpManagerConfig, to_plain
     from nemo_rlhf.models.engine import model_forward
     from nemo_rlhf.trainers.rm import RMRunConfig
 
@@ -95,7 +95,7 @@ def rm(tmp_path_factory):
             model=model_cfg,
             data=DataConfig(train_file="unused.jsonl", tokenizer_dir=str(tok_dir), chat_template="chatml",
                             system_prompt=SYSTEM),
-            exp_manager=ExpManagerConfig(exp_dir=str(tmp)))
+            exp_manager=SupervisedExpManagerConfig(exp_dir=str(tmp)))
         state = {"step": 5, "reward_mean": 0.25, "reward_std": 1.5, "reward_stats_count": 8}
         root = tmp / "checkpoints"
         save_checkpoint(root, 5, model, None, state, to_plain(run_cfg), dims)

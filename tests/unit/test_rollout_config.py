@@ -1,12 +1,13 @@
-"""RolloutConfig validation, the rollout YAML, and the log-prob mismatch metric."""
+"""RolloutConfig validation, the ``rollout`` section of the PPO job, and the log-prob
+mismatch metric."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nemo_rlhf.rollout import RolloutConfig, load_rollout_config, logprob_diff_stats
-from nemo_rlhf.rollout.config import CONF_DIR
+from nemo_rlhf.models.config import CONF_DIR
+from nemo_rlhf.rollout import RolloutConfig, logprob_diff_stats
 
 
 @pytest.mark.parametrize(
@@ -51,26 +52,29 @@ def test_validate_catches_fields_changed_after_construction():
         cfg.validate()
 
 
-def test_default_yaml_composes_with_hydra_and_converts_to_the_dataclass():
+def _compose_ppo(*overrides: str):
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=str(CONF_DIR / "rollout"), version_base=None):
-        raw = compose(config_name="default")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RolloutConfig), raw))
-    assert isinstance(cfg, RolloutConfig)
-    assert cfg == RolloutConfig()  # the YAML restates the dataclass defaults
-    assert load_rollout_config("default", top_p=0.9).top_p == 0.9
+    import nemo_rlhf.train_ppo  # noqa: F401 - registers ppo_schema
+    from nemo_rlhf.config import to_typed
+    from nemo_rlhf.trainers.ppo.config import PPOConfig
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return to_typed(compose("ppo", overrides=list(overrides)), PPOConfig)
 
 
-def test_load_rollout_config_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match=r"valid names: \['default'"):
-        load_rollout_config("nope")
+def test_rollout_is_no_config_group_any_more_and_choosing_one_fails_naming_rollout():
+    # its one option restated the dataclass defaults: the PPO job states what differs
+    assert not (CONF_DIR / "rollout").exists()
+    with pytest.raises(Exception) as err:
+        _compose_ppo("rollout=default")
+    assert "full_key: rollout" in str(err.value.__cause__ or err.value)
 
 
 def test_yaml_value_errors_surface_as_rollout_keys():
     with pytest.raises(ValueError, match="rollout.top_p"):
-        load_rollout_config("default", top_p=0.0)
+        _compose_ppo("rollout.top_p=0.0")
+    assert _compose_ppo("rollout.top_p=0.9").rollout.top_p == 0.9
 
 
 def test_logprob_diff_stats_worked_example():

@@ -12,7 +12,7 @@ def _worker(rank: int, data: str, exp: str):
     from nemo_rlhf.data.datasets import DataConfig
     from nemo_rlhf.distributed import ParallelConfig
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.common import ExpManagerConfig, TrainerConfig
+    from nemo_rlhf.trainers.common import SupervisedExpManagerConfig, SupervisedTrainerConfig
     from nemo_rlhf.trainers.optim import OptimizerConfig
     from nemo_rlhf.trainers.rm import RMConfig, RMRunConfig, RMTrainer
 
@@ -21,9 +21,10 @@ def _worker(rank: int, data: str, exp: str):
         optim=OptimizerConfig(lr=1e-3),
         data=DataConfig(train_file=f"{data}/preference.jsonl", val_file=f"{data}/preference_val.jsonl",
                         tokenizer_dir=f"{data}/tokenizer", max_seq_length=16),
-        trainer=TrainerConfig(max_steps=3, global_batch_size=4, micro_batch_size=4,
-                              val_check_interval=2, log_every_n_steps=5),
-        rm=RMConfig(), exp_manager=ExpManagerConfig(exp_dir=exp, resume=False, checkpoints=False))
+        trainer=SupervisedTrainerConfig(max_steps=3, global_batch_size=4, micro_batch_size=4,
+                                        val_check_interval=2, log_every_n_steps=5),
+        rm=RMConfig(),
+        exp_manager=SupervisedExpManagerConfig(exp_dir=exp, resume="none", checkpoints=False))
     RMTrainer(cfg).fit()
 
 

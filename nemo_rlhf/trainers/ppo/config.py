@@ -10,29 +10,27 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from nemo_rlhf.algorithms.ppo.advantages import ADVANTAGE_ESTIMATORS
-from nemo_rlhf.algorithms.ppo.kl import KL_ESTIMATORS
+from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from nemo_rlhf.algorithms.ppo.losses import LOSS_AGG_MODES
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import DataConfig
 from nemo_rlhf.distributed.parallel import ParallelConfig
-from nemo_rlhf.models.config import PRECISIONS, ModelConfig
+from nemo_rlhf.models.config import ModelConfig
+from nemo_rlhf.reward.functions import check_reward_function_spec
+from nemo_rlhf.reward.normalization import NORMALIZATION_MODES
 from nemo_rlhf.rollout.config import RolloutConfig
+from nemo_rlhf.trainers.config import ExpManagerConfig, TrainerConfig
 from nemo_rlhf.trainers.optim import OptimizerConfig
 
 KL_TEMPERATURES = ("sampling", "unscaled")
+REFERENCE_MODES = ("offload", "colocated")
+GUARD_ACTIONS = ("off", "warn", "stop")
 
 
 @dataclass
-class TrainerConfig:
-    """Loop control (group ``trainer``)."""
+class PPOTrainerConfig(TrainerConfig):
+    """Loop control of the PPO job (group ``trainer``): the shared keys plus PPO's own."""
 
-    precision: str = "32"
-    """``32``, ``bf16-mixed`` or ``fp16-mixed``."""
-    max_steps: int = 20
-    """PPO steps (one step = rollout + ppo_epochs of updates)."""
-    seed: int = 1234
-    """Base seed (rollout sampling, shuffling, init)."""
-    val_check_interval: int = 5
-    """Evaluate on the held-out set every N steps (0: never; also at the end)."""
     sample_table_every: int = 5
     """Print a table of sample prompts/responses/rewards every N steps (0: never)."""
     critic_warmup_steps: int = 0
@@ -51,11 +49,11 @@ class TrainerConfig:
     (e.g. ``just_the_number``, answer-format compliance)."""
 
     def __post_init__(self) -> None:
-        if str(self.precision) not in PRECISIONS:
-            raise ValueError(f"trainer.precision={self.precision!r}: valid choices are {list(PRECISIONS)}")
-        self.precision = str(self.precision)
-        if self.max_steps < 0:
-            raise ValueError(f"trainer.max_steps={self.max_steps}: must be >= 0")
+        super().__post_init__()
+        if self.eval_checker is not None:
+            check_reward_function_spec("trainer.eval_checker", self.eval_checker)
+        for i, name in enumerate(self.eval_extra_checkers):
+            check_reward_function_spec(f"trainer.eval_extra_checkers[{i}]", name)
 
 
 @dataclass
@@ -82,8 +80,9 @@ class PPOAlgoConfig:
     """Dual-clip constant c > 1 for negative advantages (None: off)."""
     value_clip: Optional[float] = 0.2
     """Value clip range around the old values (None: off)."""
-    value_loss_coef: float = 0.5
-    """vf_coef in loss = policy + vf_coef * value - entropy_bonus * entropy."""
+    value_loss_coef: float = 0.1
+    """vf_coef in loss = policy + vf_coef * value - entropy_bonus * entropy (small: with the
+    shared backbone of ``critic.mode=shared`` it keeps the critic's gradient from dominating)."""
     entropy_bonus: float = 0.0
     """Entropy coefficient."""
     discount_factor: float = 1.0
@@ -120,12 +119,8 @@ class PPOAlgoConfig:
             raise ValueError(f"ppo.ratio_eps={self.ratio_eps}: must be in (0, 1)")
         if not 0 <= self.discount_factor <= 1 or not 0 <= self.gae_lambda <= 1:
             raise ValueError("ppo.discount_factor and ppo.gae_lambda must be in [0, 1]")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"ppo.advantage_estimator={self.advantage_estimator!r}: valid choices "
-                             f"are {sorted(ADVANTAGE_ESTIMATORS)}")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"ppo.loss_agg_mode={self.loss_agg_mode!r}: valid choices are "
-                             f"{list(LOSS_AGG_MODES)}")
+        check_choice("ppo.advantage_estimator", self.advantage_estimator, sorted(ADVANTAGE_ESTIMATORS))
+        check_choice("ppo.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
 
 @dataclass
@@ -159,12 +154,10 @@ class KLConfig:
     non-negative and unbiased, GRPO's choice)."""
 
     def __post_init__(self) -> None:
-        if self.temperature not in KL_TEMPERATURES:
-            raise ValueError(f"kl.temperature={self.temperature!r}: valid choices are "
-                             f"{list(KL_TEMPERATURES)}")
-        if self.loss_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl.loss_estimator={self.loss_estimator!r}: valid choices are "
-                             f"{sorted(KL_ESTIMATORS)}")
+        check_choice("kl.type", self.type, sorted(KL_CONTROLLERS))
+        check_choice("kl.estimator", self.estimator, sorted(KL_ESTIMATORS))
+        check_choice("kl.temperature", self.temperature, KL_TEMPERATURES)
+        check_choice("kl.loss_estimator", self.loss_estimator, sorted(KL_ESTIMATORS))
         if self.loss_coef < 0:
             raise ValueError(f"kl.loss_coef={self.loss_coef}: must be >= 0 (0: off)")
 
@@ -197,10 +190,17 @@ class RewardConfig:
     """Retries before a scoring error stops training."""
     wait_for_server_s: float = 300.0
     """Deadline for the RM server's /health at start-up."""
-    normalization: str = "none"
-    """``none``, ``fixed`` (RM checkpoint's stats) or ``running``."""
+    normalization: str = "running"
+    """Of the RM score: ``none``, ``fixed`` (the RM checkpoint's stats) or ``running``."""
     clip: Optional[float] = None
     """Clip normalised scores to [-clip, clip] (None: off)."""
+
+    def __post_init__(self) -> None:
+        check_choice("reward.normalization", self.normalization, NORMALIZATION_MODES)
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"reward.clip={self.clip}: must be > 0 (or null: off)")
+        for i, spec in enumerate(self.functions):
+            check_reward_function_spec(f"reward.functions[{i}].name", spec.name)
 
 
 @dataclass
@@ -211,8 +211,7 @@ class ReferenceConfig:
     """``offload`` (host copy swapped into the backbone) or ``colocated`` (resident copy)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in ("offload", "colocated"):
-            raise ValueError(f"reference.mode={self.mode!r}: valid choices are ['offload', 'colocated']")
+        check_choice("reference.mode", self.mode, REFERENCE_MODES)
 
 
 CRITIC_MODES = ("shared", "shared_detached", "separate")
@@ -240,35 +239,21 @@ class CriticConfig:
     of ``optim`` applies to both)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in CRITIC_MODES:
-            raise ValueError(f"critic.mode={self.mode!r}: valid choices are {list(CRITIC_MODES)}")
+        check_choice("critic.mode", self.mode, CRITIC_MODES)
         if self.mode != "separate" and (self.init_from is not None or self.lr is not None):
             raise ValueError(f"critic.init_from / critic.lr are for critic.mode=separate "
                              f"(critic.mode={self.mode!r})")
 
 
 @dataclass
-class ExpManagerConfig:
-    """Experiment folder, checkpoints and resume (group ``exp_manager``)."""
+class PPOExpManagerConfig(ExpManagerConfig):
+    """Experiment folder, checkpoints and resume of the PPO job (group ``exp_manager``): the
+    shared keys plus PPO's own."""
 
-    exp_dir: str = "experiments/ppo"
-    """Everything of the run goes here (TensorBoard, checkpoints, config)."""
     init_from: Optional[str] = None
     """Checkpoint of the initial (SFT) policy; also the reference weights."""
     init_value_head: bool = True
     """Initialise the value head if ``init_from`` has none (an SFT checkpoint)."""
-    save_interval: int = 10
-    """Save every N steps (and at the end); 0: only at the end."""
-    keep_last: int = 2
-    """Checkpoints kept (>= 2)."""
-    resume: str = "auto"
-    """``auto`` (newest complete checkpoint), ``none``, or a checkpoint path."""
-    ignore_fingerprint: bool = False
-    """Resume even if the model/tokenizer/data fingerprint differs."""
-
-    def __post_init__(self) -> None:
-        if self.keep_last < 2:
-            raise ValueError(f"exp_manager.keep_last={self.keep_last}: must be >= 2")
 
 
 @dataclass
@@ -288,8 +273,7 @@ class GuardConfig:
     """Trigger when kl_mean (per sequence) exceeds this, whatever the reward does."""
 
     def __post_init__(self) -> None:
-        if self.action not in ("off", "warn", "stop"):
-            raise ValueError(f"guards.action={self.action!r}: valid choices are ['off', 'warn', 'stop']")
+        check_choice("guards.action", self.action, GUARD_ACTIONS)
         if self.window < 1:
             raise ValueError(f"guards.window={self.window}: must be >= 1")
 
@@ -298,7 +282,7 @@ class GuardConfig:
 class PPOConfig:
     """The whole PPO job."""
 
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trainer: PPOTrainerConfig = field(default_factory=PPOTrainerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -308,11 +292,9 @@ class PPOConfig:
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
-    data: DataConfig = field(default_factory=lambda: DataConfig(
-        train_file="data/demo/ppo_prompts.jsonl", val_file="data/demo/eval.jsonl",
-        tokenizer_dir="data/demo/tokenizer"))
+    data: DataConfig = field(default_factory=DataConfig)
     """``train_file``: PPO prompts; ``val_file``: held-out evaluation prompts."""
-    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+    exp_manager: PPOExpManagerConfig = field(default_factory=PPOExpManagerConfig)
     guards: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
