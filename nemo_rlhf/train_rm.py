@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from nemo_rlhf.config import check_renamed_keys, to_typed
 from nemo_rlhf.distributed import destroy_distributed
+from nemo_rlhf.trainers.loop import Signals
 from nemo_rlhf.trainers.rm import RMRunConfig, register_configs, run_rm
 
 register_configs()
@@ -24,13 +25,16 @@ register_configs()
 @hydra.main(version_base=None, config_path="../conf", config_name="rm")
 def hydra_main(dcfg: DictConfig) -> None:
     """The Hydra job (``main`` checks the command line first)."""
+    signals = Signals()  # first: a SIGUSR1 during set-up must not kill the job
     cfg: RMRunConfig = to_typed(dcfg, RMRunConfig)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
-        run_rm(cfg)
+        code = run_rm(cfg, signals)
     finally:
         destroy_distributed()
+    if code:
+        sys.exit(code)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ only, delete no checkpoint, resume automatically; a job config that wants more s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from omegaconf import MISSING
 
@@ -35,6 +36,9 @@ class TrainerConfig:
     """Base seed (weight init, data order, sampling, every generator)."""
     val_check_interval: int = 0
     """Validate every N steps and at the end; 0: PPO never does, SFT/RM at the end only."""
+    max_time_per_run: Optional[float] = None
+    """Seconds; save and exit with the requeue code once a step ends past this wall time
+    (None: off), as after SIGTERM / SIGUSR1."""
 
     def __post_init__(self) -> None:
         self.precision = str(self.precision)

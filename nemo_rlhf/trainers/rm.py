@@ -36,15 +36,13 @@ from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.models.actor_critic import gather_last_token
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
-from nemo_rlhf.trainers.common import (
+from nemo_rlhf.trainers.optim import OptimizerConfig
+from nemo_rlhf.trainers.common import chunks, dp_shard, reduce_from_last_stage
+from nemo_rlhf.trainers.supervised import (
     SupervisedExpManagerConfig,
     SupervisedTrainer,
     SupervisedTrainerConfig,
-    chunks,
-    dp_shard,
-    reduce_from_last_stage,
 )
-from nemo_rlhf.trainers.optim import OptimizerConfig
 
 PAIR_KEYS = ("loss", "correct", "margin", "reward_sum", "reward_sq")
 
@@ -141,6 +139,7 @@ class RMTrainer(SupervisedTrainer):
     """Trains a :class:`RewardModel`; stores reward statistics with the final checkpoint."""
 
     model_kind = "reward"
+    job = "rm"
 
     def __init__(self, cfg: RMRunConfig):
         self.reward_stats: dict[str, float] = {}
@@ -170,14 +169,14 @@ class RMTrainer(SupervisedTrainer):
                     for p in layer.parameters():
                         p.requires_grad_(False)
                         frozen += p.numel()
-            self.exp.print(f"rm.freeze_layers={n}: {frozen:,} parameters frozen on this rank")
+            self.print(f"rm.freeze_layers={n}: {frozen:,} parameters frozen on this rank")
 
     def _load_backbone(self, model) -> None:
         if not self.cfg.rm.init_from:
             return
         path = resolve_checkpoint(self.cfg.rm.init_from)
         skipped = load_model_weights(path, model, skip_heads=True)
-        self.exp.print(f"RM backbone loaded from {path}; reward head freshly initialised "
+        self.print(f"RM backbone loaded from {path}; reward head freshly initialised "
                        f"(model.value_head_init_std={self.model_cfg.value_head_init_std}), "
                        f"not loaded: {skipped or 'none'}")
 
@@ -201,8 +200,7 @@ class RMTrainer(SupervisedTrainer):
                         sums[k] += float(s[k])
         return sums
 
-    def train_step(self, step: int) -> dict[str, float]:
-        global_batch, local = self.batch_for_step(step)
+    def train_batch(self, global_batch: list, local: list) -> dict[str, float]:
         self.optimizer.zero_grad()
         sums = self._forward(local, len(global_batch), forward_only=False)
         opt = self.optimizer_step()
@@ -220,7 +218,7 @@ class RMTrainer(SupervisedTrainer):
             self.model.train()
         return pair_metrics(reduce_from_last_stage(sums, self.dims, PAIR_KEYS), len(samples), prefix)
 
-    def validate(self) -> dict[str, float]:
+    def validation_metrics(self) -> dict[str, float]:
         if self.val_ds is None or len(self.val_ds) == 0:
             return {}
         return self.evaluate_pairs(self.val_ds.samples, "val/")
@@ -237,9 +235,12 @@ class RMTrainer(SupervisedTrainer):
         return {**super().trainer_state(), **self.reward_stats}
 
 
-def run_rm(cfg: RMRunConfig) -> dict[str, float]:
-    """Build an :class:`RMTrainer` and fit it; return the final metrics."""
-    return RMTrainer(cfg).fit()
+def run_rm(cfg: RMRunConfig, signals=None) -> int:
+    """Build an :class:`RMTrainer` and fit it; return the exit code (0, or the requeue code
+    after a signal / ``trainer.max_time_per_run``)."""
+    trainer = RMTrainer(cfg, signals)
+    trainer.fit()
+    return trainer.exit_code
 
 
 __all__ = ["RMConfig", "RMRunConfig", "RMTrainer", "bradley_terry_loss", "make_rm_loss_fn",

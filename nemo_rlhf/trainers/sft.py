@@ -31,15 +31,13 @@ from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
 from nemo_rlhf.rollout import RolloutConfig, generate
-from nemo_rlhf.trainers.common import (
+from nemo_rlhf.trainers.optim import OptimizerConfig
+from nemo_rlhf.trainers.common import chunks, dp_shard, reduce_from_last_stage
+from nemo_rlhf.trainers.supervised import (
     SupervisedExpManagerConfig,
     SupervisedTrainer,
     SupervisedTrainerConfig,
-    chunks,
-    dp_shard,
-    reduce_from_last_stage,
 )
-from nemo_rlhf.trainers.optim import OptimizerConfig
 
 
 @dataclass
@@ -117,6 +115,7 @@ class SFTTrainer(SupervisedTrainer):
     """SFT on an actor-critic model (the checkpoint is what RM and PPO start from)."""
 
     model_kind = "actor_critic"
+    job = "sft"
 
     def load_datasets(self):
         d = self.cfg.data
@@ -128,7 +127,7 @@ class SFTTrainer(SupervisedTrainer):
         if self.cfg.sft.init_from:
             path = resolve_checkpoint(self.cfg.sft.init_from)
             skipped = load_model_weights(path, model, skip_heads=True)
-            self.exp.print(f"initialised from {path} (heads not loaded: {skipped or 'none'})")
+            self.print(f"initialised from {path} (heads not loaded: {skipped or 'none'})")
 
     def _forward(self, samples, num_tokens: float, forward_only: bool) -> float:
         """Run ``samples`` (this rank's) in micro-batches; return the summed loss share."""
@@ -147,8 +146,7 @@ class SFTTrainer(SupervisedTrainer):
                 total += sum(float(s["loss"]) for s in stats)
         return total
 
-    def train_step(self, step: int) -> dict[str, float]:
-        global_batch, local = self.batch_for_step(step)
+    def train_batch(self, global_batch: list, local: list) -> dict[str, float]:
         num_tokens = sum(len(s.response_ids) for s in global_batch)
         self.optimizer.zero_grad()
         loss = self._forward(local, num_tokens, forward_only=False)
@@ -156,7 +154,7 @@ class SFTTrainer(SupervisedTrainer):
         sums = reduce_from_last_stage({"loss": loss}, self.dims, ["loss"])
         return {"train/loss": sums["loss"], "lr": opt["lr"], "grad_norm": opt["grad_norm"]}
 
-    def validate(self) -> dict[str, float]:
+    def validation_metrics(self) -> dict[str, float]:
         if self.val_ds is None or len(self.val_ds) == 0:
             return {}
         self.model.eval()
@@ -187,12 +185,15 @@ class SFTTrainer(SupervisedTrainer):
             got = self.tokenizer.decode([t for t, m in zip(ids, mask) if m])
             want = self.tokenizer.decode(s.response_ids)
             lines.append(f"  {self.tokenizer.decode(s.prompt_ids)!r} -> {got!r} (reference {want!r})")
-        self.exp.log_text(self.step, "samples", "\n".join(lines))
+        self.logger.log_text("samples", "\n".join(lines), self.step)
 
 
-def run_sft(cfg: SFTRunConfig) -> dict[str, float]:
-    """Build an :class:`SFTTrainer` and fit it; return the final metrics."""
-    return SFTTrainer(cfg).fit()
+def run_sft(cfg: SFTRunConfig, signals=None) -> int:
+    """Build an :class:`SFTTrainer` and fit it; return the exit code (0, or the requeue code
+    after a signal / ``trainer.max_time_per_run``)."""
+    trainer = SFTTrainer(cfg, signals)
+    trainer.fit()
+    return trainer.exit_code
 
 
 __all__ = ["SFTConfig", "SFTRunConfig", "SFTTrainer", "make_sft_loss_fn", "register_configs",

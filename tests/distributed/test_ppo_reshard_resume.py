@@ -33,7 +33,6 @@ def _worker(rank: int, tmp: str):
     from nemo_rlhf.checkpoint import save_checkpoint
     from nemo_rlhf.checkpoint.io import load_full_tensors
     from nemo_rlhf.train_ppo import build
-    from nemo_rlhf.train_ppo import resume
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
@@ -54,7 +53,7 @@ def _worker(rank: int, tmp: str):
         cfg = compose_ppo(data, tmp / "src", *common, "exp_manager.resume=auto",
                           f"parallel.tensor_model_parallel_size={tp}")
         t = build(cfg)
-        resume(cfg, t, tmp / "src" / "checkpoints")
+        t.resume()  # exp_manager.exp_dir is the source run's: its checkpoints
         out[name] = _outputs(t, ids, mask)
         out[name + "_step"] = t.step
         save_checkpoint(tmp / name, 1, t.model, t.optimizer, t.state_dict(), None, t.dims)

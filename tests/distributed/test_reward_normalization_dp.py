@@ -54,7 +54,7 @@ def _metrics(exp: Path) -> dict[int, dict]:
 
 def _dp1(rank: int, tmp: str, url: str):
     from nemo_rlhf.checkpoint import save_checkpoint
-    from nemo_rlhf.train_ppo import build, fit
+    from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
     cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / "dp1", *COMMON, f"reward.rm_url={url}",
@@ -62,12 +62,12 @@ def _dp1(rank: int, tmp: str, url: str):
     trainer = build(cfg)
     save_checkpoint(tmp / "init", 0, trainer.model, dims=trainer.dims)
     seen = _recording(trainer)
-    assert fit(cfg, trainer) == 0
+    assert trainer.fit() == 0
     return {"scores": seen, "metrics": _metrics(tmp / "dp1")}
 
 
 def _dp2(rank: int, tmp: str, url: str):
-    from nemo_rlhf.train_ppo import build, fit
+    from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
@@ -77,7 +77,7 @@ def _dp2(rank: int, tmp: str, url: str):
     trainer = build(cfg)
     assert trainer.dims.dp == 2
     full = _recording(trainer)
-    assert fit(cfg, trainer) == 0
+    assert trainer.fit() == 0
     full_state = trainer.reward.state_dict()
     # the state a crash right after step 2's checkpoint leaves: step_1, step_2, latest=step_2
     if rank == 0:
@@ -89,7 +89,7 @@ def _dp2(rank: int, tmp: str, url: str):
     cfg = compose_ppo(data, tmp / "resumed", *args)
     trainer = build(cfg)
     resumed = _recording(trainer)
-    assert fit(cfg, trainer) == 0 and trainer.step == STEPS
+    assert trainer.fit() == 0 and trainer.step == STEPS
     out = {"scores": full, "resumed_scores": resumed, "state": full_state,
            "resumed_state": trainer.reward.state_dict()}
     if rank == 0:

@@ -42,7 +42,7 @@ def _tensors(ckpt: Path) -> dict:
 def _worker(rank: int, tmp: str) -> dict:
     from nemo_rlhf.checkpoint import save_checkpoint
     from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.train_ppo import build, fit
+    from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
@@ -53,7 +53,7 @@ def _worker(rank: int, tmp: str) -> dict:
                           "exp_manager.save_interval=1", "exp_manager.keep_last=5",
                           "exp_manager.resume=auto", *extra)
         trainer = build(cfg)
-        assert fit(cfg, trainer) == 0
+        assert trainer.fit() == 0
         lines = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines()]
         return {m["step"]: m for m in lines if "policy_loss" in m}
 

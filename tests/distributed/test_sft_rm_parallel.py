@@ -28,7 +28,7 @@ def _configs(kind: str, data: Path, exp: Path, tp: int, pp: int, **extra):
     from nemo_rlhf.data.datasets import DataConfig
     from nemo_rlhf.distributed import ParallelConfig
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.common import SupervisedExpManagerConfig, SupervisedTrainerConfig
+    from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig, SupervisedTrainerConfig
     from nemo_rlhf.trainers.optim import OptimizerConfig
 
     files = {"sft": ("sft.jsonl", "sft_val.jsonl"), "rm": ("preference.jsonl", "preference_val.jsonl")}

@@ -34,7 +34,7 @@ class _Records(logging.Handler):
 
 
 def _run(tmp: Path, name: str, action: str) -> dict:
-    from nemo_rlhf.train_ppo import build, fit
+    from nemo_rlhf.train_ppo import build
 
     data = make_demo_data(tmp / "data")
     exp = tmp / name
@@ -55,7 +55,7 @@ def _run(tmp: Path, name: str, action: str) -> dict:
     handler = _Records()
     logging.getLogger("nemo_rlhf.ppo").addHandler(handler)
     try:
-        code = fit(cfg, trainer)
+        code = trainer.fit()
     finally:
         logging.getLogger("nemo_rlhf.ppo").removeHandler(handler)
     ckpts = exp / "checkpoints"

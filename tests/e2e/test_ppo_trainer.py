@@ -118,7 +118,7 @@ def _rm_dies_worker(rank: int, tmp: str, url: str, pid: int):
     import signal
 
     from nemo_rlhf.reward.client import RewardServiceError
-    from nemo_rlhf.train_ppo import build, fit
+    from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
@@ -126,11 +126,11 @@ def _rm_dies_worker(rank: int, tmp: str, url: str, pid: int):
                       "reward.max_retries=1", "reward.timeout_s=5", "trainer.max_steps=1",
                       "exp_manager.save_interval=1")
     trainer = build(cfg)
-    assert fit(cfg, trainer) == 0
+    assert trainer.fit() == 0
     os.kill(pid, signal.SIGKILL)
     cfg.trainer.max_steps = 3
     try:
-        fit(cfg, trainer)
+        trainer.fit()
     except RewardServiceError as exc:
         return {"error": str(exc), "ckpts": sorted(p.name for p in (tmp / "exp" / "checkpoints").iterdir()),
                 "latest": (tmp / "exp" / "checkpoints" / "latest").read_text().strip()}
@@ -159,19 +159,19 @@ def test_rm_service_dying_mid_run_stops_training_with_clear_error_and_no_partial
 # --- non-finite updates ------------------------------------------------------------------
 
 def _nonfinite_worker(rank: int, tmp: str):
-    from nemo_rlhf.train_ppo import build, fit
+    from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
     cfg = compose_ppo(data, tmp / "exp", "trainer.max_steps=1", "exp_manager.save_interval=1",
                       "trainer.max_consecutive_nonfinite=3")
     trainer = build(cfg)
-    assert fit(cfg, trainer) == 0
+    assert trainer.fit() == 0
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.optimizer.step = lambda: (False, float("nan"))  # every update: NaN grad norm
     cfg.trainer.max_steps = 3
     try:
-        fit(cfg, trainer)
+        trainer.fit()
     except RuntimeError as exc:
         ckpts = sorted(p.name for p in (tmp / "exp" / "checkpoints").iterdir())
         unchanged = all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())

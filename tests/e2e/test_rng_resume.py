@@ -43,7 +43,7 @@ def _draw() -> dict:
 
 
 def _run_worker(rank: int, tmp: str, exp: str, max_steps: int) -> dict:
-    from nemo_rlhf.train_ppo import build, fit
+    from nemo_rlhf.train_ppo import build
 
     data = make_demo_data(Path(tmp) / "data")
     cfg = compose_ppo(data, Path(exp), f"trainer.max_steps={max_steps}",
@@ -58,7 +58,7 @@ def _run_worker(rank: int, tmp: str, exp: str, max_steps: int) -> dict:
         return real_step()
 
     trainer.train_step = step_drawing_first
-    code = fit(cfg, trainer)
+    code = trainer.fit()
     return {"code": code, "draws": draws, "step": trainer.step}
 
 

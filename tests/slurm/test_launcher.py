@@ -159,7 +159,8 @@ def test_sft_rm_and_rm_server_jobs_render(tmp_path):
                            ("rm_server", ["checkpoint=/ckpt", f"server.address_file={tmp_path}/srv/addr"])):
         out = prepare(job, overrides)
         assert f"#SBATCH --job-name=nemo-rlhf-{job}" in out.script
-        assert ("#SBATCH --signal=B:USR1@60" in out.script) == (job == "rm_server")
+        # every job saves on the pre-timeout signal (SFT/RM run the loop PPO runs)
+        assert "#SBATCH --signal=B:USR1@60" in out.script
         _bash_n(out.script, tmp_path)
     assert prepare("rm_server", ["checkpoint=/ckpt", f"server.address_file={tmp_path}/srv/addr"]).exp_dir == tmp_path / "srv"
 

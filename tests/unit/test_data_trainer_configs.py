@@ -13,10 +13,12 @@ from omegaconf import OmegaConf
 import nemo_rlhf.evaluate  # noqa: F401 - registers eval_schema
 import nemo_rlhf.train_rm  # noqa: F401 - registers rm_schema
 import nemo_rlhf.train_sft  # noqa: F401 - registers sft_schema
+from nemo_rlhf.data.sampler import ResumableSampler
 from nemo_rlhf.evaluate import EvalConfig
-from nemo_rlhf.trainers.common import SupervisedTrainerConfig, chunks, dp_shard, step_indices
+from nemo_rlhf.trainers.common import chunks, dp_shard
 from nemo_rlhf.trainers.rm import RMRunConfig
 from nemo_rlhf.trainers.sft import SFTRunConfig
+from nemo_rlhf.trainers.supervised import SupervisedTrainerConfig
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
@@ -86,14 +88,20 @@ def test_batch_sizes_are_validated_against_dp_naming_the_keys():
         SupervisedTrainerConfig(global_batch_size=8, micro_batch_size=3).validate(dp=2)
 
 
-def test_step_indices_are_a_pure_function_of_the_step_and_cover_each_epoch_once():
-    n, gbs = 10, 4  # 2 full batches per epoch, 2 examples dropped per epoch
-    epoch0 = step_indices(n, gbs, 0, seed=1) + step_indices(n, gbs, 1, seed=1)
-    assert len(set(epoch0)) == 8
-    assert step_indices(n, gbs, 1, seed=1) == step_indices(n, gbs, 1, seed=1)
-    assert step_indices(n, gbs, 2, seed=1) != step_indices(n, gbs, 0, seed=1)  # new epoch order
-    with pytest.raises(ValueError, match="smaller than trainer.global_batch_size"):
-        step_indices(3, 4, 0, seed=1)
+def test_the_sampler_covers_each_epoch_once_and_resumes_where_it_stopped():
+    n, gbs = 10, 4  # batches run across the epoch boundary: nothing is dropped
+    s = ResumableSampler(n, seed=1)
+    first = s.next_global_batch(gbs) + s.next_global_batch(gbs) + s.next_global_batch(2)
+    assert sorted(first) == list(range(n))  # epoch 0, each example once
+    again = ResumableSampler(n, seed=1)
+    assert again.next_global_batch(gbs) == first[:gbs]  # a function of (seed, position)
+    later = ResumableSampler(n, seed=1)
+    later.load_state_dict(s.state_dict())  # resumed after 10 examples
+    assert later.next_global_batch(n) == s.next_global_batch(n)
+    assert later.next_global_batch(n) != first  # epoch 2's own order
+    assert s.state_dict() == {"consumed_samples": 20, "epoch": 2}
+    with pytest.raises(ValueError, match="the dataset is empty"):
+        ResumableSampler(0, seed=1)
 
 
 def test_dp_shard_and_chunks_split_without_loss():

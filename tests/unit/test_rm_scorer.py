@@ -72,7 +72,8 @@ def rm(tmp_path_factory):
     from nemo_rlhf.distributed import LaunchEnv, ParallelConfig, destroy_distributed, initialize_distributed
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.common import SupervisedExpManagerConfig, to_plain
+    from nemo_rlhf.trainers.common import to_plain
+    from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig
     from nemo_rlhf.models.engine import model_forward
     from nemo_rlhf.trainers.rm import RMRunConfig
 

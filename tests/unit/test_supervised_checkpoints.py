@@ -1,5 +1,6 @@
 """SFT/RM speak PPO's ``exp_manager`` vocabulary: ``save_interval``, ``keep_last`` (0, the
-default: every checkpoint kept) and ``resume`` = ``auto`` | ``none`` | a checkpoint path."""
+default: every checkpoint kept) and ``resume`` = ``auto`` | ``none`` | a checkpoint path;
+and run PPO's loop: a signal ends the run after the step with a checkpoint and code 42."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ def _worker(rank: int, data: str, exp: str):
     from nemo_rlhf.checkpoint import list_checkpoints
     from nemo_rlhf.data.datasets import DataConfig
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.common import SupervisedExpManagerConfig, SupervisedTrainerConfig
+    from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig, SupervisedTrainerConfig
     from nemo_rlhf.trainers.optim import OptimizerConfig
     from nemo_rlhf.trainers.rm import RMRunConfig, RMTrainer
 
@@ -33,6 +34,13 @@ def _worker(rank: int, data: str, exp: str):
     out["auto"] = RMTrainer(cfg("all", 4)).step
     out["none"] = RMTrainer(cfg("all", 4, resume="none")).step
     out["path"] = RMTrainer(cfg("other", 4, resume=f"{exp}/all/checkpoints/step_1")).step
+    # SIGUSR1 (Slurm's pre-timeout signal) as the PPO job takes it: finish the step, save, 42
+    signalled = RMTrainer(cfg("signal", 5))
+    signalled.signals.received = "SIGUSR1"
+    signalled.fit()
+    out["signal"] = (signalled.exit_code, signalled.step, steps("signal"))
+    resumed = RMTrainer(cfg("signal", 5))
+    out["signal_resumed"] = (resumed.step, resumed.sampler.consumed_samples)
     return out
 
 
@@ -45,3 +53,5 @@ def test_save_interval_keep_last_and_the_three_resume_modes(tmp_path):
     assert out["all"] == [1, 2, 3]  # every save_interval step and the end, none deleted
     assert out["pruned"] == [2, 3]
     assert (out["auto"], out["none"], out["path"]) == (3, 0, 1)
+    assert out["signal"] == (42, 1, [1])  # one step, saved, the requeue code
+    assert out["signal_resumed"] == (1, 4)  # continues after the 4 examples of step 1

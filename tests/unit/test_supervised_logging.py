@@ -12,7 +12,7 @@ def _worker(rank: int, data: str, exp: str):
     from nemo_rlhf.data.datasets import DataConfig
     from nemo_rlhf.distributed import ParallelConfig
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.common import SupervisedExpManagerConfig, SupervisedTrainerConfig
+    from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig, SupervisedTrainerConfig
     from nemo_rlhf.trainers.optim import OptimizerConfig
     from nemo_rlhf.trainers.rm import RMConfig, RMRunConfig, RMTrainer
 

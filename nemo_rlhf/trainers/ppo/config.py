@@ -36,8 +36,6 @@ class PPOTrainerConfig(TrainerConfig):
     critic_warmup_steps: int = 0
     """First N steps train the value head only: policy loss off and only the value head's
     parameters stepped (the backbone's gradient is dropped: no update, Adam state or decay)."""
-    max_time_per_run: Optional[float] = None
-    """Seconds; save and exit with the requeue code before this wall time (None: off)."""
     max_consecutive_nonfinite: int = 3
     """Stop after this many consecutive skipped (NaN/Inf) updates."""
     max_eval_samples: int = 200

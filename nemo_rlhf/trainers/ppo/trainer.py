@@ -17,6 +17,8 @@ which holds logits and values. Metrics are reduced over DP and reported by one r
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from contextlib import contextmanager
@@ -25,96 +27,27 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from nemo_rlhf.algorithms import ppo as P
+from nemo_rlhf.checkpoint import load_checkpoint, read_metadata, save_checkpoint
 from nemo_rlhf.checkpoint.faults import maybe_crash
+from nemo_rlhf.checkpoint.policy import prune, resume_run
+from nemo_rlhf.data.sampler import ResumableSampler
 from nemo_rlhf.distributed.device import to_device
+from nemo_rlhf.metrics.logger import MetricsLogger
+from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap
 from nemo_rlhf.models.logprobs import response_logprobs, response_values
 from nemo_rlhf.reward.functions import get_reward_function
 from nemo_rlhf.rollout import generate, logprob_diff_stats
+from nemo_rlhf.trainers.loop import Experiment, Signals, fit
 from nemo_rlhf.trainers.ppo.config import PPOConfig
-from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
+from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard, ngram_repetition_rate
 from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
 
 log = logging.getLogger("nemo_rlhf.ppo")
-
-
-class PromptSampler:
-    """Seeded, resumable order over prompt indices; each DP rank takes its slice.
-
-    State: ``consumed_samples`` (global) and ``epoch``; the permutation of an epoch is a
-    function of ``(seed, epoch)``, so a resume continues with exactly the next prompts.
-    """
-
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
-        if n < 1:
-            raise ValueError("the prompt dataset is empty")
-        self.n, self.seed, self.shuffle = n, seed, shuffle
-        self.consumed_samples = 0
-
-    def _order(self, epoch: int) -> list[int]:
-        if getattr(self, "_cached", (None,))[0] != epoch:
-            if self.shuffle:
-                g = torch.Generator(device="cpu").manual_seed(self.seed + epoch)  # host
-                order = torch.randperm(self.n, generator=g, device="cpu").tolist()
-            else:
-                order = list(range(self.n))
-            self._cached = (epoch, order)
-        return self._cached[1]
-
-    def next_global_batch(self, size: int) -> list[int]:
-        """The next ``size`` prompt indices (wrapping into the next epoch)."""
-        out = []
-        while len(out) < size:
-            epoch, pos = divmod(self.consumed_samples, self.n)
-            out.append(self._order(epoch)[pos])
-            self.consumed_samples += 1
-        return out
-
-    @property
-    def epoch(self) -> int:
-        return self.consumed_samples // self.n
-
-    def state_dict(self) -> dict:
-        return {"consumed_samples": self.consumed_samples, "epoch": self.epoch}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.consumed_samples = int(sd["consumed_samples"])
-
-
-class Timers:
-    """Wall-clock seconds per named phase of the current step, and on CUDA the phase's
-    peak accelerator memory (GiB, ``memory/<phase>_peak_allocated_gib`` and
-    ``memory/<phase>_peak_reserved_gib``; the peak counters are reset at the phase's
-    start, so each figure is that phase's own high-water mark)."""
-
-    def __init__(self):
-        self.times: dict[str, float] = {}
-        self.memory: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        cuda = torch.cuda.is_available()
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
-            if cuda:
-                gib = 2.0 ** 30
-                for kind, value in (("allocated", torch.cuda.max_memory_allocated()),
-                                    ("reserved", torch.cuda.max_memory_reserved())):
-                    key = f"memory/{name}_peak_{kind}_gib"
-                    self.memory[key] = max(self.memory.get(key, 0.0), value / gib)
-
-    def pop(self) -> dict[str, float]:
-        out = {**{f"timing/{k}_s": v for k, v in self.times.items()}, **self.memory}
-        self.times, self.memory = {}, {}
-        return out
 
 
 def _chunks(n: int, size: int) -> list[slice]:
@@ -133,21 +66,32 @@ class PPOTrainer:
         reward: a ``CombinedReward`` (called on model-parallel rank 0 of each DP group).
         tokenizer: encode/decode and the special token ids.
         prompts / eval_prompts: lists of ``PromptSample`` (prompt_ids, prompt, extras).
-        logger: metrics sink (``log_metrics(dict, step)``, ``log_text``), reporter rank only.
         critic: ``(critic stage, its optimizer)`` for ``critic.mode=separate`` (the critic's
             own DDP-wrapped backbone + value head); None: the value head on ``model``.
+        signals: the :class:`~nemo_rlhf.trainers.loop.Signals` the entry point installed
+            before the set-up (None: installed here).
+
+    :meth:`fit` runs the loop of :mod:`nemo_rlhf.trainers.loop`; the methods under "the
+    run" are its hooks.
     """
 
+    job = "ppo"
+
     def __init__(self, cfg: PPOConfig, dims, model, optimizer, reference, reward, tokenizer,
-                 prompts: list, eval_prompts: Optional[list], logger=None,
-                 critic: Optional[tuple] = None):
+                 prompts: list, eval_prompts: Optional[list], critic: Optional[tuple] = None,
+                 signals: Optional[Signals] = None):
         self.cfg, self.dims, self.model, self.optimizer = cfg, dims, model, optimizer
         self.critic_model, self.critic_optimizer = critic if critic is not None else (None, None)
         self.reference, self.reward, self.tok = reference, reward, tokenizer
-        self.prompts, self.eval_prompts, self.logger = prompts, eval_prompts or [], logger
+        self.prompts, self.eval_prompts = prompts, eval_prompts or []
+        self.signals = signals or Signals()
+        self.logger: Optional[MetricsLogger] = None
+        g = cfg.guards
+        self.guard = RewardHackingGuard(g.window, g.max_length_growth, g.max_repetition,
+                                        g.kl_ceiling)
         self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.initial_policy_kl_penalty,
                                             cfg.kl.target, cfg.kl.horizon)
-        self.sampler = PromptSampler(len(prompts), cfg.trainer.seed, cfg.ppo.shuffle)
+        self.sampler = ResumableSampler(len(prompts), cfg.trainer.seed, cfg.ppo.shuffle)
         self.advantage_cfg = P.AdvantageConfig(
             estimator=cfg.ppo.advantage_estimator, gamma=cfg.ppo.discount_factor,
             lam=cfg.ppo.gae_lambda, norm_by_std=cfg.ppo.grpo_norm_by_std)
@@ -173,6 +117,10 @@ class PPOTrainer:
         dist.all_gather_object(flags, dims.dp_rank == 0 and dims.tp_rank == 0 and dims.is_last_stage)
         self.reporter = flags.index(True)
         self.is_reporter = dims.rank == self.reporter
+        self.run_config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+        self.exp = Experiment(cfg.exp_manager.exp_dir, dims.rank == 0, self.run_config)
+        self.fingerprint = ppo_fingerprint(cfg)
+        self._resumed = False
 
     # --- helpers ---------------------------------------------------------------------
     def _mp_broadcast(self, obj):
@@ -696,6 +644,88 @@ class PPOTrainer:
         return [{"prompt": self.prompts[i].prompt, "response": texts[j],
                  "reward": float(scores[j])} for j, i in enumerate(idx[:n])]
 
+    # --- the run (hooks of nemo_rlhf.trainers.loop.fit) ------------------------------------
+    def fit(self) -> int:
+        """Train to ``trainer.max_steps`` (:func:`nemo_rlhf.trainers.loop.fit`); the exit code."""
+        return fit(self)
+
+    def resume(self) -> None:
+        """Load the checkpoint ``exp_manager.resume`` selects (:mod:`nemo_rlhf.checkpoint.policy`),
+        once."""
+        if self._resumed:
+            return
+        self._resumed = True
+        em = self.cfg.exp_manager
+        path, why, state = resume_run(
+            em.resume, self.exp.checkpoint_dir, self.fingerprint,
+            lambda p: load_checkpoint(p, self.model, self.optimizer, critic=self.critic),
+            em.ignore_fingerprint)
+        if path is None:
+            log.info("starting fresh: %s", why)
+            return
+        self.load_state_dict(state)
+        log.info("resumed from %s at step %d (%s)", path, self.step, why)
+
+    def open_logs(self) -> None:
+        self.logger = MetricsLogger(self.exp.dir, enabled=self.is_reporter or self.dims.rank == 0,
+                                    total_steps=self.cfg.trainer.max_steps, start_step=self.step)
+
+    def on_fit_start(self) -> dict:
+        """The step-0 evaluation (the initial policy's held-out numbers)."""
+        return self.evaluate() if self.step == 0 and self.cfg.trainer.val_check_interval else {}
+
+    def check_health(self) -> None:
+        """Raises ``RuntimeError`` after ``trainer.max_consecutive_nonfinite`` skipped updates."""
+        t = self.cfg.trainer
+        if self.nonfinite_in_a_row >= t.max_consecutive_nonfinite:
+            raise RuntimeError(
+                f"{self.nonfinite_in_a_row} consecutive updates had a non-finite loss or "
+                f"gradient norm (trainer.max_consecutive_nonfinite="
+                f"{t.max_consecutive_nonfinite}); stopping, the last good checkpoint is kept "
+                f"in {self.exp.checkpoint_dir}")
+
+    def validate_now(self, last: bool) -> bool:
+        n = self.cfg.trainer.val_check_interval
+        return bool(n) and (self.step % n == 0 or last)
+
+    def validate(self) -> dict:
+        return self.evaluate()
+
+    def final_metrics(self) -> dict:
+        return {}
+
+    def log(self, metrics: dict) -> None:
+        """Metrics of the step to the sink; every ``trainer.sample_table_every`` steps a
+        table of samples."""
+        self.logger.log_metrics(metrics, self.step)
+        every = self.cfg.trainer.sample_table_every
+        if metrics and every and self.step and self.step % every == 0 and hasattr(self, "_last_batch"):
+            self.logger.log_samples(self.sample_table(), self.step)
+
+    def stop_reason(self, metrics: dict) -> Optional[str]:
+        """The reward-hacking guard (``guards.*``): warns; with ``guards.action=stop`` its
+        message is the reason to save and stop (the same on every rank)."""
+        action = self.cfg.guards.action
+        message = self.guard.update(self.step, metrics) if action != "off" else None
+        message = _bcast_text(message)
+        if message:
+            log.warning("reward-hacking guard: %s", message)
+        return f"reward-hacking guard ({message})" if message and action == "stop" else None
+
+    def save(self) -> Path:
+        """Checkpoint every model, optimizer and the trainer state (all ranks); prune to
+        ``exp_manager.keep_last`` (0: keep all)."""
+        root = self.exp.checkpoint_dir
+        path = save_checkpoint(root, self.step, self.model, self.optimizer, self.state_dict(),
+                               self.run_config, self.dims, self.fingerprint, critic=self.critic)
+        if self.cfg.exp_manager.keep_last and self.dims.rank == 0:
+            prune(root, self.cfg.exp_manager.keep_last)
+        return path
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """JSON-able trainer state for checkpoints."""
@@ -706,6 +736,7 @@ class PPOTrainer:
             "reward": _jsonable(self.reward.state_dict()) if self.reward else {},
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "initial_eval": self.initial_eval,
+            "guard": self.guard.state_dict(),
         }
 
     def load_state_dict(self, sd: dict) -> None:
@@ -716,6 +747,39 @@ class PPOTrainer:
             self.reward.load_state_dict(sd["reward"])
         self.nonfinite_in_a_row = int(sd.get("nonfinite_in_a_row", 0))
         self.initial_eval = sd.get("initial_eval")
+        if sd.get("guard"):
+            self.guard.load_state_dict(sd["guard"])
+
+
+def _bcast_text(message: Optional[str]) -> Optional[str]:
+    """Rank 0's message on every rank (a host object)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return message
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _file_hash(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def ppo_fingerprint(cfg: PPOConfig) -> dict:
+    """What a resume must match: the model shape, the tokenizer and prompt files (hashes),
+    and the reference (initial) weights -- the checksums of the ``init_from`` checkpoint's
+    shards (independent of the layout), or the seed of a random initialisation."""
+    ref = f"random-init:seed={cfg.trainer.seed}"
+    if cfg.exp_manager.init_from:
+        files = read_metadata(cfg.exp_manager.init_from).get("files") or {}
+        ref = hashlib.sha256(json.dumps(sorted((k, v[1]) for k, v in files.items())).encode())
+        ref = ref.hexdigest()[:16]
+    return {"model": cfg.model.fingerprint(),
+            "tokenizer": _file_hash(Path(cfg.data.tokenizer_dir) / "tokenizer.json"),
+            "train_prompts": _file_hash(cfg.data.train_file), "reference": ref}
 
 
 class RewardScoringError(RuntimeError):
@@ -768,5 +832,5 @@ def _jsonable(obj):
     return obj
 
 
-__all__ = ["PPOTrainer", "PromptSampler", "RewardScoringError", "dp_group_slice"]
+__all__ = ["PPOTrainer", "RewardScoringError", "dp_group_slice"]
 
