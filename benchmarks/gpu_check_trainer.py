@@ -212,8 +212,8 @@ def main() -> None:
 
     build = train_ppo.build
 
-    def build_with_probe(cfg):
-        trainer = build(cfg)
+    def build_with_probe(cfg, signals=None):
+        trainer = build(cfg, signals)
         path = Path(cfg.exp_manager.exp_dir) / PROBE_FILE
         if trainer.dims.rank == 0:
             with open(path, "a") as f:

@@ -141,9 +141,9 @@ class RMTrainer(SupervisedTrainer):
     model_kind = "reward"
     job = "rm"
 
-    def __init__(self, cfg: RMRunConfig):
+    def __init__(self, cfg: RMRunConfig, signals=None):
         self.reward_stats: dict[str, float] = {}
-        super().__init__(cfg)
+        super().__init__(cfg, signals)
 
     def load_datasets(self):
         d = self.cfg.data

@@ -1,8 +1,9 @@
 """Advantage estimators, loss aggregation, KL in the loss and critic modes in the trainer.
 
 One 1-rank spawn runs every estimator and critic mode for two steps (and checks what each
-trains); one 2-rank spawn runs a critic-free, a detached-critic and a separate-critic
-configuration at TP=2 and PP=2, whose first-step metrics must match the TP=1 run's.
+trains); one 2-rank spawn runs every estimator (grpo with a KL loss, Dr. GRPO, rloo,
+reinforce_plus_plus; gae: test_ppo_parallel.py) and the detached and separate critics at
+TP=2 and PP=2, whose first-step metrics must match the TP=1 run's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ PARITY = {
     "gae_detached": ("rollout.greedy=true", "ppo.shuffle=false", "critic.mode=shared_detached",
                      "ppo.loss_agg_mode=seq-mean-token-sum"),
     "gae_separate": ("rollout.greedy=true", "ppo.shuffle=false", "critic.mode=separate"),
+    "rloo": ("ppo.shuffle=false", "ppo.advantage_estimator=rloo", "rollout.n_samples_per_prompt=2"),
+    "reinforce_plus_plus": ("rollout.greedy=true", "ppo.shuffle=false",
+                            "ppo.advantage_estimator=reinforce_plus_plus"),
+    "dr_grpo": ("ppo.shuffle=false", "ppo.advantage_estimator=grpo", "ppo.grpo_norm_by_std=false",
+                "rollout.n_samples_per_prompt=2", "ppo.loss_agg_mode=seq-mean-token-sum-norm"),
 }
 COMPARED = ("reward_mean", "response_length", "kl_mean", "policy_loss", "entropy", "approx_kl",
             "grad_norm", "advantages_mean")
