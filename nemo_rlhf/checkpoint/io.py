@@ -231,7 +231,8 @@ def _optimizer_sharded_state_dict(model_sd: dict, optimizer, name: str = "model"
     # the layers of one tensor name into one ShardedTensor that must be covered whole: they
     # get zero moments under ids after the optimizer's own (dropped again on load).
     frozen = _frozen_params(optimizer, ordered)
-    frozen_map = get_param_id_to_sharded_param_map(model_sd, frozen)
+    # (no frozen parameters: no map; megatron warns about an empty one on every save)
+    frozen_map = get_param_id_to_sharded_param_map(model_sd, frozen) if frozen else {}
     for j, p in enumerate(frozen):
         if j in frozen_map:
             sd["state"][len(ordered) + j] = {"exp_avg": torch.zeros_like(p, dtype=torch.float32),

@@ -1,6 +1,6 @@
 """The sbatch templates on a real one-node Slurm cluster (tests/slurm/conftest.py).
 
-A tiny RM trained by ``slurm/rm.sbatch``; the tiny PPO job (2 ranks) with that RM served
+A tiny RM trained by ``slurm/rm.sbatch``; the tiny PPO job (2 ranks, TP=2) with that RM served
 as its own job step -> checkpoints, TensorBoard events, the resolved config and command
 line in the experiment folder; the same job sent USR1 mid-run -> it saves, requeues
 itself, resumes from that checkpoint and ends where the uninterrupted job ended, step
@@ -29,7 +29,11 @@ def _ppo_overrides(data: Path, exp: Path) -> list[str]:
             "exp_manager.save_interval=0", "exp_manager.keep_last=5", "ppo.num_rollout_samples=8",
             "ppo.global_batch_size=4", "ppo.micro_batch_size=2", "ppo.forward_micro_batch_size=4",
             "rollout.max_new_tokens=4", "reward.normalization=none",
-            "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]"]
+            "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]",
+            # TP=2: one scoring rank, so the RM server's dynamic batches are the same in both
+            # runs (with DP=2 two clients' requests share batches by arrival time, and the
+            # padded shapes move the RM's scores in their last bits)
+            "parallel.tensor_model_parallel_size=2"]
 
 
 def _done(info: dict) -> bool:
@@ -211,7 +215,8 @@ def test_standalone_rm_server_job_serves_until_usr1(slurm, rm_checkpoint, tmp_pa
 
 def test_sweep_job_array_runs_each_value_in_its_own_folder(slurm, data, tmp_path):
     exp = tmp_path / "sweep"
-    overrides = [o for o in _ppo_overrides(data, exp) if not o.startswith("trainer.max_steps=")]
+    overrides = [o for o in _ppo_overrides(data, exp)
+                 if not o.startswith(("trainer.max_steps=", "parallel."))]
     # one rank per task: both array tasks fit on the 2 CPUs at once
     job = slurm.submit("cluster.ntasks_per_node=1", "--sweep", "kl.target=1,3", *overrides, "trainer.max_steps=2")
     for task in ("0", "1"):
