@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from nemo_rlhf.checkpoint import load_model_weights, read_metadata
-from nemo_rlhf.config import check_renamed_keys, to_typed
+from nemo_rlhf.config import configure_job_logging, run_console_entry, to_typed
 from nemo_rlhf.data.datasets import load_prompt_dataset
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
@@ -106,8 +106,7 @@ def hydra_main(dcfg: DictConfig) -> None:
     signals = Signals()  # first: a SIGUSR1 during set-up must not kill the job
     # merging into the schema rejects keys added with `+` that the schema does not have
     cfg: PPOConfig = to_typed(dcfg, PPOConfig)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
+    configure_job_logging()
     code = build(cfg, signals).fit()
     destroy_distributed()
     if code:
@@ -116,11 +115,7 @@ def hydra_main(dcfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry (``nemo-rlhf-ppo``): a renamed key is refused naming the new one."""
-    try:
-        check_renamed_keys(sys.argv[1:])
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    hydra_main()
+    run_console_entry(hydra_main)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,12 @@ Config: ``conf/sft.yaml`` over the typed schema
 
 from __future__ import annotations
 
-import logging
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from nemo_rlhf.config import check_renamed_keys, to_typed
+from nemo_rlhf.config import configure_job_logging, run_console_entry, to_typed
 from nemo_rlhf.distributed import destroy_distributed
 from nemo_rlhf.trainers.loop import Signals
 from nemo_rlhf.trainers.sft import SFTRunConfig, register_configs, run_sft
@@ -27,8 +26,7 @@ def hydra_main(dcfg: DictConfig) -> None:
     """The Hydra job (``main`` checks the command line first)."""
     signals = Signals()  # first: a SIGUSR1 during set-up must not kill the job
     cfg: SFTRunConfig = to_typed(dcfg, SFTRunConfig)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
+    configure_job_logging()
     try:
         code = run_sft(cfg, signals)
     finally:
@@ -39,11 +37,7 @@ def hydra_main(dcfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry: a renamed key (``trainer.save_interval``) is refused naming the new one."""
-    try:
-        check_renamed_keys(sys.argv[1:])
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-    hydra_main()
+    run_console_entry(hydra_main)
 
 
 if __name__ == "__main__":

@@ -64,3 +64,27 @@ def check_renamed_keys(overrides: Sequence[str]) -> None:
             new = RENAMED_KEYS[key]
             raise ValueError(f"{key} was renamed {new} (the same setting): pass "
                              f"{new}={value if sep else '<value>'} instead of {override!r}")
+
+
+def run_console_entry(hydra_main) -> None:
+    """A training job's console entry: refuse a renamed key (:data:`RENAMED_KEYS`) naming
+    the new one, then run the Hydra job ``hydra_main``.
+
+    Raises:
+        SystemExit: with the one-line error for a renamed key.
+    """
+    import sys
+
+    try:
+        check_renamed_keys(sys.argv[1:])
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    hydra_main()
+
+
+def configure_job_logging() -> None:
+    """INFO lines with a time stamp; megatron's own at WARNING (every training job's)."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
