@@ -39,10 +39,10 @@ from nemo_rlhf.metrics.logger import MetricsLogger
 from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap
 from nemo_rlhf.models.logprobs import response_logprobs, response_values
-from nemo_rlhf.reward.functions import get_reward_function
 from nemo_rlhf.rollout import generate, logprob_diff_stats
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
 from nemo_rlhf.trainers.ppo.config import PPOConfig
+from nemo_rlhf.trainers.ppo.evaluation import evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard, ngram_repetition_rate
 from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
@@ -121,6 +121,7 @@ class PPOTrainer:
         self.exp = Experiment(cfg.exp_manager.exp_dir, dims.rank == 0, self.run_config)
         self.fingerprint = ppo_fingerprint(cfg)
         self._resumed = False
+        self._last_batch = None  # (prompt indices, RolloutBatch, scores) of the last step
 
     # --- helpers ---------------------------------------------------------------------
     def _mp_broadcast(self, obj):
@@ -575,67 +576,8 @@ class PPOTrainer:
 
     # --- evaluation ----------------------------------------------------------------------
     def evaluate(self) -> dict:
-        """Greedy decoding on the held-out set: accuracy by the checker(s), RM reward,
-        length, repetition, win rate vs the initial policy judged by the reward."""
-        if not self.eval_prompts:
-            return {}
-        n = min(len(self.eval_prompts), self.cfg.trainer.max_eval_samples)
-        mine = list(range(self.dims.dp_rank, n, self.dims.dp))
-        batch = self._generate([self.eval_encoded[i] for i in mine], greedy=True)
-        texts = self._response_texts(batch)
-        reps = self._repetition(batch)
-        result, failure = None, None
-        if self.is_mp_src:
-            try:
-                rows = [self.eval_prompts[i] for i in mine]
-                out = self.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
-                                        update_stats=False, normalize=False)
-                correct = [0.0] * len(rows)
-                if self.cfg.trainer.eval_checker:
-                    correct = get_reward_function(self.cfg.trainer.eval_checker)(
-                        [r.prompt for r in rows], texts, [r.extras for r in rows])
-                extra = {}
-                for name in self.cfg.trainer.eval_extra_checkers:
-                    extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
-                                                                 [r.extras for r in rows]))
-                result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
-                          "correct": list(correct), "extra": extra,
-                          "per_source": {k: v.tolist() for k, v in out.per_source.items()},
-                          "lengths": batch.response_lengths.tolist(), "rep": reps}
-            except Exception as exc:  # noqa: BLE001 - every rank raises it below
-                failure = exc
-        self._raise_if_scoring_failed(failure)
-        gathered = [None] * self.dims.world_size
-        dist.all_gather_object(gathered, result)
-        rows = [g for g in gathered if g is not None]
-        # one copy per DP rank (the MP sources): merge in index order
-        merged = {}
-        for r in rows:
-            for j, i in enumerate(r["idx"]):
-                merged[i] = {"text": r["texts"][j], "score": r["scores"][j],
-                             "correct": r["correct"][j],
-                             "extra": {k: v[j] for k, v in r["extra"].items()},
-                             "src": {k: v[j] for k, v in r["per_source"].items()},
-                             "len": r["lengths"][j], "rep": r["rep"][j]}
-        items = [merged[i] for i in sorted(merged)]
-        metrics = {
-            "eval/reward": sum(x["score"] for x in items) / len(items),
-            "eval/response_length": sum(x["len"] for x in items) / len(items),
-            "eval/repetition": sum(x["rep"] for x in items) / len(items),
-        }
-        if self.cfg.trainer.eval_checker:
-            metrics["eval/accuracy"] = sum(x["correct"] for x in items) / len(items)
-        for name in items[0]["extra"]:
-            metrics[f"eval/{name}"] = sum(x["extra"][name] for x in items) / len(items)
-        for name in items[0]["src"]:
-            metrics[f"eval/{name}"] = sum(x["src"][name] for x in items) / len(items)
-        if self.initial_eval is None:
-            self.initial_eval = items
-        else:
-            wins = [1.0 if a["score"] > b["score"] else 0.5 if a["score"] == b["score"] else 0.0
-                    for a, b in zip(items, self.initial_eval)]
-            metrics["eval/win_rate_vs_initial"] = sum(wins) / len(wins)
-        return metrics
+        """The held-out evaluation (:func:`~nemo_rlhf.trainers.ppo.evaluation.evaluate_policy`)."""
+        return evaluate_policy(self)
 
     def sample_table(self, n: int = 4) -> list[dict]:
         """A few (prompt, response, reward) rows of the last rollout (this rank's)."""
@@ -699,7 +641,7 @@ class PPOTrainer:
         table of samples."""
         self.logger.log_metrics(metrics, self.step)
         every = self.cfg.trainer.sample_table_every
-        if metrics and every and self.step and self.step % every == 0 and hasattr(self, "_last_batch"):
+        if metrics and every and self.step % every == 0 and self._last_batch is not None:
             self.logger.log_samples(self.sample_table(), self.step)
 
     def stop_reason(self, metrics: dict) -> Optional[str]:

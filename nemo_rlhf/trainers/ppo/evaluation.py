@@ -1,0 +1,84 @@
+"""The PPO job's held-out evaluation: greedy rollouts of the current policy on the
+evaluation prompts, scored by the reward sources and the task's checkers.
+
+Simplified: the win rate is judged by the same reward the policy is trained on.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from nemo_rlhf.reward.functions import get_reward_function
+
+
+def evaluate_policy(trainer) -> dict:
+    """Greedy decoding on the held-out set (``trainer.max_eval_samples`` of
+    ``data.val_file``, split over DP): accuracy by ``trainer.eval_checker``, the extra
+    checkers, RM reward, length, repetition, and the win rate vs the initial policy judged
+    by the reward; every rank returns the same metrics (``eval/*``).
+
+    Raises:
+        the reward source's error on its rank and ``RewardScoringError`` on the others.
+    """
+    if not trainer.eval_prompts:
+        return {}
+    n = min(len(trainer.eval_prompts), trainer.cfg.trainer.max_eval_samples)
+    mine = list(range(trainer.dims.dp_rank, n, trainer.dims.dp))
+    batch = trainer._generate([trainer.eval_encoded[i] for i in mine], greedy=True)
+    texts = trainer._response_texts(batch)
+    reps = trainer._repetition(batch)
+    result, failure = None, None
+    if trainer.is_mp_src:
+        try:
+            rows = [trainer.eval_prompts[i] for i in mine]
+            out = trainer.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
+                                       update_stats=False, normalize=False)
+            correct = [0.0] * len(rows)
+            if trainer.cfg.trainer.eval_checker:
+                correct = get_reward_function(trainer.cfg.trainer.eval_checker)(
+                    [r.prompt for r in rows], texts, [r.extras for r in rows])
+            extra = {}
+            for name in trainer.cfg.trainer.eval_extra_checkers:
+                extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
+                                                             [r.extras for r in rows]))
+            result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
+                      "correct": list(correct), "extra": extra,
+                      "per_source": {k: v.tolist() for k, v in out.per_source.items()},
+                      "lengths": batch.response_lengths.tolist(), "rep": reps}
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            failure = exc
+    trainer._raise_if_scoring_failed(failure)
+    gathered = [None] * trainer.dims.world_size
+    dist.all_gather_object(gathered, result)
+    rows = [g for g in gathered if g is not None]
+    # one copy per DP rank (the MP sources): merge in index order
+    merged = {}
+    for r in rows:
+        for j, i in enumerate(r["idx"]):
+            merged[i] = {"text": r["texts"][j], "score": r["scores"][j],
+                         "correct": r["correct"][j],
+                         "extra": {k: v[j] for k, v in r["extra"].items()},
+                         "src": {k: v[j] for k, v in r["per_source"].items()},
+                         "len": r["lengths"][j], "rep": r["rep"][j]}
+    items = [merged[i] for i in sorted(merged)]
+    metrics = {
+        "eval/reward": sum(x["score"] for x in items) / len(items),
+        "eval/response_length": sum(x["len"] for x in items) / len(items),
+        "eval/repetition": sum(x["rep"] for x in items) / len(items),
+    }
+    if trainer.cfg.trainer.eval_checker:
+        metrics["eval/accuracy"] = sum(x["correct"] for x in items) / len(items)
+    for name in items[0]["extra"]:
+        metrics[f"eval/{name}"] = sum(x["extra"][name] for x in items) / len(items)
+    for name in items[0]["src"]:
+        metrics[f"eval/{name}"] = sum(x["src"][name] for x in items) / len(items)
+    if trainer.initial_eval is None:
+        trainer.initial_eval = items
+    else:
+        wins = [1.0 if a["score"] > b["score"] else 0.5 if a["score"] == b["score"] else 0.0
+                for a, b in zip(items, trainer.initial_eval)]
+        metrics["eval/win_rate_vs_initial"] = sum(wins) / len(wins)
+    return metrics
+
+
+__all__ = ["evaluate_policy"]
