@@ -4,7 +4,9 @@ Real PPO steps on the tiny demo model; the metrics each step reports are then ov
 with a hacking pattern (reward up, response length up), so the guard's decision -- not the
 tiny model's behaviour in 3 steps -- drives the test. ``guards.action=stop``: a checkpoint of
 the step that fired is published and the run stops (exit code 3) with a message naming
-the metric and its values; ``warn``: the same message is logged and the run goes on.
+the metric and its values; ``warn``: the same message is logged and the run goes on. The
+gold-metric check: real held-out evaluations whose reward rises while the checker's accuracy
+falls stop the run the same way.
 """
 
 from __future__ import annotations
@@ -69,10 +71,48 @@ def _run(tmp: Path, name: str, action: str) -> dict:
     return {"code": code, "step": trainer.step, "ckpts": names, "state": state, "log": handler.lines}
 
 
+# (eval/reward, eval/accuracy) of the held-out evaluations at steps 1, 2, 3, 4: the reward
+# the policy is trained on keeps rising while the checker's accuracy falls from step 2 on
+DIVERGING = [(0.2, 0.50), (0.4, 0.55), (0.6, 0.45), (0.8, 0.30)]
+
+
+def _run_gold(tmp: Path) -> dict:
+    """Real steps and real held-out evaluations (every step); the two compared eval metrics
+    are then replaced by ``DIVERGING``: the gold-metric check must stop the run."""
+    from nemo_rlhf.train_ppo import build
+
+    data = make_demo_data(tmp / "data")
+    exp = tmp / "gold"
+    cfg = compose_ppo(data, exp, "trainer.max_steps=4", "exp_manager.save_interval=0",
+                      "trainer.val_check_interval=1", "guards.action=stop", "guards.window=1",
+                      "guards.max_length_growth=1000", "guards.max_repetition=1.0",
+                      "guards.kl_ceiling=1000", "guards.gold_window=2", "guards.gold_min_drop=0.05")
+    trainer = build(cfg)
+    real_validate, seen = trainer.validate, []
+
+    def diverging_validate():
+        metrics = real_validate()
+        seen.append(sorted(metrics))
+        reward, accuracy = DIVERGING[trainer.step - 1]  # trainer.step: this step, counted
+        metrics.update({"eval/reward": reward, "eval/accuracy": accuracy})
+        return metrics
+
+    trainer.validate = diverging_validate
+    handler = _Records()
+    logging.getLogger("nemo_rlhf.ppo").addHandler(handler)
+    try:
+        code = trainer.fit()
+    finally:
+        logging.getLogger("nemo_rlhf.ppo").removeHandler(handler)
+    ckpts = exp / "checkpoints"
+    state = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "trainer_state.json").read_text())
+    return {"code": code, "step": trainer.step, "state": state, "log": handler.lines, "seen": seen}
+
+
 def _worker(rank: int, tmp: str) -> dict:
     tmp = Path(tmp)
     return {"stop": _run(tmp, "stop", "stop"), "warn": _run(tmp, "warn", "warn"),
-            "off": _run(tmp, "off", "off")}
+            "off": _run(tmp, "off", "off"), "gold": _run_gold(tmp)}
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +151,18 @@ def test_off_says_nothing(runs):
     res = runs["off"]
     assert res["code"] == 0 and res["step"] == 4
     assert not [msg for _, msg in res["log"] if "reward-hacking guard" in msg]
+
+
+def test_reward_rising_while_the_gold_metric_falls_stops_the_run(runs):
+    """Evaluations at steps 1-4 (window 2, tolerance 0.05): step 3 compares 0.50 -> 0.45
+    (a drop of 0.05, not more than the tolerance), step 4 compares 0.55 -> 0.30: stop."""
+    res = runs["gold"]
+    assert all("eval/reward" in keys and "eval/accuracy" in keys for keys in res["seen"]), res["seen"]
+    assert res["code"] == 3 and res["step"] == 4, res
+    assert [e["step"] for e in res["state"]["guard"]["evals"]] == [2, 3, 4]
+    errors = [msg for level, msg in res["log"] if level == "ERROR"]
+    assert errors == ["stopping: reward-hacking guard (eval/reward rose 0.4000->0.8000 while the "
+                      "gold metric eval/accuracy fell 0.5500->0.3000 (more than "
+                      "guards.gold_min_drop=0.05) between the evaluations at steps 2 and 4: the "
+                      "reward no longer tracks the metric it stands for (reward hacking / RM "
+                      "over-optimisation))"], res["log"]

@@ -213,3 +213,72 @@ def test_window_must_be_at_least_one():
         GuardConfig(window=0)
     with pytest.raises(ValueError, match="guards.window=0: must be >= 1"):
         _guard(window=0)
+
+
+# --- gold-metric divergence (issue 19) ------------------------------------------------------
+
+def _gold(gold_window=1, gold_min_drop=0.0, gold_metric="eval/accuracy"):
+    return RewardHackingGuard(4, 10.0, 1.0, 1e9, gold_metric, "eval/reward", gold_window,
+                              gold_min_drop)
+
+
+def _evals(rows, every=5):
+    """``(eval/reward, eval/accuracy)`` at steps every, 2*every, ...; train steps between
+    carry no eval metrics."""
+    out = []
+    for reward, accuracy in rows:
+        out += [{"reward_mean": 0.0, "response_length": 10.0}] * (every - 1)
+        out.append({"reward_mean": 0.0, "response_length": 10.0, "eval/reward": reward,
+                    "eval/accuracy": accuracy})
+    return out
+
+
+def test_reward_rising_while_the_gold_metric_falls_fires_naming_both_metrics_and_values():
+    fired = _feed(_gold(gold_window=2), _evals([(0.10, 0.40), (0.30, 0.45), (0.60, 0.30)]))
+    assert list(fired) == [15], fired
+    assert fired[15] == ("eval/reward rose 0.1000->0.6000 while the gold metric eval/accuracy "
+                         "fell 0.4000->0.3000 (more than guards.gold_min_drop=0.0) between the "
+                         "evaluations at steps 5 and 15: the reward no longer tracks the metric "
+                         "it stands for (reward hacking / RM over-optimisation)")
+
+
+@pytest.mark.parametrize("rows", [
+    [(0.1, 0.40), (0.3, 0.50), (0.6, 0.58)],   # both rise: healthy
+    [(0.6, 0.40), (0.3, 0.30), (0.1, 0.20)],   # both fall: a failing run, not a hacked one
+    [(0.1, 0.40), (0.1, 0.30), (0.1, 0.20)],   # reward flat
+])
+def test_reward_and_gold_moving_together_or_a_flat_reward_do_not_fire(rows):
+    assert _feed(_gold(gold_window=1), _evals(rows)) == {}
+
+
+def test_gold_drop_within_the_tolerance_does_not_fire_and_beyond_it_does():
+    rows = _evals([(0.1, 0.5), (0.2, 0.375)])                 # fell by exactly 0.125
+    assert _feed(_gold(gold_min_drop=0.125), rows) == {}      # not more than the tolerance
+    assert list(_feed(_gold(gold_min_drop=0.1), rows)) == [10]
+
+
+def test_gold_check_off_or_without_the_metrics_never_fires():
+    rows = _evals([(0.1, 0.5), (0.9, 0.1)])
+    assert _feed(_gold(gold_metric=None), rows) == {}
+    no_gold = [{k: v for k, v in r.items() if k != "eval/accuracy"} for r in rows]
+    assert _feed(_gold(), no_gold) == {}
+
+
+def test_gold_history_survives_a_resume():
+    rows = _evals([(0.1, 0.5), (0.2, 0.5), (0.3, 0.4)])
+    full = _feed(_gold(gold_window=2), rows)
+    assert list(full) == [15]
+    g = _gold(gold_window=2)
+    _feed(g, rows[:10])
+    restored = _gold(gold_window=2)
+    restored.load_state_dict(g.state_dict())
+    assert _feed(restored, rows[10:], start=11) == full
+
+
+def test_gold_settings_are_validated():
+    with pytest.raises(ValueError, match="guards.gold_window=0"):
+        GuardConfig(gold_window=0)
+    with pytest.raises(ValueError, match="guards.gold_min_drop=-0.1"):
+        GuardConfig(gold_min_drop=-0.1)
+    with pytest.raises(ValueError, match="guards.gold_window=0"):
+        _gold(gold_window=0)

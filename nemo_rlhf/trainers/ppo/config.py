@@ -269,11 +269,26 @@ class GuardConfig:
     """Trigger when the raw reward rises while the n-gram repetition rate exceeds this."""
     kl_ceiling: float = 50.0
     """Trigger when kl_mean (per sequence) exceeds this, whatever the reward does."""
+    gold_metric: Optional[str] = "eval/accuracy"
+    """The trusted held-out metric (higher is better): trigger when ``proxy_metric`` rises
+    while it falls between evaluations ``gold_window`` apart. Checked only on steps whose
+    metrics hold both (``trainer.val_check_interval``; ``eval/accuracy`` needs
+    ``trainer.eval_checker``); null turns the check off."""
+    proxy_metric: str = "eval/reward"
+    """The held-out raw reward (what PPO optimises) compared with ``gold_metric``."""
+    gold_window: int = 2
+    """Evaluations between the two compared ones (>= 1)."""
+    gold_min_drop: float = 0.0
+    """How far (absolute) the gold metric must fall to trigger (>= 0)."""
 
     def __post_init__(self) -> None:
         check_choice("guards.action", self.action, GUARD_ACTIONS)
         if self.window < 1:
             raise ValueError(f"guards.window={self.window}: must be >= 1")
+        if self.gold_window < 1:
+            raise ValueError(f"guards.gold_window={self.gold_window}: must be >= 1")
+        if self.gold_min_drop < 0:
+            raise ValueError(f"guards.gold_min_drop={self.gold_min_drop}: must be >= 0")
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 The guard watches the signs the PPO-RLHF literature lists for reward hacking (the seed
 chapter's failure table): over a window of steps the reward rises while responses get
-much longer or more repetitive, or the KL to the reference exceeds a ceiling. It either
-warns or asks the trainer to save and stop, with a message naming the metric and values.
+much longer or more repetitive, or the KL to the reference exceeds a ceiling; and, over the
+held-out evaluations, the reward rises while a trusted ("gold") metric falls (the chapter's
+check that the reward and the metric it stands for move together). It either warns or asks
+the trainer to save and stop, with a message naming the metrics and values.
 """
 
 from __future__ import annotations
@@ -38,20 +40,38 @@ class RewardHackingGuard:
         max_length_growth: length ratio last/first that, with a rising reward, triggers.
         max_repetition: repetition rate that, with a rising reward, triggers.
         kl_ceiling: kl_mean above this triggers on its own.
+        gold_metric: the trusted held-out metric (an ``eval/*`` key, e.g. ``eval/accuracy``
+            by the task's checker or a judge's win rate; higher is better), or None to skip
+            the divergence check.
+        proxy_metric: the held-out reward compared with it (``eval/reward``: the raw score
+            of the reward being optimised on the same greedy responses).
+        gold_window: evaluations between the two compared ones (``>= 1``): the check at an
+            evaluation compares it with the one ``gold_window`` evaluations earlier.
+        gold_min_drop: how far (absolute) the gold metric must fall, with the proxy rising,
+            to trigger (``>= 0``; e.g. 0.02 ignores one problem in 100 of noise).
 
     Raises:
-        ValueError: ``window < 1``.
+        ValueError: ``window < 1``, ``gold_window < 1`` or ``gold_min_drop < 0``.
     """
 
     def __init__(self, window: int, max_length_growth: float, max_repetition: float,
-                 kl_ceiling: float):
+                 kl_ceiling: float, gold_metric: Optional[str] = None,
+                 proxy_metric: str = "eval/reward", gold_window: int = 2,
+                 gold_min_drop: float = 0.0):
         if window < 1:
             raise ValueError(f"guards.window={window}: must be >= 1")
+        if gold_window < 1:
+            raise ValueError(f"guards.gold_window={gold_window}: must be >= 1")
+        if gold_min_drop < 0:
+            raise ValueError(f"guards.gold_min_drop={gold_min_drop}: must be >= 0")
         self.window = window
         self.max_length_growth = max_length_growth
         self.max_repetition = max_repetition
         self.kl_ceiling = kl_ceiling
+        self.gold_metric, self.proxy_metric = gold_metric, proxy_metric
+        self.gold_min_drop = gold_min_drop
         self.history: deque = deque(maxlen=window + 1)
+        self.evals: deque = deque(maxlen=gold_window + 1)
 
     def update(self, step: int, metrics: dict) -> Optional[str]:
         """Record a step; return a message if a trigger fired, else None."""
@@ -61,6 +81,9 @@ class RewardHackingGuard:
             entry["reward_raw_mean"] = float(metrics["reward_raw_mean"])
         entry["step"] = step
         self.history.append(entry)
+        gold = self._gold_divergence(step, metrics)
+        if gold:
+            return gold
         if entry["kl_mean"] > self.kl_ceiling:
             return (f"kl_mean={entry['kl_mean']:.3f} exceeds guards.kl_ceiling="
                     f"{self.kl_ceiling} at step {step}")
@@ -83,9 +106,29 @@ class RewardHackingGuard:
                     f"guards.max_repetition={self.max_repetition}) at step {last['step']}")
         return None
 
+    def _gold_divergence(self, step: int, metrics: dict) -> Optional[str]:
+        """Record an evaluation (a step whose metrics hold both the gold and the proxy
+        metric); the message if the proxy rose while the gold metric fell."""
+        g, p = self.gold_metric, self.proxy_metric
+        if g is None or g not in metrics or p not in metrics:
+            return None
+        self.evals.append({"step": step, "gold": float(metrics[g]), "proxy": float(metrics[p])})
+        if len(self.evals) < self.evals.maxlen:
+            return None
+        first, last = self.evals[0], self.evals[-1]
+        if last["proxy"] > first["proxy"] and first["gold"] - last["gold"] > self.gold_min_drop:
+            return (f"{p} rose {first['proxy']:.4f}->{last['proxy']:.4f} while the gold metric "
+                    f"{g} fell {first['gold']:.4f}->{last['gold']:.4f} (more than "
+                    f"guards.gold_min_drop={self.gold_min_drop}) between the evaluations at "
+                    f"steps {first['step']} and {last['step']}: the reward no longer tracks the "
+                    f"metric it stands for (reward hacking / RM over-optimisation)")
+        return None
+
     def state_dict(self) -> dict:
-        return {"history": list(self.history)}
+        return {"history": list(self.history), "evals": list(self.evals)}
 
     def load_state_dict(self, sd: dict) -> None:
         self.history.clear()
         self.history.extend(sd.get("history", []))
+        self.evals.clear()
+        self.evals.extend(sd.get("evals", []))

@@ -88,7 +88,8 @@ class PPOTrainer:
         self.logger: Optional[MetricsLogger] = None
         g = cfg.guards
         self.guard = RewardHackingGuard(g.window, g.max_length_growth, g.max_repetition,
-                                        g.kl_ceiling)
+                                        g.kl_ceiling, g.gold_metric, g.proxy_metric,
+                                        g.gold_window, g.gold_min_drop)
         self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.initial_policy_kl_penalty,
                                             cfg.kl.target, cfg.kl.horizon)
         self.sampler = ResumableSampler(len(prompts), cfg.trainer.seed, cfg.ppo.shuffle)
