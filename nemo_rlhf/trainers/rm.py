@@ -60,7 +60,17 @@ class RMConfig:
     pretrained backbone's features with the cost of back-propagating through the top
     layers only. 0 trains everything; at most ``model.num_layers``."""
 
+    extra_val_files: dict[str, str] = field(default_factory=dict)
+    """More held-out preference files, ``{name: path}``, each evaluated with the validation
+    set and logged as ``val_<name>/accuracy`` etc. (e.g. ``{same_form: pairs.jsonl}``: pairs
+    whose responses differ only in the answer, which tell whether the RM scores the content
+    or the form)."""
+
     def __post_init__(self) -> None:
+        for name in self.extra_val_files:
+            if not str(name).isidentifier():
+                raise ValueError(f"rm.extra_val_files: name {name!r} must be an identifier "
+                                 f"(it becomes the metric prefix val_<name>/)")
         if self.freeze_layers < 0:
             raise ValueError(f"rm.freeze_layers={self.freeze_layers}: must be >= 0")
 
@@ -143,12 +153,15 @@ class RMTrainer(SupervisedTrainer):
 
     def __init__(self, cfg: RMRunConfig, signals=None):
         self.reward_stats: dict[str, float] = {}
+        self.extra_val: dict = {}
         super().__init__(cfg, signals)
 
     def load_datasets(self):
         d = self.cfg.data
         train = load_preference_dataset(d.train_file, self.tokenizer, d)
         val = load_preference_dataset(d.val_file, self.tokenizer, d) if d.val_file else None
+        self.extra_val = {name: load_preference_dataset(path, self.tokenizer, d)
+                          for name, path in self.cfg.rm.extra_val_files.items()}
         return train, val
 
     def init_weights(self, model) -> None:
@@ -219,9 +232,13 @@ class RMTrainer(SupervisedTrainer):
         return pair_metrics(reduce_from_last_stage(sums, self.dims, PAIR_KEYS), len(samples), prefix)
 
     def validation_metrics(self) -> dict[str, float]:
-        if self.val_ds is None or len(self.val_ds) == 0:
-            return {}
-        return self.evaluate_pairs(self.val_ds.samples, "val/")
+        metrics = {}
+        if self.val_ds is not None and len(self.val_ds):
+            metrics.update(self.evaluate_pairs(self.val_ds.samples, "val/"))
+        for name, ds in self.extra_val.items():
+            if len(ds):
+                metrics.update(self.evaluate_pairs(ds.samples, f"val_{name}/"))
+        return metrics
 
     def on_fit_end(self) -> dict[str, float]:
         """Reward mean/std over the training set (stored in the checkpoint)."""
