@@ -152,12 +152,21 @@ SMOLLM2_MAX_NEW_TOKENS = 24
 """Response budget of the SmolLM2 demo in tokens (rollout, evaluation and RM samples)."""
 
 
+SAME_FORM_PER_PROMPT = 4
+"""Held-out same-form pairs per RM validation prompt: a sample against itself with only the
+stated number changed (right vs wrong sum in the same wording)."""
+
+
 def _pairs_from_samples(samples: Path, out: Path, max_pairs_per_prompt: int, edit_pairs: int) -> int:
+    """Write the preference pairs of a samples file: up to ``max_pairs_per_prompt`` natural
+    pairs (a right sample against a wrong one of the same prompt) and ``edit_pairs`` minimal
+    edit pairs per prompt; return the pair count."""
     from nemo_rlhf.data.addition_task import answer_edit_pairs, build_preference_pairs
 
     if not out.exists():
         rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
-        pairs = build_preference_pairs(rows, max_pairs_per_prompt=max_pairs_per_prompt)
+        pairs = build_preference_pairs(rows, max_pairs_per_prompt=max_pairs_per_prompt) \
+            if max_pairs_per_prompt else []
         if edit_pairs:
             pairs += answer_edit_pairs(rows, per_prompt=edit_pairs)
         tmp = out.with_suffix(".tmp")
@@ -219,7 +228,7 @@ def run_smollm2(a) -> int:
     _check_stage_settings(rm_data / "settings.json", {
         "rm_prompts": a.rm_prompts, "rm_samples_per_prompt": a.rm_samples_per_prompt,
         "rm_temperature": a.rm_temperature, "rm_edit_pairs": a.rm_edit_pairs,
-        "rm_epochs": a.rm_epochs, "rm_freeze_layers": a.rm_freeze_layers})
+        "rm_epochs": a.rm_epochs, "rm_freeze_layers": a.rm_freeze_layers, "rm_lr": a.rm_lr})
     pair_counts = {}
     for split, prompts in (("train", "rm_prompts.jsonl"), ("val", "rm_val_prompts.jsonl")):
         samples = rm_data / f"samples_{split}.jsonl"
@@ -231,6 +240,8 @@ def run_smollm2(a) -> int:
                   "num_examples=0", "batch_size=128"], logs / "rm_samples.log")
         pair_counts[split] = _pairs_from_samples(samples, rm_data / f"preference_{split}.jsonl", 4,
                                                  a.rm_edit_pairs)
+    pair_counts["val_same_form"] = _pairs_from_samples(
+        rm_data / "samples_val.jsonl", rm_data / "same_form_val.jsonl", 0, SAME_FORM_PER_PROMPT)
     print(f"RM pairs from the model's own samples: {pair_counts}", flush=True)
     if min(pair_counts.values()) == 0:
         raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
@@ -240,15 +251,16 @@ def run_smollm2(a) -> int:
     t = time.time()
     rm_exp = out / "rm"
     if _latest(rm_exp) is None:
-        steps = max(1, a.rm_epochs * pair_counts["train"] // 16)
+        steps = max(1, int(a.rm_epochs * pair_counts["train"] // 16))
         _run([py, "-m", "nemo_rlhf.train_rm", "model=smollm2_135m", f"exp_manager.exp_dir={rm_exp}",
               f"rm.init_from={ckpt}", f"rm.freeze_layers={a.rm_freeze_layers}",
               f"data.train_file={rm_data / 'preference_train.jsonl'}",
               f"data.val_file={rm_data / 'preference_val.jsonl'}", f"data.tokenizer_dir={tok}",
+              f"rm.extra_val_files={{same_form: {rm_data / 'same_form_val.jsonl'}}}",
               "data.chat_template=chatml", f"data.system_prompt='{_system_prompt()}'",
               "data.max_seq_length=96", f"trainer.max_steps={steps}", "trainer.global_batch_size=16",
               "trainer.micro_batch_size=8", f"trainer.val_check_interval={max(1, steps // 3)}",
-              "trainer.log_every_n_steps=5", "optim.lr=5.0e-5", "optim.min_lr=5.0e-6",
+              "trainer.log_every_n_steps=5", f"optim.lr={a.rm_lr}", f"optim.min_lr={a.rm_lr / 10}",
               "optim.warmup_steps=3", "model.value_head_init_std=0.02"], logs / "rm.log")
     rm = _latest(rm_exp)
     times["rm"] = time.time() - t
@@ -278,6 +290,7 @@ def run_smollm2(a) -> int:
     times["eval_final"] = time.time() - t
 
     rm_acc = _rm_accuracy(rm_exp)
+    rm_same_form = _rm_accuracy(rm_exp, "val_same_form/accuracy")
     kl = _last_metric(ppo_exp, "kl_mean")
     summary = {
         "task": "smollm2 two-digit addition", "reward": a.reward,
@@ -287,7 +300,8 @@ def run_smollm2(a) -> int:
         "ppo_format_compliance": final.get("just_the_number"),
         "baseline_mean_response_length": baseline.get("mean_response_length"),
         "ppo_mean_response_length": final.get("mean_response_length"),
-        "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc, "final_kl_mean": kl,
+        "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc,
+        "rm_heldout_same_form_accuracy": rm_same_form, "final_kl_mean": kl,
         "wall_time_s": {k: round(v, 1) for k, v in times.items()},
         "checkpoints": {"policy_init": ckpt, "rm": str(rm), "ppo": str(_latest(ppo_exp))},
         "tensorboard": str(ppo_exp / "tensorboard"),
@@ -305,7 +319,8 @@ def run_smollm2(a) -> int:
     print(f"mean response length        : {baseline['mean_response_length']:.1f} -> "
           f"{final['mean_response_length']:.1f} tokens")
     print(f"RM held-out pair accuracy   : {'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'} "
-          f"({pair_counts['train']} training pairs)")
+          f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong sum, same "
+          f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
     print(f"final kl_mean (nats/seq)    : {kl}")
     print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
@@ -333,7 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rm-prompts", type=int, default=256, help="smollm2: prompts sampled for RM pairs")
     ap.add_argument("--rm-samples-per-prompt", type=int, default=4, help="smollm2: answers sampled per RM prompt")
     ap.add_argument("--rm-temperature", type=float, default=0.7, help="smollm2: sampling temperature of RM data")
-    ap.add_argument("--rm-epochs", type=int, default=2, help="smollm2: passes over the RM pairs")
+    ap.add_argument("--rm-epochs", type=float, default=2, help="smollm2: passes over the RM pairs (may be fractional)")
+    ap.add_argument("--rm-lr", type=float, default=5.0e-5, help="smollm2: peak learning rate of the RM")
     ap.add_argument("--rm-edit-pairs", type=int, default=0,
                     help="smollm2: minimal pairs per RM prompt that differ only in the stated number "
                          "(data.addition_task.answer_edit_pairs); 0 = only natural pairs")
@@ -344,18 +360,9 @@ def main(argv=None) -> int:
     return run_smollm2(a) if a.task == "smollm2" else run_tiny(a)
 
 
-def _rm_accuracy(rm_exp: Path):
-    """The RM's last validation accuracy, from its metrics log if it wrote one."""
-    path = rm_exp / "metrics.jsonl"
-    if not path.exists():
-        return None
-    acc = None
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        for k in ("val/accuracy", "val_accuracy", "val/acc"):
-            if k in row:
-                acc = row[k]
-    return acc
+def _rm_accuracy(rm_exp: Path, key: str = "val/accuracy"):
+    """The RM's last validation accuracy (``key``), from its metrics log if it wrote one."""
+    return _last_metric(rm_exp, key)
 
 
 def _last_metric(exp: Path, key: str):
