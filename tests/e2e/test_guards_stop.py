@@ -35,6 +35,16 @@ class _Records(logging.Handler):
         self.lines.append((record.levelname, record.getMessage()))
 
 
+def _fit_recording(trainer) -> tuple[int, list]:
+    """``trainer.fit()`` with the PPO logger's warnings and errors recorded."""
+    handler = _Records()
+    logging.getLogger("nemo_rlhf.ppo").addHandler(handler)
+    try:
+        return trainer.fit(), handler.lines
+    finally:
+        logging.getLogger("nemo_rlhf.ppo").removeHandler(handler)
+
+
 def _run(tmp: Path, name: str, action: str) -> dict:
     from nemo_rlhf.train_ppo import build
 
@@ -54,12 +64,7 @@ def _run(tmp: Path, name: str, action: str) -> dict:
         return metrics
 
     trainer.train_step = hacked_step
-    handler = _Records()
-    logging.getLogger("nemo_rlhf.ppo").addHandler(handler)
-    try:
-        code = trainer.fit()
-    finally:
-        logging.getLogger("nemo_rlhf.ppo").removeHandler(handler)
+    code, lines = _fit_recording(trainer)
     ckpts = exp / "checkpoints"
     names = sorted(p.name for p in ckpts.iterdir()) if ckpts.exists() else []
     state = {}
@@ -68,7 +73,7 @@ def _run(tmp: Path, name: str, action: str) -> dict:
         state = json.loads((ckpts / latest / "trainer_state.json").read_text())
         state["latest"] = latest
         state["complete"] = (ckpts / latest / "COMPLETE").is_file()
-    return {"code": code, "step": trainer.step, "ckpts": names, "state": state, "log": handler.lines}
+    return {"code": code, "step": trainer.step, "ckpts": names, "state": state, "log": lines}
 
 
 # (eval/reward, eval/accuracy) of the held-out evaluations at steps 1, 2, 3, 4: the reward
@@ -98,15 +103,10 @@ def _run_gold(tmp: Path) -> dict:
         return metrics
 
     trainer.validate = diverging_validate
-    handler = _Records()
-    logging.getLogger("nemo_rlhf.ppo").addHandler(handler)
-    try:
-        code = trainer.fit()
-    finally:
-        logging.getLogger("nemo_rlhf.ppo").removeHandler(handler)
+    code, lines = _fit_recording(trainer)
     ckpts = exp / "checkpoints"
     state = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "trainer_state.json").read_text())
-    return {"code": code, "step": trainer.step, "state": state, "log": handler.lines, "seen": seen}
+    return {"code": code, "step": trainer.step, "state": state, "log": lines, "seen": seen}
 
 
 def _worker(rank: int, tmp: str) -> dict:
