@@ -28,6 +28,16 @@ def _feed(guard, rows, start=1):
     return fired
 
 
+def _feed_resumed(make, rows, split):
+    """Feed ``rows[:split]`` to one guard, restore a new guard from its state and feed it the
+    rest; return ``{step: message}`` of the restored guard's steps that fired."""
+    g = make()
+    _feed(g, rows[:split])
+    restored = make()
+    restored.load_state_dict(g.state_dict())
+    return _feed(restored, rows[split:], start=split + 1)
+
+
 def _healthy(n):
     """Reward slowly rising, length +-1 token around 10, low repetition, small KL."""
     return [{"reward_mean": 0.1 * i, "response_length": 10.0 + (i % 2), "repetition": 0.05,
@@ -148,11 +158,7 @@ def test_state_dict_round_trip_keeps_the_window():
             for r, n in [(0.1, 10.0), (0.2, 11.0), (0.3, 13.0), (0.4, 20.0)]]
     full = _feed(_guard(window=3), rows)
     assert list(full) == [4]
-    g = _guard(window=3)
-    _feed(g, rows[:3])
-    restored = _guard(window=3)
-    restored.load_state_dict(g.state_dict())
-    assert _feed(restored, rows[3:], start=4) == full
+    assert _feed_resumed(lambda: _guard(window=3), rows, 3) == full
     assert _feed(_guard(window=3), rows[3:], start=4) == {}
 
 
@@ -268,11 +274,7 @@ def test_gold_history_survives_a_resume():
     rows = _evals([(0.1, 0.5), (0.2, 0.5), (0.3, 0.4)])
     full = _feed(_gold(gold_window=2), rows)
     assert list(full) == [15]
-    g = _gold(gold_window=2)
-    _feed(g, rows[:10])
-    restored = _gold(gold_window=2)
-    restored.load_state_dict(g.state_dict())
-    assert _feed(restored, rows[10:], start=11) == full
+    assert _feed_resumed(lambda: _gold(gold_window=2), rows, 10) == full
 
 
 def test_gold_settings_are_validated():
