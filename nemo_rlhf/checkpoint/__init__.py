@@ -2,6 +2,7 @@
 
 from nemo_rlhf.checkpoint.io import (
     CheckpointError,
+    checkpoint_heads,
     find_latest_checkpoint,
     is_complete,
     list_checkpoints,
@@ -16,7 +17,7 @@ from nemo_rlhf.checkpoint.io import (
 )
 
 __all__ = [
-    "CheckpointError", "find_latest_checkpoint", "is_complete", "list_checkpoints",
+    "CheckpointError", "checkpoint_heads", "find_latest_checkpoint", "is_complete", "list_checkpoints",
     "load_checkpoint", "load_model_weights", "read_metadata",
     "read_trainer_state", "resolve_checkpoint", "save_checkpoint", "step_dir", "verify_checkpoint",
 ]

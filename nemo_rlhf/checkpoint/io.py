@@ -451,6 +451,13 @@ def read_trainer_state(path: Path) -> dict:
     return json.loads((Path(path) / "trainer_state.json").read_text())
 
 
+def checkpoint_heads(path: Path, part: str = "model") -> set[str]:
+    """Names of the heads (``value_head``, ``reward_head``) whose weights the checkpoint
+    at ``path`` holds for ``part`` (e.g. ``{"reward_head"}`` for an RM checkpoint)."""
+    keys = _checkpoint_keys(path)
+    return {h.rstrip(".") for h in HEAD_KEYS if any(k.startswith(f"{part}.{h}") for k in keys)}
+
+
 def _checkpoint_keys(path: Path) -> set[str]:
     from megatron.core import dist_checkpointing
 

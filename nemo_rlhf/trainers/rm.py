@@ -12,7 +12,9 @@ as ``reward_mean`` / ``reward_std`` (the PPO side's ``fixed`` normalisation read
 
 ``rm.init_from`` starts from an SFT (or any actor) checkpoint: backbone and output-layer
 weights are loaded, the checkpoint's value head is not, and the reward head keeps its fresh
-initialisation (``model.value_head_init_std``; 0 = zeros). Simplified: one pair per row
+initialisation (``model.value_head_init_std``; 0 = zeros). From an RM checkpoint (one that
+holds a reward head) the head is loaded too: the RM continues from it, e.g. on a data set
+grown with new pairs (the demo's RM refresh), with a fresh optimizer and schedule. Simplified: one pair per row
 (no ranking of K responses, InstructGPT's K-choose-2 batching).
 """
 
@@ -25,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nemo_rlhf.checkpoint import load_model_weights, resolve_checkpoint
+from nemo_rlhf.checkpoint import checkpoint_heads, load_model_weights, resolve_checkpoint
 from nemo_rlhf.data.datasets import (
     DataConfig,
     collate_preference,
@@ -53,7 +55,8 @@ class RMConfig:
 
     init_from: Optional[str] = None
     """SFT checkpoint (folder, or a ``checkpoints`` root: its newest) whose backbone starts
-    the RM; the reward head is freshly initialised. None: random init."""
+    the RM; the reward head is freshly initialised. An RM checkpoint: backbone and reward
+    head are loaded (training continues from that RM). None: random init."""
     freeze_layers: int = 0
     """Keep the embedding and the first ``freeze_layers`` transformer layers fixed (as
     loaded from ``init_from``) and train the layers above them and the reward head: a
@@ -66,7 +69,15 @@ class RMConfig:
     whose responses differ only in the answer, which tell whether the RM scores the content
     or the form)."""
 
+    reward_stats_max_pairs: Optional[int] = None
+    """The reward mean/std stored with the final checkpoint are computed over at most this
+    many training pairs, evenly spaced through the file (a forward pass over every pair
+    costs minutes on a CPU); None: all of them."""
+
     def __post_init__(self) -> None:
+        if self.reward_stats_max_pairs is not None and self.reward_stats_max_pairs < 1:
+            raise ValueError(f"rm.reward_stats_max_pairs={self.reward_stats_max_pairs}: must be "
+                             f">= 1, or null for every training pair")
         for name in self.extra_val_files:
             if not str(name).isidentifier():
                 raise ValueError(f"rm.extra_val_files: name {name!r} must be an identifier "
@@ -188,6 +199,11 @@ class RMTrainer(SupervisedTrainer):
         if not self.cfg.rm.init_from:
             return
         path = resolve_checkpoint(self.cfg.rm.init_from)
+        if "reward_head" in checkpoint_heads(path):
+            load_model_weights(path, model)
+            self.print(f"RM loaded from the reward model {path}, reward head included: "
+                       f"training continues from it")
+            return
         skipped = load_model_weights(path, model, skip_heads=True)
         self.print(f"RM backbone loaded from {path}; reward head freshly initialised "
                        f"(model.value_head_init_std={self.model_cfg.value_head_init_std}), "
@@ -241,11 +257,15 @@ class RMTrainer(SupervisedTrainer):
         return metrics
 
     def on_fit_end(self) -> dict[str, float]:
-        """Reward mean/std over the training set (stored in the checkpoint)."""
-        m = self.evaluate_pairs(self.train_ds.samples, "final/train_")
+        """Reward mean/std over the training set, or ``rm.reward_stats_max_pairs`` of it
+        (stored in the checkpoint)."""
+        samples, cap = self.train_ds.samples, self.cfg.rm.reward_stats_max_pairs
+        if cap is not None and len(samples) > cap:
+            samples = samples[::math.ceil(len(samples) / cap)]
+        m = self.evaluate_pairs(samples, "final/train_")
         self.reward_stats = {"reward_mean": m["final/train_reward_mean"],
                              "reward_std": m["final/train_reward_std"],
-                             "reward_stats_count": 2 * len(self.train_ds)}
+                             "reward_stats_count": 2 * len(samples)}
         return m
 
     def trainer_state(self) -> dict:
