@@ -182,6 +182,11 @@ class WeightedSource:
     """Multiplier of the (normalised) rewards in the sum."""
     normalizer: RewardNormalizer | None = None
     """Applied to the raw rewards before weighting; None: raw rewards."""
+    identity: dict[str, Any] | None = None
+    """What this source is, JSON-able (the served RM: ``checkpoint_path`` and
+    ``checkpoint_step`` from its ``/metadata``); None: fixed by its name (a function).
+    A resumed run compares it with the saved one: statistics of another reward model are
+    not carried over (:meth:`CombinedReward.load_state_dict`)."""
 
 
 @dataclass
@@ -286,10 +291,35 @@ class CombinedReward:
         """``{source name: normaliser state}`` for sources with a normaliser."""
         return {s.name: s.normalizer.state_dict() for s in self.sources if s.normalizer is not None}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores :meth:`state_dict`; raises ``KeyError`` naming a source missing from ``state``."""
+    def identities(self) -> dict[str, dict[str, Any]]:
+        """``{source name: identity}`` for sources that have one (see :attr:`WeightedSource.identity`)."""
+        return {s.name: dict(s.identity) for s in self.sources if s.identity is not None}
+
+    def changed_sources(self, saved: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """Sources whose identity differs from ``saved`` (a previous :meth:`identities`):
+        ``{name: (saved identity or None, current identity)}``. A source with an identity
+        and no saved one counts as changed only when ``saved`` records other sources (a
+        checkpoint written before identities were recorded records none)."""
+        changed = {}
+        for name, now in self.identities().items():
+            before = saved.get(name)
+            if before is None and not saved:
+                continue
+            if before != now:
+                changed[name] = (before, now)
+        return changed
+
+    def load_state_dict(self, state: Mapping[str, Any], reset: Sequence[str] = ()) -> None:
+        """Restores :meth:`state_dict`, except the sources named in ``reset``, whose
+        normalisers start over (e.g. the RM was replaced by a refreshed one: its score
+        scale is not the old one's). Raises ``KeyError`` naming a source missing from
+        ``state``, or a ``reset`` name that is not a source."""
+        unknown = set(reset) - {s.name for s in self.sources}
+        if unknown:
+            raise KeyError(f"CombinedReward.load_state_dict: reset names unknown sources {sorted(unknown)}; "
+                           f"sources: {[s.name for s in self.sources]}")
         for s in self.sources:
-            if s.normalizer is None:
+            if s.normalizer is None or s.name in reset:
                 continue
             if s.name not in state:
                 raise KeyError(f"CombinedReward.load_state_dict: no state for source {s.name!r}; present: {sorted(state)}")

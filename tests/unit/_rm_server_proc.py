@@ -5,6 +5,7 @@
 The fake scorer is deterministic (:func:`expected_score`), so a test can compare served
 scores with in-process ones. Special responses: one containing ``RAISE`` makes the batch
 fail; one containing ``SLOW`` makes the batch take 5 s (to kill the server mid-request).
+``--checkpoint-path`` and ``--scale`` make another "RM" (its identity and scores differ).
 With ``--max-tokens N`` an item over N fake tokens (:func:`fake_tokens`) is refused by
 ``check_items`` (ItemTooLong) and makes ``score_batch`` raise, as a real RM's forward would.
 """
@@ -51,8 +52,10 @@ class HashScorer:
 
     vocab_size = VOCAB_SIZE
 
-    def __init__(self, call_ms: float = 0.0, item_ms: float = 0.0, max_tokens: int | None = None) -> None:
+    def __init__(self, call_ms: float = 0.0, item_ms: float = 0.0, max_tokens: int | None = None,
+                 checkpoint_path: str = "/fake/rm", scale: float = 1.0) -> None:
         self.call_ms, self.item_ms, self.max_seq_length = call_ms, item_ms, max_tokens
+        self.checkpoint_path, self.scale = checkpoint_path, scale
 
     def check_items(self, items: list[ScoreItem]) -> None:
         """Raises ItemTooLong naming the first item over ``max_seq_length`` fake tokens."""
@@ -70,10 +73,10 @@ class HashScorer:
             if not it.is_tokens and "SLOW" in it.response:
                 time.sleep(5.0)
         time.sleep((self.call_ms + self.item_ms * len(items)) / 1000.0)
-        return [expected_score(it) for it in items]
+        return [self.scale * expected_score(it) for it in items]
 
     def metadata(self) -> dict:
-        return {"model_name": "hash-scorer", "checkpoint_path": "/fake/rm", "checkpoint_step": 7,
+        return {"model_name": "hash-scorer", "checkpoint_path": self.checkpoint_path, "checkpoint_step": 7,
                 "tokenizer": "fake-bytes", "reward_mean": 2.0, "reward_std": 4.0,
                 "max_seq_length": self.max_seq_length}
 
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
     p.add_argument("--auth-token-env", default=None)
     p.add_argument("--max-tokens", type=int, default=None, help="the fake scorer's max_seq_length")
+    p.add_argument("--checkpoint-path", default="/fake/rm", help="the RM identity in /metadata")
+    p.add_argument("--scale", type=float, default=1.0, help="scores are scale * expected_score")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[rm-server] %(levelname)s %(message)s")
     cfg = RMServerConfig(
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(0.02)
         if args.fail_load:
             raise RuntimeError("fake checkpoint is corrupt")
-        return HashScorer(args.call_ms, args.item_ms, args.max_tokens)
+        return HashScorer(args.call_ms, args.item_ms, args.max_tokens, args.checkpoint_path, args.scale)
 
     serve(factory, cfg)
 

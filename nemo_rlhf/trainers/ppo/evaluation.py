@@ -41,7 +41,16 @@ def evaluate_policy(trainer) -> dict:
             for name in trainer.cfg.trainer.eval_extra_checkers:
                 extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
                                                              [r.extras for r in rows]))
+            initial_scores = None
+            if trainer.rescore_initial and trainer.initial_eval is not None:
+                # the initial policy's responses, judged again by the new reward
+                initial = trainer.reward.score([r.prompt for r in rows],
+                                               [trainer.initial_eval[i]["text"] for i in mine],
+                                               [r.extras for r in rows], update_stats=False,
+                                               normalize=False)
+                initial_scores = initial.scores.tolist()
             result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
+                      "initial_scores": initial_scores,
                       "correct": list(correct), "extra": extra,
                       "per_source": {k: v.tolist() for k, v in out.per_source.items()},
                       "lengths": batch.response_lengths.tolist(), "rep": reps}
@@ -61,6 +70,11 @@ def evaluate_policy(trainer) -> dict:
                          "src": {k: v[j] for k, v in r["per_source"].items()},
                          "len": r["lengths"][j], "rep": r["rep"][j]}
     items = [merged[i] for i in sorted(merged)]
+    for r in rows:  # re-scored initial responses (after a reward change), the same on every rank
+        if r.get("initial_scores") is not None:
+            for j, i in enumerate(r["idx"]):
+                trainer.initial_eval[i]["score"] = r["initial_scores"][j]
+    trainer.rescore_initial = False
     metrics = {
         "eval/reward": sum(x["score"] for x in items) / len(items),
         "eval/response_length": sum(x["len"] for x in items) / len(items),

@@ -124,6 +124,12 @@ class RewardHackingGuard:
                     f"metric it stands for (reward hacking / RM over-optimisation)")
         return None
 
+    def reset(self) -> None:
+        """Forget every recorded step and evaluation (the reward changed meaning, e.g. a
+        refreshed RM: old and new rewards are not comparable)."""
+        self.history.clear()
+        self.evals.clear()
+
     def state_dict(self) -> dict:
         return {"history": list(self.history), "evals": list(self.evals)}
 

@@ -25,6 +25,11 @@ from nemo_rlhf.reward.normalization import RewardNormalizer
 from nemo_rlhf.trainers.ppo.config import RewardConfig
 
 
+RM_IDENTITY_KEYS = ("checkpoint_path", "checkpoint_step")
+"""The served RM's ``/metadata`` -> ``scorer`` keys that say which RM it is (recorded in
+the PPO checkpoint; a resume against another RM resets that source's normalisation)."""
+
+
 def gather_over_scoring_ranks(dims, local: torch.Tensor) -> torch.Tensor:
     """All-gather a small host tensor over the scoring ranks, in DP-rank order.
 
@@ -50,7 +55,8 @@ def build_reward(cfg: RewardConfig, dims=None):
     """A ``CombinedReward`` over the RM client (if configured) and the reward functions.
 
     The RM client waits for the server's ``/health`` (``reward.wait_for_server_s``); the
-    RM's normalisation stats come from its ``/metadata`` when ``normalization: fixed``.
+    RM's normalisation stats come from its ``/metadata`` when ``normalization: fixed``, and
+    its identity (``RM_IDENTITY_KEYS``) always does.
     With ``running`` normalisation and DP > 1 (``dims``), the statistics are reduced over
     the scoring ranks (:func:`gather_over_scoring_ranks`): one statistic on every DP
     rank, the same as with DP = 1, and the same on every rank after a resume (rank 0's
@@ -67,10 +73,11 @@ def build_reward(cfg: RewardConfig, dims=None):
                   RewardModelClient.from_address_file(cfg.rm_address_file,
                                                       wait_s=cfg.wait_for_server_s, **kw))
         client.wait_until_healthy(cfg.wait_for_server_s)
+        scorer_meta = client.metadata().get("scorer") or {}  # the RM checkpoint's description
+        identity = {k: scorer_meta.get(k) for k in RM_IDENTITY_KEYS}
         norm = None
         if cfg.normalization == "fixed":
-            meta = client.metadata()
-            stats = meta.get("scorer") or {}  # the RM scorer's metadata: checkpoint stats
+            stats = scorer_meta  # the RM trainer's statistics, stored with its checkpoint
             mean, std = stats.get("reward_mean"), stats.get("reward_std")
             if mean is None or std is None:
                 raise ValueError("reward.normalization=fixed but the RM server's /metadata has no "
@@ -80,7 +87,7 @@ def build_reward(cfg: RewardConfig, dims=None):
             norm = RewardNormalizer("running", clip=cfg.clip)
         elif cfg.clip is not None:
             norm = RewardNormalizer("none", clip=cfg.clip)
-        sources.append(WeightedSource("rm", RemoteRewardModel(client), cfg.rm_weight, norm))
+        sources.append(WeightedSource("rm", RemoteRewardModel(client), cfg.rm_weight, norm, identity))
     for spec in cfg.functions:
         sources.append(WeightedSource(spec.name.split(":")[-1], RewardFunctionScorer(spec.name),
                                       spec.weight))

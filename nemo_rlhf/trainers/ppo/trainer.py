@@ -123,6 +123,14 @@ class PPOTrainer:
         self.fingerprint = ppo_fingerprint(cfg)
         self._resumed = False
         self._last_batch = None  # (prompt indices, RolloutBatch, scores) of the last step
+        self.reward_changed: Optional[str] = None
+        """Set on resume when a reward source is not the one the checkpoint recorded (a
+        refreshed RM): the message logged; the next step's metrics say so
+        (``reward/source_changed``)."""
+        self._source_change_logged = False
+        self.rescore_initial = False
+        """The next evaluation re-scores the initial policy's responses (kept for the win
+        rate) with the current reward: set when the reward changed on resume."""
 
     # --- helpers ---------------------------------------------------------------------
     def _mp_broadcast(self, obj):
@@ -551,6 +559,9 @@ class PPOTrainer:
         metrics["generated_tokens_per_s"] = float(gen_tokens) / max(metrics.get("timing/rollout_s", elapsed), 1e-9)
         metrics["episodes_per_s"] = self.cfg.ppo.num_rollout_samples / elapsed
         metrics["consumed_samples"] = self.sampler.consumed_samples
+        if self.reward_changed and not self._source_change_logged:
+            metrics["reward/source_changed"] = 1.0
+            self._source_change_logged = True
         return metrics
 
     def _log_prompt_ids(self, idx: list[int]) -> None:
@@ -680,18 +691,32 @@ class PPOTrainer:
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "initial_eval": self.initial_eval,
             "guard": self.guard.state_dict(),
+            "reward_sources": self.reward.identities() if self.reward else {},
         }
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
         self.sampler.load_state_dict(sd["sampler"])
         self.kl_ctl.load_state_dict(sd["kl_controller"])
-        if sd.get("reward") and self.reward is not None:
-            self.reward.load_state_dict(sd["reward"])
+        changed = {}
+        if self.reward is not None:  # the scoring ranks, rank 0 among them
+            changed = self.reward.changed_sources(sd.get("reward_sources") or {})
+            if sd.get("reward"):
+                self.reward.load_state_dict(sd["reward"], reset=list(changed))
         self.nonfinite_in_a_row = int(sd.get("nonfinite_in_a_row", 0))
         self.initial_eval = sd.get("initial_eval")
         if sd.get("guard"):
             self.guard.load_state_dict(sd["guard"])
+        message = _bcast_text("; ".join(
+            f"reward source {name!r} changed since the checkpoint ({_identity_text(before)} -> "
+            f"{_identity_text(now)}): its normalisation statistics start over, the "
+            f"reward-hacking guard's history is cleared and the initial policy's evaluation "
+            f"is re-scored" for name, (before, now) in changed.items()) or None)
+        if message:
+            log.warning("%s", message)
+            self.reward_changed = message
+            self.rescore_initial = True
+            self.guard.reset()
 
 
 def _bcast_text(message: Optional[str]) -> Optional[str]:
@@ -701,6 +726,12 @@ def _bcast_text(message: Optional[str]) -> Optional[str]:
     box = [message]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _identity_text(identity) -> str:
+    if not identity:
+        return "none recorded"
+    return ", ".join(f"{k}={v}" for k, v in identity.items())
 
 
 def _file_hash(path) -> str:
