@@ -62,11 +62,14 @@ from nemo_rlhf.data.templates import check_template
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import destroy_distributed
 from nemo_rlhf.distributed.parallel import ParallelConfig, validate_parallel_layout
+from nemo_rlhf.metrics.steps_table import markdown_table, plot_metrics, require_matplotlib, table_columns
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import PRECISIONS, ModelConfig, agree_on_precision
 from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.models.logprobs import response_logprobs
+from nemo_rlhf.reward.batching import ScoreItem
 from nemo_rlhf.reward.functions import check_reward_function_spec, get_reward_function
+from nemo_rlhf.reward.rm_scorer import RMScorerConfig, RewardModelScorer, read_rm_checkpoint
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.common import chunks, dp_shard, setup_run
 from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
@@ -345,8 +348,6 @@ class _Reference:
 
 
 def _build_rm(cfg: EvalConfig, dims):
-    from nemo_rlhf.reward.rm_scorer import RMScorerConfig, RewardModelScorer, read_rm_checkpoint
-
     try:
         info = read_rm_checkpoint(cfg.rm_checkpoint)
     except FileNotFoundError as exc:
@@ -377,8 +378,6 @@ def rm_scores(scorer, dims, prompts: list[str], responses: list[str], where: str
         ValueError: a pair the RM refuses (too long for its ``max_position_embeddings``,
             untokenisable), raised on every rank before any forward.
     """
-    from nemo_rlhf.reward.batching import ScoreItem
-
     try:
         seqs = [scorer.encode(ScoreItem(prompt=p, response=r), j)
                 for j, (p, r) in enumerate(zip(prompts, responses))]
@@ -549,8 +548,6 @@ def evaluate(cfg: EvalConfig) -> dict:
     paths = checkpoint_paths(cfg)
     multi = len(paths) > 1
     if multi:
-        from nemo_rlhf.metrics.steps_table import require_matplotlib
-
         require_matplotlib()
     first = _checkpoint_config(paths[0])
     d = first.get("data", {})
@@ -579,8 +576,6 @@ def evaluate(cfg: EvalConfig) -> dict:
         Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.out).write_text(json.dumps(out, indent=2) + "\n")
         if multi:
-            from nemo_rlhf.metrics.steps_table import markdown_table, plot_metrics, table_columns
-
             md, png = steps_report_paths(cfg.out)
             columns = table_columns(cfg.extra_checkers)
             table = markdown_table(results, columns)
