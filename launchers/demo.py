@@ -403,7 +403,11 @@ def _ppo_stage(ppo_args: list, rm, ppo_exp: Path, config_name: str, nproc: int, 
     """PPO to ``max_steps`` against ``rm`` (served as its own process; None: no RM). The run
     auto-resumes from ``ppo_exp``: after an RM refresh it continues with the new RM."""
     from launchers.local import LocalRunConfig, run_ppo_with_rm
+    from nemo_rlhf.checkpoint import read_metadata
 
+    done = _latest(ppo_exp)
+    if done is not None and int(read_metadata(done).get("step", 0)) >= max_steps:
+        return  # a rerun of a finished stage: not even a resume (it would record this stage's RM)
     code = run_ppo_with_rm(
         [*ppo_args, f"trainer.max_steps={max_steps}"],
         LocalRunConfig(rm_checkpoint=None if rm is None else str(rm), nproc=nproc,

@@ -1,0 +1,46 @@
+"""The demo's closed loop on the tiny task (``launchers.demo --task tiny --refresh-rounds 1``):
+the policy's samples on which the RM contradicts the checker are added to the RM's pairs,
+the RM continues from its checkpoint (not from scratch), and the PPO run resumes from its
+own checkpoint against the refreshed RM, which it notices."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def test_refresh_round_adds_pairs_continues_the_rm_and_resumes_ppo(tmp_path):
+    from launchers.demo import main
+
+    out, data = tmp_path / "demo", tmp_path / "data"
+    code = main(["--task", "tiny", "--out", str(out), "--data", str(data), "--refresh-rounds", "1",
+                 "--refresh-ppo-steps", "1", "--refresh-rm-steps", "2", "--refresh-prompts", "32",
+                 "--sft-override", "trainer.max_steps=30", "--sft-override", "trainer.val_check_interval=30",
+                 "--rm-override", "trainer.global_batch_size=16", "--rm-override", "trainer.micro_batch_size=16",
+                 "--rm-override", "optim.warmup_steps=1",
+                 "trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.max_eval_samples=16",
+                 "ppo.num_rollout_samples=16", "ppo.global_batch_size=8", "ppo.micro_batch_size=8",
+                 "ppo.forward_micro_batch_size=16", "exp_manager.save_interval=1",
+                 "--rm-override", "trainer.max_steps=6", "--rm-override", "trainer.val_check_interval=6"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    (r,) = summary["refresh_rounds"]
+    base = sum(1 for _ in (data / "preference.jsonl").open())
+    grown = out / "refresh" / "round_1" / "preference_train.jsonl"
+    assert r["rm_training_pairs"] == base + r["pairs_added"] == sum(1 for _ in grown.open())
+    d = r["disagreement"]
+    assert d["candidate_pairs"] > 0 and r["pairs_added"] == d["kept_pairs"] > 0
+    rows = [json.loads(x) for x in grown.read_text().splitlines()[base:]]
+    assert all(x["chosen"] != x["rejected"] for x in rows)
+    # the RM continued from the first RM's checkpoint, head included
+    rm_log = (out / "logs" / "rm_round_1.log").read_text()
+    assert "reward head included" in rm_log and summary["checkpoints"]["first_rm"] in rm_log
+    assert r["rm_checkpoint"] == summary["checkpoints"]["rm"] != summary["checkpoints"]["first_rm"]
+    # PPO: 2 steps, then resumed (not restarted) for 1 more against the new RM
+    assert r["ppo_step"] == 3 and Path(summary["checkpoints"]["ppo"]).name == "step_3"
+    steps = [json.loads(x) for x in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [x["step"] for x in steps if "kl_mean" in x]
+    assert train_steps == [1, 2, 3]
+    changed = [x for x in steps if "reward/source_changed" in x]
+    assert [x["step"] for x in changed] == [3]
+    assert r["ppo_heldout_accuracy"] == summary["heldout_accuracy_by_step"]["3"]
