@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import subprocess
 import sys
 import time
@@ -133,8 +135,8 @@ def run_tiny(a) -> int:
         rounds, rm = _refresh_rounds(
             a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
             config_name="ppo", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
-            base_pairs=data / "preference.jsonl", train_rm=train_rm, eval_args=[],
-            edit_pairs=False)
+            base_pairs=data / "preference.jsonl", train_rm=train_rm,
+            rm_batch=_rm_global_batch(a.rm_overrides), eval_args=[], edit_pairs=False)
     times["refresh"] = time.time() - t
 
     t = time.time()
@@ -274,17 +276,9 @@ def run_smollm2(a) -> int:
     rm_exp = out / "rm"
 
     def train_rm(exp: Path, init_from: str, train_file: Path, steps: int) -> None:
-        _run([py, "-m", "nemo_rlhf.train_rm", "model=smollm2_135m", f"exp_manager.exp_dir={exp}",
-              f"rm.init_from={init_from}", f"rm.freeze_layers={a.rm_freeze_layers}",
-              f"data.train_file={train_file}",
-              f"data.val_file={rm_data / 'preference_val.jsonl'}", f"data.tokenizer_dir={tok}",
-              f"rm.extra_val_files={{same_form: {rm_data / 'same_form_val.jsonl'}}}",
-              "data.chat_template=chatml", f"data.system_prompt='{_system_prompt()}'",
-              "data.max_seq_length=96", f"trainer.max_steps={steps}", "trainer.global_batch_size=16",
-              "trainer.micro_batch_size=8", f"trainer.val_check_interval={steps}",
-              "trainer.log_every_n_steps=5", f"optim.lr={a.rm_lr}", f"optim.min_lr={a.rm_lr / 10}",
-              "optim.warmup_steps=3", "model.value_head_init_std=0.02",
-              f"rm.reward_stats_max_pairs={RM_STATS_PAIRS}"], logs / f"{exp.name}.log")
+        _run([py, "-m", "nemo_rlhf.train_rm",
+              *smollm2_rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok)],
+             logs / f"{exp.name}.log")
 
     if _latest(rm_exp) is None:
         train_rm(rm_exp, ckpt, rm_data / "preference_train.jsonl",
@@ -312,7 +306,7 @@ def run_smollm2(a) -> int:
         rounds, rm = _refresh_rounds(
             a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
             config_name="ppo_smollm2", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
-            base_pairs=rm_data / "preference_train.jsonl", train_rm=train_rm,
+            base_pairs=rm_data / "preference_train.jsonl", train_rm=train_rm, rm_batch=16,
             eval_args=[new_tokens, *checkers], edit_pairs=True)
     times["refresh"] = time.time() - t
 
@@ -366,6 +360,25 @@ def run_smollm2(a) -> int:
     return 0
 
 
+def smollm2_rm_overrides(a, exp: Path, init_from, train_file: Path, steps: int, rm_data: Path,
+                         tokenizer_dir) -> list[str]:
+    """The Hydra overrides of the SmolLM2 demo's RM job (``python -m nemo_rlhf.train_rm``):
+    ``steps`` steps of 16 pairs from ``init_from`` (the imported model, or an RM to
+    continue), validated at the end on the held-out pairs and the same-form pairs."""
+    return ["model=smollm2_135m", f"exp_manager.exp_dir={exp}",
+            f"rm.init_from={init_from}", f"rm.freeze_layers={a.rm_freeze_layers}",
+            f"data.train_file={train_file}",
+            f"data.val_file={rm_data / 'preference_val.jsonl'}", f"data.tokenizer_dir={tokenizer_dir}",
+            # '+': a new key of the (struct) dict; `rm.extra_val_files={...}` is refused by Hydra
+            f"+rm.extra_val_files.same_form={rm_data / 'same_form_val.jsonl'}",
+            "data.chat_template=chatml", f"data.system_prompt='{_system_prompt()}'",
+            "data.max_seq_length=96", f"trainer.max_steps={steps}", "trainer.global_batch_size=16",
+            "trainer.micro_batch_size=8", f"trainer.val_check_interval={steps}",
+            "trainer.log_every_n_steps=5", f"optim.lr={a.rm_lr}", f"optim.min_lr={a.rm_lr / 10}",
+            "optim.warmup_steps=3", "model.value_head_init_std=0.02",
+            f"rm.reward_stats_max_pairs={RM_STATS_PAIRS}"]
+
+
 RM_STATS_PAIRS = 256
 """Training pairs the SmolLM2 RM's final reward mean/std are computed over
 (``rm.reward_stats_max_pairs``; the whole set costs minutes on 2 cores)."""
@@ -381,6 +394,16 @@ def _ppo_max_steps(config_name: str, overrides) -> int:
     cfg = OmegaConf.load(REPO / "conf" / f"{config_name}.yaml")
     steps = OmegaConf.select(cfg, "trainer.max_steps")
     return int(steps if steps is not None else OmegaConf.load(REPO / "conf" / "ppo.yaml").trainer.max_steps)
+
+
+def _rm_global_batch(overrides) -> int:
+    """``trainer.global_batch_size`` of the tiny RM job: the last override, else conf/rm.yaml's."""
+    for o in reversed(list(overrides)):
+        if o.startswith("trainer.global_batch_size="):
+            return int(o.split("=", 1)[1])
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(REPO / "conf" / "rm.yaml").trainer.global_batch_size)
 
 
 def _first_stage_steps(a, total: int) -> int:
@@ -418,16 +441,19 @@ def _ppo_stage(ppo_args: list, rm, ppo_exp: Path, config_name: str, nproc: int, 
 
 def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, ppo_args: list,
                     config_name: str, base_steps: int, prompts: Path, base_pairs: Path, train_rm,
-                    eval_args: list, edit_pairs: bool) -> tuple[list[dict], Path]:
+                    rm_batch: int, eval_args: list, edit_pairs: bool) -> tuple[list[dict], Path]:
     """The closed loop: ``a.refresh_rounds`` rounds of bad-case replay and RM refresh.
 
     Each round: the current policy samples ``a.refresh_samples_per_prompt`` answers to the
     first ``a.refresh_prompts`` PPO prompts; the labeller (the task's checker) scores them
     and the current RM scores them (``nemo_rlhf.evaluate rm_checkpoint=...``); the pairs on
     which the RM contradicts the labeller (``nemo_rlhf.data.bad_cases``), plus, with
-    ``edit_pairs``, same-wording edits of those samples (``answer_edit_pairs``), are added
-    to the RM's training pairs; the RM continues from its checkpoint on the grown set for
-    ``a.refresh_rm_steps`` steps (``rm.init_from`` an RM loads its head too); PPO resumes
+    ``edit_pairs``, same-wording edits of those samples (``answer_edit_pairs``), are the
+    round's new pairs; the RM continues from its checkpoint (``rm.init_from`` an RM loads
+    its head too) on the new pairs mixed with ``a.refresh_replay`` times as many replayed
+    old ones (against forgetting), for ``a.refresh_rm_steps`` steps (default
+    ``a.refresh_rm_epochs`` passes of ``rm_batch`` pairs); the pool of all pairs grows by
+    the new ones (the next round replays from it). With no new pair the RM is kept. PPO resumes
     from its last checkpoint against the refreshed RM for ``a.refresh_ppo_steps`` more
     steps (the trainer sees the new RM's identity: its reward normalisation restarts, logged).
 
@@ -463,25 +489,35 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
             involved = {(p["prompt"], x) for p in found for x in (p["chosen"], p["rejected"])}
             new += answer_edit_pairs([x for x in rows if (x["prompt"], x["response"]) in involved],
                                      per_prompt=a.refresh_pairs_per_prompt, seed=r)
-        grown = rdir / "preference_train.jsonl"
-        if not grown.exists():
-            tmp = grown.with_suffix(".tmp")
-            tmp.write_text(pairs_file.read_text() + "".join(json.dumps(p) + "\n" for p in new))
-            tmp.rename(grown)
+        pool = rdir / "preference_pool.jsonl"  # every pair so far: the next rounds' replay
+        refresh = rdir / "rm_refresh_train.jsonl"  # this round's RM data: new + replayed old
+        if not refresh.exists():
+            old_pairs = [ln for ln in pairs_file.read_text().splitlines() if ln.strip()]
+            replay = random.Random(r).sample(old_pairs, min(len(old_pairs),
+                                                            round(a.refresh_replay * len(new))))
+            lines = [json.dumps(p) for p in new] + replay
+            random.Random(r).shuffle(lines)
+            _write_atomic(pool, "".join(ln + "\n" for ln in old_pairs + [json.dumps(p) for p in new]))
+            _write_atomic(refresh, "".join(ln + "\n" for ln in lines))
+        refresh_pairs = sum(1 for _ in refresh.open())
         before = _rm_numbers(rm.parent.parent)
         rm_exp = out / f"rm_round_{r}"
-        if _latest(rm_exp) is None:
-            if not new:
-                print(f"refresh round {r}: the RM agrees with the labeller on every pair; "
-                      f"continuing it on the same pairs", flush=True)
-            train_rm(rm_exp, str(rm), grown, a.refresh_rm_steps)
-        rm, pairs_file = _latest(rm_exp), grown
+        if new and _latest(rm_exp) is None:
+            steps = a.refresh_rm_steps or max(2, math.ceil(a.refresh_rm_epochs * refresh_pairs / rm_batch))
+            train_rm(rm_exp, str(rm), refresh, steps)
+        if new:
+            rm = _latest(rm_exp)
+        else:
+            print(f"refresh round {r}: the RM agrees with the labeller on every pair; it is kept",
+                  flush=True)
+        pairs_file = pool
         steps = base_steps + r * a.refresh_ppo_steps
         _ppo_stage(ppo_args, rm, ppo_exp, config_name, a.nproc, steps)
         record = {"round": r, "policy_checkpoint": str(policy), "rm_checkpoint": str(rm),
                   "policy_samples": len(rows), "disagreement": stats.as_dict(),
-                  "pairs_added": len(new), "rm_training_pairs": sum(1 for _ in grown.open()),
-                  "rm_before": before, "rm_after": _rm_numbers(rm_exp), "ppo_step": steps,
+                  "pairs_added": len(new), "rm_refresh_pairs": refresh_pairs,
+                  "rm_pool_pairs": sum(1 for _ in pool.open()),
+                  "rm_before": before, "rm_after": _rm_numbers(rm.parent.parent), "ppo_step": steps,
                   "ppo_heldout_accuracy": _metric_by_step(ppo_exp, "eval/accuracy").get(steps),
                   "ppo_heldout_accuracy_before": _metric_by_step(ppo_exp, "eval/accuracy").get(
                       steps - a.refresh_ppo_steps)}
@@ -491,6 +527,12 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
               f"{record['ppo_heldout_accuracy']}", flush=True)
         rounds.append(record)
     return rounds, rm
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.rename(path)
 
 
 def _rm_numbers(rm_exp: Path) -> dict:
@@ -561,8 +603,13 @@ def main(argv=None) -> int:
                     help="sampled answers per refresh prompt (at --rm-temperature)")
     ap.add_argument("--refresh-pairs-per-prompt", type=int, default=2,
                     help="disagreement pairs (and, smollm2, same-wording edits) kept per prompt")
-    ap.add_argument("--refresh-rm-steps", type=int, default=16,
-                    help="RM steps (16 pairs each) of each refresh, continuing the RM")
+    ap.add_argument("--refresh-rm-steps", type=int, default=None,
+                    help="RM steps of each refresh, continuing the RM (default: --refresh-rm-epochs "
+                         "passes over the round's new + replayed pairs)")
+    ap.add_argument("--refresh-rm-epochs", type=float, default=2.0,
+                    help="passes over the round's RM data when --refresh-rm-steps is not given")
+    ap.add_argument("--refresh-replay", type=float, default=1.0,
+                    help="old pairs replayed per new pair in each refresh (against forgetting)")
     ap.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
                     metavar="KEY=VALUE", help="tiny: a Hydra override of the SFT job (repeatable)")
     ap.add_argument("--rm-override", dest="rm_overrides", action="append", default=[],

@@ -67,7 +67,8 @@ class RMConfig:
     """More held-out preference files, ``{name: path}``, each evaluated with the validation
     set and logged as ``val_<name>/accuracy`` etc. (e.g. ``{same_form: pairs.jsonl}``: pairs
     whose responses differ only in the answer, which tell whether the RM scores the content
-    or the form)."""
+    or the form). On the command line: ``+rm.extra_val_files.same_form=pairs.jsonl`` (Hydra
+    refuses new keys given as ``rm.extra_val_files={...}``)."""
 
     reward_stats_max_pairs: Optional[int] = None
     """The reward mean/std stored with the final checkpoint are computed over at most this

@@ -6,6 +6,7 @@ own checkpoint against the refreshed RM, which it notices."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 
@@ -26,12 +27,20 @@ def test_refresh_round_adds_pairs_continues_the_rm_and_resumes_ppo(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     (r,) = summary["refresh_rounds"]
     base = sum(1 for _ in (data / "preference.jsonl").open())
-    grown = out / "refresh" / "round_1" / "preference_train.jsonl"
-    assert r["rm_training_pairs"] == base + r["pairs_added"] == sum(1 for _ in grown.open())
+    pool = out / "refresh" / "round_1" / "preference_pool.jsonl"
+    assert r["rm_pool_pairs"] == base + r["pairs_added"] == sum(1 for _ in pool.open())
     d = r["disagreement"]
     assert d["candidate_pairs"] > 0 and r["pairs_added"] == d["kept_pairs"] > 0
-    rows = [json.loads(x) for x in grown.read_text().splitlines()[base:]]
-    assert all(x["chosen"] != x["rejected"] for x in rows)
+    new = [json.loads(x) for x in pool.read_text().splitlines()[base:]]
+    assert all(x["chosen"] != x["rejected"] for x in new)
+    # the RM's refresh data: the new pairs and as many replayed old ones (--refresh-replay 1)
+    refresh = [json.loads(x) for x in
+               (out / "refresh" / "round_1" / "rm_refresh_train.jsonl").read_text().splitlines()]
+    old = [json.loads(x) for x in (data / "preference.jsonl").read_text().splitlines()]
+    key = lambda x: (x["prompt"], x["chosen"], x["rejected"])  # noqa: E731
+    replayed = Counter(map(key, refresh)) - Counter(map(key, new))
+    assert sum(replayed.values()) == len(new) and set(replayed) <= set(map(key, old))
+    assert len(refresh) == 2 * len(new) == r["rm_refresh_pairs"]
     # the RM continued from the first RM's checkpoint, head included
     rm_log = (out / "logs" / "rm_round_1.log").read_text()
     assert "reward head included" in rm_log and summary["checkpoints"]["first_rm"] in rm_log

@@ -17,3 +17,34 @@ def test_stage_settings_are_recorded_then_a_change_is_refused_naming_the_flag(tm
     with pytest.raises(SystemExit, match=r"--rm-edit-pairs 0 -> 2.*pass a new --out"):
         _check_stage_settings(path, {"rm_edit_pairs": 2, "rm_prompts": 256})
     assert json.loads(path.read_text())["rm_edit_pairs"] == 0  # not overwritten
+
+
+def test_the_smollm2_rm_stage_overrides_compose_into_the_rm_job(tmp_path, monkeypatch):
+    """The demo's RM command line is accepted by Hydra and the schema (it once passed
+    ``rm.extra_val_files={...}``, which Hydra refuses, and only the whole demo found out)."""
+    from argparse import Namespace
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import nemo_rlhf.train_rm  # noqa: F401  (registers the schema)
+    from launchers.demo import REPO, RM_STATS_PAIRS, main, smollm2_rm_overrides
+    from nemo_rlhf.trainers.rm import RMRunConfig
+
+    import launchers.demo as demo
+
+    defaults = {}
+    monkeypatch.setattr(demo, "run_smollm2", lambda a: defaults.update(vars(a)) or 0)
+    assert main([]) == 0  # the flags' defaults: what `make demo` runs
+    a = Namespace(**defaults)
+    assert (a.reward, a.rm_edit_pairs, a.rm_freeze_layers) == ("rm", 4, 10)
+    overrides = smollm2_rm_overrides(a, tmp_path / "rm", "/ckpt/step_0", tmp_path / "train.jsonl", 39,
+                                     tmp_path / "rm_data", "/tok")
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = OmegaConf.to_object(compose("rm", overrides=overrides))
+    assert isinstance(cfg, RMRunConfig)
+    assert cfg.rm.extra_val_files == {"same_form": str(tmp_path / "rm_data" / "same_form_val.jsonl")}
+    assert (cfg.rm.freeze_layers, cfg.rm.init_from, cfg.rm.reward_stats_max_pairs) == (10, "/ckpt/step_0",
+                                                                                      RM_STATS_PAIRS)
+    assert (cfg.trainer.max_steps, cfg.optim.lr, cfg.model.num_layers) == (39, a.rm_lr, 30)
+    assert cfg.data.system_prompt.startswith("You are a helpful AI assistant")
