@@ -206,7 +206,8 @@ def _check_stage_settings(path: Path, settings: dict) -> None:
         before = json.loads(path.read_text())
         changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
         if changed:
-            diff = ", ".join(f"--{k.replace('_', '-')} {old} -> {new}" for k, (old, new) in changed.items())
+            diff = ", ".join(f"{'--' + k.replace('_', '-') if k.startswith('rm_') else k} {old} -> {new}"
+                             for k, (old, new) in changed.items())
             raise SystemExit(f"{path.parent.parent} holds RM data and an RM made with other settings "
                              f"({diff}); pass a new --out (nothing there is overwritten)")
         return
@@ -252,7 +253,8 @@ def run_smollm2(a) -> int:
     _check_stage_settings(rm_data / "settings.json", {
         "rm_prompts": a.rm_prompts, "rm_samples_per_prompt": a.rm_samples_per_prompt,
         "rm_temperature": a.rm_temperature, "rm_edit_pairs": a.rm_edit_pairs,
-        "rm_epochs": a.rm_epochs, "rm_freeze_layers": a.rm_freeze_layers, "rm_lr": a.rm_lr})
+        "rm_epochs": a.rm_epochs, "rm_freeze_layers": a.rm_freeze_layers, "rm_lr": a.rm_lr,
+        "heldout_pairs": "natural"})  # before 2026-12-02: natural + same-form in one file
     pair_counts = {}
     for split, prompts in (("train", "rm_prompts.jsonl"), ("val", "rm_val_prompts.jsonl")):
         samples = rm_data / f"samples_{split}.jsonl"
@@ -262,8 +264,9 @@ def run_smollm2(a) -> int:
                   f"temperature={a.rm_temperature}", f"num_samples={a.rm_samples_per_prompt}",
                   f"samples_out={samples}", f"seed={1 if split == 'train' else 2}",
                   "num_examples=0", "batch_size=128"], logs / "rm_samples.log")
+        # held-out: the natural pairs only; the same-form ones are their own file (below)
         pair_counts[split] = _pairs_from_samples(samples, rm_data / f"preference_{split}.jsonl", 4,
-                                                 a.rm_edit_pairs)
+                                                 a.rm_edit_pairs if split == "train" else 0)
     pair_counts["val_same_form"] = _pairs_from_samples(
         rm_data / "samples_val.jsonl", rm_data / "same_form_val.jsonl", 0, SAME_FORM_PER_PROMPT)
     print(f"RM pairs from the model's own samples: {pair_counts}", flush=True)
