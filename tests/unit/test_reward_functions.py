@@ -160,3 +160,25 @@ def test_combined_reward_normalize_false_returns_raw_weighted_sum():
     raw = combined.score(["a", "b"], ["xyz", "x"], [{}, {}], normalize=False)
     assert normed.scores.tolist() == [2.0, 0.0]  # 2 * (len - 1) / 2
     assert raw.scores.tolist() == [6.0, 2.0]  # 2 * len, no normalisation
+
+
+def test_changed_sources_compares_identities_and_reset_restarts_only_those():
+    def make(path):
+        return CombinedReward([
+            WeightedSource("rm", RewardFunctionScorer(length_reward), normalizer=RewardNormalizer("running"),
+                           identity={"checkpoint_path": path, "checkpoint_step": 3}),
+            WeightedSource("len", RewardFunctionScorer(length_reward), normalizer=RewardNormalizer("running"))])
+
+    a = make("/rm/a")
+    a.score(["p"] * 3, ["a", "bbb", "cccccc"])
+    saved, ids = a.state_dict(), a.identities()
+    assert ids == {"rm": {"checkpoint_path": "/rm/a", "checkpoint_step": 3}}
+    assert make("/rm/a").changed_sources(ids) == {}
+    b = make("/rm/b")
+    assert b.changed_sources(ids) == {"rm": (ids["rm"], {"checkpoint_path": "/rm/b", "checkpoint_step": 3})}
+    assert b.changed_sources({}) == {}  # a checkpoint from before identities were recorded
+    b.load_state_dict(saved, reset=["rm"])
+    rm, length = b.sources
+    assert rm.normalizer.count == 0 and length.normalizer.count == 3
+    with pytest.raises(KeyError, match=r"reset names unknown sources \['critic'\]"):
+        b.load_state_dict(saved, reset=["critic"])
