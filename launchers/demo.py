@@ -73,10 +73,16 @@ def _latest(exp: Path):
     return find_latest_checkpoint(exp / "checkpoints")
 
 
-def _evaluate(ckpt: Path, data: Path, out: Path, log: Path) -> dict:
-    if not out.exists():
-        _run([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={ckpt}",
-              f"data={data / 'eval.jsonl'}", f"out={out}"], log)
+def _evaluate(ckpt: Path, data: Path, out: Path, log: Path, *args: str) -> dict:
+    """``nemo_rlhf.evaluate`` of ``ckpt`` on ``data/eval.jsonl`` into ``out``, reused only
+    when ``out`` is the evaluation of that very checkpoint (a PPO run continued by a refresh
+    round has a newer final checkpoint than the file)."""
+    if out.exists():
+        done = json.loads(out.read_text())
+        if Path(done.get("checkpoint", "")).resolve() == Path(ckpt).resolve():
+            return done
+    _run([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={ckpt}",
+          f"data={data / 'eval.jsonl'}", f"out={out}", *args], log)
     return json.loads(out.read_text())
 
 
@@ -314,11 +320,8 @@ def run_smollm2(a) -> int:
     times["refresh"] = time.time() - t
 
     t = time.time()
-    final_file = out / "ppo_eval.json"
-    if not final_file.exists():
-        _run([py, "-m", "nemo_rlhf.evaluate", f"checkpoint={_latest(ppo_exp)}", f"data={data / 'eval.jsonl'}",
-              f"out={final_file}", new_tokens, *checkers, "num_examples=8"], logs / "eval.log")
-    final = json.loads(final_file.read_text())
+    final = _evaluate(_latest(ppo_exp), data, out / "ppo_eval.json", logs / "eval.log", new_tokens,
+                      *checkers, "num_examples=8")
     times["eval_final"] = time.time() - t
 
     rm_acc = _rm_accuracy(rm_exp)

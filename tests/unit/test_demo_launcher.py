@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +49,25 @@ def test_the_smollm2_rm_stage_overrides_compose_into_the_rm_job(tmp_path, monkey
                                                                                       RM_STATS_PAIRS)
     assert (cfg.trainer.max_steps, cfg.optim.lr, cfg.model.num_layers) == (39, a.rm_lr, 30)
     assert cfg.data.system_prompt.startswith("You are a helpful AI assistant")
+
+
+def test_an_evaluation_file_is_reused_only_for_the_same_checkpoint(tmp_path, monkeypatch):
+    """A refresh round continues the PPO run: its final evaluation must be of the new final
+    checkpoint, not the file left by the previous demo run."""
+    import launchers.demo as demo
+
+    calls = []
+
+    def fake_run(cmd, log):
+        calls.append(cmd)
+        ckpt = next(c.split("=", 1)[1] for c in cmd if c.startswith("checkpoint="))
+        out = next(c.split("=", 1)[1] for c in cmd if c.startswith("out="))
+        Path(out).write_text(json.dumps({"checkpoint": ckpt, "accuracy": len(calls)}))
+
+    monkeypatch.setattr(demo, "_run", fake_run)
+    out, log = tmp_path / "ppo_eval.json", tmp_path / "eval.log"
+    step10, step15 = tmp_path / "ckpt" / "step_10", tmp_path / "ckpt" / "step_15"
+    assert demo._evaluate(step10, tmp_path, out, log)["accuracy"] == 1
+    assert demo._evaluate(step10, tmp_path, out, log)["accuracy"] == 1  # reused
+    assert demo._evaluate(step15, tmp_path, out, log)["accuracy"] == 2  # a newer checkpoint
+    assert len(calls) == 2
