@@ -9,25 +9,11 @@ import json
 import pytest
 
 from tests.distributed.harness import run_ranks
+from tests.rm_helpers import tiny_rm_config
 
 
 def _cfg(data: str, exp: str, **rm):
-    from nemo_rlhf.data.datasets import DataConfig
-    from nemo_rlhf.distributed import ParallelConfig
-    from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.optim import OptimizerConfig
-    from nemo_rlhf.trainers.rm import RMConfig, RMRunConfig
-    from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig, SupervisedTrainerConfig
-
-    return RMRunConfig(
-        model=load_model_preset("tiny", value_head_init_std=0.05), parallel=ParallelConfig(),
-        optim=OptimizerConfig(lr=1e-3),
-        data=DataConfig(train_file=f"{data}/preference.jsonl", val_file=f"{data}/preference_val.jsonl",
-                        tokenizer_dir=f"{data}/tokenizer", max_seq_length=16),
-        trainer=SupervisedTrainerConfig(max_steps=3, global_batch_size=4, micro_batch_size=4,
-                                        val_check_interval=3, log_every_n_steps=1),
-        rm=RMConfig(**rm),
-        exp_manager=SupervisedExpManagerConfig(exp_dir=exp, resume="none", save_interval=3))
+    return tiny_rm_config(data, exp, val_check_interval=3, checkpoints=True, **rm)
 
 
 def _worker(rank: int, data: str, tmp: str):

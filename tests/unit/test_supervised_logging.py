@@ -7,26 +7,14 @@ from __future__ import annotations
 import json
 
 from tests.distributed.harness import run_ranks
+from tests.rm_helpers import tiny_rm_config
 
 
 def _worker(rank: int, data: str, exp: str, extra: dict | None = None):
-    from nemo_rlhf.data.datasets import DataConfig
-    from nemo_rlhf.distributed import ParallelConfig
-    from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig, SupervisedTrainerConfig
-    from nemo_rlhf.trainers.optim import OptimizerConfig
-    from nemo_rlhf.trainers.rm import RMConfig, RMRunConfig, RMTrainer
+    from nemo_rlhf.trainers.rm import RMTrainer
 
-    cfg = RMRunConfig(
-        model=load_model_preset("tiny", value_head_init_std=0.05), parallel=ParallelConfig(),
-        optim=OptimizerConfig(lr=1e-3),
-        data=DataConfig(train_file=f"{data}/preference.jsonl", val_file=f"{data}/preference_val.jsonl",
-                        tokenizer_dir=f"{data}/tokenizer", max_seq_length=16),
-        trainer=SupervisedTrainerConfig(max_steps=3, global_batch_size=4, micro_batch_size=4,
-                                        val_check_interval=2, log_every_n_steps=5),
-        rm=RMConfig(extra_val_files=extra or {}),
-        exp_manager=SupervisedExpManagerConfig(exp_dir=exp, resume="none", checkpoints=False))
-    RMTrainer(cfg).fit()
+    RMTrainer(tiny_rm_config(data, exp, val_check_interval=2, checkpoints=False,
+                             extra_val_files=extra or {})).fit()
 
 
 def test_validation_steps_are_logged_whatever_the_log_interval(tmp_path):
