@@ -59,9 +59,26 @@ def ranks_use_gpus(world_size: int) -> bool:
 def run_ranks(fn, world_size: int, **kwargs) -> list:
     """Run ``fn(rank, **kwargs)`` on ``world_size`` processes; return each rank's result.
 
+    The rendezvous port is picked free and released before the ranks bind it; when another
+    process takes it in between (EADDRINUSE at the rendezvous, seen under load), the ranks
+    are started again on a new port, up to :data:`PORT_ATTEMPTS` times.
+
     Raises:
         RuntimeError: with the failing rank's traceback.
     """
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            return _run_ranks_once(fn, world_size, **kwargs)
+        except RuntimeError as exc:
+            if "EADDRINUSE" not in str(exc) or attempt == PORT_ATTEMPTS:
+                raise
+    raise AssertionError("unreachable")
+
+
+PORT_ATTEMPTS = 3
+
+
+def _run_ranks_once(fn, world_size: int, **kwargs) -> list:
     hide_gpus = torch.cuda.is_available() and not ranks_use_gpus(world_size)
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     with tempfile.TemporaryDirectory() as outdir:
