@@ -270,7 +270,8 @@ def forward_response_logprobs(model, batch, dims, temperature: float, vocab_size
         return torch.zeros((), device=lp.device), {"logprobs": lp}
 
     with torch.no_grad():
-        res = forward_backward(model, micro, loss_fn, forward_only=True, with_values=False)
+        res = forward_backward(model, micro, loss_fn, forward_only=True, with_values=False,
+                               device=dims.device)
     if not res:
         return None
     lp = torch.cat([r["logprobs"] for r in res])[:B]
