@@ -310,8 +310,6 @@ def run_smollm2(a) -> int:
     t = time.time()
     rounds = []
     if a.refresh_rounds:
-        if a.reward == "checker":
-            raise SystemExit("--refresh-rounds refreshes the served RM; it needs --reward rm or both")
         rounds, rm = _refresh_rounds(
             a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
             config_name="ppo_smollm2", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
@@ -622,6 +620,8 @@ def main(argv=None) -> int:
                     metavar="KEY=VALUE", help="tiny: a Hydra override of the RM job(s) (repeatable)")
     ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job")
     a = ap.parse_args(argv)
+    if a.refresh_rounds and a.task == "smollm2" and a.reward == "checker":
+        ap.error("--refresh-rounds refreshes the served RM; it needs --reward rm or both")
     return run_smollm2(a) if a.task == "smollm2" else run_tiny(a)
 
 

@@ -71,3 +71,31 @@ def test_an_evaluation_file_is_reused_only_for_the_same_checkpoint(tmp_path, mon
     assert demo._evaluate(step10, tmp_path, out, log)["accuracy"] == 1  # reused
     assert demo._evaluate(step15, tmp_path, out, log)["accuracy"] == 2  # a newer checkpoint
     assert len(calls) == 2
+
+
+def test_refresh_flags_that_cannot_work_are_refused_naming_them(tmp_path):
+    from argparse import Namespace
+
+    from launchers.demo import _first_stage_steps
+
+    a = Namespace(refresh_rounds=1, refresh_ppo_steps=None)
+    assert _first_stage_steps(a, 10) == 5 and a.refresh_ppo_steps == 5  # split evenly
+    assert _first_stage_steps(Namespace(refresh_rounds=0, refresh_ppo_steps=None), 10) == 10
+    with pytest.raises(SystemExit, match=r"trainer.max_steps=10 leaves no PPO step.*--refresh-rounds 2 "
+                                         r"--refresh-ppo-steps 5"):
+        _first_stage_steps(Namespace(refresh_rounds=2, refresh_ppo_steps=5), 10)
+
+
+def test_rm_reward_stats_cap_must_be_positive():
+    from nemo_rlhf.trainers.rm import RMConfig
+
+    with pytest.raises(ValueError, match=r"rm.reward_stats_max_pairs=0: must be >= 1"):
+        RMConfig(reward_stats_max_pairs=0)
+
+
+def test_a_refresh_without_an_rm_reward_is_refused_before_any_stage(capsys):
+    from launchers.demo import main
+
+    with pytest.raises(SystemExit):
+        main(["--reward", "checker", "--refresh-rounds", "1"])
+    assert "--refresh-rounds refreshes the served RM; it needs --reward rm or both" in capsys.readouterr().err
