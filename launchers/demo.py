@@ -88,14 +88,17 @@ def _evaluate(ckpt: Path, data: Path, out: Path, log: Path, *args: str) -> dict:
 
 def run_tiny(a) -> int:
     """The tiny synthetic pipeline (``--task tiny``)."""
-    out, data = REPO / (a.out or "experiments/demo"), REPO / (a.data or "data/demo")
+    out, data = REPO / (a.out or "experiments/demo"), REPO / (a.data or "data/reversal")
     logs = out / "logs"
     times: dict[str, float] = {}
     t = time.time()
 
-    from nemo_rlhf.data.demo_task import DemoTaskConfig, make_demo_dataset
+    from nemo_rlhf.data.reversal_task import ReversalTaskConfig, make_reversal_dataset
 
-    make_demo_dataset(data, DemoTaskConfig())
+    try:
+        make_reversal_dataset(data, ReversalTaskConfig())
+    except FileExistsError as exc:
+        raise SystemExit(f"--data: {exc}") from None
     times["data"] = time.time() - t
 
     t = time.time()

@@ -230,17 +230,33 @@ def build_demo_files(cfg: DemoTaskConfig) -> dict[str, str]:
         "tokenizer/tokenizer.json": build_char_tokenizer_json(),
         "tokenizer/special_tokens.json": json.dumps(SPECIAL_TOKENS, indent=2) + "\n",
     }
-    manifest = {
-        "generator": "nemo_rlhf.data.demo_task",
-        "config": asdict(cfg),
-        "sha256": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sorted(files.items())},
-    }
-    files["manifest.json"] = json.dumps(manifest, indent=2) + "\n"
-    return files
+    return with_manifest(files, "nemo_rlhf.data.demo_task", cfg)
 
 
 def make_demo_dataset(out: str | Path, cfg: DemoTaskConfig, force: bool = False) -> dict[str, str]:
-    """Write the demo dataset into ``out``; idempotent.
+    """Write the demo dataset into ``out``; idempotent (see :func:`write_dataset_files`).
+
+    Returns:
+        File name -> ``"written"``, ``"unchanged"`` or ``"overwritten"``.
+
+    Raises:
+        FileExistsError: existing files differ and ``force`` is False (names them).
+    """
+    return write_dataset_files(out, build_demo_files(cfg), force=force)
+
+
+def with_manifest(files: dict[str, str], generator: str, cfg) -> dict[str, str]:
+    """``files`` plus ``manifest.json``: the generator, its config and each file's SHA-256."""
+    manifest = {
+        "generator": generator,
+        "config": asdict(cfg),
+        "sha256": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in sorted(files.items())},
+    }
+    return {**files, "manifest.json": json.dumps(manifest, indent=2) + "\n"}
+
+
+def write_dataset_files(out: str | Path, files: dict[str, str], force: bool = False) -> dict[str, str]:
+    """Write ``files`` (name -> text) into ``out``, each by an atomic rename.
 
     Identical existing files are left untouched; if any existing file differs, nothing is
     written unless ``force``.
@@ -252,7 +268,6 @@ def make_demo_dataset(out: str | Path, cfg: DemoTaskConfig, force: bool = False)
         FileExistsError: existing files differ and ``force`` is False (names them).
     """
     out = Path(out)
-    files = build_demo_files(cfg)
     status = {}
     for name, text in files.items():
         p = out / name
