@@ -4,13 +4,13 @@ optionally a reward model's score and the KL to a reference policy.
 One checkpoint (as before)::
 
     python -m nemo_rlhf.evaluate checkpoint=experiments/sft/checkpoints \\
-        data=data/demo/eval.jsonl out=experiments/sft/eval.json
+        data=data/reversal/eval.jsonl out=experiments/sft/eval.json
 
 Every step of a run, with the RM's score and the KL to the initial policy::
 
     python -m nemo_rlhf.evaluate checkpoint=exp/ppo/checkpoints all_steps=true \\
         reference=experiments/sft/checkpoints rm_checkpoint=experiments/rm/checkpoints \\
-        data=data/demo/eval.jsonl out=exp/ppo/eval_steps.json
+        data=data/reversal/eval.jsonl out=exp/ppo/eval_steps.json
 
 ``checkpoint`` is a checkpoint folder or a ``checkpoints`` root (its newest complete
 checkpoint); with ``all_steps=true`` it must be a root and every complete ``step_<N>``

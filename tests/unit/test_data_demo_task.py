@@ -116,7 +116,7 @@ def test_generated_files_load_with_the_generated_tokenizer(tmp_path):
 
 
 def test_make_demo_data_tool_cli(tmp_path):
-    cmd = [sys.executable, str(ROOT / "tools" / "make_demo_data.py"), "--out", str(tmp_path / "d"),
+    cmd = [sys.executable, str(ROOT / "tools" / "make_demo_data.py"), "--task", "precedence", "--out", str(tmp_path / "d"),
            "--seed", "1", "--n-sft", "20", "--n-pref", "20", "--n-ppo", "10", "--n-eval", "10",
            "--n-val", "10"]
     first = subprocess.run(cmd, capture_output=True, text=True, check=True)

@@ -90,3 +90,22 @@ def test_config_refusals_name_the_field():
         ReversalTaskConfig(min_digits=4, max_digits=3)
     with pytest.raises(ValueError, match="n_eval \\+ n_val"):
         ReversalTaskConfig(min_digits=2, max_digits=2, n_eval=60, n_val=20)
+
+
+def test_make_demo_data_tool_writes_the_reversal_task_by_default_and_refuses_foreign_flags(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "make_demo_data.py"
+    base = [sys.executable, str(tool), "--out", str(tmp_path / "d"), "--n-sft", "20", "--n-pref", "20",
+            "--n-ppo", "10", "--n-eval", "10", "--n-val", "10"]
+    done = subprocess.run(base + ["--sft-copy-rate", "0.5"], capture_output=True, text=True, check=True)
+    assert "written" in done.stdout
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["generator"] == "nemo_rlhf.data.reversal_task"
+    assert manifest["config"]["sft_copy_rate"] == 0.5 and manifest["config"]["n_val"] == 10
+    foreign = subprocess.run(base + ["--sft-noise-rate", "0.1"], capture_output=True, text=True)
+    assert foreign.returncode == 2 and "--sft-noise-rate: not a setting of --task reversal" in foreign.stderr
+    bad = subprocess.run(base + ["--sft-copy-rate", "2"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "sft_copy_rate=2.0" in bad.stderr
