@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo_rlhf.distributed.parallel import reseed_model_parallel
 from nemo_rlhf.models.config import ModelConfig, build_transformer_config
 from nemo_rlhf.models.decode_layers import local_layer_spec
+from nemo_rlhf.models.logprobs import LogprobRequest, fused_response_logprobs
 
 
 class ActorCriticModel(GPTModel):
@@ -77,18 +78,32 @@ class ActorCriticModel(GPTModel):
     def _head(self) -> torch.nn.Linear:
         return getattr(self, self.head_name)
 
-    def forward(self, *args, with_values: bool = True, **kwargs):
+    def forward(self, input_ids, *args, with_values: bool = True,
+                logprob_request: Optional[LogprobRequest] = None, **kwargs):
         """megatron ``GPTModel.forward``; on the last stage ``(logits, values)`` when
         ``with_values`` (and the stage has its value head, outside KV-cache decoding),
-        else the logits alone (rollout, reference and SFT passes)."""
+        else the logits alone (rollout, reference and SFT passes). With a
+        ``logprob_request`` the logits are replaced by the response log-probs
+        (:class:`~nemo_rlhf.models.logprobs.ResponseLogprobs`, output layer fused and
+        chunked; training or forward-only, not KV-cache decoding)."""
         self._with_values = with_values
+        self._logprob_request = (logprob_request, input_ids) if logprob_request is not None else None
         try:
-            return super().forward(*args, **kwargs)
+            return super().forward(input_ids, *args, **kwargs)
         finally:
             self._with_values = True
+            self._logprob_request = None
 
     def _postprocess(self, hidden_states, *args, **kwargs):
-        logits = super()._postprocess(hidden_states, *args, **kwargs)
+        request = getattr(self, "_logprob_request", None)
+        if request is not None and self.post_process and not kwargs.get("inference_context") \
+                and self.config.mtp_num_layers is None:
+            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+                else self.output_layer.weight
+            logits = fused_response_logprobs(hidden_states, weight, request[1], request[0],
+                                             self.output_layer.tp_group)
+        else:
+            logits = super()._postprocess(hidden_states, *args, **kwargs)
         if (not self.post_process or not self._with_values or kwargs.get("inference_context")
                 or not hasattr(self, self.head_name)):  # an actor without its head: logits
             return logits

@@ -75,7 +75,7 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  with_values: Optional[bool] = None):
+                  with_values: Optional[bool] = None, logprob_request=None):
     """Run one stage's forward on a batch-first batch.
 
     Args:
@@ -83,12 +83,17 @@ def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         attention_mask: ``[batch, seq]``, 1 for real tokens (left or right padding).
         with_values: actor-critic stages only: whether the last stage returns the values
             with the logits (None: the model's default, ``(logits, values)``).
+        logprob_request: actor-critic stages only: a
+            :class:`~nemo_rlhf.models.logprobs.LogprobRequest`; the last stage returns
+            response log-probs (``ResponseLogprobs``) where it would return logits.
 
     Returns:
         Last stage: the model's output (``(logits, values)``, logits, or rewards); other
         stages: hidden states for the next stage.
     """
     kwargs = {} if with_values is None else {"with_values": with_values}
+    if logprob_request is not None:
+        kwargs["logprob_request"] = logprob_request
     return model(input_ids, position_ids_for(attention_mask), causal_padding_mask(attention_mask),
                  **kwargs)
 
@@ -100,6 +105,7 @@ def forward_backward(
     forward_only: bool = False,
     device: Optional[torch.device] = None,
     with_values: Optional[bool] = None,
+    logprob_request=None,
 ) -> list[dict]:
     """Run micro-batches through megatron's schedule; return the per-micro-batch stats.
 
@@ -116,6 +122,8 @@ def forward_backward(
             already there). None: the micro-batches must already be on the model's device.
         with_values: actor-critic stages: whether ``loss_fn`` gets ``(logits, values)``
             (True) or the logits (False); see :func:`model_forward`.
+        logprob_request: actor-critic stages: response log-probs instead of logits (the
+            fused, chunked output layer); see :func:`model_forward`.
 
     Returns:
         On the last pipeline stage, one stats dict per micro-batch; elsewhere ``[]``.
@@ -137,7 +145,7 @@ def forward_backward(
         if device is not None:
             mb = to_device(mb, device)
         dev = mb["input_ids"].device
-        out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values)
+        out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, logprob_request)
 
         def loss_func(output):
             one = torch.ones((), dtype=torch.int, device=dev)

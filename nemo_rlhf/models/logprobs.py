@@ -8,11 +8,55 @@ of the state it is chosen in is the value there.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """Ask the actor's last stage for response log-probs instead of logits (the fused,
+    chunked output layer: :func:`nemo_rlhf.models.vocab_parallel.chunked_linear_logprobs`).
+
+    Passed as ``logprob_request=`` to the actor-critic's forward (through
+    :func:`nemo_rlhf.models.engine.forward_backward`); the last stage then returns a
+    :class:`ResponseLogprobs` where it would return the logits. Only the ``R = seq - P``
+    positions that predict response tokens go through the output layer, ``chunk_size``
+    tokens at a time: neither the ``[batch, seq, vocab]`` logits nor the prompt positions'
+    logits are computed.
+    """
+
+    prompt_length: int
+    """``P``: response token ``j`` is column ``P+j`` of ``input_ids`` (>= 1)."""
+    temperatures: tuple[float, ...]
+    """Temperatures to compute log-probs at (the first also gives the entropy)."""
+    vocab_size: Optional[int]
+    """Real vocabulary (padded rows excluded from the softmax)."""
+    compute_entropy: bool = True
+    """Compute the entropy at ``temperatures[0]`` (else zeros)."""
+    chunk_size: int = 1024
+    """Tokens (batch x response positions) per output-layer chunk (>= 1)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_length < 1 or self.chunk_size < 1 or not self.temperatures:
+            raise ValueError(f"LogprobRequest: prompt_length={self.prompt_length} and chunk_size="
+                             f"{self.chunk_size} must be >= 1, temperatures={self.temperatures} non-empty")
+
+
+@dataclass
+class ResponseLogprobs:
+    """What the actor's last stage returns for a :class:`LogprobRequest`, in place of logits.
+
+    ``logprobs[t]``: ``[batch, R]`` float32 at temperature ``t``; ``entropy``: ``[batch, R]``
+    float32 (nats) at the request's first temperature. Not masked: :func:`response_logprobs`
+    zeroes the padding as it does for logits.
+    """
+
+    logprobs: dict[float, torch.Tensor]
+    entropy: torch.Tensor
 
 
 def response_slice(t: torch.Tensor, prompt_length: int, response_length: int) -> torch.Tensor:
@@ -63,7 +107,9 @@ def response_logprobs(
     Args:
         logits: ``[B, P+R, padded_vocab/tp]`` from ``engine.model_forward(model,
             batch.input_ids, batch.attention_mask)`` on the last stage (the first element
-            of the actor-critic's ``(logits, values)``), differentiable.
+            of the actor-critic's ``(logits, values)``), differentiable; or the
+            :class:`ResponseLogprobs` of a forward with a :class:`LogprobRequest` (its
+            log-probs at ``temperature`` are returned, masked alike).
         batch: a :class:`~nemo_rlhf.rollout.RolloutBatch`, or ``(input_ids [B, P+R],
             prompt_length P)``.
         dims: :class:`ParallelDims` (TP group and rank).
@@ -78,10 +124,12 @@ def response_logprobs(
 
     Raises:
         TypeError: if ``logits`` is a tuple (pass ``output[0]``).
-        ValueError: shape mismatch.
+        ValueError: shape mismatch; a :class:`ResponseLogprobs` without ``temperature``.
     """
     if isinstance(logits, (tuple, list)):
         raise TypeError("response_logprobs: pass the logits tensor (output[0] of the actor-critic)")
+    if isinstance(logits, ResponseLogprobs):
+        return _from_fused(logits, batch, temperature, compute_entropy)
     mask = None
     if isinstance(batch, tuple):
         input_ids, P = batch
@@ -104,3 +152,68 @@ def response_logprobs(
         lp = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
         ent = torch.where(mask, ent, torch.zeros((), dtype=ent.dtype, device=ent.device))
     return lp, ent
+
+
+def _from_fused(out: ResponseLogprobs, batch, temperature: float, compute_entropy: bool):
+    """:func:`response_logprobs` of a fused forward's output: pick, check, mask."""
+    if temperature not in out.logprobs:
+        raise ValueError(f"response_logprobs: the forward computed temperatures {sorted(out.logprobs)}, "
+                         f"not {temperature} (add it to the LogprobRequest)")
+    lp, ent = out.logprobs[temperature], out.entropy if compute_entropy else None
+    if isinstance(batch, tuple):
+        input_ids, P = batch
+        mask = None
+    else:
+        input_ids, P, mask = batch.input_ids, batch.prompt_length, batch.response_mask
+    if lp.shape != (input_ids.shape[0], input_ids.shape[1] - P):
+        raise ValueError(f"response_logprobs: fused log-probs {tuple(lp.shape)} do not match "
+                         f"input_ids {tuple(input_ids.shape)} with prompt_length={P}")
+    if ent is None:
+        ent = torch.zeros_like(lp)
+    if mask is not None:
+        lp = torch.where(mask, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+        ent = torch.where(mask, ent, torch.zeros((), dtype=ent.dtype, device=ent.device))
+    return lp, ent
+
+
+def fused_response_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor,
+                            request: LogprobRequest, tp_group) -> ResponseLogprobs:
+    """The response log-probs of a last stage's final hidden states, output layer fused in.
+
+    Args:
+        hidden_states: ``[seq, batch, hidden]`` megatron layout, after the final norm.
+        weight: ``[padded_vocab/tp, hidden]`` the output layer's (or tied embedding's) weight.
+        input_ids: ``[batch, seq]`` int64 (the targets are ``input_ids[:, P:]``).
+        request: what to compute.
+        tp_group: the output layer's tensor-parallel group (its gradient of the hidden
+            states is summed over it, as a column-parallel linear does).
+
+    Returns:
+        :class:`ResponseLogprobs` with ``[batch, R]`` float32 tensors.
+
+    Raises:
+        ValueError: ``prompt_length`` outside ``[1, seq]``.
+    """
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    from nemo_rlhf.models.vocab_parallel import chunked_linear_logprobs
+
+    S, B, H = hidden_states.shape
+    P = request.prompt_length
+    if not 1 <= P <= S:
+        raise ValueError(f"LogprobRequest.prompt_length={P} outside [1, {S}]")
+    R = S - P
+    h = response_slice(hidden_states.transpose(0, 1), P, R).reshape(B * R, H)
+    tp_size, tp_rank = tp_group.size(), tp_group.rank()
+    if tp_size > 1:
+        h = copy_to_tensor_model_parallel_region(h, group=tp_group)
+    targets = input_ids[:, P:].reshape(B * R)
+    logprobs, entropy = {}, None
+    for i, t in enumerate(request.temperatures):
+        lp, ent = chunked_linear_logprobs(
+            h, weight, targets, tp_group if tp_size > 1 else None, tp_rank, t, request.vocab_size,
+            compute_entropy=request.compute_entropy and i == 0, chunk_size=request.chunk_size)
+        logprobs[float(t)] = lp.view(B, R)
+        if i == 0:
+            entropy = ent.view(B, R)
+    return ResponseLogprobs(logprobs=logprobs, entropy=entropy)

@@ -14,7 +14,9 @@ temperature-scaled logits) for the backward; the backward needs two more. The na
 
 Temperature is applied exactly as the sampler applies it: ``logits / temperature`` before
 the softmax. Padded vocabulary rows (ids >= ``vocab_size``) are excluded from the softmax.
-Simplified: no chunking over the sequence (the caller's micro-batch bounds the memory).
+:func:`chunked_linear_logprobs` fuses the output layer in: it takes the hidden states and
+the output weight and never holds more than a chunk of tokens' logits (forward and
+backward), so the ``[tokens, vocab]`` logits of a micro-batch never exist at once.
 """
 
 from __future__ import annotations
@@ -33,36 +35,70 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
+def _softmax_stats(z: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_size, tp_group,
+                   compute_entropy: bool):
+    """Log-probs of ``target`` and the entropy from one rank's temperature-scaled fp32
+    logits ``z`` ``[..., v_local]``, which are modified in place: padded rows (ids >=
+    ``vocab_size``) masked, then shifted by the global (TP) max.
+
+    Returns ``(lse, logprobs, entropy, local, in_range)``: ``lse`` the log-sum-exp of the
+    *shifted* logits, ``local`` / ``in_range`` the target's index in this shard and whether
+    this rank owns it. Three (four with the entropy) all-reduces of ``[...]`` scalars.
+    """
+    v_local = z.shape[-1]
+    if vocab_size is not None and vocab_start + v_local > vocab_size:
+        z[..., max(vocab_size - vocab_start, 0):] = _NEG
+    zmax = z.max(dim=-1).values
+    _all_reduce(zmax, dist.ReduceOp.MAX, tp_group)
+    z.sub_(zmax.unsqueeze(-1))
+    e = torch.exp(z)
+    sumexp = e.sum(dim=-1)
+    _all_reduce(sumexp, dist.ReduceOp.SUM, tp_group)
+    lse = torch.log(sumexp)  # of the shifted logits
+    local = target - vocab_start
+    in_range = (local >= 0) & (local < v_local)
+    local = torch.where(in_range, local, torch.zeros_like(local))
+    z_t = torch.where(in_range, z.gather(-1, local.unsqueeze(-1)).squeeze(-1),
+                      torch.zeros((), dtype=z.dtype, device=z.device))
+    _all_reduce(z_t, dist.ReduceOp.SUM, tp_group)
+    logprobs = z_t - lse
+    if compute_entropy:
+        e.div_(sumexp.unsqueeze(-1))  # softmax, in place
+        sum_pz = (e * z).sum(dim=-1)
+        _all_reduce(sum_pz, dist.ReduceOp.SUM, tp_group)
+        entropy = lse - sum_pz
+    else:
+        entropy = torch.zeros_like(logprobs)
+    return lse, logprobs, entropy, local, in_range, zmax
+
+
+def _grad_logits(logp: torch.Tensor, entropy, local, in_range, grad_logprobs, grad_entropy,
+                 compute_entropy: bool, temperature: float) -> torch.Tensor:
+    """d loss / d logits (fp32, ``[..., v_local]``) from this shard's log-softmax ``logp``
+    (overwritten: the result reuses its memory) and the upstream gradients.
+
+    dlogp_t/dz_k = 1[k=t] - p_k;  dH/dz_k = -p_k (log p_k + H);  z = logits / temperature.
+    """
+    p = torch.exp(logp)
+    g_lp = grad_logprobs.float() if grad_logprobs is not None else torch.zeros_like(entropy)
+    if compute_entropy and grad_entropy is not None:
+        grad = logp.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.float().unsqueeze(-1))
+        grad.add_(g_lp.unsqueeze(-1)).mul_(p).neg_()
+    else:
+        grad = p.mul_(g_lp.unsqueeze(-1)).neg_()
+    del p
+    onehot_grad = torch.where(in_range, g_lp, torch.zeros((), dtype=g_lp.dtype, device=g_lp.device))
+    grad.scatter_add_(-1, local.unsqueeze(-1), onehot_grad.unsqueeze(-1))
+    return grad.div_(temperature)
+
+
 class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature, vocab_start, vocab_size, tp_group,
                 compute_entropy):
         z = logits.float() / temperature  # new fp32 buffer: [b, s, v_local]
-        v_local = z.shape[-1]
-        if vocab_size is not None and vocab_start + v_local > vocab_size:
-            z[..., max(vocab_size - vocab_start, 0):] = _NEG
-        zmax = z.max(dim=-1).values
-        _all_reduce(zmax, dist.ReduceOp.MAX, tp_group)
-        z.sub_(zmax.unsqueeze(-1))
-        e = torch.exp(z)
-        sumexp = e.sum(dim=-1)
-        _all_reduce(sumexp, dist.ReduceOp.SUM, tp_group)
-        lse = torch.log(sumexp)  # of the shifted logits
-        local = target - vocab_start
-        in_range = (local >= 0) & (local < v_local)
-        local = torch.where(in_range, local, torch.zeros_like(local))
-        z_t = torch.where(in_range, z.gather(-1, local.unsqueeze(-1)).squeeze(-1),
-                          torch.zeros((), dtype=z.dtype, device=z.device))
-        _all_reduce(z_t, dist.ReduceOp.SUM, tp_group)
-        logprobs = z_t - lse
-        if compute_entropy:
-            e.div_(sumexp.unsqueeze(-1))  # softmax, in place
-            sum_pz = (e * z).sum(dim=-1)
-            _all_reduce(sum_pz, dist.ReduceOp.SUM, tp_group)
-            entropy = lse - sum_pz
-        else:
-            entropy = torch.zeros_like(logprobs)
-        del e
+        lse, logprobs, entropy, local, in_range, _ = _softmax_stats(
+            z, target, vocab_start, vocab_size, tp_group, compute_entropy)
         ctx.save_for_backward(z, lse, entropy, local, in_range)
         ctx.temperature = temperature
         ctx.input_dtype = logits.dtype
@@ -72,19 +108,8 @@ class _VocabParallelLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         z, lse, entropy, local, in_range = ctx.saved_tensors
-        logp = z - lse.unsqueeze(-1)
-        p = torch.exp(logp)
-        g_lp = grad_logprobs.float() if grad_logprobs is not None else torch.zeros_like(lse)
-        if ctx.compute_entropy and grad_entropy is not None:
-            # dH/dz_k = -p_k (log p_k + H);  dlogp_t/dz_k = 1[k=t] - p_k
-            grad = logp.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.float().unsqueeze(-1))
-            grad.add_(g_lp.unsqueeze(-1)).mul_(p).neg_()
-        else:
-            grad = p.mul_(g_lp.unsqueeze(-1)).neg_()
-        del p
-        onehot_grad = torch.where(in_range, g_lp, torch.zeros((), dtype=g_lp.dtype, device=g_lp.device))
-        grad.scatter_add_(-1, local.unsqueeze(-1), onehot_grad.unsqueeze(-1))
-        grad.div_(ctx.temperature)
+        grad = _grad_logits(z - lse.unsqueeze(-1), entropy, local, in_range, grad_logprobs,
+                            grad_entropy, ctx.compute_entropy, ctx.temperature)
         return grad.to(ctx.input_dtype), None, None, None, None, None, None
 
 
@@ -126,6 +151,104 @@ def vocab_parallel_logprobs(
         logits, target_ids.long(), float(temperature), vocab_start, vocab_size, tp_group,
         compute_entropy,
     )
+
+
+class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, temperature, vocab_start, vocab_size, tp_group,
+                compute_entropy, chunk_size):
+        n = hidden.shape[0]
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        logprobs, entropy, lse_full = (torch.empty(n, **f32) for _ in range(3))
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            z = torch.nn.functional.linear(hidden[s:e], weight).float().div_(temperature)
+            lse, lp, ent, _, _, zmax = _softmax_stats(z, target[s:e], vocab_start, vocab_size,
+                                                      tp_group, compute_entropy)
+            logprobs[s:e], entropy[s:e], lse_full[s:e] = lp, ent, lse + zmax
+            del z
+        ctx.save_for_backward(hidden, weight, target, lse_full, entropy)
+        ctx.args = (temperature, vocab_start, vocab_size, compute_entropy, chunk_size)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, target, lse_full, entropy = ctx.saved_tensors
+        temperature, vocab_start, vocab_size, compute_entropy, chunk_size = ctx.args
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        v_local = weight.shape[0]
+        for s in range(0, hidden.shape[0], chunk_size):
+            e = min(hidden.shape[0], s + chunk_size)
+            z = torch.nn.functional.linear(hidden[s:e], weight).float().div_(temperature)
+            if vocab_size is not None and vocab_start + v_local > vocab_size:
+                z[..., max(vocab_size - vocab_start, 0):] = _NEG
+            local = target[s:e] - vocab_start
+            in_range = (local >= 0) & (local < v_local)
+            local = torch.where(in_range, local, torch.zeros_like(local))
+            g = _grad_logits(z.sub_(lse_full[s:e].unsqueeze(-1)), entropy[s:e], local, in_range,
+                             None if grad_logprobs is None else grad_logprobs[s:e],
+                             None if grad_entropy is None else grad_entropy[s:e],
+                             compute_entropy, temperature).to(hidden.dtype)
+            grad_hidden[s:e] = g @ weight
+            grad_weight.add_(g.t() @ hidden[s:e])
+            del z, g
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+
+
+def chunked_linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    tp_group=None,
+    tp_rank: int = 0,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    compute_entropy: bool = True,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropy through the output layer, ``chunk_size`` tokens at a time.
+
+    The fused form of ``vocab_parallel_logprobs(linear(hidden, weight), ...)``: the logits
+    of at most ``chunk_size`` tokens exist at once (``[chunk_size, vocab/tp]`` fp32, a few
+    buffers of that size), in the forward and again in the backward, which recomputes them
+    from ``hidden`` and ``weight`` instead of keeping them (the idea of Liger-Kernel's fused
+    linear cross-entropy, Hsu et al. 2024; here vocab-parallel, with the entropy, fp32 math).
+    The logits are computed in ``hidden``'s dtype (as the output layer computes them), then
+    cast to fp32; the gradients of ``hidden`` and ``weight`` come back in their dtypes (the
+    weight's accumulated over chunks in fp32).
+
+    With TP > 1 each rank holds ``weight``'s vocabulary shard and the gradient of ``hidden``
+    returned here is this shard's part: the caller sums it over the TP group (megatron's
+    ``copy_to_tensor_model_parallel_region`` in front of ``hidden``), as a column-parallel
+    linear does.
+
+    Args:
+        hidden: ``[tokens, hidden]`` final hidden states (after the final norm).
+        weight: ``[vocab_padded / tp, hidden]`` this rank's output-layer weight (no bias).
+        target_ids: ``[tokens]`` int64 global token ids.
+        tp_group / tp_rank / temperature / vocab_size / compute_entropy: as
+            :func:`vocab_parallel_logprobs`.
+        chunk_size: tokens per chunk (>= 1).
+
+    Returns:
+        ``(logprobs, entropy)``, each ``[tokens]`` float32, differentiable w.r.t. ``hidden``
+        and ``weight``; entropy in nats (zeros without ``compute_entropy``).
+
+    Raises:
+        ValueError: ``temperature <= 0``, ``chunk_size < 1`` or disagreeing shapes.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] \
+            or target_ids.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} and target_ids "
+                         f"{tuple(target_ids.shape)} disagree: need [tokens, h], [v, h], [tokens]")
+    return _ChunkedLinearLogprobEntropy.apply(
+        hidden, weight, target_ids.long(), float(temperature), tp_rank * weight.shape[0], vocab_size,
+        tp_group, compute_entropy, int(chunk_size))
 
 
 def gather_vocab_parallel(logits: torch.Tensor, tp_group=None) -> torch.Tensor:

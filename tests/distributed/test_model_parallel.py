@@ -65,6 +65,30 @@ def _forward_outputs(model, dims, ids, mask):
     return {"logits": full, "values": values, "logprobs": lp, "entropy": ent}
 
 
+PROMPT = 5  # the fused path's prompt length: response = columns 5..SEQ-1
+
+
+def _fused_vs_unfused(model, dims, ids, mask):
+    """Response log-probs, entropy and every parameter's gradient of one loss, through the
+    fused chunked output layer (chunks of 5 tokens) and through the logits."""
+    from nemo_rlhf.models.engine import model_forward
+    from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs
+
+    out = {}
+    req = LogprobRequest(PROMPT, (TEMP, 1.0), VOCAB, chunk_size=5)
+    for name, kwargs in (("fused", {"logprob_request": req}), ("unfused", {})):
+        model.zero_grad()
+        first, values = model_forward(model, ids, mask, **kwargs)
+        lp, ent = response_logprobs(first, (ids, PROMPT), dims, TEMP, vocab_size=VOCAB)
+        lp1, _ = response_logprobs(first, (ids, PROMPT), dims, 1.0, vocab_size=VOCAB, compute_entropy=False)
+        m = mask[:, PROMPT:].bool()
+        (torch.where(m, -lp - 0.3 * lp1 - 0.01 * ent + values[:, PROMPT - 1:-1] ** 2, 0.0).sum()).backward()
+        out[name] = {"logprobs": lp.detach(), "logprobs_t1": lp1.detach(), "entropy": ent.detach(),
+                     "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    model.zero_grad()
+    return out
+
+
 def _replicated_params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()
             if not getattr(p, "tensor_model_parallel", False)}
@@ -86,6 +110,7 @@ def _worker(rank: int):
     model = build_model(cfg, dims, seed=11).eval()
     ref_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     out["ref"] = _forward_outputs(model, dims, ids, mask)
+    out["ref_fused"] = _fused_vs_unfused(model, dims, ids, mask)
     model.train()
     res = forward_backward(model, [{"input_ids": ids, "attention_mask": mask}], _loss_fn(dims, n_tokens))
     out["ref_loss"] = float(res[0]["loss"])
@@ -111,6 +136,7 @@ def _worker(rank: int):
     dims = initialize_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=3)
     model = build_model(cfg, dims, seed=11).eval()
     out["tp2"] = _forward_outputs(model, dims, ids, mask)
+    out["tp2_fused"] = _fused_vs_unfused(model, dims, ids, mask)
     out["tp2_replicated_init"] = _replicated_params(model)
     model.train()
     ddp = wrap_ddp(model)
@@ -164,6 +190,22 @@ def test_tp2_logits_logprobs_entropy_values_match_tp1(results):
             ref, got = r["ref"][key], r["tp2"][key]
             assert got.shape == ref.shape, key
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=0, msg=key)
+
+
+def test_fused_chunked_output_layer_equals_the_logits_path_at_tp1_and_tp2(results):
+    for r in results:
+        torch.testing.assert_close(r["ref_fused"]["fused"]["logprobs"], r["ref"]["logprobs"][:, PROMPT - 1:],
+                                   atol=1e-5, rtol=0)
+        for layout in ("ref_fused", "tp2_fused"):
+            fused, unfused = r[layout]["fused"], r[layout]["unfused"]
+            for key in ("logprobs", "logprobs_t1", "entropy"):
+                torch.testing.assert_close(fused[key], unfused[key], atol=1e-5, rtol=0, msg=f"{layout} {key}")
+            assert fused["grads"].keys() == unfused["grads"].keys()
+            for name, g in unfused["grads"].items():
+                assert g.abs().sum() > 0 or "value_head" in name or name.startswith("embedding"), name
+                torch.testing.assert_close(fused["grads"][name], g, atol=1e-5, rtol=1e-4, msg=f"{layout} {name}")
+        torch.testing.assert_close(r["tp2_fused"]["fused"]["logprobs"], r["ref_fused"]["fused"]["logprobs"],
+                                   atol=1e-5, rtol=0)
 
 
 def test_tp2_replicated_params_identical_across_tp_ranks_after_init_and_step(results):
