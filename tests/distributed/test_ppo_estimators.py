@@ -29,6 +29,13 @@ RUNS = {
                    "ppo.loss_agg_mode=seq-mean-token-mean"),
     "shared_detached": ("critic.mode=shared_detached", "ppo.loss_agg_mode=seq-mean-token-sum"),
     "precision_auto": ("trainer.precision=auto",),
+    # the fused chunked output layer (default ppo.logprob_chunk_size) vs the logits path
+    "logits_path": ("ppo.logprob_chunk_size=0",),
+    "chunk3": ("ppo.logprob_chunk_size=3",),
+    "unscaled_kl_chunk3": ("rollout.temperature=0.7", "kl.temperature=unscaled", "ppo.logprob_chunk_size=3",
+                           "ppo.entropy_bonus=0.01"),
+    "unscaled_kl_logits": ("rollout.temperature=0.7", "kl.temperature=unscaled", "ppo.logprob_chunk_size=0",
+                           "ppo.entropy_bonus=0.01"),
 }
 # one mini-batch, no shuffle: every layout sees the same samples in the same update (grpo
 # samples: greedy copies of a prompt would all get advantage 0; the sampler's seed depends on
@@ -170,6 +177,16 @@ def test_precision_auto_is_resolved_to_a_concrete_choice_before_the_build(single
     if max(rates.values()) > 3 * min(rates.values()):  # a clear case: the probe must agree
         assert run["precision"] == expected
     assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in run["metrics"])
+
+
+@pytest.mark.parametrize("fused, logits", [("shared", "logits_path"), ("chunk3", "logits_path"),
+                                           ("unscaled_kl_chunk3", "unscaled_kl_logits")])
+def test_the_fused_chunked_output_layer_trains_like_the_logits_path(single, fused, logits):
+    for a, b in zip(single[fused]["metrics"], single[logits]["metrics"]):
+        assert a.keys() == b.keys()
+        for key in COMPARED + ("value_loss", "clip_fraction", "kl_mean", "explained_variance"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert single[logits]["metrics"][1]["kl_mean"] != 0  # the second step saw an updated actor
 
 
 def test_detached_critic_sends_no_value_gradient_into_the_backbone(single):

@@ -107,12 +107,22 @@ class PPOAlgoConfig:
     """Added to the score of truncated responses (None: off)."""
     shuffle: bool = True
     """Shuffle the rollout before splitting it into mini-batches."""
+    logprob_chunk_size: int = 1024
+    """Tokens (batch x response positions) per chunk of the fused output layer + log-probs
+    (old, reference and training log-probs): only the response positions go through the
+    output layer, at most this many at once, forward and backward, so the micro-batch's
+    ``[tokens, vocab]`` logits never exist whole
+    (:func:`nemo_rlhf.models.vocab_parallel.chunked_linear_logprobs`). 0: the logits path
+    (the whole sequence's logits materialised)."""
 
     def __post_init__(self) -> None:
         for key in ("num_rollout_samples", "global_batch_size", "micro_batch_size",
                     "forward_micro_batch_size", "ppo_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"ppo.{key}={getattr(self, key)}: must be >= 1")
+        if self.logprob_chunk_size < 0:
+            raise ValueError(f"ppo.logprob_chunk_size={self.logprob_chunk_size}: must be >= 0 "
+                             f"(0: materialise the logits)")
         if not 0 < self.ratio_eps < 1:
             raise ValueError(f"ppo.ratio_eps={self.ratio_eps}: must be in (0, 1)")
         if not 0 <= self.discount_factor <= 1 or not 0 <= self.gae_lambda <= 1:

@@ -38,7 +38,7 @@ from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.metrics.logger import MetricsLogger
 from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap
-from nemo_rlhf.models.logprobs import response_logprobs, response_values
+from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs, response_values
 from nemo_rlhf.rollout import generate, logprob_diff_stats
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
 from nemo_rlhf.trainers.ppo.config import PPOConfig
@@ -291,9 +291,11 @@ class PPOTrainer:
         mbs = self.cfg.ppo.forward_micro_batch_size
         micro = [{"input_ids": batch.input_ids[s], "attention_mask": batch.attention_mask[s]}
                  for s in _chunks(batch.input_ids.shape[0], mbs)]
+        temps = (temp,) if kl_temperature is None or kl_temperature == temp else (temp, kl_temperature)
         with torch.no_grad(), _eval_mode(model):
             res = forward_backward(model, micro, loss_fn, forward_only=True,
-                                   with_values=with_values)
+                                   with_values=with_values,
+                                   logprob_request=self._logprob_request(P_len, temps, entropy=False))
         if not res:
             return None
         out = {k: torch.cat([r[k] for r in res]) for k in res[0]}
@@ -334,6 +336,16 @@ class PPOTrainer:
         return ForwardResults(old_logprobs=old["logprobs"], ref_logprobs=ref["logprobs"],
                               kl_logprobs=old.get("kl_logprobs", old["logprobs"]),
                               values=old.get("values") if values is None else values)
+
+    def _logprob_request(self, prompt_length: int, temperatures: tuple, entropy: bool
+                         ) -> Optional[LogprobRequest]:
+        """The fused, chunked output layer's request (``ppo.logprob_chunk_size``; None: off,
+        the forward returns logits)."""
+        chunk = self.cfg.ppo.logprob_chunk_size
+        if chunk == 0:
+            return None
+        return LogprobRequest(prompt_length, tuple(dict.fromkeys(temperatures)), self.cfg.model.vocab_size,
+                              compute_entropy=entropy, chunk_size=chunk)
 
     def _kl_temperature(self) -> float:
         """Temperature of the two log-probs the KL penalty compares (``kl.temperature``)."""
@@ -484,7 +496,10 @@ class PPOTrainer:
                         self.model, micro,
                         self._ppo_loss_fn(n_tokens, n_seqs, batch.prompt_length,
                                           value_only and self.critic_model is None),
-                        with_values=self.actor_values)
+                        with_values=self.actor_values,
+                        logprob_request=self._logprob_request(
+                            batch.prompt_length, (self.cfg.rollout.logprob_temperature,
+                                                  self._kl_temperature()), entropy=True))
                     finalize_grads(self.model)
                     stepped, norm = self._optimizer_step(value_only)
                     norms.append(norm)
