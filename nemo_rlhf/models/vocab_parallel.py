@@ -64,7 +64,7 @@ def _softmax_stats(z: torch.Tensor, target: torch.Tensor, vocab_start: int, voca
     logprobs = z_t - lse
     if compute_entropy:
         e.div_(sumexp.unsqueeze(-1))  # softmax, in place
-        sum_pz = (e * z).sum(dim=-1)
+        sum_pz = e.mul_(z).sum(dim=-1)  # in place: e is not needed after this
         _all_reduce(sum_pz, dist.ReduceOp.SUM, tp_group)
         entropy = lse - sum_pz
     else:
@@ -191,7 +191,10 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
                              None if grad_entropy is None else grad_entropy[s:e],
                              compute_entropy, temperature).to(hidden.dtype)
             grad_hidden[s:e] = g @ weight
-            grad_weight.add_(g.t() @ hidden[s:e])
+            if g.dtype == torch.float32:
+                grad_weight.addmm_(g.t(), hidden[s:e])  # in place: no [vocab, hidden] temporary
+            else:
+                grad_weight.add_(g.t() @ hidden[s:e])
             del z, g
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
 
