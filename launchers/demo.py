@@ -26,9 +26,11 @@ the RM's preference pairs and scores the held-out set (the "gold" metric):
    them and PPO resumes against the refreshed RM (:func:`_refresh_rounds`);
 8. final held-out evaluation and a before/after table of samples.
 
-``--task tiny`` (about 2.5 minutes): the synthetic precedence-arithmetic task
-(``nemo_rlhf/data/demo_task.py``) on a tiny model trained from scratch: data -> SFT -> RM
--> served RM + PPO -> evaluation; the fast configuration the tests use.
+``--task tiny`` (about 5 minutes): number reversal taught by a sloppy demonstrator
+(``nemo_rlhf/data/reversal_task.py``: the SFT rows copy the number 60% of the time, the
+preference pairs always prefer the reversal) on a tiny model trained from scratch: data ->
+SFT -> RM -> served RM + PPO -> evaluation. SFT imitates the copy; PPO against the RM
+learns the reversal (README: 30.5% -> 94.5% held-out).
 
 Every stage is the project's own entry point run as a subprocess (exactly what a user would
 run by hand), and every stage is skipped when its output already exists (rerunning the demo
@@ -581,7 +583,7 @@ def main(argv=None) -> int:
                     help="smollm2: SmolLM2-135M-Instruct on two-digit addition (default); "
                          "tiny: the synthetic demo on a tiny model")
     ap.add_argument("--out", default=None, help="experiment root (default experiments/<task>)")
-    ap.add_argument("--data", default=None, help="dataset folder (default data/addition or data/demo)")
+    ap.add_argument("--data", default=None, help="dataset folder (default data/addition or data/reversal)")
     ap.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
     ap.add_argument("--reward", choices=["rm", "checker", "both"], default="rm",
                     help="smollm2: PPO reward from the served RM (default; the checker only labels its "

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
+from nemo_rlhf.models.vocab_parallel import chunked_linear_logprobs, vocab_parallel_logprobs
 
 
 @dataclass(frozen=True)
@@ -195,8 +195,6 @@ def fused_response_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, i
         ValueError: ``prompt_length`` outside ``[1, seq]``.
     """
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-    from nemo_rlhf.models.vocab_parallel import chunked_linear_logprobs
 
     S, B, H = hidden_states.shape
     P = request.prompt_length

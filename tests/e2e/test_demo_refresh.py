@@ -16,7 +16,7 @@ def test_refresh_round_adds_pairs_continues_the_rm_and_resumes_ppo(tmp_path):
     out, data = tmp_path / "demo", tmp_path / "data"
     code = main(["--task", "tiny", "--out", str(out), "--data", str(data), "--refresh-rounds", "1",
                  "--refresh-ppo-steps", "1", "--refresh-rm-steps", "2", "--refresh-prompts", "32",
-                 "--sft-override", "trainer.max_steps=30", "--sft-override", "trainer.val_check_interval=30",
+                 "--sft-override", "trainer.max_steps=300", "--sft-override", "trainer.val_check_interval=300",
                  "--rm-override", "trainer.global_batch_size=16", "--rm-override", "trainer.micro_batch_size=16",
                  "--rm-override", "optim.warmup_steps=1",
                  "trainer.max_steps=3", "trainer.val_check_interval=2", "trainer.max_eval_samples=16",

@@ -1,0 +1,26 @@
+"""The tiny demo does what the README says: SFT on the sloppy demonstrator's data copies the
+number, PPO against the served RM (trained on correct comparisons) learns to reverse it.
+
+The whole pipeline of ``python -m launchers.demo --task tiny`` (SFT 1000 steps, RM 600
+steps, the RM served as its own process), with 20 PPO steps instead of 60: about 4 minutes
+on 2 cores. The README's run gains 64 points by step 60 (95.0% at step 20)."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_ppo_against_the_served_rm_improves_the_tiny_demo_by_15_points(tmp_path):
+    from launchers.demo import main
+
+    out = tmp_path / "demo"
+    code = main(["--task", "tiny", "--out", str(out), "--data", str(tmp_path / "data"),
+                 "trainer.max_steps=20", "trainer.val_check_interval=10", "exp_manager.save_interval=20"])
+    assert code == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["sft_accuracy"] < 0.5  # SFT imitates the demonstrator, who mostly copies
+    assert s["rm_heldout_pair_accuracy"] > 0.65
+    assert s["improvement_points"] >= 15.0, s
+    assert s["heldout_accuracy_by_step"]["20"] == s["ppo_accuracy"]
+    assert 0 < s["final_kl_mean"] < 5.0  # the KL stays near its target (kl.target=1.0 nats/sequence)
+    assert abs(s["ppo_mean_response_length"] - s["sft_mean_response_length"]) < 1.0
