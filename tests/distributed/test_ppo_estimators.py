@@ -36,6 +36,10 @@ RUNS = {
                            "ppo.entropy_bonus=0.01"),
     "unscaled_kl_logits": ("rollout.temperature=0.7", "kl.temperature=unscaled", "ppo.logprob_chunk_size=0",
                            "ppo.entropy_bonus=0.01"),
+    # the rollout-mismatch correction on: truncated IS (cap 1.0: every weight <= 1), then
+    # row masking at a threshold nothing passes (every row masked: no policy gradient)
+    "tis": ("ppo.rollout_is_cap=1.0",),
+    "mask_all": ("ppo.rollout_mask_threshold=1e-12", "ppo.value_loss_coef=0.0"),
 }
 # one mini-batch, no shuffle: every layout sees the same samples in the same update (grpo
 # samples: greedy copies of a prompt would all get advantage 0; the sampler's seed depends on
@@ -187,6 +191,22 @@ def test_the_fused_chunked_output_layer_trains_like_the_logits_path(single, fuse
         for key in COMPARED + ("value_loss", "clip_fraction", "kl_mean", "explained_variance"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert single[logits]["metrics"][1]["kl_mean"] != 0  # the second step saw an updated actor
+
+
+def test_rollout_correction_weights_the_policy_loss_and_reports_its_metrics(single):
+    tis, plain = single["tis"]["metrics"], single["shared"]["metrics"]
+    keys = {"rollout_correction/" + k for k in ("mismatch", "mismatch_max", "is_weight", "is_weight_max",
+                                                 "is_truncated_fraction", "masked_fraction")}
+    assert keys <= set(tis[0]) and not keys & set(plain[0])
+    for m in tis:
+        # the megatron decode and the training forward differ in the last bits only
+        assert 0 <= m["rollout_correction/mismatch_max"] < 1e-3
+        assert m["rollout_correction/is_weight_max"] <= 1.0 and m["rollout_correction/masked_fraction"] == 0
+        assert m["rollout_correction/is_weight"] == pytest.approx(1.0, abs=1e-3)
+    assert tis[0]["policy_loss"] == pytest.approx(plain[0]["policy_loss"], rel=1e-2, abs=1e-4)
+    masked = single["mask_all"]["metrics"]
+    assert masked[0]["rollout_correction/masked_fraction"] > 0.5  # the last bits exceed 1e-12 nats
+    assert masked[0]["grad_norm"] < plain[0]["grad_norm"]
 
 
 def test_detached_critic_sends_no_value_gradient_into_the_backbone(single):

@@ -5,7 +5,10 @@ Modules: ``core`` (masked statistics), ``kl`` (KL estimators and coefficient con
 ``rewards`` (per-token rewards), ``gae`` (GAE advantages/returns), ``advantages`` (the
 registry of advantage estimators: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++; group
 bookkeeping), ``losses`` (policy, value, entropy and KL losses, their aggregation modes
-and stats), ``objective`` (those losses assembled into one micro-batch's loss). See each module's docstring for sources and for what is simplified.
+and stats), ``objective`` (those losses assembled into one micro-batch's loss),
+``rollout_correction`` (truncated importance sampling and row masking of the
+rollout-vs-train mismatch). See each module's docstring for sources and for what is
+simplified.
 """
 
 from nemo_rlhf.algorithms.ppo.advantages import (
@@ -55,8 +58,10 @@ from nemo_rlhf.algorithms.ppo.losses import (
 )
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective, critic_loss, ppo_loss
 from nemo_rlhf.algorithms.ppo.rewards import compute_token_rewards, drop_empty_responses
+from nemo_rlhf.algorithms.ppo.rollout_correction import rollout_correction_weights
 
 __all__ = [
+    "rollout_correction_weights",
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_ESTIMATOR_REFERENCES",
     "DEFAULT_LOSS_AGG_MODE",

@@ -212,6 +212,7 @@ def policy_loss(
     loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE,
     global_sequences: Optional[GlobalCount] = None,
     norm_length: Optional[GlobalCount] = None,
+    token_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Stats]:
     """PPO clipped-surrogate policy loss, aggregated with global denominators.
 
@@ -220,10 +221,13 @@ def policy_loss(
         objective = min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
         dual-clip (Ye et al. 2020), only where A < 0:
         objective = max(objective, dual_clip * A)
-        loss_token = -objective
+        loss_token = -objective * w      (w = token_weights, 1 by default)
 
     ``loss = aggregate_loss(loss_token, ...)``; with the default ``token-mean``,
-    ``sum_valid(loss_token) / global_valid_tokens``.
+    ``sum_valid(loss_token) / global_valid_tokens``. ``w`` is a constant per token, e.g.
+    the rollout-mismatch correction of
+    :func:`~nemo_rlhf.algorithms.ppo.rollout_correction.rollout_correction_weights`
+    (truncated importance sampling, Yao et al. 2025); the denominators do not change.
 
     Args:
         logprobs: ``[batch, response_len]`` current log-probs (differentiated), any float.
@@ -240,6 +244,8 @@ def policy_loss(
         global_sequences: rows of the mini-batch over all micro-batches and DP ranks
             (the ``seq-*`` modes).
         norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
+        token_weights: ``[batch, response_len]`` constant weights of the token losses
+            (no gradient flows into them), or None.
 
     Returns:
         ``(loss, stats)``: ``loss`` is a 0-d fp32 tensor; ``stats`` (detached 0-d fp32, see
@@ -278,6 +284,11 @@ def policy_loss(
         floor = dual_clip * adv
         dual_hit = (adv < 0) & (objective < floor)
         objective = torch.where(dual_hit, floor, objective)
+    if token_weights is not None:
+        if token_weights.shape != objective.shape:
+            raise ValueError(f"token_weights {tuple(token_weights.shape)} must match the log-probs "
+                             f"{tuple(objective.shape)}")
+        objective = objective * torch.where(mask, token_weights.detach().float(), 0.0)
     loss = _aggregate(-objective, mask, loss_agg_mode, global_valid_tokens, global_sequences,
                       norm_length)
 

@@ -74,6 +74,7 @@ def ppo_loss(
     kl_logprobs: Optional[torch.Tensor] = None,
     ref_logprobs: Optional[torch.Tensor] = None,
     policy: bool = True,
+    rollout_weights: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Stats]:
     """One micro-batch's loss and statistics.
 
@@ -89,6 +90,10 @@ def ppo_loss(
         kl_logprobs, ref_logprobs: ``[B, R]`` actor and reference log-probs at the KL's
             temperature; needed when ``objective.kl_coef > 0`` and ``policy``.
         policy: include the policy, entropy and KL terms (False: a critic warm-up).
+        rollout_weights: ``[B, R]`` constant weights of the policy term's tokens (the
+            rollout-mismatch correction,
+            :func:`~nemo_rlhf.algorithms.ppo.rollout_correction.rollout_correction_weights`),
+            or None.
 
     Returns:
         ``(loss, stats)``: ``loss`` a scalar float32; ``stats`` the policy and value
@@ -105,7 +110,8 @@ def ppo_loss(
                norm_length=o.norm_length)
     pl, pstats = policy_loss(logprobs, old_logprobs, advantages, response_mask,
                              global_valid_tokens, clip_eps=o.clip_eps, clip_eps_low=o.clip_eps_low,
-                             clip_eps_high=o.clip_eps_high, dual_clip=o.dual_clip, **agg)
+                             clip_eps_high=o.clip_eps_high, dual_clip=o.dual_clip,
+                             token_weights=rollout_weights, **agg)
     ent = entropy_bonus(entropy, response_mask, global_valid_tokens, **agg)
     loss = torch.zeros((), device=logprobs.device)
     stats = dict(pstats)

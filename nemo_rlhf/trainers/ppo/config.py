@@ -107,6 +107,14 @@ class PPOAlgoConfig:
     """Added to the score of truncated responses (None: off)."""
     shuffle: bool = True
     """Shuffle the rollout before splitting it into mini-batches."""
+    rollout_is_cap: Optional[float] = None
+    """Truncated importance sampling of the rollout-vs-train mismatch (Yao et al. 2025): each
+    token's policy loss is weighted by ``min(exp(old_logprob - rollout_logprob), cap)``, the
+    training engine's old log-prob over the rollout engine's (>= 1, e.g. 2.0; None: off);
+    :mod:`nemo_rlhf.algorithms.ppo.rollout_correction`. Metrics ``rollout_correction/*``."""
+    rollout_mask_threshold: Optional[float] = None
+    """Drop from the policy loss every row with a token whose ``|old_logprob -
+    rollout_logprob|`` exceeds this many nats (> 0; None: off)."""
     logprob_chunk_size: int = 1024
     """Tokens (batch x response positions) per chunk of the fused output layer + log-probs
     (old, reference and training log-probs): only the response positions go through the
@@ -120,6 +128,11 @@ class PPOAlgoConfig:
                     "forward_micro_batch_size", "ppo_epochs"):
             if getattr(self, key) < 1:
                 raise ValueError(f"ppo.{key}={getattr(self, key)}: must be >= 1")
+        if self.rollout_is_cap is not None and not self.rollout_is_cap >= 1.0:
+            raise ValueError(f"ppo.rollout_is_cap={self.rollout_is_cap}: must be >= 1 (null: off)")
+        if self.rollout_mask_threshold is not None and not self.rollout_mask_threshold > 0.0:
+            raise ValueError(f"ppo.rollout_mask_threshold={self.rollout_mask_threshold}: must be > 0 "
+                             f"nats (null: off)")
         if self.logprob_chunk_size < 0:
             raise ValueError(f"ppo.logprob_chunk_size={self.logprob_chunk_size}: must be >= 0 "
                              f"(0: materialise the logits)")

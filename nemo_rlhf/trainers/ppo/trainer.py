@@ -444,7 +444,8 @@ class PPOTrainer:
                 old_logprobs=mb["old_logprobs"], advantages=mb["advantages"],
                 values=response_values(values, P_len, lp.shape[1]) if self.actor_values else None,
                 old_values=mb.get("old_values"), returns=mb.get("returns"),
-                kl_logprobs=lp_kl, ref_logprobs=mb.get("ref_logprobs"), policy=not value_only)
+                kl_logprobs=lp_kl, ref_logprobs=mb.get("ref_logprobs"), policy=not value_only,
+                rollout_weights=mb.get("rollout_weights"))
 
         return fn
 
@@ -466,8 +467,15 @@ class PPOTrainer:
         per_rank = c.global_batch_size // self.dims.dp
         tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                    "response_mask": batch.response_mask}
+        correction = {}
         if fwd is not None:
             tensors.update(old_logprobs=fwd.old_logprobs, advantages=adv.advantages)
+            if c.rollout_is_cap is not None or c.rollout_mask_threshold is not None:
+                tensors["rollout_weights"], rc = P.rollout_correction_weights(
+                    fwd.old_logprobs, batch.logprobs, batch.response_mask,
+                    tis_cap=c.rollout_is_cap, mask_threshold=c.rollout_mask_threshold)
+                correction = {f"rollout_correction/{k}": v for k, v in
+                              P.finalize_token_stats(self._dp_reduce_stats(rc)).items() if k != "valid_tokens"}
             if self.needs_values:
                 tensors.update(old_values=fwd.values, returns=adv.returns)
             if self.cfg.kl.loss_coef > 0:
@@ -532,6 +540,7 @@ class PPOTrainer:
             out["critic_grad_norm"] = float(sum(critic_norms) / len(critic_norms))
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
+        out.update(correction)
         return out
 
     def _optimizer_step(self, value_only: bool) -> tuple[bool, float]:

@@ -1,0 +1,76 @@
+"""Rollout-vs-train mismatch correction (truncated IS, row masking) against hand-computed
+weights, and its effect on the policy loss."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from nemo_rlhf.algorithms.ppo.losses import finalize_token_stats, policy_loss
+from nemo_rlhf.algorithms.ppo.rollout_correction import rollout_correction_weights
+
+TRAIN = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, -0.3, -0.3, -0.3]])
+ROLLOUT = torch.tensor([[-1.2, -1.0, -0.5, 9.0], [-0.4, -0.2, -0.3, -0.3]])
+MASK = torch.tensor([[True, True, True, False], [True, True, True, True]])
+
+
+def test_truncated_importance_weights_by_hand():
+    w, stats = rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=1.1)
+    # row 0: log ratios 0.2, -1.0, 0 -> exp 1.2214 (capped 1.1), 0.3679, 1; padding 0
+    # row 1: 0.1, -0.1, 0, 0 -> 1.1052 (capped 1.1), 0.9048, 1, 1
+    expected = torch.tensor([[1.1, math.exp(-1.0), 1.0, 0.0], [1.1, math.exp(-0.1), 1.0, 1.0]])
+    torch.testing.assert_close(w, expected)
+    out = finalize_token_stats(stats)
+    assert out["valid_tokens"] == 7
+    assert out["mismatch"] == pytest.approx((0.2 + 1.0 + 0 + 0.1 + 0.1 + 0 + 0) / 7, rel=1e-5)
+    assert out["mismatch_max"] == pytest.approx(1.0)
+    assert out["is_truncated_fraction"] == pytest.approx(2 / 7)
+    assert out["is_weight"] == pytest.approx(float(expected.sum()) / 7, rel=1e-6)
+    assert out["is_weight_max"] == pytest.approx(1.1)
+    assert out["masked_fraction"] == 0.0
+
+
+def test_rows_with_a_token_past_the_threshold_are_masked_whole():
+    w, stats = rollout_correction_weights(TRAIN, ROLLOUT, MASK, mask_threshold=0.5)
+    torch.testing.assert_close(w, torch.tensor([[0.0] * 4, [1.0] * 4]))  # row 0 has |-1.0| > 0.5
+    out = finalize_token_stats(stats)
+    assert out["masked_fraction"] == pytest.approx(3 / 7) and out["is_weight"] == pytest.approx(4 / 7)
+    # both: the kept row's weights are truncated as before
+    w, _ = rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=1.05, mask_threshold=0.5)
+    torch.testing.assert_close(w[1], torch.tensor([1.05, math.exp(-0.1), 1.0, 1.0]))
+    assert w[0].abs().max() == 0
+
+
+def test_identical_engines_give_unit_weights_and_an_unchanged_policy_loss():
+    lp = TRAIN.clone().requires_grad_(True)
+    old, adv = TRAIN - 0.05, torch.tensor([[1.0, -2.0, 0.5, 3.0], [0.3, 0.2, -0.1, 1.0]])
+    w, stats = rollout_correction_weights(TRAIN, TRAIN, MASK, tis_cap=2.0, mask_threshold=0.1)
+    assert torch.equal(w, MASK.float())
+    assert finalize_token_stats(stats)["mismatch_max"] == 0.0
+    plain, _ = policy_loss(lp, old, adv, MASK, 7)
+    weighted, _ = policy_loss(lp, old, adv, MASK, 7, token_weights=w)
+    assert torch.equal(plain, weighted)
+
+
+def test_weights_scale_each_token_loss_and_its_gradient_but_not_the_denominator():
+    adv = torch.tensor([[1.0, -2.0, 0.5, 3.0], [0.3, 0.2, -0.1, 1.0]])
+    w, _ = rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=1.1, mask_threshold=0.5)
+    lp = TRAIN.clone().requires_grad_(True)
+    loss, _ = policy_loss(lp, TRAIN.detach(), adv, MASK, 7, token_weights=w)
+    # at ratio 1 (old == new): loss_token = -A * w, token-mean over the 7 valid tokens
+    assert float(loss.detach()) == pytest.approx(float(-(adv * w)[MASK].sum() / 7), rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, torch.where(MASK, -adv * w / 7, 0.0))
+    with pytest.raises(ValueError, match="token_weights"):
+        policy_loss(lp, TRAIN, adv, MASK, 7, token_weights=w[:, :2])
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(ValueError, match="tis_cap=0.5"):
+        rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=0.5)
+    with pytest.raises(ValueError, match="mask_threshold=0"):
+        rollout_correction_weights(TRAIN, ROLLOUT, MASK, mask_threshold=0.0)
+    with pytest.raises(ValueError, match="same shape"):
+        rollout_correction_weights(TRAIN, ROLLOUT[:, :2], MASK)
