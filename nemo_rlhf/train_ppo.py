@@ -49,7 +49,7 @@ def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
                                   num_layers=cfg.model.num_layers,
                                   num_attention_heads=cfg.model.num_attention_heads,
                                   num_query_groups=cfg.model.num_query_groups)
-    validate_batch_sizes(cfg.ppo, dims.dp, cfg.rollout.n_samples_per_prompt)
+    validate_batch_sizes(cfg.ppo, dims.dp, cfg.rollout.n_samples_per_prompt, dims.pp)
     cfg.trainer.precision = agree_on_precision(cfg.trainer.precision, dims)
     validate_optimizer(cfg.optim, dims)
     max_prompt = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens

@@ -13,6 +13,7 @@ Batches are batch-first dicts of tensors; every micro-batch of one call must hav
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -106,6 +107,7 @@ def forward_backward(
     device: Optional[torch.device] = None,
     with_values: Optional[bool] = None,
     logprob_request=None,
+    variable_shapes: bool = False,
 ) -> list[dict]:
     """Run micro-batches through megatron's schedule; return the per-micro-batch stats.
 
@@ -123,7 +125,11 @@ def forward_backward(
         with_values: actor-critic stages: whether ``loss_fn`` gets ``(logits, values)``
             (True) or the logits (False); see :func:`model_forward`.
         logprob_request: actor-critic stages: response log-probs instead of logits (the
-            fused, chunked output layer); see :func:`model_forward`.
+            fused, chunked output layer); see :func:`model_forward`. A micro-batch with a
+            ``prompt_length`` entry (int) gets the request at that prompt length.
+        variable_shapes: the micro-batches may differ in shape (token-budget micro-batches
+            with their padding cut; no pipeline parallelism, whose stages exchange
+            fixed-size activations).
 
     Returns:
         On the last pipeline stage, one stats dict per micro-batch; elsewhere ``[]``.
@@ -134,7 +140,7 @@ def forward_backward(
         return []
     mbs, seq = micro_batches[0]["input_ids"].shape
     for i, mb in enumerate(micro_batches):
-        if tuple(mb["input_ids"].shape) != (mbs, seq):
+        if not variable_shapes and tuple(mb["input_ids"].shape) != (mbs, seq):
             raise ValueError(
                 f"micro-batch {i} has shape {tuple(mb['input_ids'].shape)}, expected {(mbs, seq)}"
             )
@@ -145,7 +151,10 @@ def forward_backward(
         if device is not None:
             mb = to_device(mb, device)
         dev = mb["input_ids"].device
-        out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, logprob_request)
+        request = logprob_request
+        if request is not None and "prompt_length" in mb:
+            request = replace(request, prompt_length=mb["prompt_length"])
+        out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request)
 
         def loss_func(output):
             one = torch.ones((), dtype=torch.int, device=dev)

@@ -23,7 +23,11 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 
 PPO = ("reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", "optim.lr=1e-3",
        "trainer.val_check_interval=1", "ppo.ppo_epochs=1")
-LAYOUTS = {"tp1_dp2": (1, 1, "offload"), "tp2": (2, 1, "offload"), "pp2": (1, 2, "colocated")}
+LAYOUTS = {"tp1_dp2": (1, 1, "offload"), "tp2": (2, 1, "offload"), "pp2": (1, 2, "colocated"),
+           "tp2_budget_tis": (2, 1, "offload")}
+EXTRA = {"tp2_budget_tis": ("ppo.max_tokens_per_micro_batch=40", "ppo.rollout_is_cap=2.0",
+                            "ppo.rollout_mask_threshold=5.0", "rollout.max_new_tokens=8",
+                            "rollout.stop_token_ids=[3,4,5]")}
 
 
 def _catch(fn) -> str:
@@ -73,7 +77,8 @@ def _worker(rank: int, tmp: str):
     out = {}
     for name, (tp, pp, ref) in LAYOUTS.items():
         cfg = compose_ppo(data, tmp / name, *PPO, f"parallel.tensor_model_parallel_size={tp}",
-                          f"parallel.pipeline_model_parallel_size={pp}", f"reference.mode={ref}")
+                          f"parallel.pipeline_model_parallel_size={pp}", f"reference.mode={ref}",
+                          *EXTRA.get(name, ()))
         out[name] = _ppo_steps(cfg)
     out["guard_active"] = device_guard.is_active()
     out["ops"] = _ops(device_guard.EMULATED_DEVICE)

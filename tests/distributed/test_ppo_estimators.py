@@ -19,6 +19,7 @@ from tests.ppo_helpers import compose_ppo, make_demo_data
 BASE = ("reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", "optim.lr=1e-3",
         "ppo.num_rollout_samples=8", "ppo.global_batch_size=8", "ppo.micro_batch_size=2",
         "ppo.forward_micro_batch_size=2", "ppo.ppo_epochs=1")
+VARIED = ("rollout.max_new_tokens=8", "rollout.stop_token_ids=[3,4,5]")
 RUNS = {
     "grpo": ("ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"),
     "dr_grpo": ("ppo.advantage_estimator=grpo", "ppo.grpo_norm_by_std=false",
@@ -38,6 +39,12 @@ RUNS = {
                            "ppo.entropy_bonus=0.01"),
     # the rollout-mismatch correction on: truncated IS (cap 1.0: every weight <= 1), then
     # row masking at a threshold nothing passes (every row masked: no policy gradient)
+    # token-budget micro-batches with their padding cut vs fixed rows of the full width
+    # (responses of varied lengths: stops on the digits 0-2)
+    "varied": VARIED,
+    "token_budget": VARIED + ("ppo.max_tokens_per_micro_batch=40",),
+    "separate": VARIED + ("critic.mode=separate",),
+    "separate_budget": VARIED + ("critic.mode=separate", "ppo.max_tokens_per_micro_batch=40"),
     "tis": ("ppo.rollout_is_cap=1.0",),
     "mask_all": ("ppo.rollout_mask_threshold=1e-12", "ppo.value_loss_coef=0.0"),
 }
@@ -184,13 +191,20 @@ def test_precision_auto_is_resolved_to_a_concrete_choice_before_the_build(single
 
 
 @pytest.mark.parametrize("fused, logits", [("shared", "logits_path"), ("chunk3", "logits_path"),
-                                           ("unscaled_kl_chunk3", "unscaled_kl_logits")])
-def test_the_fused_chunked_output_layer_trains_like_the_logits_path(single, fused, logits):
+                                           ("unscaled_kl_chunk3", "unscaled_kl_logits"),
+                                           ("token_budget", "varied"), ("separate_budget", "separate")])
+def test_the_fused_chunked_output_layer_and_token_budget_train_like_the_plain_path(single, fused, logits):
     for a, b in zip(single[fused]["metrics"], single[logits]["metrics"]):
         assert a.keys() == b.keys()
         for key in COMPARED + ("value_loss", "clip_fraction", "kl_mean", "explained_variance"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert single[logits]["metrics"][1]["kl_mean"] != 0  # the second step saw an updated actor
+
+
+def test_the_token_budget_cuts_padding(single):
+    for budget, rows in (("token_budget", "varied"), ("separate_budget", "separate")):
+        for a, b in zip(single[budget]["metrics"], single[rows]["metrics"]):
+            assert 0 <= a["padding_fraction"] < b["padding_fraction"] < 1
 
 
 def test_rollout_correction_weights_the_policy_loss_and_reports_its_metrics(single):

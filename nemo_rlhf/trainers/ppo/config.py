@@ -115,6 +115,13 @@ class PPOAlgoConfig:
     rollout_mask_threshold: Optional[float] = None
     """Drop from the policy loss every row with a token whose ``|old_logprob -
     rollout_logprob|`` exceeds this many nats (> 0; None: off)."""
+    max_tokens_per_micro_batch: int = 0
+    """Form micro-batches by a token budget instead of a row count: the rows of a mini-batch
+    (and of the forward-only passes) sorted by length and packed into micro-batches of at
+    most this many padded tokens (rows x longest row), each with the padding its rows do
+    not need cut away (:mod:`nemo_rlhf.trainers.ppo.micro_batches`); ``micro_batch_size``
+    and ``forward_micro_batch_size`` are then not used. 0: fixed row counts over the
+    rollout's full width. Needs ``parallel.pipeline_model_parallel_size=1``."""
     logprob_chunk_size: int = 1024
     """Tokens (batch x response positions) per chunk of the fused output layer + log-probs
     (old, reference and training log-probs): only the response positions go through the
@@ -133,6 +140,9 @@ class PPOAlgoConfig:
         if self.rollout_mask_threshold is not None and not self.rollout_mask_threshold > 0.0:
             raise ValueError(f"ppo.rollout_mask_threshold={self.rollout_mask_threshold}: must be > 0 "
                              f"nats (null: off)")
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(f"ppo.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must be "
+                             f">= 0 (0: micro-batches of ppo.micro_batch_size rows)")
         if self.logprob_chunk_size < 0:
             raise ValueError(f"ppo.logprob_chunk_size={self.logprob_chunk_size}: must be >= 0 "
                              f"(0: materialise the logits)")
@@ -353,7 +363,7 @@ class PPOConfig:
                              f"the critic-free ppo.advantage_estimator={est}: set it to 0")
 
 
-def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int, n_samples_per_prompt: int = 1) -> None:
+def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int, n_samples_per_prompt: int = 1, pp: int = 1) -> None:
     """Rollout, global and micro batch sizes against the DP size and the group size.
 
     ``ppo.num_rollout_samples`` counts samples (rows); each DP rank holds whole groups of
@@ -362,6 +372,10 @@ def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int, n_samples_per_prompt: int 
     Raises:
         ValueError: naming the key, its value and what would work.
     """
+    if ppo.max_tokens_per_micro_batch and pp > 1:
+        raise ValueError(f"ppo.max_tokens_per_micro_batch={ppo.max_tokens_per_micro_batch} needs "
+                         f"parallel.pipeline_model_parallel_size=1 (got {pp}): pipeline stages exchange "
+                         f"fixed-size micro-batches; set ppo.max_tokens_per_micro_batch=0")
     group = dp * n_samples_per_prompt
     if ppo.num_rollout_samples % group:
         raise ValueError(

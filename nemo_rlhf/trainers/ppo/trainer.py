@@ -44,6 +44,7 @@ from nemo_rlhf.trainers.loop import Experiment, Signals, fit
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.evaluation import evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard, ngram_repetition_rate
+from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, scatter_rows, take
 from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
 
@@ -277,46 +278,67 @@ class PPOTrainer:
 
         def loss_fn(output, mb):
             logits, values = output if isinstance(output, tuple) else (output, None)
-            lp, _ = response_logprobs(logits, (mb["input_ids"], P_len), self.dims, temp,
+            p = mb.get("prompt_length", P_len)
+            lp, _ = response_logprobs(logits, (mb["input_ids"], p), self.dims, temp,
                                       vocab_size=self.cfg.model.vocab_size, compute_entropy=False)
             out = {"logprobs": lp}
             if kl_temperature is not None and kl_temperature != temp:
                 out["kl_logprobs"], _ = response_logprobs(
-                    logits, (mb["input_ids"], P_len), self.dims, kl_temperature,
+                    logits, (mb["input_ids"], p), self.dims, kl_temperature,
                     vocab_size=self.cfg.model.vocab_size, compute_entropy=False)
             if with_values and values is not None:
-                out["values"] = response_values(values, P_len, lp.shape[1])
+                out["values"] = response_values(values, p, lp.shape[1])
             return torch.zeros((), device=lp.device), out
 
-        mbs = self.cfg.ppo.forward_micro_batch_size
-        micro = [{"input_ids": batch.input_ids[s], "attention_mask": batch.attention_mask[s]}
-                 for s in _chunks(batch.input_ids.shape[0], mbs)]
+        micro, plans = self._forward_micro_batches(batch)
         temps = (temp,) if kl_temperature is None or kl_temperature == temp else (temp, kl_temperature)
         with torch.no_grad(), _eval_mode(model):
             res = forward_backward(model, micro, loss_fn, forward_only=True,
-                                   with_values=with_values,
+                                   with_values=with_values, variable_shapes=plans is not None,
                                    logprob_request=self._logprob_request(P_len, temps, entropy=False))
+        return self._gather_forward(res, plans, batch)
+
+    def _forward_micro_batches(self, batch) -> tuple[list[dict], Optional[list]]:
+        """The forward-only passes' micro-batches: ``ppo.forward_micro_batch_size`` rows of
+        the full width, or, with ``ppo.max_tokens_per_micro_batch``, packed by the token
+        budget with their padding cut (and the plans, to put the rows back)."""
+        P_len, B = batch.prompt_length, batch.input_ids.shape[0]
+        tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        budget = self.cfg.ppo.max_tokens_per_micro_batch
+        if budget == 0:
+            mbs = self.cfg.ppo.forward_micro_batch_size
+            return [{k: v[s] for k, v in tensors.items()} for s in _chunks(B, mbs)], None
+        starts, lengths = row_extents(batch.attention_mask, batch.response_mask, P_len)
+        plans = plan_micro_batches(starts, lengths, P_len, list(range(B)), B, budget)
+        return [take(p, tensors, P_len, self.dims.device) for p in plans], plans
+
+    @staticmethod
+    def _gather_forward(res: list[dict], plans: Optional[list], batch) -> Optional[dict]:
+        """The forward-only passes' per-micro-batch results as ``[B, R]`` tensors in row order."""
         if not res:
             return None
-        out = {k: torch.cat([r[k] for r in res]) for k in res[0]}
-        return out
+        if plans is None:
+            return {k: torch.cat([r[k] for r in res]) for k in res[0]}
+        B, R = batch.response_mask.shape
+        return {k: scatter_rows(plans, [r[k] for r in res], B, R) for k in res[0]}
 
     def _forward_values(self, critic, batch) -> Optional[torch.Tensor]:
         """A separate critic's values ``[B, R]`` float32 over the rollout (forward-only,
         eval mode, micro-batches of ``ppo.forward_micro_batch_size``); None off the last
         pipeline stage."""
-        P_len, R = batch.prompt_length, batch.response_mask.shape[1]
+        P_len = batch.prompt_length
 
         def loss_fn(values, mb):
-            v = response_values(values, P_len, R)
+            v = response_values(values, mb.get("prompt_length", P_len), mb["input_ids"].shape[1]
+                                - mb.get("prompt_length", P_len))
             return torch.zeros((), device=v.device), {"values": v}
 
-        mbs = self.cfg.ppo.forward_micro_batch_size
-        micro = [{"input_ids": batch.input_ids[s], "attention_mask": batch.attention_mask[s]}
-                 for s in _chunks(batch.input_ids.shape[0], mbs)]
+        micro, plans = self._forward_micro_batches(batch)
         with torch.no_grad(), _eval_mode(critic):
-            res = forward_backward(critic, micro, loss_fn, forward_only=True)
-        return torch.cat([r["values"] for r in res]) if res else None
+            res = forward_backward(critic, micro, loss_fn, forward_only=True,
+                                   variable_shapes=plans is not None)
+        out = self._gather_forward(res, plans, batch)
+        return None if out is None else out["values"]
 
     def compute_old_and_reference(self, batch) -> Optional[ForwardResults]:
         """Steps 4-5a: old log-probs and values (actor, or the separate critic), reference
@@ -432,17 +454,18 @@ class PPOTrainer:
 
         def fn(output, mb):
             logits, values = output if isinstance(output, tuple) else (output, None)
-            lp, ent = response_logprobs(logits, (mb["input_ids"], P_len), self.dims, temp,
+            p = mb.get("prompt_length", P_len)  # a token-budget micro-batch has its own
+            lp, ent = response_logprobs(logits, (mb["input_ids"], p), self.dims, temp,
                                         vocab_size=self.cfg.model.vocab_size)
             lp_kl = None
             if with_kl:
                 lp_kl = lp if kl_temp == temp else response_logprobs(
-                    logits, (mb["input_ids"], P_len), self.dims, kl_temp,
+                    logits, (mb["input_ids"], p), self.dims, kl_temp,
                     vocab_size=self.cfg.model.vocab_size, compute_entropy=False)[0]
             return P.ppo_loss(
                 self.objective, lp, ent, mb["response_mask"], n_tokens, n_seqs,
                 old_logprobs=mb["old_logprobs"], advantages=mb["advantages"],
-                values=response_values(values, P_len, lp.shape[1]) if self.actor_values else None,
+                values=response_values(values, p, lp.shape[1]) if self.actor_values else None,
                 old_values=mb.get("old_values"), returns=mb.get("returns"),
                 kl_logprobs=lp_kl, ref_logprobs=mb.get("ref_logprobs"), policy=not value_only,
                 rollout_weights=mb.get("rollout_weights"))
@@ -454,7 +477,8 @@ class PPOTrainer:
 
         def fn(values, mb):
             m = mb["response_mask"]
-            return P.critic_loss(self.objective, response_values(values, P_len, m.shape[1]),
+            return P.critic_loss(self.objective, response_values(values, mb.get("prompt_length", P_len),
+                                                                  m.shape[1]),
                                  mb["old_values"], mb["returns"], m, n_tokens, n_seqs)
 
         return fn
@@ -485,18 +509,29 @@ class PPOTrainer:
         if self.critic_model is not None:
             self.critic_model.train()
         all_stats, norms, critic_norms, skipped = [], [], [], 0
+        computed_tokens = 0  # rows x columns of every training micro-batch (shapes: host ints)
+        extents = (row_extents(batch.attention_mask, batch.response_mask, batch.prompt_length)
+                   if c.max_tokens_per_micro_batch else None)  # host metadata, once per step
         # host permutation (the same order on every device type), moved to the device
         g = torch.Generator(device="cpu").manual_seed(self.cfg.trainer.seed + self.step)
         for _ in range(c.ppo_epochs):
-            order = (torch.randperm(B, generator=g, device="cpu") if c.shuffle
-                     else torch.arange(B, device="cpu")).to(self.dims.device)
+            order_host = (torch.randperm(B, generator=g, device="cpu") if c.shuffle
+                          else torch.arange(B, device="cpu"))
+            order = order_host.to(self.dims.device)
             for mb_slice in _chunks(B, per_rank):
                 idx = order[mb_slice]
                 counts = torch.stack([batch.response_mask[idx].sum().float(),
                                       torch.tensor(float(len(idx)), device=self.dims.device)])
                 n_tokens, n_seqs = self._dp_sum(counts)
-                micro = [{k: v[idx[s]] for k, v in tensors.items()}
-                         for s in _chunks(len(idx), c.micro_batch_size)]
+                if extents is None:
+                    micro = [{k: v[idx[s]] for k, v in tensors.items()}
+                             for s in _chunks(len(idx), c.micro_batch_size)]
+                else:  # the token budget: rows packed, padding cut
+                    rows = order_host[mb_slice].tolist()
+                    micro = [take(p, tensors, batch.prompt_length, self.dims.device) for p in
+                             plan_micro_batches(*extents, batch.prompt_length, rows, len(rows),
+                                                c.max_tokens_per_micro_batch)]
+                computed_tokens += sum(mb["input_ids"].numel() for mb in micro)
                 res, stepped = [], True
                 if self.critic_model is None or not value_only:  # a separate critic's warm-up
                     self.optimizer.zero_grad()                    # leaves the actor alone
@@ -504,7 +539,7 @@ class PPOTrainer:
                         self.model, micro,
                         self._ppo_loss_fn(n_tokens, n_seqs, batch.prompt_length,
                                           value_only and self.critic_model is None),
-                        with_values=self.actor_values,
+                        with_values=self.actor_values, variable_shapes=extents is not None,
                         logprob_request=self._logprob_request(
                             batch.prompt_length, (self.cfg.rollout.logprob_temperature,
                                                   self._kl_temperature()), entropy=True))
@@ -515,7 +550,8 @@ class PPOTrainer:
                     self.critic_optimizer.zero_grad()
                     critic_res = forward_backward(
                         self.critic_model, micro,
-                        self._critic_loss_fn(n_tokens, n_seqs, batch.prompt_length))
+                        self._critic_loss_fn(n_tokens, n_seqs, batch.prompt_length),
+                        variable_shapes=extents is not None)
                     finalize_grads(self.critic_model)
                     critic_stepped, critic_norm = self.critic_optimizer.step()
                     critic_norms.append(critic_norm)
@@ -541,6 +577,9 @@ class PPOTrainer:
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
         out.update(correction)
+        if computed_tokens:
+            real = float(batch.attention_mask.sum()) * c.ppo_epochs
+            out["padding_fraction"] = 1.0 - real / computed_tokens
         return out
 
     def _optimizer_step(self, value_only: bool) -> tuple[bool, float]:

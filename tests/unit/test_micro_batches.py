@@ -1,0 +1,56 @@
+"""Token-budget micro-batches: every row once, the budget kept, padding cut, rows put back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, scatter_rows, take
+
+P = 4
+# rows: first prompt column (left padding before it) and response length
+STARTS = [0, 2, 3, 1, 2]
+LENGTHS = [3, 1, 5, 2, 0]
+HOST = torch.device("cpu")
+
+
+def test_plans_cover_every_row_once_within_the_budget_longest_first():
+    plans = plan_micro_batches(STARTS, LENGTHS, P, rows=[4, 0, 1, 2, 3], max_rows=8, max_tokens=18)
+    # spans (P - start + max(1, len)): row0 7, row1 3, row2 6, row3 5, row4 3; rows 0 and 2
+    # keep 4 + 5 columns (18 tokens; a third row would make 27), rows 3, 1, 4 keep 3 + 2
+    assert [p.rows for p in plans] == [(0, 2), (3, 1, 4)]
+    assert [(p.start, p.prompt_length, p.response_length) for p in plans] == [(0, 4, 5), (1, 3, 2)]
+    assert [p.tokens for p in plans] == [18, 15]
+    assert [p.rows for p in plan_micro_batches(STARTS, LENGTHS, P, [0, 1, 2, 3, 4], 8, 14)] == \
+        [(0,), (2,), (3, 1), (4,)]
+    # a row longer than the budget is a micro-batch alone; max_rows caps the rows
+    assert [p.rows for p in plan_micro_batches(STARTS, LENGTHS, P, [0, 1], 8, 2)] == [(0,), (1,)]
+    assert [p.rows for p in plan_micro_batches(STARTS, LENGTHS, P, [0, 1, 2, 3, 4], 2, 1000)] == \
+        [(0, 2), (3, 1), (4,)]
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        plan_micro_batches(STARTS, LENGTHS, P, [0], 1, 0)
+
+
+def test_take_cuts_the_padding_and_scatter_puts_the_rows_back():
+    B, R = 5, 5
+    attention = torch.zeros(B, P + R, dtype=torch.long)
+    response_mask = torch.zeros(B, R, dtype=torch.bool)
+    for r, (s, n) in enumerate(zip(STARTS, LENGTHS)):
+        attention[r, s:P + n] = 1
+        response_mask[r, :n] = True
+    assert row_extents(attention, response_mask, P) == (STARTS, LENGTHS)
+    ids = torch.arange(B * (P + R)).view(B, P + R)
+    per_token = torch.arange(B * R, dtype=torch.float32).view(B, R)
+    tensors = {"input_ids": ids, "attention_mask": attention, "advantages": per_token}
+    plans = plan_micro_batches(STARTS, LENGTHS, P, list(range(B)), B, 18)
+    mbs = [take(p, tensors, P, HOST) for p in plans]
+    first = mbs[0]  # rows 0 and 2: no common left padding, longest response 5
+    assert first["prompt_length"] == 4 and first["input_ids"].shape == (2, 9)
+    second = mbs[1]  # rows 3, 1, 4: column 0 is padding in all three, longest response 2
+    assert second["prompt_length"] == 3 and torch.equal(second["input_ids"], ids[[3, 1, 4], 1:6])
+    assert torch.equal(second["advantages"], per_token[[3, 1, 4], :2])
+    # every valid token survives the cut
+    kept = sum(int(mb["attention_mask"].sum()) for mb in mbs)
+    assert kept == int(attention.sum())
+    back = scatter_rows(plans, [mb["advantages"] for mb in mbs], B, R)
+    assert torch.equal(back[response_mask], per_token[response_mask])
