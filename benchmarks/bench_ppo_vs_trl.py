@@ -179,6 +179,12 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     cfg.trainer.seed = a.seed
     cfg.trainer.precision = "32"
     cfg.exp_manager.exp_dir = str(work / "ours_exp")
+    # the run's fingerprint hashes a tokenizer and a prompt file: stand-ins (the prompts are
+    # random ids, handed to the trainer directly)
+    (work / "tok").mkdir(exist_ok=True)
+    (work / "tok" / "tokenizer.json").write_text("{}")
+    (work / "prompts.jsonl").write_text("")
+    cfg.data.tokenizer_dir, cfg.data.train_file = str(work / "tok"), str(work / "prompts.jsonl")
     cfg.reference.mode = a.reference
     cfg.rollout.max_new_tokens = cfg.rollout.min_new_tokens = a.new
     cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p = 1.0, 0, 1.0
@@ -271,6 +277,14 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
             steps.append(row)
     opt_steps = trainer.cfg.ppo.ppo_epochs * (a.batch // a.mini)
     peak = peak_rss_mib()
+    # MFU: the step's model FLOPs (nemo_rlhf.metrics.flops) over the fp32 GEMM rate of this
+    # process, same threads, measured now (1024^3, best of 5)
+    from nemo_rlhf.metrics.flops import ppo_step_flops
+    from nemo_rlhf.models.config import host_gemm_gflops
+
+    flops = ppo_step_flops(cfg.model, batch=a.batch, prompt_len=a.prompt, response_len=a.new,
+                           ppo_epochs=trainer.cfg.ppo.ppo_epochs).to_dict()
+    gemm_peak = host_gemm_gflops(n=1024, reps=5)["fp32"]
 
     # --- model state (bytes)
     trained = optimizer.params
@@ -282,6 +296,7 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     head_params = sum(q.numel() for n, q in actor.named_parameters() if n.startswith("value_head"))
     return {
         "side": "ours", "steps": steps, "rss_import_mib": rss_import, "rss_setup_mib": rss_setup,
+        "flops": flops, "gemm_peak_gflops": gemm_peak,
         "peak_rss_mib": peak, "peak_reset": peak_reset, "optimizer_steps_per_ppo_step": opt_steps,
         "state": {
             "trained_params": sum(q.numel() for q in trained), "value_head_params": head_params,
@@ -462,6 +477,22 @@ def _child(python: str, role: str, a: argparse.Namespace, work: Path) -> dict:
     return res
 
 
+def _print_mfu(ours: dict, mean: dict, threads: int) -> None:
+    """Our phases' model FLOP/s over the fp32 GEMM rate measured in the same process: an
+    MFU for this machine (model FLOPs: :mod:`nemo_rlhf.metrics.flops`; the train phase is
+    ``ppo_epochs`` forward + backward passes, 3x a forward, over ``batch x (prompt + new)``
+    tokens; the rollout a prefill plus one decode step per new token)."""
+    f, peak = ours["flops"], ours["gemm_peak_gflops"]
+    print(f"\nMFU of ours (model FLOPs / the fp32 GEMM rate of this process, 1024^3, {threads} "
+          f"thread(s): {peak:.1f} GFLOP/s):")
+    for label, key, phase in (("rollout (generation)", "rollout", "generation"),
+                              ("train phase (PPO epochs)", "train", "training")):
+        seconds = mean[phase]
+        rate = f[key] / max(seconds, 1e-9) / 1e9
+        print(f"  {label:26} {f[key] / 1e9:10.2f} GFLOP in {seconds:7.3f} s = {rate:7.1f} GFLOP/s "
+              f"= {rate / peak:6.1%} of the GEMM rate")
+
+
 def _fmt_b(n: float) -> str:
     return f"{n / MIB:,.1f} MiB"
 
@@ -521,6 +552,8 @@ def report(a: argparse.Namespace, ours: dict, trl: dict | None) -> None:
          trl["peak_rss_mib"] - trl["rss_import_mib"] if trl else None, "{:>12.0f}")
     if not ours["peak_reset"] or (trl and not trl["peak_reset"]):
         print("  (peak RSS could not be reset after the warm-up: lifetime peak)")
+
+    _print_mfu(ours, mean["ours"], a.threads)
 
     st = ours["state"]
     print("\nmodel state (parameters + gradients + Adam states, fp32 bytes):")
