@@ -1,0 +1,59 @@
+"""The real-model presets have the shapes of the published HF configs: each preset equals
+what ``nemo-rlhf-ckpt import-hf`` derives from that model's ``config.json`` (the numbers
+below are the config files' own)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import pytest
+
+from nemo_rlhf.distributed.parallel import ParallelConfig, validate_parallel_layout
+from nemo_rlhf.models.config import load_model_preset
+from nemo_rlhf.tools.hf_convert import model_config_from_hf
+
+LLAMA3 = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "attention_bias": False,
+          "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 8192,
+          "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 500000.0,
+          "tie_word_embeddings": False, "vocab_size": 128256, "num_key_value_heads": 8}
+HF_CONFIGS = {
+    "llama3_8b": {**LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                  "num_hidden_layers": 32},
+    "llama3_70b": {**LLAMA3, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+                   "num_hidden_layers": 80},
+    "qwen2_5_7b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
+                   "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+                   "max_position_embeddings": 32768, "num_attention_heads": 28, "num_hidden_layers": 28,
+                   "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+                   "sliding_window": 131072, "tie_word_embeddings": False, "use_sliding_window": False,
+                   "vocab_size": 152064},
+}
+PARAMS_B = {"llama3_8b": 8.03, "llama3_70b": 70.55, "qwen2_5_7b": 7.62}  # the model cards' counts
+
+
+@pytest.mark.parametrize("preset", sorted(HF_CONFIGS))
+def test_preset_equals_the_import_of_the_hf_config(preset):
+    cfg = load_model_preset(preset)
+    derived, _ = model_config_from_hf(HF_CONFIGS[preset], cfg.name)
+    assert asdict(cfg) == asdict(derived)
+
+
+@pytest.mark.parametrize("preset", sorted(HF_CONFIGS))
+def test_preset_parameter_count_matches_the_model_card(preset):
+    c = load_model_preset(preset)
+    d = c.hidden_size // c.num_attention_heads
+    attn = c.hidden_size * d * (c.num_attention_heads + 2 * c.num_query_groups) \
+        + c.num_attention_heads * d * c.hidden_size
+    if c.add_qkv_bias:
+        attn += d * (c.num_attention_heads + 2 * c.num_query_groups)
+    layer = attn + 3 * c.hidden_size * c.ffn_hidden_size + 2 * c.hidden_size
+    total = c.num_layers * layer + 2 * c.vocab_size * c.hidden_size + c.hidden_size
+    assert total / 1e9 == pytest.approx(PARAMS_B[preset], abs=0.01)
+
+
+def test_llama3_8b_on_a_node_of_8_gpus_takes_tp_8():
+    cfg = load_model_preset("llama3_8b")
+    layout = ParallelConfig(tensor_model_parallel_size=8)
+    assert validate_parallel_layout(layout, 16, num_layers=cfg.num_layers,
+                                    num_attention_heads=cfg.num_attention_heads,
+                                    num_query_groups=cfg.num_query_groups) == 2
