@@ -60,7 +60,7 @@ class Signals:
 
 class Experiment:
     """The experiment folder ``exp_manager.exp_dir`` of a run, the same for every job:
-    ``config.yaml`` (the resolved config), ``command_lines.txt`` (one JSON line per start),
+    ``config.yaml`` (the resolved config, also logged at the start), ``command_lines.txt`` (one JSON line per start),
     ``checkpoints/``, and the metrics sink's ``tensorboard/`` and ``metrics.jsonl``.
 
     Args:
@@ -78,7 +78,9 @@ class Experiment:
             if run_config is not None:
                 from omegaconf import OmegaConf
 
-                (self.dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(run_config)))
+                text = OmegaConf.to_yaml(OmegaConf.create(run_config))
+                (self.dir / "config.yaml").write_text(text)
+                logging.getLogger("nemo_rlhf").info("resolved config (%s):\n%s", self.dir / "config.yaml", text)
             with open(self.dir / "command_lines.txt", "a") as f:
                 f.write(json.dumps({"time": time.time(), "argv": sys.argv}) + "\n")
         if dist.is_initialized() and dist.get_world_size() > 1:
