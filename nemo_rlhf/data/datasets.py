@@ -45,9 +45,10 @@ class DataConfig:
     tokenizer_dir: str = MISSING
     """Directory with ``tokenizer.json`` and ``special_tokens.json`` / ``tokenizer_config.json``."""
     chat_template: Optional[str] = None
-    """``null`` (raw prompt) or ``chatml``."""
+    """``null`` (raw prompt), ``chatml``, or ``model``: the tokenizer folder's own Jinja chat
+    template, rendered as Hugging Face's ``apply_chat_template`` does."""
     system_prompt: Optional[str] = None
-    """ChatML system message (needs ``chat_template: chatml``)."""
+    """System message (needs a ``chat_template``)."""
     max_seq_length: int = 32
     """Longest prompt + response in tokens, BOS and EOS included."""
     overlong_policy: str = "truncate"
@@ -59,7 +60,7 @@ class DataConfig:
         check_template(self.chat_template, "data.chat_template")
         if self.system_prompt and self.chat_template is None:
             raise ValueError("data.system_prompt is set but data.chat_template is null; "
-                             "set data.chat_template=chatml")
+                             "set data.chat_template=chatml or model")
         if self.overlong_policy not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong_policy={self.overlong_policy!r}: valid choices "
                              f"are {list(OVERLONG_POLICIES)}")
@@ -122,13 +123,15 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, chat_template: Optional[str
                   system_prompt: Optional[str] = None) -> list[int]:
     """``[BOS] + encode(format_prompt(prompt, ...))``.
 
-    No BOS when the tokenizer has none, or when the formatted text already starts with the
-    BOS token's text (ChatML tokenizers such as SmolLM2's use ``<|im_start|>`` as BOS, and
-    their chat template writes it itself, as Hugging Face's ``apply_chat_template`` does).
+    No BOS when the tokenizer has none, with ``chat_template="model"`` (the model's template
+    writes it where it wants one: the ids equal ``apply_chat_template``'s), or when the
+    formatted text already starts with the BOS token's text (ChatML tokenizers such as
+    SmolLM2's use ``<|im_start|>`` as BOS).
     """
-    text = format_prompt(prompt, chat_template, system_prompt)
+    text = format_prompt(prompt, chat_template, system_prompt, tokenizer)
     ids = tokenizer.encode(text)
-    if tokenizer.bos_id is None or (tokenizer.bos_token and text.startswith(tokenizer.bos_token)):
+    if tokenizer.bos_id is None or chat_template == "model" or (
+            tokenizer.bos_token and text.startswith(tokenizer.bos_token)):
         return ids
     return [tokenizer.bos_id] + ids
 

@@ -5,15 +5,25 @@
 
     <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n
 
+``"model"`` renders the model's own Jinja chat template (the tokenizer folder's
+``chat_template.jinja``, or the ``chat_template`` of its ``tokenizer_config.json``, which
+``nemo-rlhf-ckpt import-hf`` copies) the way Hugging Face's ``apply_chat_template(messages,
+add_generation_prompt=True)`` renders it: a sandboxed Jinja environment with
+``trim_blocks`` and ``lstrip_blocks``, the special tokens' texts (``bos_token``,
+``eos_token``, ``pad_token``, ``unk_token``), ``raise_exception`` and ``strftime_now``.
+The template writes the BOS itself where it wants one (Llama-3's does), so nothing is
+prepended (:func:`nemo_rlhf.data.datasets.encode_prompt`).
+
 The response follows the formatted prompt directly; the tokenizer's EOS ends it (for a
-ChatML tokenizer that is usually ``<|im_end|>``). Simplified: single-turn only.
+ChatML tokenizer that is usually ``<|im_end|>``). Simplified: one user turn (plus the
+optional system message) before the response.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
-CHAT_TEMPLATES = (None, "chatml")
+CHAT_TEMPLATES = (None, "chatml", "model")
 
 
 def check_template(template: Optional[str], key: str = "data.chat_template") -> None:
@@ -23,25 +33,73 @@ def check_template(template: Optional[str], key: str = "data.chat_template") -> 
 
 
 def format_prompt(prompt: str, template: Optional[str] = None,
-                  system_prompt: Optional[str] = None) -> str:
+                  system_prompt: Optional[str] = None, tokenizer=None) -> str:
     """The text the model sees before its response.
 
     Args:
         prompt: the user's prompt (the dataset's ``prompt`` field).
-        template: ``None`` (raw prompt) or ``"chatml"``.
-        system_prompt: ChatML system message; ignored (must be None) without a template.
+        template: ``None`` (raw prompt), ``"chatml"`` or ``"model"``.
+        system_prompt: the system message; must be None without a template.
+        tokenizer: a :class:`~nemo_rlhf.data.tokenizer.Tokenizer`; needed by ``"model"``
+            (its ``chat_template`` and special tokens).
 
     Raises:
-        ValueError: unknown template, or a system prompt without a template.
+        ValueError: unknown template, a system prompt without a template, ``"model"``
+            without a tokenizer that has a chat template, or the template's own
+            ``raise_exception``.
     """
     check_template(template)
     if template is None:
         if system_prompt:
             raise ValueError("data.system_prompt is set but data.chat_template is null; "
-                             "a system prompt needs a chat template ('chatml')")
+                             "a system prompt needs a chat template ('chatml' or 'model')")
         return prompt
+    if template == "model":
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) \
+            + [{"role": "user", "content": prompt}]
+        return render_model_template(tokenizer, messages)
     parts = []
     if system_prompt:
         parts.append(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
     parts.append(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
     return "".join(parts)
+
+
+def render_model_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """``messages`` through the tokenizer's Jinja chat template, as transformers'
+    ``apply_chat_template(..., tokenize=False)`` renders it.
+
+    Raises:
+        ValueError: no tokenizer, a tokenizer without a chat template (names its folder and
+            the files read), or the template's ``raise_exception(message)``.
+    """
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        where = "no tokenizer given" if tokenizer is None else (
+            f"tokenizer {tokenizer.path} has none (looked for chat_template.jinja and the "
+            f"'chat_template' of tokenizer_config.json)")
+        raise ValueError(f"data.chat_template='model' needs the model's chat template: {where}; "
+                         f"valid choices are {list(CHAT_TEMPLATES)}")
+    template = _compiled(tokenizer.chat_template)
+    specials = {k: getattr(tokenizer, k, None) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+    return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                           tools=None, documents=None, **{k: v for k, v in specials.items() if v is not None})
+
+
+_TEMPLATES: dict = {}
+
+
+def _compiled(text: str):
+    """The template compiled once per text (transformers' environment settings)."""
+    if text not in _TEMPLATES:
+        from datetime import datetime
+
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise ValueError(f"the model's chat template refused the messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _TEMPLATES[text] = env.from_string(text)
+    return _TEMPLATES[text]

@@ -9,6 +9,10 @@ A tokenizer directory holds ``tokenizer.json`` and one of
 decides anything from a token id being PAD; masks and lengths do. ``bos_token`` may be
 absent (nothing is prepended). Special tokens are never added by ``encode``; the dataset
 code places BOS and EOS itself.
+
+``chat_template``: the model's Jinja chat template, from ``chat_template.jinja`` or the
+``chat_template`` of ``tokenizer_config.json`` (a list of named templates: the one named
+``default``), else None (``data.chat_template=model`` needs it).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class Tokenizer:
         self.pad_token = _token_text(specials.get("pad_token")) or self.eos_token
         if self.eos_token is None:
             raise ValueError(f"tokenizer {self.path}: no eos_token in {SPECIAL_FILES}")
+        self.unk_token = _token_text(specials.get("unk_token"))
+        self.chat_template = self._read_chat_template(self.path)
         self.bos_id = self._id(self.bos_token) if self.bos_token else None
         self.eos_id = self._id(self.eos_token)
         self.pad_id = self._id(self.pad_token)
@@ -67,6 +73,19 @@ class Tokenizer:
                 return json.loads(p.read_text(encoding="utf-8"))
         raise FileNotFoundError(f"tokenizer {directory}: none of {SPECIAL_FILES} found "
                                 f"(they name bos_token / eos_token / pad_token)")
+
+    @staticmethod
+    def _read_chat_template(directory: Path) -> Optional[str]:
+        jinja = directory / "chat_template.jinja"
+        if jinja.is_file():
+            return jinja.read_text(encoding="utf-8")
+        config = directory / "tokenizer_config.json"
+        if not config.is_file():
+            return None
+        value = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        if isinstance(value, list):  # named templates
+            value = next((t.get("template") for t in value if t.get("name") == "default"), None)
+        return value if isinstance(value, str) else None
 
     def _id(self, token: str) -> int:
         tid = self.hf.token_to_id(token)
