@@ -120,7 +120,7 @@ class TokenizedDataset(Generic[S]):
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str, chat_template: Optional[str] = None,
-                  system_prompt: Optional[str] = None) -> list[int]:
+                  system_prompt: Optional[str] = None, messages: Optional[list[dict]] = None) -> list[int]:
     """``[BOS] + encode(format_prompt(prompt, ...))``.
 
     No BOS when the tokenizer has none, with ``chat_template="model"`` (the model's template
@@ -128,7 +128,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str, chat_template: Optional[str
     formatted text already starts with the BOS token's text (ChatML tokenizers such as
     SmolLM2's use ``<|im_start|>`` as BOS).
     """
-    text = format_prompt(prompt, chat_template, system_prompt, tokenizer)
+    text = format_prompt(prompt, chat_template, system_prompt, tokenizer, messages)
     ids = tokenizer.encode(text)
     if tokenizer.bos_id is None or chat_template == "model" or (
             tokenizer.bos_token and text.startswith(tokenizer.bos_token)):
@@ -183,8 +183,8 @@ def load_sft_dataset(path: str | Path, tokenizer: Tokenizer, cfg: DataConfig) ->
         DataError: an invalid row (file, line, field) unless ``cfg.skip_invalid``.
     """
     def build(row, where, report):
-        p = _encode_field(encode_prompt, where, "prompt", tokenizer, row["prompt"],
-                          cfg.chat_template, cfg.system_prompt)
+        p = _encode_field(encode_prompt, where, "messages" if "messages" in row else "prompt", tokenizer,
+                          row["prompt"], cfg.chat_template, cfg.system_prompt, row.get("messages"))
         r = _encode_field(encode_response, where, "response", tokenizer, row["response"])
         fitted = _fit(len(p), r, cfg)
         if fitted is None:
@@ -204,8 +204,8 @@ def load_preference_dataset(path: str | Path, tokenizer: Tokenizer,
         DataError: an invalid row (file, line, field) unless ``cfg.skip_invalid``.
     """
     def build(row, where, report):
-        p = _encode_field(encode_prompt, where, "prompt", tokenizer, row["prompt"],
-                          cfg.chat_template, cfg.system_prompt)
+        p = _encode_field(encode_prompt, where, "messages" if "messages" in row else "prompt", tokenizer,
+                          row["prompt"], cfg.chat_template, cfg.system_prompt, row.get("messages"))
         c = _encode_field(encode_response, where, "chosen", tokenizer, row["chosen"])
         r = _encode_field(encode_response, where, "rejected", tokenizer, row["rejected"])
         fc, fr = _fit(len(p), c, cfg), _fit(len(p), r, cfg)
@@ -229,12 +229,12 @@ def load_prompt_dataset(path: str | Path, tokenizer: Tokenizer, cfg: DataConfig,
         DataError: an invalid row (file, line, field) unless ``cfg.skip_invalid``.
     """
     def build(row, where, report):
-        p = _encode_field(encode_prompt, where, "prompt", tokenizer, row["prompt"],
-                          cfg.chat_template, cfg.system_prompt)
+        p = _encode_field(encode_prompt, where, "messages" if "messages" in row else "prompt", tokenizer,
+                          row["prompt"], cfg.chat_template, cfg.system_prompt, row.get("messages"))
         if len(p) > max_prompt_length:
             report.dropped_overlong += 1
             return None
-        extras = {k: v for k, v in row.items() if k != "prompt"}
+        extras = {k: v for k, v in row.items() if k not in ("prompt", "messages")}
         return PromptSample(p, row["prompt"], extras)
 
     return _load(path, "prompt", cfg, build)

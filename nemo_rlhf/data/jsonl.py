@@ -7,6 +7,16 @@ Formats (one JSON object a line):
 * ``prompt`` (PPO): ``{"prompt": str, ...}``; the other fields (e.g. ``answer``) are passed
   through as the row's *extras* for reward functions.
 
+Chat rows (the conversational format of TRL and OpenRLHF): a ``messages`` list of
+``{"role": "system" | "user" | "assistant", "content": str}`` instead of ``prompt`` (and,
+for SFT, ``response``). A prompt row's conversation ends with a user turn; an SFT row's
+ends with the assistant turn that is the response (the loss is on that turn; earlier
+assistant turns are context). A preference row's ``prompt`` may be such a list (ending
+with a user turn) and ``chosen`` / ``rejected`` a list of one assistant message. Rows are
+normalised on reading: ``prompt`` becomes the last user turn's text (what reward
+functions see), ``messages`` keeps the conversation before the response (what the chat
+template renders), ``response`` / ``chosen`` / ``rejected`` become strings.
+
 Every row is checked: invalid UTF-8, invalid JSON, a non-object, a missing or non-string
 field, an empty (whitespace-only) prompt, and ``chosen == rejected`` in a preference row
 each raise :class:`DataError` naming the file, the 1-based line number and the field.
@@ -85,9 +95,62 @@ class LoadReport:
         (logger.info if self.clean else logger.warning)(self.summary())
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def _check_messages(messages, where: str, name: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: field {name!r}: expected a non-empty list of "
+                        f"{{'role', 'content'}} messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: field {name!r}[{i}]: expected {{'role': one of {list(ROLES)}, "
+                            f"'content': str}}, got {m!r}")
+    return messages
+
+
+def _split_conversation(messages: list[dict], where: str, name: str, ends_with: str) -> list[dict]:
+    if messages[-1]["role"] != ends_with:
+        raise DataError(f"{where}: field {name!r}: the last message must be the {ends_with}'s, "
+                        f"got {messages[-1]['role']!r}")
+    return messages
+
+
+def _normalise_chat(obj: dict, kind: str, where: str) -> dict:
+    """A chat row in the plain form (module docstring); plain rows are returned as they are."""
+    obj = dict(obj)
+    if "messages" in obj:
+        if "prompt" in obj:
+            raise DataError(f"{where}: field 'messages': give 'messages' or 'prompt', not both")
+        msgs = _check_messages(obj.pop("messages"), where, "messages")
+        if kind == "sft":
+            if "response" in obj:
+                raise DataError(f"{where}: field 'messages': the response is its last assistant "
+                                f"message; drop 'response'")
+            _split_conversation(msgs, where, "messages", "assistant")
+            obj["response"], msgs = msgs[-1]["content"], msgs[:-1]
+            if not msgs:
+                raise DataError(f"{where}: field 'messages': no user turn before the response")
+        _split_conversation(msgs, where, "messages", "user")
+        obj["prompt"], obj["messages"] = msgs[-1]["content"], msgs
+    elif kind == "preference" and isinstance(obj.get("prompt"), list):
+        msgs = _split_conversation(_check_messages(obj["prompt"], where, "prompt"), where, "prompt", "user")
+        obj["prompt"], obj["messages"] = msgs[-1]["content"], msgs
+    if kind == "preference":
+        for name in ("chosen", "rejected"):
+            value = obj.get(name)
+            if isinstance(value, list):
+                msgs = _check_messages(value, where, name)
+                if len(msgs) != 1 or msgs[0]["role"] != "assistant":
+                    raise DataError(f"{where}: field {name!r}: expected one assistant message")
+                obj[name] = msgs[0]["content"]
+    return obj
+
+
 def _validate_row(obj, kind: str, where: str) -> dict:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    obj = _normalise_chat(obj, kind, where)
     for name in REQUIRED_FIELDS[kind]:
         if name not in obj:
             raise DataError(f"{where}: field {name!r}: missing (keys present: {sorted(obj)})")

@@ -15,8 +15,8 @@ The template writes the BOS itself where it wants one (Llama-3's does), so nothi
 prepended (:func:`nemo_rlhf.data.datasets.encode_prompt`).
 
 The response follows the formatted prompt directly; the tokenizer's EOS ends it (for a
-ChatML tokenizer that is usually ``<|im_end|>``). Simplified: one user turn (plus the
-optional system message) before the response.
+ChatML tokenizer that is usually ``<|im_end|>``). A chat row's conversation (``messages``,
+ending with a user turn) is rendered whole by ``chatml`` and ``model``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def check_template(template: Optional[str], key: str = "data.chat_template") -> 
 
 
 def format_prompt(prompt: str, template: Optional[str] = None,
-                  system_prompt: Optional[str] = None, tokenizer=None) -> str:
+                  system_prompt: Optional[str] = None, tokenizer=None,
+                  messages: Optional[list[dict]] = None) -> str:
     """The text the model sees before its response.
 
     Args:
@@ -42,6 +43,9 @@ def format_prompt(prompt: str, template: Optional[str] = None,
         system_prompt: the system message; must be None without a template.
         tokenizer: a :class:`~nemo_rlhf.data.tokenizer.Tokenizer`; needed by ``"model"``
             (its ``chat_template`` and special tokens).
+        messages: a conversation ending with a user turn (a chat row), rendered instead of
+            ``prompt`` (its last user turn); ``system_prompt`` goes first unless the
+            conversation has its own system message. Needs a template.
 
     Raises:
         ValueError: unknown template, a system prompt without a template, ``"model"``
@@ -53,16 +57,18 @@ def format_prompt(prompt: str, template: Optional[str] = None,
         if system_prompt:
             raise ValueError("data.system_prompt is set but data.chat_template is null; "
                              "a system prompt needs a chat template ('chatml' or 'model')")
+        if messages is not None and len(messages) > 1:
+            raise ValueError("a chat row ('messages') with more than one message needs a chat "
+                             "template: set data.chat_template=model or chatml")
         return prompt
+    if messages is None:
+        messages = [{"role": "user", "content": prompt}]
+    if system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
     if template == "model":
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) \
-            + [{"role": "user", "content": prompt}]
         return render_model_template(tokenizer, messages)
-    parts = []
-    if system_prompt:
-        parts.append(f"<|im_start|>system\n{system_prompt}<|im_end|>\n")
-    parts.append(f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
-    return "".join(parts)
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) \
+        + "<|im_start|>assistant\n"
 
 
 def render_model_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
