@@ -43,8 +43,8 @@ MISTAKES = ("left_to_right", "off_by_one", "digit_swap")
 
 
 @dataclass
-class DemoTaskConfig:
-    """Sizes and noise of the generated demo datasets."""
+class TaskSizes:
+    """The seed and the file sizes every generated demo dataset has."""
 
     seed: int = 0
     """Seed of every random choice."""
@@ -58,15 +58,24 @@ class DemoTaskConfig:
     """Held-out evaluation prompts (disjoint from all others)."""
     n_val: int = 200
     """Validation prompts (SFT and RM validation; disjoint from training and eval)."""
+
+    def __post_init__(self) -> None:
+        for key in ("n_sft", "n_pref", "n_ppo", "n_eval", "n_val"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")
+
+
+@dataclass
+class DemoTaskConfig(TaskSizes):
+    """Sizes and noise of the generated demo datasets."""
+
     sft_noise_rate: float = 0.35
     """Probability that the SFT labeller answers a precedence-sensitive prompt left to right."""
     precedence_fraction: float = 0.5
     """Fraction of prompts of the form ``a+b*c`` / ``a-b*c``."""
 
     def __post_init__(self) -> None:
-        for key in ("n_sft", "n_pref", "n_ppo", "n_eval", "n_val"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")
+        super().__post_init__()
         for key in ("sft_noise_rate", "precedence_fraction"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ValueError(f"{key}={getattr(self, key)}: must be in [0, 1]")

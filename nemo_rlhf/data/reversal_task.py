@@ -39,28 +39,16 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemo_rlhf.data.demo_task import (SPECIAL_TOKENS, _jsonl, build_char_tokenizer_json, with_manifest,
-                                      write_dataset_files)
+from nemo_rlhf.data.demo_task import (SPECIAL_TOKENS, TaskSizes, _jsonl, build_char_tokenizer_json,
+                                      with_manifest, write_dataset_files)
 
 REJECTED_KINDS = ("copy", "digit_change", "adjacent_swap")
 
 
 @dataclass
-class ReversalTaskConfig:
+class ReversalTaskConfig(TaskSizes):
     """Sizes and the demonstrator's noise of the reversal task."""
 
-    seed: int = 0
-    """Seed of every random choice."""
-    n_sft: int = 4000
-    """SFT training rows."""
-    n_pref: int = 4000
-    """Preference training pairs."""
-    n_ppo: int = 2000
-    """PPO prompts."""
-    n_eval: int = 200
-    """Held-out evaluation prompts (disjoint from all others)."""
-    n_val: int = 200
-    """Validation prompts (SFT and RM validation; disjoint from training and eval)."""
     min_digits: int = 3
     """Shortest number."""
     max_digits: int = 5
@@ -69,9 +57,7 @@ class ReversalTaskConfig:
     """Probability that the demonstrator copies the number instead of reversing it."""
 
     def __post_init__(self) -> None:
-        for key in ("n_sft", "n_pref", "n_ppo", "n_eval", "n_val"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")
+        super().__post_init__()
         if not 2 <= self.min_digits <= self.max_digits:
             raise ValueError(f"min_digits={self.min_digits}, max_digits={self.max_digits}: "
                              f"need 2 <= min_digits <= max_digits")
