@@ -159,7 +159,7 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
                 compute_entropy, chunk_size):
         n = hidden.shape[0]
         f32 = dict(dtype=torch.float32, device=hidden.device)
-        logprobs, entropy, lse_full = (torch.empty(n, **f32) for _ in range(3))
+        logprobs, entropy, lse_full = (torch.empty(n, **f32) for _ in range(3))  # on hidden.device
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             z = torch.nn.functional.linear(hidden[s:e], weight).float().div_(temperature)
