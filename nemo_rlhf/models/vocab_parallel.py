@@ -35,6 +35,21 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
+def _mask_padded_rows(z: torch.Tensor, vocab_start: int, vocab_size) -> None:
+    """Give this shard's padded vocabulary rows (ids >= ``vocab_size``) a finite minus
+    infinity, in place."""
+    if vocab_size is not None and vocab_start + z.shape[-1] > vocab_size:
+        z[..., max(vocab_size - vocab_start, 0):] = _NEG
+
+
+def _target_index(target: torch.Tensor, vocab_start: int, v_local: int):
+    """``(local, in_range)``: each target's index in this shard (0 where another rank owns
+    it) and whether this rank owns it."""
+    local = target - vocab_start
+    in_range = (local >= 0) & (local < v_local)
+    return torch.where(in_range, local, torch.zeros_like(local)), in_range
+
+
 def _softmax_stats(z: torch.Tensor, target: torch.Tensor, vocab_start: int, vocab_size, tp_group,
                    compute_entropy: bool):
     """Log-probs of ``target`` and the entropy from one rank's temperature-scaled fp32
@@ -45,9 +60,7 @@ def _softmax_stats(z: torch.Tensor, target: torch.Tensor, vocab_start: int, voca
     *shifted* logits, ``local`` / ``in_range`` the target's index in this shard and whether
     this rank owns it. Three (four with the entropy) all-reduces of ``[...]`` scalars.
     """
-    v_local = z.shape[-1]
-    if vocab_size is not None and vocab_start + v_local > vocab_size:
-        z[..., max(vocab_size - vocab_start, 0):] = _NEG
+    _mask_padded_rows(z, vocab_start, vocab_size)
     zmax = z.max(dim=-1).values
     _all_reduce(zmax, dist.ReduceOp.MAX, tp_group)
     z.sub_(zmax.unsqueeze(-1))
@@ -55,9 +68,7 @@ def _softmax_stats(z: torch.Tensor, target: torch.Tensor, vocab_start: int, voca
     sumexp = e.sum(dim=-1)
     _all_reduce(sumexp, dist.ReduceOp.SUM, tp_group)
     lse = torch.log(sumexp)  # of the shifted logits
-    local = target - vocab_start
-    in_range = (local >= 0) & (local < v_local)
-    local = torch.where(in_range, local, torch.zeros_like(local))
+    local, in_range = _target_index(target, vocab_start, z.shape[-1])
     z_t = torch.where(in_range, z.gather(-1, local.unsqueeze(-1)).squeeze(-1),
                       torch.zeros((), dtype=z.dtype, device=z.device))
     _all_reduce(z_t, dist.ReduceOp.SUM, tp_group)
@@ -181,11 +192,8 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk_size):
             e = min(hidden.shape[0], s + chunk_size)
             z = torch.nn.functional.linear(hidden[s:e], weight).float().div_(temperature)
-            if vocab_size is not None and vocab_start + v_local > vocab_size:
-                z[..., max(vocab_size - vocab_start, 0):] = _NEG
-            local = target[s:e] - vocab_start
-            in_range = (local >= 0) & (local < v_local)
-            local = torch.where(in_range, local, torch.zeros_like(local))
+            _mask_padded_rows(z, vocab_start, vocab_size)
+            local, in_range = _target_index(target[s:e], vocab_start, v_local)
             g = _grad_logits(z.sub_(lse_full[s:e].unsqueeze(-1)), entropy[s:e], local, in_range,
                              None if grad_logprobs is None else grad_logprobs[s:e],
                              None if grad_entropy is None else grad_entropy[s:e],
