@@ -93,11 +93,12 @@ def _run_gold(tmp: Path) -> dict:
                       "guards.max_length_growth=1000", "guards.max_repetition=1.0",
                       "guards.kl_ceiling=1000", "guards.gold_window=2", "guards.gold_min_drop=0.05")
     trainer = build(cfg)
-    real_validate, seen = trainer.validate, []
+    real_validate, seen, real = trainer.validate, [], {}
 
     def diverging_validate():
         metrics = real_validate()
         seen.append(sorted(metrics))
+        real[trainer.step] = dict(metrics)
         reward, accuracy = DIVERGING[trainer.step - 1]  # trainer.step: this step, counted
         metrics.update({"eval/reward": reward, "eval/accuracy": accuracy})
         return metrics
@@ -106,7 +107,10 @@ def _run_gold(tmp: Path) -> dict:
     code, lines = _fit_recording(trainer)
     ckpts = exp / "checkpoints"
     state = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "trainer_state.json").read_text())
-    return {"code": code, "step": trainer.step, "state": state, "log": lines, "seen": seen}
+    samples = {int(f.stem.split("_")[1]): [json.loads(line) for line in f.read_text().splitlines()]
+               for f in sorted((exp / "eval_samples").glob("step_*.jsonl"))}
+    return {"code": code, "step": trainer.step, "state": state, "log": lines, "seen": seen,
+            "real": real, "samples": samples, "n_eval": len(trainer.eval_prompts)}
 
 
 def _worker(rank: int, tmp: str) -> dict:
@@ -166,3 +170,19 @@ def test_reward_rising_while_the_gold_metric_falls_stops_the_run(runs):
                       "guards.gold_min_drop=0.05) between the evaluations at steps 2 and 4: the "
                       "reward no longer tracks the metric it stands for (reward hacking / RM "
                       "over-optimisation))"], res["log"]
+
+
+def test_each_evaluation_writes_its_responses_and_they_give_the_logged_metrics(runs):
+    """``<exp_dir>/eval_samples/step_<n>.jsonl``: one row per held-out prompt for the
+    initial policy and every evaluated step; averaging its columns gives the step's
+    ``eval/*`` metrics as logged (before this test's replacement of two of them)."""
+    res = runs["gold"]
+    assert sorted(res["samples"]) == [0, 1, 2, 3, 4]
+    for step, metrics in res["real"].items():
+        rows = res["samples"][step]
+        assert len(rows) == min(res["n_eval"], 200) > 0
+        assert all(isinstance(r["prompt"], str) and isinstance(r["response"], str) for r in rows)
+        mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+        assert mean("correct") == pytest.approx(metrics["eval/accuracy"])
+        assert mean("score") == pytest.approx(metrics["eval/reward"])
+        assert mean("length") == pytest.approx(metrics["eval/response_length"])

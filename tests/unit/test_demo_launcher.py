@@ -99,3 +99,27 @@ def test_a_refresh_without_an_rm_reward_is_refused_before_any_stage(capsys):
     with pytest.raises(SystemExit):
         main(["--reward", "checker", "--refresh-rounds", "1"])
     assert "--refresh-rounds refreshes the served RM; it needs --reward rm or both" in capsys.readouterr().err
+
+
+def test_before_and_after_come_from_the_ppo_runs_own_evaluation_files(tmp_path):
+    """The demo's before/after numbers are the trainer's eval_samples files, averaged;
+    a step the run did not evaluate gives None (the demo then runs nemo_rlhf.evaluate)."""
+    from launchers.demo import _ppo_evaluation
+
+    rows = [{"prompt": f"p{i}", "response": f"r{i}", "score": 2.5, "correct": float(i % 2),
+             "length": 10 + i, "just_the_number": 1.0 if i == 0 else 0.0} for i in range(4)]
+    (tmp_path / "eval_samples").mkdir()
+    (tmp_path / "eval_samples" / "step_000010.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+    got = _ppo_evaluation(tmp_path, 10, num_examples=3)
+    assert got["accuracy"] == 0.5 and got["mean_response_length"] == 11.5
+    assert got["just_the_number"] == 0.25 and got["num_responses"] == 4
+    assert got["examples"] == [{"prompt": "p0", "response": "r0", "score": 0.0},
+                               {"prompt": "p1", "response": "r1", "score": 1.0},
+                               {"prompt": "p2", "response": "r2", "score": 0.0}]
+    assert _ppo_evaluation(tmp_path, 5) is None
+    for r in rows:
+        del r["just_the_number"]
+    (tmp_path / "eval_samples" / "step_000000.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+    assert "just_the_number" not in _ppo_evaluation(tmp_path, 0)

@@ -6,6 +6,10 @@ Simplified: the win rate is judged by the same reward the policy is trained on.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch.distributed as dist
 
 from nemo_rlhf.reward.functions import get_reward_function
@@ -15,7 +19,9 @@ def evaluate_policy(trainer) -> dict:
     """Greedy decoding on the held-out set (``trainer.max_eval_samples`` of
     ``data.val_file``, split over DP): accuracy by ``trainer.eval_checker``, the extra
     checkers, RM reward, length, repetition, and the win rate vs the initial policy judged
-    by the reward; every rank returns the same metrics (``eval/*``).
+    by the reward; every rank returns the same metrics (``eval/*``). Global rank 0 also
+    writes the responses, one JSON line per held-out prompt in file order, to
+    ``<exp_dir>/eval_samples/step_<step>.jsonl`` (:func:`write_eval_samples`).
 
     Raises:
         the reward source's error on its rank and ``RewardScoringError`` on the others.
@@ -70,6 +76,9 @@ def evaluate_policy(trainer) -> dict:
                          "src": {k: v[j] for k, v in r["per_source"].items()},
                          "len": r["lengths"][j], "rep": r["rep"][j]}
     items = [merged[i] for i in sorted(merged)]
+    if trainer.dims.rank == 0:
+        write_eval_samples(Path(trainer.cfg.exp_manager.exp_dir), trainer.step,
+                           [trainer.eval_prompts[i] for i in sorted(merged)], items)
     for r in rows:  # re-scored initial responses (after a reward change), the same on every rank
         if r.get("initial_scores") is not None:
             for j, i in enumerate(r["idx"]):
@@ -95,4 +104,37 @@ def evaluate_policy(trainer) -> dict:
     return metrics
 
 
-__all__ = ["evaluate_policy"]
+def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict]) -> Path:
+    """Write one evaluation's responses to ``<exp_dir>/eval_samples/step_<step>.jsonl``.
+
+    One line per held-out prompt: ``prompt``, ``response``, ``score`` (the raw reward),
+    ``correct`` (``trainer.eval_checker``'s score, 0 when none is set), ``length``
+    (response tokens), ``repetition``, the extra checkers' and the reward sources' scores,
+    and the row's own fields (``extras``). Written to a temporary file and renamed, so a
+    reader never sees half a file; a re-run of the same step (after a resume) replaces it.
+
+    Args:
+        exp_dir: the run's ``exp_manager.exp_dir``.
+        step: the policy's step (0: the initial policy).
+        prompts: the held-out rows (``.prompt``, ``.extras``), in the order of ``items``.
+        items: per-row results of :func:`evaluate_policy`.
+
+    Returns:
+        the path written.
+    """
+    out = exp_dir / "eval_samples" / f"step_{step:06d}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w") as f:
+        for row, x in zip(prompts, items):
+            f.write(json.dumps({
+                "prompt": row.prompt, "response": x["text"], "score": float(x["score"]),
+                "correct": float(x["correct"]), "length": int(x["len"]),
+                "repetition": float(x["rep"]), **{k: float(v) for k, v in x["extra"].items()},
+                "sources": {k: float(v) for k, v in x["src"].items()},
+                "extras": row.extras}, default=str) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+__all__ = ["evaluate_policy", "write_eval_samples"]
