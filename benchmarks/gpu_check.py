@@ -20,7 +20,7 @@ Otherwise it runs, each step a subprocess with a timeout and its output in
    preference pairs) and ``benchmarks/gpu_check_trainer.py`` as the trainer (the PPO main
    job with per-phase timers), ``trainer.precision=bf16-mixed``, ``reference.mode=offload``:
 
-   * ``tiny``: ``conf/ppo.yaml``'s tiny model on the synthetic arithmetic prompts;
+   * ``tiny``: ``conf/ppo_tiny.yaml``'s tiny model on the synthetic arithmetic prompts;
    * ``tiny_distopt`` (GPU only): the tiny run with ``optim.use_distributed_optimizer=true``
      (megatron's ZeRO-1 optimizer), ``steps - 1`` steps, then resumed from its checkpoint
      to ``steps``;
@@ -281,7 +281,7 @@ class GPUCheck:
         """A one-step RM checkpoint (tiny model) on the demo pairs, for ``tokenizer``."""
         exp = self.work / name
         shutil.rmtree(exp, ignore_errors=True)
-        cmd = [self.python, "-m", "nemo_rlhf.train_rm", f"exp_manager.exp_dir={exp}",
+        cmd = [self.python, "-m", "nemo_rlhf.train_rm", "--config-name", "rm_tiny", f"exp_manager.exp_dir={exp}",
                f"data.train_file={data / 'preference.jsonl'}",
                f"data.val_file={data / 'preference_val.jsonl'}", f"data.tokenizer_dir={tokenizer}",
                "trainer.max_steps=1", "trainer.val_check_interval=0",
@@ -294,7 +294,7 @@ class GPUCheck:
     def ppo(self, name: str, rm: Path, overrides: list[str], steps: int, about: str) -> bool:
         exp = self.work / f"ppo_{name}"
         shutil.rmtree(exp, ignore_errors=True)
-        cmd = [self.python, "-m", "launchers.local", "--rm-checkpoint", str(rm),
+        cmd = [self.python, "-m", "launchers.local", "--rm-checkpoint", str(rm), "--config-name", "ppo_tiny",
                "--exp-dir", str(exp), "--trainer-module", str(TRAINER),
                "--rm-start-timeout-s", str(self.args.timeout_rm), "--stop-grace-s", "15", "--",
                "exp_manager.resume=none", f"trainer.max_steps={steps}",
@@ -322,7 +322,7 @@ class GPUCheck:
         the checkpoint holds the ``megatron_distributed`` optimizer format."""
         exp = self.work / "ppo_tiny_distopt"
         shutil.rmtree(exp, ignore_errors=True)
-        base = [self.python, "-m", "launchers.local", "--rm-checkpoint", str(rm),
+        base = [self.python, "-m", "launchers.local", "--rm-checkpoint", str(rm), "--config-name", "ppo_tiny",
                 "--exp-dir", str(exp), "--trainer-module", str(TRAINER),
                 "--rm-start-timeout-s", str(self.args.timeout_rm), "--stop-grace-s", "15", "--",
                 "trainer.val_check_interval=0", "trainer.sample_table_every=0",
@@ -428,7 +428,7 @@ class GPUCheck:
                       "ppo.micro_batch_size=8", "ppo.forward_micro_batch_size=16"]
                      if self.cpu else [])
             self.ppo("tiny", rm, [*files, f"data.tokenizer_dir={tiny_tok}", *small], steps,
-                     "tiny demo model (conf/ppo.yaml)")
+                     "tiny demo model (conf/ppo_tiny.yaml)")
         if self.cpu:
             self.skip("ppo_tiny_distopt", "--cpu: megatron's DistributedOptimizer needs CUDA")
             self.skip("ppo_smollm2", "--cpu: the 135M model is for the GPU run")

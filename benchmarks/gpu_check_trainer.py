@@ -1,6 +1,6 @@
 """The PPO main job with measurement hooks: the trainer that ``benchmarks/gpu_check.py`` runs.
 
-    python benchmarks/gpu_check_trainer.py [--config-name ppo] [nemo_rlhf.train_ppo overrides]
+    python benchmarks/gpu_check_trainer.py [--config-name ppo_tiny] [nemo_rlhf.train_ppo overrides]
 
 This is ``python -m nemo_rlhf.train_ppo`` itself (its Hydra ``hydra_main``, ``build`` and ``fit``,
 so the launcher, the served RM, checkpoints and ``metrics.jsonl`` are the real ones), with

@@ -131,7 +131,8 @@ def run_tiny(a) -> int:
 
     t = time.time()
     if _latest(out / "sft") is None:
-        _run([sys.executable, "-m", "nemo_rlhf.train_sft", f"exp_manager.exp_dir={out / 'sft'}",
+        _run([sys.executable, "-m", "nemo_rlhf.train_sft", "--config-name", "sft_tiny",
+              f"exp_manager.exp_dir={out / 'sft'}",
               f"data.train_file={data / 'sft.jsonl'}", f"data.val_file={data / 'sft_val.jsonl'}",
               f"data.tokenizer_dir={data / 'tokenizer'}", *a.sft_overrides], logs / "sft.log")
     sft = _latest(out / "sft")
@@ -140,7 +141,7 @@ def run_tiny(a) -> int:
     t = time.time()
 
     def train_rm(exp: Path, init_from, train_file: Path, steps) -> None:
-        _run([sys.executable, "-m", "nemo_rlhf.train_rm", f"exp_manager.exp_dir={exp}",
+        _run([sys.executable, "-m", "nemo_rlhf.train_rm", "--config-name", "rm_tiny", f"exp_manager.exp_dir={exp}",
               f"data.train_file={train_file}", f"data.val_file={data / 'preference_val.jsonl'}",
               f"data.tokenizer_dir={data / 'tokenizer'}",
               *([f"rm.init_from={init_from}"] if init_from else []),
@@ -162,8 +163,8 @@ def run_tiny(a) -> int:
     ppo_args = [f"exp_manager.init_from={sft}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={data / 'tokenizer'}",
                 "reward.normalization=fixed", *a.ppo_overrides]
-    base_steps = _first_stage_steps(a, _ppo_max_steps("ppo", a.ppo_overrides))
-    _ppo_stage(ppo_args, rm, ppo_exp, "ppo", a.nproc, base_steps)
+    base_steps = _first_stage_steps(a, _ppo_max_steps("ppo_tiny", a.ppo_overrides))
+    _ppo_stage(ppo_args, rm, ppo_exp, "ppo_tiny", a.nproc, base_steps)
     times["ppo"] = time.time() - t
 
     t = time.time()
@@ -171,7 +172,7 @@ def run_tiny(a) -> int:
     if a.refresh_rounds:
         rounds, rm = _refresh_rounds(
             a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
-            config_name="ppo", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
+            config_name="ppo_tiny", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
             base_pairs=data / "preference.jsonl", train_rm=train_rm,
             rm_batch=_rm_global_batch(a.rm_overrides), eval_args=[], edit_pairs=False)
     times["refresh"] = time.time() - t
@@ -426,21 +427,28 @@ def _ppo_max_steps(config_name: str, overrides) -> int:
     for o in reversed(list(overrides)):
         if o.startswith("trainer.max_steps="):
             return int(o.split("=", 1)[1])
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.load(REPO / "conf" / f"{config_name}.yaml")
-    steps = OmegaConf.select(cfg, "trainer.max_steps")
-    return int(steps if steps is not None else OmegaConf.load(REPO / "conf" / "ppo.yaml").trainer.max_steps)
+    return int(_composed(config_name).trainer.max_steps)
 
 
 def _rm_global_batch(overrides) -> int:
-    """``trainer.global_batch_size`` of the tiny RM job: the last override, else conf/rm.yaml's."""
+    """``trainer.global_batch_size`` of the tiny RM job: the last override, else conf/rm_tiny.yaml's."""
     for o in reversed(list(overrides)):
         if o.startswith("trainer.global_batch_size="):
             return int(o.split("=", 1)[1])
+    return int(_composed("rm_tiny").trainer.global_batch_size)
+
+
+def _composed(config_name: str):
+    """The values of ``conf/<config_name>.yaml`` over its parent job configs (its
+    ``defaults`` entries naming another file of ``conf/``), as a plain OmegaConf merge:
+    enough for the scalar keys the demo reads, without importing the trainers."""
     from omegaconf import OmegaConf
 
-    return int(OmegaConf.load(REPO / "conf" / "rm.yaml").trainer.global_batch_size)
+    raw = OmegaConf.load(REPO / "conf" / f"{config_name}.yaml")
+    parents = [d for d in raw.get("defaults", []) if isinstance(d, str)
+               and (REPO / "conf" / f"{d}.yaml").is_file()]
+    own = OmegaConf.masked_copy(raw, [k for k in raw if k not in ("defaults", "hydra")])
+    return OmegaConf.merge(*(_composed(p) for p in parents), own)
 
 
 def _first_stage_steps(a, total: int) -> int:

@@ -76,7 +76,8 @@ class LocalRunConfig:
     stop_grace_s: float = 30.0
     """Seconds a stopped process group (server; trainer on Ctrl-C) gets before SIGKILL."""
     config_name: str = "ppo"
-    """The trainer's Hydra config in ``conf/`` (``ppo``: the tiny demo; ``ppo_smollm2``)."""
+    """The trainer's Hydra config in ``conf/`` (``ppo``: real-model defaults; the demos'
+    ``ppo_tiny`` and ``ppo_smollm2``)."""
     trainer_module: str = "nemo_rlhf.train_ppo"
     """Trainer entry: a module run with ``-m``, or a path to a ``.py`` script."""
     python: str = sys.executable

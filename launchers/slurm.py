@@ -1,7 +1,7 @@
 """Submit the project's jobs to Slurm, validated first.
 
     python -m launchers.slurm [--dry-run | --test-only] [--job ppo|sft|rm|rm_server]
-        [--rm-checkpoint CKPT] [--rm-arg KEY=VALUE]... [--sweep KEY=V1,V2,...]...
+        [--config-name NAME] [--rm-checkpoint CKPT] [--rm-arg KEY=VALUE]... [--sweep KEY=V1,V2,...]...
         [cluster=<name>] [cluster.<key>=<value>]... <job overrides>
 
 Steps (:func:`prepare`, then :func:`submit`):
@@ -9,8 +9,10 @@ Steps (:func:`prepare`, then :func:`submit`):
 1. compose the cluster, ``conf/cluster/<name>.yaml`` over :class:`SlurmClusterConfig`
    (``cluster=local`` unless given; ``cluster.nodes=4``-style overrides on top);
 2. compose the job's own config (``conf/ppo.yaml``, ``sft.yaml``, ``rm.yaml`` or
-   ``rm_server.yaml``) with the overrides and convert it to its typed schema
-   (``OmegaConf.to_object``), once per sweep point: an unknown key, a value of the wrong
+   ``rm_server.yaml``; ``--config-name ppo_tiny`` another file of ``conf/``, passed on to
+   the job) with the overrides, take the model of the starting checkpoint
+   (``*.init_from``, as the job will: :mod:`nemo_rlhf.checkpoint.source`) and convert it
+   to its typed schema (``OmegaConf.to_object``), once per sweep point: an unknown key, a value of the wrong
    type or a rule of the schema fails here, naming the key; then the layout: TP x PP
    against the job's ranks (``cluster.gpus_per_node`` x ``cluster.nodes`` on GPU
    clusters, ``cluster.ntasks_per_node`` x ``cluster.nodes`` on CPU ones), divisibility
@@ -152,13 +154,14 @@ def _check_options(job: str, overrides: list[str], rm_checkpoint: Optional[str],
     return overrides
 
 
-def _exp_dir(job: str, overrides: list[str], repo_dir: Path) -> tuple[Path, list[str]]:
+def _exp_dir(job: str, overrides: list[str], repo_dir: Path,
+             config_name: Optional[str] = None) -> tuple[Path, list[str]]:
     """The experiment folder (absolute; relative ones start at repo_dir) and the overrides
     without ``exp_manager.exp_dir`` (the job gets it as EXP_DIR). The RM server has none:
     the folder of ``server.address_file``, else :data:`RM_SERVER_EXP_DIR`."""
     key = JOBS[job].exp_dir_key
     if key:
-        exp_dir = str(compose_job(job, overrides).exp_manager.exp_dir)
+        exp_dir = str(compose_job(job, overrides, config_name).exp_manager.exp_dir)
         overrides = _drop(overrides, key)
     else:
         address = _override_value(overrides, "server.address_file")
@@ -196,8 +199,11 @@ def _settings(job: str, cluster: SlurmClusterConfig, repo_dir: Path, exp_dir: Pa
 
 def prepare(job: str = "ppo", overrides: Sequence[str] = (), cluster_name: str = DEFAULT_CLUSTER,
             cluster_overrides: Sequence[str] = (), rm_checkpoint: Optional[str] = None,
-            rm_overrides: Sequence[str] = (), sweeps: Sequence[str] = ()) -> PreparedJob:
+            rm_overrides: Sequence[str] = (), sweeps: Sequence[str] = (),
+            config_name: Optional[str] = None) -> PreparedJob:
     """Validate everything and render the sbatch script (see the module docstring).
+    ``config_name``: the job's config file in ``conf/`` (default: the job's own, e.g.
+    ``ppo``; ``ppo_tiny`` is the tiny demo's), passed to the job as ``--config-name``.
 
     Raises:
         LaunchError: naming the offending key.
@@ -211,9 +217,17 @@ def prepare(job: str = "ppo", overrides: Sequence[str] = (), cluster_name: str =
     with_rm = job == "ppo" and rm_checkpoint is not None
     if with_rm:
         _validate_rm_server(rm_checkpoint, rm_overrides, cluster)
-    rm_dedicated = cluster.rm_dedicated_nodes if with_rm else 0
+    rm_dedicated = cluster.rm_dedicated_nodes if with_rm else 0  # only a PPO job's RM server uses it
+    if rm_dedicated >= cluster.nodes:
+        raise LaunchError(f"cluster.rm_dedicated_nodes={rm_dedicated} leaves no trainer node of "
+                          f"cluster.nodes={cluster.nodes} (the RM server's nodes come on top of the trainer's)")
+    from nemo_rlhf.models.config import CONF_DIR
+
+    if config_name is not None and (job == "rm_server" or not (CONF_DIR / f"{config_name}.yaml").is_file()):
+        raise LaunchError(f"--config-name {config_name}: not a training job config in {CONF_DIR} "
+                          f"(valid: {sorted(p.stem for p in CONF_DIR.glob(f'{job}*.yaml'))})")
     for point, _ in points:
-        cfg = compose_job(job, [*overrides, *point])
+        cfg = compose_job(job, [*overrides, *point], config_name)
         if job == "ppo" and not with_rm:
             r = cfg.reward
             if not (r.functions or r.rm_url or r.rm_address_file):
@@ -221,12 +235,13 @@ def prepare(job: str = "ppo", overrides: Sequence[str] = (), cluster_name: str =
                                   "reward.functions / reward.rm_url / reward.rm_address_file")
         _validate_job(job, cfg, cluster, rm_dedicated)
 
-    exp_dir, overrides = _exp_dir(job, overrides, repo_dir)
+    exp_dir, overrides = _exp_dir(job, overrides, repo_dir, config_name)
     settings = _settings(job, cluster, repo_dir, exp_dir, rm_checkpoint, rm_overrides, rm_dedicated, points)
     template = (SLURM_DIR / JOBS[job].template).read_text()
     n_tasks = len(points) if sweeps else 0  # 0: not a job array
+    words = ["--config-name", config_name, *overrides] if config_name else overrides
     script = render(template, _sbatch_lines(JOBS[job], job, cluster, exp_dir, n_tasks),
-                    settings, overrides, cluster.setup)
+                    settings, words, cluster.setup)
     tasks = [exp_dir / name for _, name in points] if sweeps else [exp_dir]
     return PreparedJob(job, script, exp_dir, tasks, repo_dir)
 
@@ -281,6 +296,8 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--dry-run", action="store_true", help="print the sbatch script, submit nothing")
     mode.add_argument("--test-only", action="store_true", help="sbatch --test-only (the scheduler's opinion), submit nothing")
     p.add_argument("--job", choices=sorted(JOBS), default="ppo")
+    p.add_argument("--config-name", help="the job's config in conf/ (default: the job's own: ppo, sft, "
+                                          "rm); e.g. ppo_tiny, the tiny demo's")
     p.add_argument("--rm-checkpoint", help="PPO: serve this RM checkpoint as a job step; rm_server: the checkpoint")
     p.add_argument("--rm-arg", dest="rm_overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="RM server Hydra override (repeatable), e.g. parallel.tensor_model_parallel_size=2")
@@ -310,7 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     name, cluster_overrides, overrides = split_cluster_overrides(args.overrides)
     try:
         prepared = prepare(args.job, overrides, name, cluster_overrides, args.rm_checkpoint,
-                           args.rm_overrides, args.sweep)
+                           args.rm_overrides, args.sweep, args.config_name)
         if args.dry_run:
             sys.stdout.write(prepared.script)
             return 0

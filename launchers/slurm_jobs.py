@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -88,9 +89,6 @@ class SlurmClusterConfig:
         if self.gpus_per_node and self.ntasks_per_node not in (None, self.gpus_per_node):
             raise bad("ntasks_per_node", self.ntasks_per_node,
                       f"must equal cluster.gpus_per_node={self.gpus_per_node} (one rank per GPU) or be null")
-        if self.rm_dedicated_nodes >= self.nodes:
-            raise bad("rm_dedicated_nodes", self.rm_dedicated_nodes,
-                      f"leaves no trainer node of cluster.nodes={self.nodes}")
         if not re.fullmatch(r"[\w.-]+", self.job_name_prefix):
             raise bad("job_name_prefix", self.job_name_prefix, "letters, digits, '.', '_' or '-' only")
 
@@ -159,15 +157,24 @@ def _describe(exc: BaseException) -> str:
     return "; ".join(parts)
 
 
-def _compose(config_name: Optional[str], overrides: Sequence[str], what: str):
+def _compose(config_name: Optional[str], overrides: Sequence[str], what: str, init_key: Optional[str] = None):
+    """Compose and type a config; with ``init_key``, the starting checkpoint's model is
+    taken first, as the job itself will (:mod:`nemo_rlhf.checkpoint.source`)."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
+    from nemo_rlhf.checkpoint.source import adopt_checkpoint_model
     from nemo_rlhf.models.config import CONF_DIR
 
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            dcfg = compose(config_name=config_name, overrides=list(overrides))
+            dcfg = compose(config_name=config_name, overrides=list(overrides), return_hydra_config=bool(init_key))
+            if init_key:
+                choice = dcfg.hydra.runtime.choices.get("model")
+                with open_dict(dcfg):
+                    del dcfg["hydra"]
+                for note in adopt_checkpoint_model(dcfg, init_key, overrides, choice, missing_ok=True):
+                    print(f"{what}: {note}", file=sys.stderr)
         node = dcfg.cluster if config_name is None else dcfg
         return OmegaConf.to_object(node)
     except Exception as exc:  # noqa: BLE001 - hydra/omegaconf/schema errors name the key
@@ -183,8 +190,11 @@ def compose_cluster(name: str = DEFAULT_CLUSTER, overrides: Sequence[str] = ()) 
     return _compose(None, [f"+cluster={name}", *overrides], f"cluster={name}")
 
 
-def compose_job(job: str, overrides: Sequence[str]):
-    """The job's config (``conf/<job>.yaml`` + overrides) as its typed schema.
+def compose_job(job: str, overrides: Sequence[str], config_name: Optional[str] = None):
+    """The job's config (``conf/<job>.yaml``, or ``conf/<config_name>.yaml``, + overrides)
+    as its typed schema; a training job started from a checkpoint takes its model first
+    (:func:`~nemo_rlhf.checkpoint.source.adopt_checkpoint_model`; a checkpoint not on this
+    host is not checked).
 
     Raises:
         LaunchError: unknown key, wrong type, or a rule of the schema (naming the key);
@@ -202,7 +212,9 @@ def compose_job(job: str, overrides: Sequence[str]):
         except ValueError as exc:
             raise LaunchError(f"{job} overrides: {exc}") from None
     importlib.import_module(JOBS[job].module)  # registers the schema
-    cfg = _compose(JOBS[job].config_name, overrides, f"{job} overrides")
+    from nemo_rlhf.checkpoint.source import INIT_FROM_KEYS
+
+    cfg = _compose(config_name or JOBS[job].config_name, overrides, f"{job} overrides", INIT_FROM_KEYS.get(job))
     _check_added_keys(cfg, overrides, job)
     return cfg
 

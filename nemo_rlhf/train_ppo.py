@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from nemo_rlhf.checkpoint import load_model_weights, read_metadata
+from nemo_rlhf.checkpoint.source import adopt_for_hydra_job
 from nemo_rlhf.config import configure_job_logging, run_console_entry, to_typed
 from nemo_rlhf.data.datasets import load_prompt_dataset
 from nemo_rlhf.data.tokenizer import Tokenizer
@@ -104,9 +105,12 @@ def build_separate_critic(cfg: PPOConfig, dims) -> tuple:
 def hydra_main(dcfg: DictConfig) -> None:
     """The Hydra job (``main`` checks the command line first)."""
     signals = Signals()  # first: a SIGUSR1 during set-up must not kill the job
+    notes = adopt_for_hydra_job(dcfg, "ppo")  # the init_from checkpoint's model
     # merging into the schema rejects keys added with `+` that the schema does not have
     cfg: PPOConfig = to_typed(dcfg, PPOConfig)
     configure_job_logging()
+    for note in notes:
+        logging.getLogger("nemo_rlhf").info(note)
     code = build(cfg, signals).fit()
     destroy_distributed()
     if code:

@@ -8,11 +8,13 @@ Config: ``conf/sft.yaml`` over the typed schema
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
+from nemo_rlhf.checkpoint.source import adopt_for_hydra_job
 from nemo_rlhf.config import configure_job_logging, run_console_entry, to_typed
 from nemo_rlhf.distributed import destroy_distributed
 from nemo_rlhf.trainers.loop import Signals
@@ -25,8 +27,11 @@ register_configs()
 def hydra_main(dcfg: DictConfig) -> None:
     """The Hydra job (``main`` checks the command line first)."""
     signals = Signals()  # first: a SIGUSR1 during set-up must not kill the job
+    notes = adopt_for_hydra_job(dcfg, "sft")  # the init_from checkpoint's model
     cfg: SFTRunConfig = to_typed(dcfg, SFTRunConfig)
     configure_job_logging()
+    for note in notes:
+        logging.getLogger("nemo_rlhf").info(note)
     try:
         code = run_sft(cfg, signals)
     finally:

@@ -8,11 +8,17 @@ import importlib
 from nemo_rlhf.config import to_typed
 from nemo_rlhf.models.config import CONF_DIR
 
+USER_DATA = ["data.train_file=train.jsonl", "data.tokenizer_dir=tok"]
+"""What the real-model job configs leave to the user (``???``)."""
+
 JOBS = {  # conf/<name>.yaml -> (entry module registering the schema, schema, required overrides)
-    "ppo": ("nemo_rlhf.train_ppo", "nemo_rlhf.trainers.ppo.config:PPOConfig", []),
+    "ppo": ("nemo_rlhf.train_ppo", "nemo_rlhf.trainers.ppo.config:PPOConfig", USER_DATA),
+    "ppo_tiny": ("nemo_rlhf.train_ppo", "nemo_rlhf.trainers.ppo.config:PPOConfig", []),
     "ppo_smollm2": ("nemo_rlhf.train_ppo", "nemo_rlhf.trainers.ppo.config:PPOConfig", []),
-    "sft": ("nemo_rlhf.train_sft", "nemo_rlhf.trainers.sft:SFTRunConfig", []),
-    "rm": ("nemo_rlhf.train_rm", "nemo_rlhf.trainers.rm:RMRunConfig", []),
+    "sft": ("nemo_rlhf.train_sft", "nemo_rlhf.trainers.sft:SFTRunConfig", USER_DATA),
+    "sft_tiny": ("nemo_rlhf.train_sft", "nemo_rlhf.trainers.sft:SFTRunConfig", []),
+    "rm": ("nemo_rlhf.train_rm", "nemo_rlhf.trainers.rm:RMRunConfig", USER_DATA),
+    "rm_tiny": ("nemo_rlhf.train_rm", "nemo_rlhf.trainers.rm:RMRunConfig", []),
     "rm_server": ("nemo_rlhf.serve_rm", "nemo_rlhf.serve_rm:ServeRMConfig", ["checkpoint=ck"]),
     "eval": ("nemo_rlhf.evaluate", "nemo_rlhf.evaluate:EvalConfig",
              ["checkpoint=ck", "data=d.jsonl", "out=o.json"]),

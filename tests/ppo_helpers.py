@@ -17,7 +17,7 @@ def make_demo_data(out: Path) -> Path:
 
 
 def compose_ppo(data: Path, exp_dir: Path, *overrides: str):
-    """``conf/ppo.yaml`` composed with test overrides, as the typed PPOConfig."""
+    """``conf/ppo_tiny.yaml`` composed with test overrides, as the typed PPOConfig."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -32,7 +32,7 @@ def compose_ppo(data: Path, exp_dir: Path, *overrides: str):
         "reward.normalization=none", "reward.functions=[{name: arithmetic_exact_match}]",
     ]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        dcfg = compose("ppo", overrides=base + list(overrides))
+        dcfg = compose("ppo_tiny", overrides=base + list(overrides))
     return OmegaConf.to_object(dcfg)
 
 

@@ -420,7 +420,8 @@ def verify_checkpoint(path: Path) -> list[str]:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder: ``path`` itself if complete, else the newest one under it.
+    """A checkpoint folder: ``path`` itself if complete, else the newest one under it, else
+    the newest one under ``path/checkpoints`` (an experiment folder).
 
     Raises:
         FileNotFoundError: no complete checkpoint at or under ``path``.
@@ -428,7 +429,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if is_complete(path):
         return path
-    found = find_latest_checkpoint(path)
+    found = find_latest_checkpoint(path) or find_latest_checkpoint(path / "checkpoints")
     if found is None:
         raise FileNotFoundError(f"{path}: neither a complete checkpoint nor a folder holding one")
     return found

@@ -52,7 +52,7 @@ class ReversalTaskConfig(TaskSizes):
     min_digits: int = 3
     """Shortest number."""
     max_digits: int = 5
-    """Longest number (5: answer + EOS fit ``rollout.max_new_tokens=6`` of ``conf/ppo.yaml``)."""
+    """Longest number (5: answer + EOS fit ``rollout.max_new_tokens=6`` of ``conf/ppo_tiny.yaml``)."""
     sft_copy_rate: float = 0.6
     """Probability that the demonstrator copies the number instead of reversing it."""
 

@@ -1,7 +1,7 @@
 """Rollout (generation) config: the ``rollout`` section of the PPO job.
 
 Its defaults live in :class:`RolloutConfig` only; a job config states what differs
-(``conf/ppo.yaml``: ``rollout.max_new_tokens``), and ``generate`` callers build one directly.
+(``conf/ppo.yaml``, ``conf/ppo_tiny.yaml``: ``rollout.max_new_tokens``), and ``generate`` callers build one directly.
 """
 
 from __future__ import annotations

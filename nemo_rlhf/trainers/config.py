@@ -9,7 +9,7 @@ listed in :data:`nemo_rlhf.config.RENAMED_KEYS`.
 Names are PPO's where the jobs differed (users' PPO command lines and Slurm scripts use
 them). A shared default is the value that assumes nothing about a job: save at the end
 only, delete no checkpoint, resume automatically; a job config that wants more says so
-(``conf/ppo.yaml``: ``exp_manager.save_interval=10``, ``keep_last=2``).
+(``conf/ppo.yaml``: ``exp_manager.save_interval=25``, ``keep_last=2``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ VOLATILE = ("timing/", "_per_s")
 
 
 def _cmd(data: Path, exp: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "nemo_rlhf.train_ppo",
+    return [sys.executable, "-m", "nemo_rlhf.train_ppo", "--config-name", "ppo_tiny",
             f"data.train_file={data}/ppo_prompts.jsonl", f"data.val_file={data}/eval.jsonl",
             f"data.tokenizer_dir={data}/tokenizer", f"exp_manager.exp_dir={exp}",
             f"trainer.max_steps={STEPS}", "trainer.val_check_interval=0",

@@ -45,7 +45,7 @@ def _start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
 
 def _start_ranks(data: Path, exp: Path, url: str, layout: str) -> list[tuple[subprocess.Popen, Path]]:
     port = _free_port()
-    args = [sys.executable, "-m", "nemo_rlhf.train_ppo",
+    args = [sys.executable, "-m", "nemo_rlhf.train_ppo", "--config-name", "ppo_tiny",
             f"data.train_file={data}/ppo_prompts.jsonl", f"data.val_file={data}/eval.jsonl",
             f"data.tokenizer_dir={data}/tokenizer", f"exp_manager.exp_dir={exp}",
             "trainer.max_steps=4", "trainer.val_check_interval=0", "trainer.sample_table_every=0",

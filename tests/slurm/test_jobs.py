@@ -74,7 +74,7 @@ def data(tmp_path_factory):
 def rm_checkpoint(slurm, data, tmp_path_factory):
     """A tiny RM trained for 2 steps by slurm/rm.sbatch (2 ranks)."""
     exp = tmp_path_factory.mktemp("rm_job")
-    job = slurm.submit("--job", "rm", f"data.train_file={data}/preference.jsonl",
+    job = slurm.submit("--job", "rm", "--config-name", "rm_tiny", f"data.train_file={data}/preference.jsonl",
                        f"data.val_file={data}/preference_val.jsonl", f"data.tokenizer_dir={data}/tokenizer",
                        f"exp_manager.exp_dir={exp}", "trainer.max_steps=2", "trainer.val_check_interval=0",
                        "trainer.global_batch_size=8", "trainer.micro_batch_size=4")
@@ -87,7 +87,7 @@ def rm_checkpoint(slurm, data, tmp_path_factory):
 def uninterrupted(slurm, data, rm_checkpoint, tmp_path_factory):
     """The tiny PPO job with the RM server step, run to the end without interruption."""
     exp = tmp_path_factory.mktemp("ppo_job")
-    job = slurm.submit("--rm-checkpoint", str(rm_checkpoint), *_ppo_overrides(data, exp))
+    job = slurm.submit("--config-name", "ppo_tiny", "--rm-checkpoint", str(rm_checkpoint), *_ppo_overrides(data, exp))
     info = slurm.wait(job, _done, 300, "for the PPO job to complete", exp / "slurm-*.out")
     return exp, info
 
@@ -96,12 +96,12 @@ def test_rendered_scripts_pass_bash_n_and_sbatch_test_only(slurm, tmp_path):
     from launchers.slurm import prepare
 
     no_rm = "reward.functions=[{name: arithmetic_exact_match}]"
-    cases = {"ppo": prepare("ppo", [no_rm]),
-             "ppo_rm": prepare("ppo", ["reward.functions=[]"], rm_checkpoint=str(tmp_path)),
-             "ppo_sweep": prepare("ppo", [no_rm, f"exp_manager.exp_dir={tmp_path}/sweep"],
+    cases = {"ppo": prepare("ppo", [no_rm], config_name="ppo_tiny"),
+             "ppo_rm": prepare("ppo", ["reward.functions=[]"], rm_checkpoint=str(tmp_path), config_name="ppo_tiny"),
+             "ppo_sweep": prepare("ppo", [no_rm, f"exp_manager.exp_dir={tmp_path}/sweep"], config_name="ppo_tiny",
                                   sweeps=["kl.target=1,3,6"]),
-             "sft": prepare("sft", ["trainer.micro_batch_size=8"]),
-             "rm": prepare("rm", ["trainer.micro_batch_size=8"]),
+             "sft": prepare("sft", ["trainer.micro_batch_size=8"], config_name="sft_tiny"),
+             "rm": prepare("rm", ["trainer.micro_batch_size=8"], config_name="rm_tiny"),
              "rm_server": prepare("rm_server", ["checkpoint=/ckpt"])}
     for name, job in cases.items():
         path = tmp_path / f"{name}.sbatch"
@@ -110,7 +110,7 @@ def test_rendered_scripts_pass_bash_n_and_sbatch_test_only(slurm, tmp_path):
         res = slurm.run("sbatch", "--test-only", str(path))
         assert "to start at" in res.stderr, f"{name}: {res.stderr}"  # sbatch: Job N to start at ...
     # and through the launcher's own --test-only
-    res = slurm.launch("--test-only", "--sweep", "kl.target=1,3", no_rm, f"exp_manager.exp_dir={tmp_path}/s2")
+    res = slurm.launch("--test-only", "--config-name", "ppo_tiny", "--sweep", "kl.target=1,3", no_rm, f"exp_manager.exp_dir={tmp_path}/s2")
     assert res.returncode == 0 and "to start at" in res.stdout, res.stderr[-2000:]
 
 
@@ -143,7 +143,7 @@ def test_usr1_saves_requeues_and_resumes_to_the_uninterrupted_result(slurm, data
                                                                      uninterrupted, tmp_path):
     base, _ = uninterrupted
     exp = tmp_path / "exp"
-    job = slurm.submit("--rm-checkpoint", str(rm_checkpoint), *_ppo_overrides(data, exp))
+    job = slurm.submit("--config-name", "ppo_tiny", "--rm-checkpoint", str(rm_checkpoint), *_ppo_overrides(data, exp))
     prompt_log = exp / "prompt_log.jsonl"
     slurm.wait(job, lambda i: prompt_log.is_file() and len(prompt_log.read_text().splitlines()) >= 2,
                240, "for the first PPO step", exp / "slurm-*.out", poll_s=0.1)
@@ -218,7 +218,7 @@ def test_sweep_job_array_runs_each_value_in_its_own_folder(slurm, data, tmp_path
     overrides = [o for o in _ppo_overrides(data, exp)
                  if not o.startswith(("trainer.max_steps=", "parallel."))]
     # one rank per task: both array tasks fit on the 2 CPUs at once
-    job = slurm.submit("cluster.ntasks_per_node=1", "--sweep", "kl.target=1,3", *overrides, "trainer.max_steps=2")
+    job = slurm.submit("cluster.ntasks_per_node=1", "--config-name", "ppo_tiny", "--sweep", "kl.target=1,3", *overrides, "trainer.max_steps=2")
     for task in ("0", "1"):
         slurm.wait(f"{job}_{task}", _done, 240, f"for array task {task}", exp / "slurm-*.out")
     for value in (1, 3):

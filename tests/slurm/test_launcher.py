@@ -82,6 +82,8 @@ def test_cluster_values_and_the_example_gpu_settings():
     (["--rm-checkpoint=/ckpt", "--rm-arg=parallel.tensor_model_parallel_size=2"],
      ["parallel.tensor_model_parallel_size=2", "cluster.rm_ntasks=1"]),
     (["--rm-checkpoint=/ckpt", "reward.rm_url=http://x:1"], ["reward.rm_url"]),
+    (["--rm-checkpoint=/ckpt", "cluster.rm_dedicated_nodes=1"],
+     ["cluster.rm_dedicated_nodes=1 leaves no trainer node of cluster.nodes=1"]),
     (["--sweep", "kl.targte=1,3", NO_RM], ["kl.targte"]),
     (["--sweep", "kl.target=1,x", NO_RM], ["kl.target", "x"]),
     ([], ["reward.functions"]),
@@ -94,6 +96,9 @@ def test_bad_overrides_fail_before_submission_naming_the_key(args, names, monkey
         raise AssertionError("sbatch must not be called for a bad submission")
 
     monkeypatch.setattr(ls, "_sbatch", no_sbatch)
+    job = args[args.index("--job") + 1] if "--job" in args else "ppo"
+    if job != "rm_server":  # the tiny demo's config: the real-model one also wants data paths
+        args = ["--config-name", f"{job}_tiny", *args]
     assert ls.main(args) == 1
     err = capsys.readouterr().err
     assert "[launcher] error:" in err
@@ -103,7 +108,7 @@ def test_bad_overrides_fail_before_submission_naming_the_key(args, names, monkey
 
 def test_dry_run_renders_headers_settings_and_overrides(tmp_path, capsys):
     exp = tmp_path / "exp"
-    args = ["--dry-run", "cluster.partition=debug", "cluster.account=acct", "cluster.signal_seconds=90",
+    args = ["--dry-run", "--config-name", "ppo_tiny", "cluster.partition=debug", "cluster.account=acct", "cluster.signal_seconds=90",
             "cluster.container_image=nvcr.io/nvidia/pytorch:25.01-py3", "cluster.container_mounts=[/a:/a,/b:/b]",
             "--rm-checkpoint", "/ckpt", "--rm-arg", "micro_batch_size=8", f"exp_manager.exp_dir={exp}",
             "trainer.max_steps=7", "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]"]
@@ -120,13 +125,14 @@ def test_dry_run_renders_headers_settings_and_overrides(tmp_path, capsys):
     sets = [line for line in script.splitlines() if line.startswith("set -- ")]
     assert len(sets) == 1
     words = shlex.split(sets[0])[2:]
-    assert words == ["trainer.max_steps=7", "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", "$@"]
+    assert words == ["--config-name", "ppo_tiny", "trainer.max_steps=7", "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", "$@"]
     _bash_n(script, tmp_path)
 
 
 def test_sweep_becomes_a_job_array_with_one_experiment_folder_per_value(tmp_path):
     exp = tmp_path / "sweep"
-    job = prepare("ppo", [NO_RM, f"exp_manager.exp_dir={exp}"], sweeps=["kl.target=1,3,6", "optim.lr=1e-4,1e-3"])
+    job = prepare("ppo", [NO_RM, f"exp_manager.exp_dir={exp}"], sweeps=["kl.target=1,3,6", "optim.lr=1e-4,1e-3"],
+                  config_name="ppo_tiny")
     assert "#SBATCH --array=0-5" in job.script
     assert f"#SBATCH --output={exp}/slurm-%x-%A_%a.out" in job.script
     assert [d.name for d in job.task_exp_dirs] == [  # Hydra's sweep parser writes 1e-4 as 0.0001
@@ -151,13 +157,13 @@ def test_sweep_becomes_a_job_array_with_one_experiment_folder_per_value(tmp_path
 
 def test_sweep_key_given_twice_is_refused():
     with pytest.raises(LaunchError, match="kl.target is both swept"):
-        prepare("ppo", [NO_RM, "kl.target=2"], sweeps=["kl.target=1,3"])
+        prepare("ppo", [NO_RM, "kl.target=2"], sweeps=["kl.target=1,3"], config_name="ppo_tiny")
 
 
 def test_sft_rm_and_rm_server_jobs_render(tmp_path):
     for job, overrides in (("sft", ["trainer.micro_batch_size=8"]), ("rm", ["trainer.micro_batch_size=8"]),
                            ("rm_server", ["checkpoint=/ckpt", f"server.address_file={tmp_path}/srv/addr"])):
-        out = prepare(job, overrides)
+        out = prepare(job, overrides, config_name=None if job == "rm_server" else f"{job}_tiny")
         assert f"#SBATCH --job-name=nemo-rlhf-{job}" in out.script
         # every job saves on the pre-timeout signal (SFT/RM run the loop PPO runs)
         assert "#SBATCH --signal=B:USR1@60" in out.script

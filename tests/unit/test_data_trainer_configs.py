@@ -29,14 +29,14 @@ def _load(name: str, overrides=()):
 
 
 def test_sft_yaml_composes_into_the_typed_schema_with_the_tiny_model():
-    cfg = _load("sft")
+    cfg = _load("sft_tiny")
     assert isinstance(cfg, SFTRunConfig) and cfg.model.name == "tiny"
     assert cfg.optim.decay_steps == cfg.trainer.max_steps  # interpolated
     assert cfg.data.train_file.endswith("sft.jsonl") and cfg.exp_manager.exp_dir
 
 
 def test_rm_yaml_composes_and_accepts_init_from():
-    cfg = _load("rm", ["rm.init_from=experiments/sft/checkpoints", "parallel.tensor_model_parallel_size=2"])
+    cfg = _load("rm_tiny", ["rm.init_from=experiments/sft/checkpoints", "parallel.tensor_model_parallel_size=2"])
     assert isinstance(cfg, RMRunConfig) and cfg.rm.init_from == "experiments/sft/checkpoints"
     assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.data.train_file.endswith("preference.jsonl")
 
@@ -57,9 +57,9 @@ def test_a_misspelt_key_fails_naming_it(name, key):
 
 def test_bad_values_fail_naming_the_key():
     with pytest.raises(Exception, match="data.overlong_policy"):
-        _load("sft", ["data.overlong_policy=cut"])
+        _load("sft_tiny", ["data.overlong_policy=cut"])
     with pytest.raises(Exception, match="trainer.precision"):
-        _load("rm", ["trainer.precision=64"])
+        _load("rm_tiny", ["trainer.precision=64"])
 
 
 def test_eval_sampling_options_are_validated_naming_the_key():
@@ -72,7 +72,7 @@ def test_eval_sampling_options_are_validated_naming_the_key():
     with pytest.raises(Exception, match="temperature=-1"):
         _load("eval", base + ["temperature=-1"])
     with pytest.raises(Exception, match="rm.freeze_layers=-1"):
-        _load("rm", ["rm.freeze_layers=-1"])
+        _load("rm_tiny", ["rm.freeze_layers=-1"])
 
 
 def test_eval_needs_its_mandatory_keys():

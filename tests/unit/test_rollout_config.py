@@ -60,7 +60,7 @@ def _compose_ppo(*overrides: str):
     from nemo_rlhf.trainers.ppo.config import PPOConfig
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return to_typed(compose("ppo", overrides=list(overrides)), PPOConfig)
+        return to_typed(compose("ppo_tiny", overrides=list(overrides)), PPOConfig)
 
 
 def test_rollout_is_no_config_group_any_more_and_choosing_one_fails_naming_rollout():

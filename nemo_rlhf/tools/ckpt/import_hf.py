@@ -67,6 +67,8 @@ def cmd_import_hf(args) -> int:
         data = {"tokenizer_dir": str(tok_dest.resolve())}
         if args.chat_template:
             data.update(chat_template=args.chat_template, system_prompt=args.system_prompt)
+        elif _has_chat_template(tok_dest):  # the model's own Jinja template, as transformers applies it
+            data.update(chat_template="model")
         config = {"model": asdict(model), "data": data,
                   "parallel": asdict(ParallelConfig(args.tp, args.pp)),
                   "trainer": {"precision": precision}}
@@ -92,16 +94,22 @@ def cmd_import_hf(args) -> int:
         raise
     if warn:
         print(f"nemo-rlhf-ckpt import-hf: warning: {warn}", file=sys.stderr)
-    hint = (f"--config-dir {preset.parents[1]} model={preset.stem} "
-            f"data.tokenizer_dir={tok_dest.resolve()}")
+    # the jobs take the model, tokenizer and template from the checkpoint (checkpoint.source)
+    hint = f"exp_manager.init_from={out.resolve()}"
     emit(args, {"source": str(src), "output": str(final), "arch": arch, "model": asdict(model),
                 "precision": precision, "tokenizer_dir": str(tok_dest.resolve()),
                 "model_preset": str(preset), "tp": args.tp, "pp": args.pp, "overrides": hint},
          [f"imported {src} ({arch}) -> {final} (tp={args.tp}, pp={args.pp}, precision {precision})",
           f"  tokenizer: {tok_dest}; model preset: {preset}; no value head (PPO initialises it)",
-          f"  start from it with: {hint} exp_manager.init_from={final} (PPO) or "
-          f"sft.init_from / rm.init_from={final}"])
+          f"  start from it with: {hint} (PPO), sft.init_from= or rm.init_from={out.resolve()} "
+          f"(the model shape, tokenizer and chat template come from the checkpoint; the "
+          f"preset for model= is {preset.stem} with --config-dir {preset.parents[1]})"])
     return EXIT_OK
+
+
+def _has_chat_template(tok_dir: Path) -> bool:
+    """Whether the imported tokenizer carries a Jinja chat template (``data.chat_template=model``)."""
+    return Tokenizer(tok_dir).chat_template is not None
 
 
 def _write_model_preset(out: Path, model) -> Path:
