@@ -220,7 +220,7 @@ def compose_job(job: str, overrides: Sequence[str], config_name: Optional[str] =
 
 
 def _check_added_keys(cfg, overrides: Sequence[str], job: str) -> None:
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     schema = OmegaConf.structured(type(cfg))
     missing = object()
@@ -229,6 +229,9 @@ def _check_added_keys(cfg, overrides: Sequence[str], job: str) -> None:
         if not key.startswith("+"):
             continue
         key = key.lstrip("+")
+        parent = OmegaConf.select(schema, key.rpartition(".")[0], default=None) if "." in key else None
+        if isinstance(parent, DictConfig) and OmegaConf.get_type(parent) is dict:
+            continue  # a new entry of a free-form dict field (data.fields, rm.extra_val_files)
         if OmegaConf.select(schema, key, default=missing) is missing:
             raise LaunchError(f"{job} overrides: {o!r} adds {key}, which is not a key of "
                               f"{type(cfg).__name__} (misspelt?)")

@@ -27,7 +27,7 @@ from typing import Generic, Optional, Sequence, TypeVar
 import torch
 from omegaconf import MISSING
 
-from nemo_rlhf.data.jsonl import DataError, LoadReport, read_jsonl
+from nemo_rlhf.data.jsonl import DataError, LoadReport, check_field_map, read_jsonl
 from nemo_rlhf.data.templates import check_template, format_prompt
 from nemo_rlhf.data.tokenizer import Tokenizer
 
@@ -55,6 +55,10 @@ class DataConfig:
     """``truncate`` (cut the response) or ``drop`` (drop the row)."""
     skip_invalid: bool = False
     """Skip and count invalid rows instead of failing on the first one."""
+    fields: dict[str, str] = field(default_factory=dict)
+    """The file's column for a field whose name differs, e.g. ``{prompt: question, chosen:
+    good, rejected: bad}`` (fields: ``prompt``, ``response``, ``chosen``, ``rejected``,
+    ``messages``); on the command line ``'+data.fields={prompt: question}'``."""
 
     def __post_init__(self) -> None:
         check_template(self.chat_template, "data.chat_template")
@@ -64,6 +68,7 @@ class DataConfig:
         if self.overlong_policy not in OVERLONG_POLICIES:
             raise ValueError(f"data.overlong_policy={self.overlong_policy!r}: valid choices "
                              f"are {list(OVERLONG_POLICIES)}")
+        check_field_map(dict(self.fields))
         if self.max_seq_length < 2:
             raise ValueError(f"data.max_seq_length={self.max_seq_length}: must be >= 2")
 
@@ -159,7 +164,7 @@ def _fit(prompt_len: int, response: list[int], cfg: DataConfig) -> Optional[list
 
 
 def _load(path, kind: str, cfg: DataConfig, build) -> TokenizedDataset:
-    rows, lines, report = read_jsonl(path, kind, cfg.skip_invalid)
+    rows, lines, report = read_jsonl(path, kind, cfg.skip_invalid, dict(cfg.fields))
     samples = []
     for row, line in zip(rows, lines):
         where = f"{path}:{line}"

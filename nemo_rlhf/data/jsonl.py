@@ -23,6 +23,11 @@ each raise :class:`DataError` naming the file, the 1-based line number and the f
 With ``skip_invalid=True`` such rows are skipped and counted in a :class:`LoadReport`,
 whose summary the caller logs at the end of loading (a skip is never silent).
 Whitespace-only lines are ignored (a trailing newline is not a row).
+
+Field mapping (``data.fields``, e.g. ``{prompt: question, chosen: good, rejected: bad}``):
+a file whose columns have other names is read as is; each row's mapped field is renamed
+to the name above before the checks, and a missing one is named as the file has it
+(``field 'question' (data.fields.prompt): missing``).
 """
 
 from __future__ import annotations
@@ -42,6 +47,33 @@ REQUIRED_FIELDS = {
 """Required string fields per dataset kind."""
 
 MAX_REPORTED_ERRORS = 5
+
+MAPPABLE_FIELDS = ("prompt", "response", "chosen", "rejected", "messages")
+"""The fields ``data.fields`` may map to another name in the file."""
+
+
+def check_field_map(fields: dict, key: str = "data.fields") -> None:
+    """Refuse a field mapping with an unknown field or a non-string column name.
+
+    Raises:
+        ValueError: naming ``key``, the entry and the valid fields.
+    """
+    for ours, theirs in fields.items():
+        if ours not in MAPPABLE_FIELDS:
+            raise ValueError(f"{key}.{ours}: not a dataset field; valid fields are {list(MAPPABLE_FIELDS)}")
+        if not isinstance(theirs, str) or not theirs:
+            raise ValueError(f"{key}.{ours}={theirs!r}: expected the file's column name (a string)")
+    names = list(fields.values())
+    if len(set(names)) != len(names):
+        raise ValueError(f"{key}: two fields read the same column ({fields})")
+
+
+def _rename_fields(obj: dict, fields: dict) -> dict:
+    """The row with each mapped column renamed to its field (``{ours: theirs}``)."""
+    obj = dict(obj)
+    moved = {ours: obj.pop(theirs) for ours, theirs in fields.items() if theirs in obj and theirs != ours}
+    obj.update(moved)
+    return obj
 
 
 class DataError(ValueError):
@@ -147,13 +179,17 @@ def _normalise_chat(obj: dict, kind: str, where: str) -> dict:
     return obj
 
 
-def _validate_row(obj, kind: str, where: str) -> dict:
+def _validate_row(obj, kind: str, where: str, fields: dict | None = None) -> dict:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    present = sorted(obj)
+    if fields:
+        obj = _rename_fields(obj, fields)
     obj = _normalise_chat(obj, kind, where)
     for name in REQUIRED_FIELDS[kind]:
         if name not in obj:
-            raise DataError(f"{where}: field {name!r}: missing (keys present: {sorted(obj)})")
+            label = f"{fields[name]!r} (data.fields.{name})" if fields and name in fields else repr(name)
+            raise DataError(f"{where}: field {label}: missing (keys present: {present})")
         if not isinstance(obj[name], str):
             raise DataError(f"{where}: field {name!r}: expected a string, got "
                             f"{type(obj[name]).__name__}")
@@ -164,13 +200,15 @@ def _validate_row(obj, kind: str, where: str) -> dict:
     return obj
 
 
-def read_jsonl(path: str | Path, kind: str, skip_invalid: bool = False) -> tuple[list[dict], list[int], LoadReport]:
+def read_jsonl(path: str | Path, kind: str, skip_invalid: bool = False,
+               fields: dict | None = None) -> tuple[list[dict], list[int], LoadReport]:
     """Read and validate a JSONL dataset.
 
     Args:
         path: the file.
         kind: ``sft``, ``preference`` or ``prompt`` (selects the required fields).
         skip_invalid: skip and count invalid rows instead of raising.
+        fields: ``{field: the file's column}`` renames (``data.fields``; module docstring).
 
     Returns:
         ``(rows, line_numbers, report)``: the valid rows as dicts (all fields, extras
@@ -202,7 +240,7 @@ def read_jsonl(path: str | Path, kind: str, skip_invalid: bool = False) -> tuple
                     obj = json.loads(text)
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-                rows.append(_validate_row(obj, kind, where))
+                rows.append(_validate_row(obj, kind, where, fields))
                 lines.append(lineno)
             except DataError as exc:
                 if not skip_invalid:

@@ -4,8 +4,7 @@ Scalars go to ``<exp_dir>/tensorboard`` (``SummaryWriter``), one tag per metric 
 without a ``/`` are put under ``train/``), and as JSON lines to ``<exp_dir>/metrics.jsonl``
 (appended; a resumed run continues the file, so a step may appear twice after a crash:
 the last line of a step is the one that counts). The console line shows the job's
-``console_keys`` (PPO: the metrics users read first -- reward_mean, kl_mean,
-response_length, entropy, value_loss, clip_fraction, approx_kl, grad_norm; SFT/RM: every
+``console_keys`` (PPO: the metrics users read first, :data:`PPO_CONSOLE_KEYS`; SFT/RM: every
 metric but the timers) above a tqdm progress bar; sample tables and text go to the console
 and TensorBoard's text tab.
 """
@@ -17,10 +16,13 @@ import math
 from pathlib import Path
 from typing import Optional, Sequence
 
-PPO_CONSOLE_KEYS = ("reward_mean", "kl_mean", "beta", "response_length", "entropy",
-                    "policy_loss", "value_loss", "clip_fraction", "approx_kl", "grad_norm",
+PPO_CONSOLE_KEYS = ("reward_raw_mean", "reward_mean", "kl_mean", "kl_per_token", "beta",
+                    "response_length", "truncated_fraction", "entropy", "policy_loss", "value_loss",
+                    "explained_variance", "clip_fraction", "approx_kl", "grad_norm",
                     "eval/accuracy", "eval/reward", "timing/step_s")
-"""The PPO job's console line."""
+"""The PPO job's console line: ``reward_raw_mean`` is the reward sources' raw score (the RM's
+output), ``reward_mean`` the same after ``reward.normalization`` (about 0 with ``running``);
+``kl_mean`` is nats per sequence, ``kl_per_token`` the same per response token."""
 CONSOLE_KEYS = PPO_CONSOLE_KEYS
 
 

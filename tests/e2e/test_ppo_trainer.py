@@ -68,6 +68,7 @@ def _worker(rank: int, tmp: str):
     out["ratio_first_minibatch"] = (metrics[0]["first_minibatch/ratio_max"],
                                     metrics[0]["first_minibatch/ratio_min"])
     out["metric_keys"] = sorted(metrics[0])
+    out["kl"] = [(m["kl_mean"], m["kl_per_token"], m["response_length"]) for m in metrics]
     after = _params(trainer.model)
     out["actor_changed"] = any(not torch.equal(after[n], before[n]) for n in before
                                if "value_head" not in n)
@@ -110,6 +111,14 @@ def test_step_reports_the_metrics_users_read(results):
                 "policy_loss", "lr", "rollout_train_logprob_diff_max", "timing/rollout_s",
                 "generated_tokens_per_s", "truncated_fraction", "ratio_max"):
         assert key in results["metric_keys"], key
+
+
+def test_kl_is_reported_per_sequence_and_per_token(results):
+    """kl_mean sums over each response (nats per sequence); kl_per_token divides by the
+    response tokens: their ratio is the mean response length."""
+    for kl_mean, kl_per_token, length in results["kl"]:
+        assert kl_per_token * length == pytest.approx(kl_mean, rel=1e-5, abs=1e-9)
+    assert any(kl_mean != 0 for kl_mean, _, _ in results["kl"][1:])  # the policy moved: a real check
 
 
 # --- the RM service dies mid-run -------------------------------------------------------

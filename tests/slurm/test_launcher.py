@@ -155,6 +155,13 @@ def test_sweep_becomes_a_job_array_with_one_experiment_folder_per_value(tmp_path
         assert (exp / name).is_dir()
 
 
+def test_a_field_mapping_is_added_with_plus_and_a_misspelt_plus_key_is_still_refused():
+    job = prepare("sft", ["+data.fields={prompt: question}", "trainer.micro_batch_size=8"], config_name="sft_tiny")
+    assert "'+data.fields={prompt: question}'" in job.script
+    with pytest.raises(LaunchError, match=r"adds data.fieldz.prompt, which is not a key of SFTRunConfig"):
+        prepare("sft", ["+data.fieldz.prompt=question", "trainer.micro_batch_size=8"], config_name="sft_tiny")
+
+
 def test_sweep_key_given_twice_is_refused():
     with pytest.raises(LaunchError, match="kl.target is both swept"):
         prepare("ppo", [NO_RM, "kl.target=2"], sweeps=["kl.target=1,3"], config_name="ppo_tiny")

@@ -159,3 +159,29 @@ def test_data_config_rejects_bad_values_naming_the_key():
         _cfg(chat_template="alpaca")
     with pytest.raises(ValueError, match="data.system_prompt"):
         _cfg(system_prompt="x")
+
+
+def test_field_mapping_reads_other_column_names_and_names_them_when_missing(tmp_path, tok):
+    """data.fields: the file's own column names; the ids equal those of the plain file, the
+    unmapped columns stay extras, and a missing column is named as the file has it."""
+    plain = load_sft_dataset(_write(tmp_path / "plain.jsonl", GOOD_SFT), tok, _cfg())
+    renamed = [{"question": r["prompt"], "answer": r["response"], **({"id": 9} if "id" in r else {})}
+               for r in GOOD_SFT]
+    cfg = _cfg(fields={"prompt": "question", "response": "answer"})
+    mapped = load_sft_dataset(_write(tmp_path / "qa.jsonl", renamed), tok, cfg)
+    assert [(s.prompt_ids, s.response_ids) for s in mapped.samples] == \
+        [(s.prompt_ids, s.response_ids) for s in plain.samples]
+    prefs = _write(tmp_path / "prefs.jsonl", [{"q": "1+1=", "good": "2", "bad": "3"}])
+    ds = load_preference_dataset(prefs, tok, _cfg(fields={"prompt": "q", "chosen": "good", "rejected": "bad"}))
+    assert len(ds) == 1
+    prompts = _write(tmp_path / "prompts.jsonl", [{"q": "1+1=", "answer": "2"}])
+    (row,) = load_prompt_dataset(prompts, tok, _cfg(fields={"prompt": "q"}), 20).samples
+    assert row.prompt == "1+1=" and row.extras == {"answer": "2"}
+    with pytest.raises(DataError, match=r"qa.jsonl:1: field 'query' \(data.fields.prompt\): missing "
+                                        r"\(keys present: \['answer', 'question'\]\)"):
+        read_jsonl(tmp_path / "qa.jsonl", "sft", fields={"prompt": "query", "response": "answer"})
+    with pytest.raises(ValueError, match=r"data.fields.answer: not a dataset field; valid fields are "
+                                         r"\['prompt', 'response', 'chosen', 'rejected', 'messages'\]"):
+        _cfg(fields={"answer": "a"})
+    with pytest.raises(ValueError, match=r"data.fields: two fields read the same column"):
+        _cfg(fields={"prompt": "x", "response": "x"})

@@ -422,7 +422,8 @@ class PPOTrainer:
         ret_mean = sums["return"] / n_tok
         score_mean = sums["score"] / n_seq
         metrics = {
-            "kl_mean": float(sums["kl"] / n_seq),
+            "kl_mean": float(sums["kl"] / n_seq),  # nats per sequence (summed over its tokens)
+            "kl_per_token": float(sums["kl"] / n_tok),
             "reward_mean": float(score_mean),
             "reward_std": float((sums["score_sq"] / n_seq - score_mean ** 2).clamp_min(0).sqrt()),
             "token_reward_sum_mean": float(sums["token_reward"] / n_seq),
