@@ -83,7 +83,8 @@ class EvalConfig:
     """Checkpoint folder, or a ``checkpoints`` root (its newest complete checkpoint; every
     complete step with ``all_steps``). Required unless ``checkpoints`` names some."""
     data: str = MISSING
-    """JSONL prompts ``{"prompt", ...extras such as "answer"}``."""
+    """Prompts ``{"prompt", ...extras such as "answer"}``: JSONL, parquet, or a ``datasets``
+    save_to_disk folder (:mod:`nemo_rlhf.data.tables`)."""
     out: str = MISSING
     """Result JSON path (written by global rank 0)."""
     checkpoints: list[str] = field(default_factory=list)

@@ -22,7 +22,7 @@ from nemo_rlhf.data.datasets import (
     load_sft_dataset,
     pad_right,
 )
-from nemo_rlhf.data.jsonl import DataError, LoadReport, read_jsonl
+from nemo_rlhf.data.jsonl import DataError, LoadReport, read_jsonl, read_rows
 from nemo_rlhf.data.templates import CHAT_TEMPLATES, format_prompt
 from nemo_rlhf.data.tokenizer import Tokenizer
 
@@ -30,5 +30,5 @@ __all__ = [
     "CHAT_TEMPLATES", "DataConfig", "DataError", "LoadReport", "PreferenceSample", "PromptSample",
     "SFTSample", "TokenizedDataset", "Tokenizer", "collate_preference", "collate_sft",
     "encode_prompt", "encode_response", "format_prompt", "load_preference_dataset",
-    "load_prompt_dataset", "load_sft_dataset", "pad_right", "read_jsonl",
+    "load_prompt_dataset", "load_sft_dataset", "pad_right", "read_jsonl", "read_rows",
 ]

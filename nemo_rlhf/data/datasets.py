@@ -27,7 +27,7 @@ from typing import Generic, Optional, Sequence, TypeVar
 import torch
 from omegaconf import MISSING
 
-from nemo_rlhf.data.jsonl import DataError, LoadReport, check_field_map, read_jsonl
+from nemo_rlhf.data.jsonl import DataError, LoadReport, check_field_map, read_rows
 from nemo_rlhf.data.templates import check_template, format_prompt
 from nemo_rlhf.data.tokenizer import Tokenizer
 
@@ -39,9 +39,10 @@ class DataConfig:
     """Dataset files, tokenizer and formatting (config group ``data``)."""
 
     train_file: str = MISSING
-    """JSONL training set."""
+    """Training set: a JSONL file, a parquet file or folder, or a ``datasets``
+    ``save_to_disk`` folder (:mod:`nemo_rlhf.data.tables`)."""
     val_file: Optional[str] = None
-    """JSONL validation set (same format); None: no validation."""
+    """Validation set (the same formats); None: no validation."""
     tokenizer_dir: str = MISSING
     """Directory with ``tokenizer.json`` and ``special_tokens.json`` / ``tokenizer_config.json``."""
     chat_template: Optional[str] = None
@@ -164,10 +165,9 @@ def _fit(prompt_len: int, response: list[int], cfg: DataConfig) -> Optional[list
 
 
 def _load(path, kind: str, cfg: DataConfig, build) -> TokenizedDataset:
-    rows, lines, report = read_jsonl(path, kind, cfg.skip_invalid, dict(cfg.fields))
+    rows, wheres, report = read_rows(path, kind, cfg.skip_invalid, dict(cfg.fields))
     samples = []
-    for row, line in zip(rows, lines):
-        where = f"{path}:{line}"
+    for row, where in zip(rows, wheres):
         try:
             sample = build(row, where, report)
         except DataError as exc:

@@ -184,6 +184,10 @@ def _validate_row(obj, kind: str, where: str, fields: dict | None = None) -> dic
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     present = sorted(obj)
     if fields:
+        for ours, theirs in fields.items():
+            if theirs != ours and theirs not in obj and ours in obj:  # never read the wrong column
+                raise DataError(f"{where}: field {theirs!r} (data.fields.{ours}): missing, but the row has "
+                                f"{ours!r}; fix the column name or drop the mapping (keys present: {present})")
         obj = _rename_fields(obj, fields)
     obj = _normalise_chat(obj, kind, where)
     for name in REQUIRED_FIELDS[kind]:
@@ -198,6 +202,46 @@ def _validate_row(obj, kind: str, where: str, fields: dict | None = None) -> dic
     if kind == "preference" and obj["chosen"] == obj["rejected"]:
         raise DataError(f"{where}: field 'rejected': identical to 'chosen' (no preference)")
     return obj
+
+
+def _jsonl_items(path: Path):
+    """``(where, row)`` per non-blank line; ``row`` is a :class:`DataError` for a line that
+    is not UTF-8 JSON (raised by the caller, so ``skip_invalid`` can count it)."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # BOM ok
+            except UnicodeDecodeError as exc:
+                yield where, DataError(f"{where}: invalid UTF-8 at byte {exc.start}")
+                continue
+            try:
+                yield where, json.loads(text)
+            except json.JSONDecodeError as exc:
+                yield where, DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})")
+
+
+def _collect(items, path: Path, kind: str, skip_invalid: bool, fields: dict | None):
+    """Validate ``(where, row)`` items into ``(rows, wheres, report)`` (see :func:`read_rows`)."""
+    if kind not in REQUIRED_FIELDS:
+        raise ValueError(f"dataset kind {kind!r}: valid kinds are {sorted(REQUIRED_FIELDS)}")
+    report = LoadReport(path=str(path), kind=kind)
+    rows, wheres = [], []
+    for where, obj in items:
+        report.rows_read += 1
+        try:
+            if isinstance(obj, DataError):
+                raise obj
+            rows.append(_validate_row(obj, kind, where, fields))
+            wheres.append(where)
+        except DataError as exc:
+            if not skip_invalid:
+                raise
+            report.add_error(str(exc))
+    report.rows_kept = len(rows)
+    return rows, wheres, report
 
 
 def read_jsonl(path: str | Path, kind: str, skip_invalid: bool = False,
@@ -218,33 +262,38 @@ def read_jsonl(path: str | Path, kind: str, skip_invalid: bool = False,
         DataError: a missing file, or (without ``skip_invalid``) the first invalid row.
         ValueError: unknown ``kind``.
     """
+    path = Path(path)
     if kind not in REQUIRED_FIELDS:
         raise ValueError(f"dataset kind {kind!r}: valid kinds are {sorted(REQUIRED_FIELDS)}")
-    path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    report = LoadReport(path=str(path), kind=kind)
-    rows, lines = [], []
-    with path.open("rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            report.rows_read += 1
-            where = f"{path}:{lineno}"
-            try:
-                try:
-                    text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # BOM ok
-                except UnicodeDecodeError as exc:
-                    raise DataError(f"{where}: invalid UTF-8 at byte {exc.start}") from None
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
-                rows.append(_validate_row(obj, kind, where, fields))
-                lines.append(lineno)
-            except DataError as exc:
-                if not skip_invalid:
-                    raise
-                report.add_error(str(exc))
-    report.rows_kept = len(rows)
-    return rows, lines, report
+    rows, wheres, report = _collect(_jsonl_items(path), path, kind, skip_invalid, fields)
+    return rows, [int(w.rsplit(":", 1)[1]) for w in wheres], report
+
+
+def read_rows(path: str | Path, kind: str, skip_invalid: bool = False,
+              fields: dict | None = None) -> tuple[list[dict], list[str], LoadReport]:
+    """Read and validate a dataset in any supported format (:func:`dataset_format`):
+    JSONL, parquet, or a Hugging Face ``datasets`` folder written by ``save_to_disk``.
+
+    Parquet and ``datasets`` rows are checked exactly as JSONL lines are; a row is named
+    ``<file> row <i>`` (0-based, as ``dataset[i]`` and pandas number them).
+
+    Returns:
+        ``(rows, wheres, report)``: the valid rows, each one's location (``<file>:<line>``
+        for JSONL, ``<file> row <i>`` otherwise) and the report (not yet logged).
+
+    Raises:
+        DataError: a missing path, a format whose library is not installed (naming the
+            extra to install), a ``DatasetDict`` folder (naming its splits), or without
+            ``skip_invalid`` the first invalid row.
+        ValueError: unknown ``kind``.
+    """
+    from nemo_rlhf.data.tables import dataset_format, table_items
+
+    path = Path(path)
+    if kind not in REQUIRED_FIELDS:
+        raise ValueError(f"dataset kind {kind!r}: valid kinds are {sorted(REQUIRED_FIELDS)}")
+    fmt = dataset_format(path)
+    items = _jsonl_items(path) if fmt == "jsonl" else table_items(path, fmt)
+    return _collect(items, path, kind, skip_invalid, fields)

@@ -799,10 +799,18 @@ def _identity_text(identity) -> str:
 
 
 def _file_hash(path) -> str:
+    """The first 16 hex digits of the SHA-256 of a file, or of a dataset folder's files
+    (parquet shards, a ``save_to_disk`` folder): their relative names and contents in name
+    order."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for file in files:
+        if path.is_dir():
+            h.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
     return h.hexdigest()[:16]
 
 
