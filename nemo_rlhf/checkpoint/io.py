@@ -245,8 +245,11 @@ def _optimizer_sharded_state_dict(model_sd: dict, optimizer, name: str = "model"
         if m is not p and i in id_map:
             masters[i] = make_sharded_optimizer_tensor(id_map[i], m, prefix="optimizer.master")
     if masters:
+        # a frozen parameter stands in for the master it would have if trained: only a
+        # bf16/fp16 one (an fp32 parameter is its own master and has no entry, so a layer
+        # stack of fp32 norm weights would be covered only by its frozen layers)
         for j, p in enumerate(frozen):
-            if len(ordered) + j in id_map:
+            if len(ordered) + j in id_map and p.dtype != torch.float32:
                 masters[len(ordered) + j] = make_sharded_optimizer_tensor(
                     id_map[len(ordered) + j], p.detach().float(), prefix="optimizer.master")
     out["masters"] = masters
