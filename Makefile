@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[dev,hf,data]"
+	$(BIN)/python -m pip install -q -e ".[dev,hf,data,trackers]"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,4 +1,5 @@
-"""The metrics sink of every job: TensorBoard, ``metrics.jsonl``, a console line, a progress bar.
+"""The metrics sink of every job: TensorBoard, ``metrics.jsonl``, W&B / MLflow when enabled
+(:mod:`nemo_rlhf.metrics.trackers`), a console line, a progress bar.
 
 Scalars go to ``<exp_dir>/tensorboard`` (``SummaryWriter``), one tag per metric key (keys
 without a ``/`` are put under ``train/``), and as JSON lines to ``<exp_dir>/metrics.jsonl``
@@ -37,16 +38,23 @@ class MetricsLogger:
         console_keys: keys of the console line, in order; None: every scalar except
             ``timing/*`` and ``memory/*``.
         tensorboard: write TensorBoard event files.
+        trackers: the ``logger`` section (:class:`~nemo_rlhf.metrics.trackers.LoggerConfig`):
+            W&B / MLflow runs that get every TensorBoard scalar too; None: none.
+        run_config: the resolved config, the trackers' run config / params.
     """
 
     def __init__(self, exp_dir: Path, enabled: bool, total_steps: int = 0, start_step: int = 0,
                  desc: str = "ppo", console_keys: Optional[Sequence[str]] = PPO_CONSOLE_KEYS,
-                 tensorboard: bool = True):
+                 tensorboard: bool = True, trackers=None, run_config: Optional[dict] = None):
         self.enabled = enabled
         self.console_keys = console_keys
         self.writer = None
         self.bar = None
+        self.trackers = []
         if enabled:
+            from nemo_rlhf.metrics.trackers import open_trackers
+
+            self.trackers = open_trackers(trackers, Path(exp_dir), run_config)
             from torch.utils.tensorboard import SummaryWriter
             from tqdm import tqdm
 
@@ -65,11 +73,14 @@ class MetricsLogger:
         """Scalars to TensorBoard and ``metrics.jsonl``, a console line, the progress bar."""
         if not self.enabled or not metrics:
             return
-        for k, v in metrics.items():
-            if self.writer is not None and isinstance(v, (int, float)) and math.isfinite(float(v)):
-                self.writer.add_scalar(k if "/" in k else f"train/{k}", float(v), step)
+        scalars = {k if "/" in k else f"train/{k}": float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and math.isfinite(float(v))}
         if self.writer is not None:
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
             self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log_metrics(scalars, step)
         self.jsonl.write(json.dumps({"step": step, **{k: v for k, v in metrics.items()
                                                       if isinstance(v, (int, float))}}) + "\n")
         self.jsonl.flush()
@@ -111,3 +122,5 @@ class MetricsLogger:
             if self.writer is not None:
                 self.writer.close()
             self.jsonl.close()
+            for tracker in self.trackers:
+                tracker.close()

@@ -36,6 +36,7 @@ from nemo_rlhf.data.datasets import (
 )
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.models.actor_critic import gather_last_token
+from nemo_rlhf.metrics.trackers import LoggerConfig
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.trainers.optim import OptimizerConfig
@@ -98,6 +99,8 @@ class RMRunConfig:
     trainer: SupervisedTrainerConfig = field(default_factory=SupervisedTrainerConfig)
     rm: RMConfig = field(default_factory=RMConfig)
     exp_manager: SupervisedExpManagerConfig = field(default_factory=SupervisedExpManagerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """W&B / MLflow beside TensorBoard (:mod:`nemo_rlhf.metrics.trackers`)."""
 
 
 def register_configs() -> None:

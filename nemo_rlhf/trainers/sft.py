@@ -27,6 +27,7 @@ from nemo_rlhf.data.datasets import (
     sft_length,
 )
 from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.metrics.trackers import LoggerConfig
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
@@ -69,6 +70,8 @@ class SFTRunConfig:
     trainer: SupervisedTrainerConfig = field(default_factory=SupervisedTrainerConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     exp_manager: SupervisedExpManagerConfig = field(default_factory=SupervisedExpManagerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """W&B / MLflow beside TensorBoard (:mod:`nemo_rlhf.metrics.trackers`)."""
 
 
 def register_configs() -> None:

@@ -211,7 +211,8 @@ class SupervisedTrainer:
         self._fit_start = time.perf_counter()
         self.logger = MetricsLogger(self.exp.dir, enabled=self.dims.rank == 0,
                                     total_steps=t.max_steps, start_step=self.step, desc=self.job,
-                                    console_keys=None, tensorboard=self.cfg.exp_manager.tensorboard)
+                                    console_keys=None, tensorboard=self.cfg.exp_manager.tensorboard,
+                                    trackers=getattr(self.cfg, "logger", None), run_config=self.run_config)
         if self.step >= t.max_steps:
             self.print(f"already at step {self.step} >= trainer.max_steps={t.max_steps}")
 

@@ -195,3 +195,30 @@ def test_consecutive_nonfinite_updates_stop_the_run_keeping_the_last_good_checkp
     assert "trainer.max_consecutive_nonfinite=3" in res["error"]
     assert res["ckpts"] == ["latest", "step_1"]
     assert res["unchanged"]  # skipped updates changed no weight
+
+
+def _mlflow_worker(rank: int, tmp: str):
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / "exp", "logger.mlflow.enabled=true",
+                      "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]")
+    assert build(cfg).fit() == 0
+    return {}
+
+
+def test_a_ppo_run_sends_its_step_metrics_to_mlflow_under_the_tensorboard_names(tmp_path, monkeypatch):
+    import json
+
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the tracker sets in the job
+    run_ranks(_mlflow_worker, world_size=1, tmp=str(tmp_path))
+    exp = tmp_path / "exp"
+    run_id = json.loads((exp / "trackers.json").read_text())["mlflow"]
+    client = mlflow.tracking.MlflowClient((exp / "mlruns").as_uri())
+    logged = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    kl = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "train/kl_mean"))
+    assert kl == [(r["step"], pytest.approx(r["kl_mean"])) for r in logged if "kl_mean" in r]
+    assert len(kl) == 2
+    run = client.get_run(run_id)
+    assert run.data.params["trainer.max_steps"] == "2" and run.info.status == "FINISHED"

@@ -21,6 +21,7 @@ from nemo_rlhf.reward.normalization import NORMALIZATION_MODES
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.trainers.config import ExpManagerConfig, TrainerConfig
 from nemo_rlhf.trainers.optim import OptimizerConfig
+from nemo_rlhf.metrics.trackers import LoggerConfig
 
 KL_TEMPERATURES = ("sampling", "unscaled")
 REFERENCE_MODES = ("offload", "colocated")
@@ -342,6 +343,8 @@ class PPOConfig:
     """``train_file``: PPO prompts; ``val_file``: held-out evaluation prompts."""
     exp_manager: PPOExpManagerConfig = field(default_factory=PPOExpManagerConfig)
     guards: GuardConfig = field(default_factory=GuardConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """W&B / MLflow beside TensorBoard (:mod:`nemo_rlhf.metrics.trackers`)."""
 
     def __post_init__(self) -> None:
         # Every rollout row holds at least its first generated token (an EOS drawn first

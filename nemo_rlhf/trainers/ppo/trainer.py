@@ -686,7 +686,9 @@ class PPOTrainer:
 
     def open_logs(self) -> None:
         self.logger = MetricsLogger(self.exp.dir, enabled=self.is_reporter or self.dims.rank == 0,
-                                    total_steps=self.cfg.trainer.max_steps, start_step=self.step)
+                                    total_steps=self.cfg.trainer.max_steps, start_step=self.step,
+                                    trackers=self.cfg.logger if self.is_reporter else None,  # one run
+                                    run_config=self.run_config)
 
     def on_fit_start(self) -> dict:
         """The step-0 evaluation (the initial policy's held-out numbers)."""
