@@ -222,3 +222,32 @@ def test_a_ppo_run_sends_its_step_metrics_to_mlflow_under_the_tensorboard_names(
     assert len(kl) == 2
     run = client.get_run(run_id)
     assert run.data.params["trainer.max_steps"] == "2" and run.info.status == "FINISHED"
+
+
+def _judge_worker(rank: int, tmp: str):
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / "exp", "trainer.val_check_interval=2",
+                      "trainer.max_eval_samples=8", "trainer.eval_judge='tests.ppo_helpers:length_reward'",
+                      "reward.functions=[{name: arithmetic_exact_match}]", "rollout.temperature=1.0")
+    assert build(cfg).fit() == 0
+    return {}
+
+
+def test_an_independent_judge_scores_the_heldout_responses_beside_the_self_judged_win_rate(tmp_path):
+    import json
+
+    from nemo_rlhf.trainers.ppo.evaluation import win_rate
+
+    run_ranks(_judge_worker, world_size=1, tmp=str(tmp_path))
+    exp = tmp_path / "exp"
+    last = [json.loads(line) for line in (exp / "metrics.jsonl").read_text().splitlines()
+            if "eval/judge_win_rate_vs_initial" in line][-1]
+    step0, step2 = ([json.loads(line) for line in (exp / "eval_samples" / f"step_00000{s}.jsonl").read_text().splitlines()]
+                    for s in (0, 2))
+    # the judge (response characters / 4) is not the training reward (exact match)
+    assert all(r["judge"] == len(r["response"]) / 4.0 for r in step0 + step2)
+    assert last["eval/judge_score"] == pytest.approx(sum(r["judge"] for r in step2) / len(step2))
+    assert last["eval/judge_win_rate_vs_initial"] == pytest.approx(win_rate(step2, step0, "judge"))
+    assert last["eval/win_rate_vs_initial"] == pytest.approx(win_rate(step2, step0, "score"))

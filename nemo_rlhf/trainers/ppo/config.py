@@ -46,11 +46,18 @@ class PPOTrainerConfig(TrainerConfig):
     eval_extra_checkers: list[str] = field(default_factory=list)
     """More checkers averaged on the held-out set, each logged as ``eval/<name>``
     (e.g. ``just_the_number``, answer-format compliance)."""
+    eval_judge: Optional[str] = None
+    """An independent judge of the held-out responses: a second RM server's URL
+    (``http://host:port``) or a reward function (registered name or ``module:function``).
+    Logged as ``eval/judge_score`` and ``eval/judge_win_rate_vs_initial``; None: only the
+    self-judged ``eval/win_rate_vs_initial`` (by the reward being optimised)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.eval_checker is not None:
             check_reward_function_spec("trainer.eval_checker", self.eval_checker)
+        if self.eval_judge is not None and not str(self.eval_judge).startswith(("http://", "https://")):
+            check_reward_function_spec("trainer.eval_judge", self.eval_judge)
         for i, name in enumerate(self.eval_extra_checkers):
             check_reward_function_spec(f"trainer.eval_extra_checkers[{i}]", name)
 

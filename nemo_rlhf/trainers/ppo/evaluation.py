@@ -1,7 +1,10 @@
 """The PPO job's held-out evaluation: greedy rollouts of the current policy on the
 evaluation prompts, scored by the reward sources and the task's checkers.
 
-Simplified: the win rate is judged by the same reward the policy is trained on.
+Two win rates against the initial policy's responses to the same prompts:
+``eval/win_rate_vs_initial`` is self-judged (by the reward being optimised: a policy that
+hacks the RM wins by it), ``eval/judge_win_rate_vs_initial`` is judged by
+``trainer.eval_judge`` (a second RM server or a reward function) when one is set.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from nemo_rlhf.reward.functions import get_reward_function
 def evaluate_policy(trainer) -> dict:
     """Greedy decoding on the held-out set (``trainer.max_eval_samples`` of
     ``data.val_file``, split over DP): accuracy by ``trainer.eval_checker``, the extra
-    checkers, RM reward, length, repetition, and the win rate vs the initial policy judged
-    by the reward; every rank returns the same metrics (``eval/*``). Global rank 0 also
+    checkers, RM reward, length, repetition, the win rate vs the initial policy judged
+    by the reward (self-judged) and, with ``trainer.eval_judge``, the judge's score and win
+    rate; every rank returns the same metrics (``eval/*``). Global rank 0 also
     writes the responses, one JSON line per held-out prompt in file order, to
     ``<exp_dir>/eval_samples/step_<step>.jsonl`` (:func:`write_eval_samples`).
 
@@ -47,6 +51,9 @@ def evaluate_policy(trainer) -> dict:
             for name in trainer.cfg.trainer.eval_extra_checkers:
                 extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
                                                              [r.extras for r in rows]))
+            judge = _judge(trainer)
+            judged = None if judge is None else [float(x) for x in judge(
+                [r.prompt for r in rows], texts, [r.extras for r in rows])]
             initial_scores = None
             if trainer.rescore_initial and trainer.initial_eval is not None:
                 # the initial policy's responses, judged again by the new reward
@@ -56,7 +63,7 @@ def evaluate_policy(trainer) -> dict:
                                                normalize=False)
                 initial_scores = initial.scores.tolist()
             result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
-                      "initial_scores": initial_scores,
+                      "initial_scores": initial_scores, "judge": judged,
                       "correct": list(correct), "extra": extra,
                       "per_source": {k: v.tolist() for k, v in out.per_source.items()},
                       "lengths": batch.response_lengths.tolist(), "rep": reps}
@@ -75,6 +82,8 @@ def evaluate_policy(trainer) -> dict:
                          "extra": {k: v[j] for k, v in r["extra"].items()},
                          "src": {k: v[j] for k, v in r["per_source"].items()},
                          "len": r["lengths"][j], "rep": r["rep"][j]}
+            if r.get("judge") is not None:
+                merged[i]["judge"] = r["judge"][j]
     items = [merged[i] for i in sorted(merged)]
     if trainer.dims.rank == 0:
         write_eval_samples(Path(trainer.cfg.exp_manager.exp_dir), trainer.step,
@@ -95,13 +104,40 @@ def evaluate_policy(trainer) -> dict:
         metrics[f"eval/{name}"] = sum(x["extra"][name] for x in items) / len(items)
     for name in items[0]["src"]:
         metrics[f"eval/{name}"] = sum(x["src"][name] for x in items) / len(items)
+    if "judge" in items[0]:
+        metrics["eval/judge_score"] = sum(x["judge"] for x in items) / len(items)
     if trainer.initial_eval is None:
         trainer.initial_eval = items
     else:
-        wins = [1.0 if a["score"] > b["score"] else 0.5 if a["score"] == b["score"] else 0.0
-                for a, b in zip(items, trainer.initial_eval)]
-        metrics["eval/win_rate_vs_initial"] = sum(wins) / len(wins)
+        metrics["eval/win_rate_vs_initial"] = win_rate(items, trainer.initial_eval, "score")
+        if "judge" in items[0] and "judge" in trainer.initial_eval[0]:
+            metrics["eval/judge_win_rate_vs_initial"] = win_rate(items, trainer.initial_eval, "judge")
     return metrics
+
+
+def win_rate(items: list[dict], initial: list[dict], key: str) -> float:
+    """Share of prompts whose response scores higher by ``key`` than the initial policy's
+    response to the same prompt (a tie counts 1/2)."""
+    wins = [1.0 if a[key] > b[key] else 0.5 if a[key] == b[key] else 0.0 for a, b in zip(items, initial)]
+    return sum(wins) / len(wins)
+
+
+def _judge(trainer):
+    """``trainer.eval_judge`` as ``fn(prompts, responses, extras) -> scores`` (built once),
+    or None when no judge is set."""
+    spec = trainer.cfg.trainer.eval_judge
+    if spec is None:
+        return None
+    if getattr(trainer, "_eval_judge", None) is None:
+        if str(spec).startswith(("http://", "https://")):
+            from nemo_rlhf.reward.client import RewardModelClient
+
+            client = RewardModelClient(spec, timeout_s=trainer.cfg.reward.timeout_s,
+                                       max_retries=trainer.cfg.reward.max_retries)
+            trainer._eval_judge = lambda prompts, responses, extras: client.score_texts(prompts, responses)
+        else:
+            trainer._eval_judge = get_reward_function(spec)
+    return trainer._eval_judge
 
 
 def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict]) -> Path:
@@ -132,9 +168,10 @@ def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict
                 "correct": float(x["correct"]), "length": int(x["len"]),
                 "repetition": float(x["rep"]), **{k: float(v) for k, v in x["extra"].items()},
                 "sources": {k: float(v) for k, v in x["src"].items()},
+                **({"judge": float(x["judge"])} if "judge" in x else {}),
                 "extras": row.extras}, default=str) + "\n")
     os.replace(tmp, out)
     return out
 
 
-__all__ = ["evaluate_policy", "write_eval_samples"]
+__all__ = ["evaluate_policy", "win_rate", "write_eval_samples"]

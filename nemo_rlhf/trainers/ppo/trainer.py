@@ -114,6 +114,11 @@ class PPOTrainer:
         self.encoded = [p.prompt_ids for p in prompts]
         self.eval_encoded = [p.prompt_ids for p in self.eval_prompts]
         self.initial_eval = None  # (responses, rm scores) of the initial policy
+        if self.eval_prompts and cfg.trainer.val_check_interval:
+            log.info("held-out win rate: eval/win_rate_vs_initial is self-judged (by the reward being "
+                     "optimised); %s", f"eval/judge_win_rate_vs_initial by trainer.eval_judge="
+                     f"{cfg.trainer.eval_judge}" if cfg.trainer.eval_judge else
+                     "set trainer.eval_judge (a second RM's URL or a reward function) for an independent one")
         self.is_mp_src = dims.tp_rank == 0 and dims.pp_rank == 0
         flags = [None] * dims.world_size
         dist.all_gather_object(flags, dims.dp_rank == 0 and dims.tp_rank == 0 and dims.is_last_stage)

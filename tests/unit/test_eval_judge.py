@@ -1,0 +1,47 @@
+"""``trainer.eval_judge``: a reward function or a second RM server's URL, checked at config
+time; the URL form scores through the RM client."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from nemo_rlhf.trainers.ppo import evaluation
+from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig
+
+
+def test_the_judge_is_checked_when_the_config_is_built():
+    with pytest.raises(ValueError, match=r"trainer.eval_judge='nope': valid choices are \["):
+        PPOTrainerConfig(eval_judge="nope")
+    PPOTrainerConfig(eval_judge="http://judge:5555")
+    PPOTrainerConfig(eval_judge="two_digit_addition")
+
+
+def test_a_judge_url_scores_through_the_rm_client(monkeypatch):
+    seen = {}
+
+    class FakeClient:
+        def __init__(self, url, timeout_s, max_retries):
+            seen["init"] = (url, timeout_s, max_retries)
+
+        def score_texts(self, prompts, responses):
+            seen.setdefault("calls", []).append((list(prompts), list(responses)))
+            return [float(len(r)) for r in responses]
+
+    import nemo_rlhf.reward.client as client
+
+    monkeypatch.setattr(client, "RewardModelClient", FakeClient)
+    cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(eval_judge="http://judge:5555"),
+                                reward=types.SimpleNamespace(timeout_s=7.0, max_retries=2))
+    trainer = types.SimpleNamespace(cfg=cfg)
+    judge = evaluation._judge(trainer)
+    assert judge(["p", "q"], ["abc", "de"], [{}, {}]) == [3.0, 2.0]
+    assert evaluation._judge(trainer) is judge  # built once
+    assert seen["init"] == ("http://judge:5555", 7.0, 2) and seen["calls"] == [(["p", "q"], ["abc", "de"])]
+
+
+def test_win_rate_counts_ties_as_half():
+    now = [{"s": 2.0}, {"s": 1.0}, {"s": 0.0}]
+    before = [{"s": 1.0}, {"s": 1.0}, {"s": 1.0}]
+    assert evaluation.win_rate(now, before, "s") == pytest.approx(0.5)
