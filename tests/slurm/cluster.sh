@@ -100,13 +100,21 @@ SlurmdLogFile=$dir/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ReturnToService=2
+# never ping nodes: the GPU partition below is never started and must stay IDLE for --test-only
+SlurmdTimeout=0
 JobRequeue=1
 KillWait=10
 MinJobAge=600
 InactiveLimit=0
+GresTypes=gpu
 NodeName=${host} NodeAddr=127.0.0.1 CPUs=${cpus} RealMemory=${mem} State=UNKNOWN
 PartitionName=debug Nodes=${host} Default=YES MaxTime=INFINITE State=UP
+# the shape of conf/cluster/example.yaml, configured IDLE but never started (no slurmd):
+# for sbatch --test-only of the README's multi-node commands (up to 8 nodes of 8 GPUs)
+NodeName=gpu-[1-8] NodeAddr=127.0.0.2 CPUs=128 RealMemory=1000000 Gres=gpu:8 State=IDLE
+PartitionName=batch Nodes=gpu-[1-8] MaxTime=INFINITE State=UP
 EOF
+    echo "NodeName=gpu-[1-8] Name=gpu Count=8" >"$dir/gres.conf"
     export SLURM_CONF="$dir/slurm.conf"
     slurmctld -f "$SLURM_CONF" || die "slurmctld did not start; see $dir/log/slurmctld.log"
     wait_for 30 scontrol ping || die "slurmctld does not answer; see $dir/log/slurmctld.log"

@@ -228,3 +228,23 @@ def test_sweep_job_array_runs_each_value_in_its_own_folder(slurm, data, tmp_path
         assert f"target: {float(value)}" in cfg and f"exp_dir: {task_dir}" in cfg
         assert list((task_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert not (exp / "checkpoints").exists()  # nothing ran in the sweep's base folder
+
+
+def test_the_readmes_multi_node_commands_pass_sbatch_test_only(slurm, tmp_path):
+    """Every launchers.slurm command of the README (the walkthrough's RM job and PPO on 2
+    trainer nodes + an RM node, the 'Multi-node on SLURM' PPO on 4 + 1) with
+    conf/cluster/example.yaml, asked of the scheduler with --test-only against the test
+    cluster's never-started partition of 8-GPU nodes (tests/slurm/cluster.sh); /shared
+    holds an 8B-shaped checkpoint's config only."""
+    from tests.e2e.test_walkthrough import SHARED, _fake_llama3_8b
+    from tests.unit.test_readme_commands import readme_commands
+
+    _fake_llama3_8b(tmp_path)
+    cmds = [c for c in readme_commands() if c[:3] == ["python", "-m", "launchers.slurm"]]
+    assert len(cmds) == 3
+    for cmd in cmds:
+        nodes = int(next(w for w in cmd if w.startswith("cluster.nodes=")).split("=")[1])
+        res = slurm.launch("--test-only", *[w.replace(SHARED, str(tmp_path)) for w in cmd[3:]])
+        assert res.returncode == 0, res.stderr[-3000:]
+        where = "on nodes gpu-1 in partition batch" if nodes == 1 else f"on nodes gpu-[1-{nodes}] in partition batch"
+        assert "to start at" in res.stdout and where in res.stdout, (where, res.stdout, res.stderr[-2000:])

@@ -1,0 +1,136 @@
+"""Every command in the README's ```bash blocks is checked: its program exists and its
+arguments parse; Hydra overrides compose into the job's typed schema (no run). A new kind
+of command in the README fails here until a check for it is added. Commands run for real
+elsewhere are named in ``COVERED`` (the walkthrough, the multi-node dry-run and test-only)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.conf_helpers import JOBS, schema
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def readme_commands() -> list[list[str]]:
+    """The README's bash commands: continuation lines joined, comments dropped,
+    ``<placeholders>`` replaced by a word and ``[optional parts]`` removed."""
+    text = (REPO / "README.md").read_text()
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = re.sub(r"(^|\s)#.*$", "", line).strip()
+            if not line:
+                continue
+            line = re.sub(r"\s\[[^\]]*\]", "", line)
+            line = re.sub(r"<([a-z_]+)>", r"\1", line)
+            out.append(shlex.split(line))
+    return out
+
+
+COMMANDS = readme_commands()
+
+
+def _compose(config_name: str, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from nemo_rlhf.config import to_typed
+    from nemo_rlhf.models.config import CONF_DIR
+
+    schema(config_name)  # registers the schema
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        dcfg = compose(config_name, overrides=list(overrides))
+    return to_typed(dcfg, schema(config_name))
+
+
+def _split_config_name(args: list[str], default: str) -> tuple[str, list[str]]:
+    if "--config-name" in args:
+        i = args.index("--config-name")
+        return args[i + 1], args[:i] + args[i + 2:]
+    return default, args
+
+
+def _check_make(argv):
+    targets = re.findall(r"^([a-z][a-z-]*):", (REPO / "Makefile").read_text(), flags=re.M)
+    assert argv[1] in targets, f"make {argv[1]}: no such Makefile target ({targets})"
+
+
+def _check_ckpt_cli(argv):
+    from nemo_rlhf.tools.ckpt.cli import build_parser
+
+    build_parser().parse_args(argv[1:])
+
+
+def _check_python(argv):
+    module, args = argv[2], argv[3:]
+    if module in ("nemo_rlhf.train_ppo", "nemo_rlhf.train_sft", "nemo_rlhf.train_rm"):
+        if args == ["--cfg", "job"]:
+            return
+        name, overrides = _split_config_name(args, module.split("_")[-1])
+        _compose(name, overrides)
+    elif module == "nemo_rlhf.evaluate":
+        _compose("eval", args)
+    elif module == "launchers.local":
+        from launchers.local import _parser
+
+        ns = _parser().parse_args(args)
+        _compose(getattr(ns, "config_name", "ppo"), ns.overrides)
+    else:
+        raise AssertionError(f"README command with module {module}: add a check to {__file__}")
+
+
+def _check_bash(argv):
+    import subprocess
+
+    assert (REPO / argv[1]).is_file(), argv
+    subprocess.run(["bash", "-n", str(REPO / argv[1])], check=True)
+
+
+COVERED = {
+    ("python", "-m", "launchers.slurm"): "tests/e2e/test_walkthrough.py (dry-run, then run tiny), "
+    "tests/slurm/test_launcher.py::test_the_readme_multi_node_example_renders, "
+    "tests/slurm/test_jobs.py::test_the_readmes_multi_node_commands_pass_sbatch_test_only",
+}
+
+
+def _kind(argv) -> str:
+    if tuple(argv[:3]) in COVERED:
+        return "covered"
+    if argv[0] == "make":
+        return "make"
+    if argv[0] == "nemo-rlhf-ckpt":
+        return "ckpt"
+    if argv[0].endswith("python") and argv[1] == "-m":
+        return "python"
+    if argv[0] == "bash":
+        return "bash"
+    return "unknown"
+
+
+CHECKS = {"make": _check_make, "ckpt": _check_ckpt_cli, "python": _check_python, "bash": _check_bash,
+          "covered": lambda argv: None}
+
+
+def test_the_readme_has_its_commands_and_each_kind_is_known():
+    kinds = [_kind(c) for c in COMMANDS]
+    assert "unknown" not in kinds, [c for c, k in zip(COMMANDS, kinds) if k == "unknown"]
+    assert COMMANDS[:2] == [["make", "demo"], ["make", "test"]]  # the two set-up commands come first
+    assert len(COMMANDS) >= 20
+
+
+@pytest.mark.parametrize("argv", COMMANDS, ids=[" ".join(c)[:60] for c in COMMANDS])
+def test_each_readme_command_parses_and_composes(argv):
+    CHECKS[_kind(argv)](argv)
+
+
+def test_a_misspelt_override_in_a_readme_like_command_is_caught():
+    with pytest.raises(Exception, match="kl.targte"):
+        _check_python([".venv/bin/python", "-m", "nemo_rlhf.train_ppo", "--config-name", "ppo_tiny", "kl.targte=2"])
+    assert "ppo_tiny" in JOBS
