@@ -35,6 +35,9 @@ TINY = {  # keys the walkthrough leaves at the real-model defaults, made small h
     "rm": ["trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
            "trainer.val_check_interval=2", "trainer.log_every_n_steps=1", "optim.warmup_steps=0",
            "data.max_seq_length=64"],
+    "sft": ["trainer.max_steps=2", "trainer.global_batch_size=4", "trainer.micro_batch_size=2",
+            "trainer.val_check_interval=2", "trainer.log_every_n_steps=1", "optim.warmup_steps=0",
+            "data.max_seq_length=128"],
     "ppo": ["trainer.max_steps=2", "ppo.num_rollout_samples=4", "ppo.global_batch_size=4",
             "ppo.micro_batch_size=2", "ppo.forward_micro_batch_size=4", "rollout.max_new_tokens=6",
             "data.max_seq_length=48", "optim.warmup_steps=0", "trainer.sample_table_every=0"],
@@ -103,6 +106,19 @@ def _data(folder: Path) -> None:
     for name, rows in (("prefs", pairs), ("prefs_val", pairs[:4]), ("prompts", prompts),
                        ("prompts_val", prompts[:2])):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # SFT conversations (multi-turn; the loss on the last assistant turn) as parquet, beside
+    # the walkthrough: chat `messages` and a parquet file through a training job
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = [{"messages": [{"role": "system", "content": "Be brief."},
+                           {"role": "user", "content": "What is a cat?"},
+                           {"role": "assistant", "content": "A small animal."},
+                           {"role": "user", "content": "And a dog?"},
+                           {"role": "assistant", "content": "A loyal animal."}]},
+             {"messages": [{"role": "user", "content": "Say something kind."},
+                           {"role": "assistant", "content": "You did well today."}]}] * 4
+    pq.write_table(pa.Table.from_pylist(chats), folder / "sft.parquet")
 
 
 def _fake_llama3_8b(shared: Path) -> None:
@@ -162,6 +178,10 @@ def walk(tmp_path_factory):
     ckpt = [sys.executable, "-m", "nemo_rlhf.tools.ckpt"]
     got = {"dry_runs": {}}
     got["import"] = _run([*ckpt, *_words(cmds[0], shared)[1:]], logs / "import.log")
+    data = shared / "data"
+    got["sft"] = _run([sys.executable, "-m", "nemo_rlhf.train_sft", f"sft.init_from={shared}/ckpt/llama3-8b-sft",
+                       f"exp_manager.exp_dir={shared}/exp/sft", f"data.train_file={data}/sft.parquet",
+                       f"data.val_file={data}/sft.parquet", *TINY["sft"]], logs / "sft.log")
     for name, cmd in (("rm", cmds[1]), ("ppo", cmds[2])):
         # the launcher's validation and script, against the 8B-shaped checkpoint
         got["dry_runs"][name] = _run([sys.executable, "-m", "launchers.slurm", "--dry-run",
@@ -209,6 +229,16 @@ def test_rm_and_ppo_take_the_model_from_the_checkpoint_and_run(walk):
     assert steps[-1] == 2
     rows = [json.loads(line) for line in (ppo / "eval_samples" / "step_000002.jsonl").read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["Say something kind.", "What is a cat?"]  # the last user turn
+
+
+def test_sft_trains_on_multi_turn_messages_from_parquet_with_the_models_template(walk):
+    exp = walk["shared"] / "exp" / "sft"
+    assert (exp / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    cfg = yaml.safe_load((exp / "checkpoints" / "step_2" / "config.yaml").read_text())
+    assert cfg["data"]["chat_template"] == "model" and cfg["model"]["num_layers"] == 2
+    assert "sft.parquet (sft): 8 rows kept of 8; invalid skipped 0, truncated 0, dropped overlong 0" in walk["sft"]
+    losses = [json.loads(line).get("train/loss") for line in (exp / "metrics.jsonl").read_text().splitlines()]
+    assert any(v is not None and v == v and v > 0 for v in losses), losses
 
 
 def test_the_export_loads_in_transformers_and_generates(walk):
