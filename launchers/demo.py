@@ -213,6 +213,28 @@ def run_tiny(a) -> int:
     return 0
 
 
+SMOLLM2_RECIPE = {
+    "32": {"rm_epochs": 0.6, "ppo_lr": 1.0e-5},
+    "bf16-mixed": {"rm_epochs": 1.2, "ppo_lr": 3.0e-5},
+}
+"""The SmolLM2 demo's settings per precision (README: measured). bf16-mixed keeps fp32
+masters, but the forward runs on bf16 weights, which move only when the accumulated update
+passes half a bf16 step (2^-8 of the weight): at conf/ppo_smollm2.yaml's lr 1e-5 the policy
+barely moved in 10 steps (kl_mean 0.72 against fp32's 5.94 with the same RM), at 3e-5 it
+moves as fp32 does at 1e-5. The bf16 RM gets twice the passes (its steps cost half)."""
+
+
+def _resolve_demo_precision(precision: str) -> str:
+    """``auto`` resolved once for every stage (:func:`resolve_precision` on the host), printed."""
+    import torch
+
+    from nemo_rlhf.models.config import resolve_precision
+
+    choice, reason = resolve_precision(precision, torch.device("cpu"))
+    print(f"demo precision: {choice} ({reason})", flush=True)
+    return choice
+
+
 SMOLLM2_MAX_NEW_TOKENS = 24
 """Response budget of the SmolLM2 demo in tokens (rollout, evaluation and RM samples)."""
 
@@ -330,7 +352,7 @@ def run_smollm2(a) -> int:
     ppo_args = [f"exp_manager.init_from={ckpt}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
                 f"rollout.max_new_tokens={SMOLLM2_MAX_NEW_TOKENS}", f"trainer.precision={a.precision}",
-                *reward, *a.ppo_overrides]
+                *a.ppo_recipe, *reward, *a.ppo_overrides]
     base_steps = _first_stage_steps(a, _ppo_max_steps("ppo_smollm2", a.ppo_overrides))
     _ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, "ppo_smollm2", a.nproc,
                base_steps)
@@ -626,18 +648,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="experiment root (default experiments/<task>)")
     ap.add_argument("--data", default=None, help="dataset folder (default data/addition or data/reversal)")
     ap.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
-    ap.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default="32",
-                    help="trainer.precision of every stage (samples, RM, RM server, PPO, evaluation); "
-                         "auto: bf16-mixed where a bf16 GEMM is >= 1.2x faster than fp32 (logged). "
-                         "Log-probs, KL, advantages and losses stay fp32 either way")
+    ap.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default=None,
+                    help="trainer.precision of every stage (samples, RM, RM server, PPO, evaluation), "
+                         "resolved once here; auto (smollm2's default): bf16-mixed where a host bf16 "
+                         "GEMM is >= 1.2x faster than fp32, and with it the bf16 recipe (SMOLLM2_RECIPE). "
+                         "tiny's default: 32. Log-probs, KL, advantages and losses stay fp32 either way")
     ap.add_argument("--reward", choices=["rm", "checker", "both"], default="rm",
                     help="smollm2: PPO reward from the served RM (default; the checker only labels its "
                          "pairs and evaluates), the rule-based checker, or their sum (README: measured)")
     ap.add_argument("--rm-prompts", type=int, default=256, help="smollm2: prompts sampled for RM pairs")
     ap.add_argument("--rm-samples-per-prompt", type=int, default=4, help="smollm2: answers sampled per RM prompt")
     ap.add_argument("--rm-temperature", type=float, default=0.7, help="smollm2: sampling temperature of RM data")
-    ap.add_argument("--rm-epochs", type=float, default=0.6,
-                    help="smollm2: passes over the RM pairs (may be fractional)")
+    ap.add_argument("--rm-epochs", type=float, default=None,
+                    help="smollm2: passes over the RM pairs (may be fractional; default: the "
+                         "precision's recipe, SMOLLM2_RECIPE)")
     ap.add_argument("--rm-lr", type=float, default=1.0e-4, help="smollm2: peak learning rate of the RM")
     ap.add_argument("--rm-edit-pairs", type=int, default=4,
                     help="smollm2: minimal pairs per RM prompt that differ only in the stated number "
@@ -670,6 +694,15 @@ def main(argv=None) -> int:
                     metavar="KEY=VALUE", help="tiny: a Hydra override of the RM job(s) (repeatable)")
     ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job")
     a = ap.parse_args(argv)
+    a.ppo_recipe = []
+    if a.task == "smollm2":
+        a.precision = _resolve_demo_precision(a.precision or "auto")
+        recipe = SMOLLM2_RECIPE[a.precision]
+        a.rm_epochs = recipe["rm_epochs"] if a.rm_epochs is None else a.rm_epochs
+        a.ppo_recipe = [f"optim.lr={recipe['ppo_lr']}"]  # before the user's overrides: theirs win
+    else:
+        a.precision = a.precision or "32"
+        a.rm_epochs = 0.6 if a.rm_epochs is None else a.rm_epochs
     if a.refresh_rounds and a.task == "smollm2" and a.reward == "checker":
         ap.error("--refresh-rounds refreshes the served RM; it needs --reward rm or both")
     return run_smollm2(a) if a.task == "smollm2" else run_tiny(a)

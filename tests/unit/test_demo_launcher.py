@@ -123,3 +123,28 @@ def test_before_and_after_come_from_the_ppo_runs_own_evaluation_files(tmp_path):
     (tmp_path / "eval_samples" / "step_000000.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in rows))
     assert "just_the_number" not in _ppo_evaluation(tmp_path, 0)
+
+
+@pytest.mark.parametrize("bf16_fast", [True, False])
+def test_the_smollm2_recipe_follows_the_precision_auto_resolves_to(monkeypatch, bf16_fast):
+    """``make demo`` resolves ``--precision auto`` once and takes that precision's recipe
+    (bf16: twice the RM passes, 3x the PPO lr); explicit flags and PPO overrides still win."""
+    import launchers.demo as demo
+    import nemo_rlhf.models.config as mc
+
+    rates = {"fp32": 50.0, "bf16": 250.0 if bf16_fast else 1.0}
+    monkeypatch.setattr(mc, "host_gemm_gflops", lambda: rates)
+    monkeypatch.setattr(mc.resolve_precision, "__defaults__", (lambda: rates,))
+    seen = {}
+    monkeypatch.setattr(demo, "run_smollm2", lambda a: seen.update(vars(a)) or 0)
+    assert demo.main([]) == 0
+    want = "bf16-mixed" if bf16_fast else "32"
+    assert seen["precision"] == want
+    assert seen["rm_epochs"] == demo.SMOLLM2_RECIPE[want]["rm_epochs"]
+    assert seen["ppo_recipe"] == [f"optim.lr={demo.SMOLLM2_RECIPE[want]['ppo_lr']}"]
+    assert demo.main(["--precision", "32", "--rm-epochs", "0.3", "optim.lr=2e-5"]) == 0
+    assert (seen["precision"], seen["rm_epochs"], seen["ppo_recipe"], seen["ppo_overrides"]) == (
+        "32", 0.3, ["optim.lr=1e-05"], ["optim.lr=2e-5"])
+    monkeypatch.setattr(demo, "run_tiny", lambda a: seen.update(vars(a)) or 0)
+    assert demo.main(["--task", "tiny"]) == 0
+    assert (seen["precision"], seen["ppo_recipe"]) == ("32", [])
