@@ -219,9 +219,10 @@ SMOLLM2_RECIPE = {
 }
 """The SmolLM2 demo's settings per precision (README: measured). bf16-mixed keeps fp32
 masters, but the forward runs on bf16 weights, which move only when the accumulated update
-passes half a bf16 step (2^-8 of the weight): at conf/ppo_smollm2.yaml's lr 1e-5 the policy
-barely moved in 10 steps (kl_mean 0.72 against fp32's 5.94 with the same RM), at 3e-5 it
-moves as fp32 does at 1e-5. The bf16 RM gets twice the passes (its steps cost half)."""
+passes half a bf16 step (2^-9 to 2^-8 of the weight): at conf/ppo_smollm2.yaml's lr 1e-5
+the policy barely moved in 10 steps (kl_mean 0.72 against fp32's 5.94 with the same RM),
+at 3e-5 it moves about as fp32 does at 1e-5. The bf16 RM gets twice the passes (its steps
+cost half)."""
 
 
 def _resolve_demo_precision(precision: str) -> str:
