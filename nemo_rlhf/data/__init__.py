@@ -22,7 +22,8 @@ from nemo_rlhf.data.datasets import (
     load_sft_dataset,
     pad_right,
 )
-from nemo_rlhf.data.jsonl import DataError, LoadReport, read_jsonl, read_rows
+from nemo_rlhf.data.jsonl import DataError, LoadReport, read_jsonl
+from nemo_rlhf.data.tables import read_rows
 from nemo_rlhf.data.templates import CHAT_TEMPLATES, format_prompt
 from nemo_rlhf.data.tokenizer import Tokenizer
 

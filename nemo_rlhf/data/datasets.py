@@ -27,7 +27,8 @@ from typing import Generic, Optional, Sequence, TypeVar
 import torch
 from omegaconf import MISSING
 
-from nemo_rlhf.data.jsonl import DataError, LoadReport, check_field_map, read_rows
+from nemo_rlhf.data.jsonl import DataError, LoadReport, check_field_map
+from nemo_rlhf.data.tables import read_rows
 from nemo_rlhf.data.templates import check_template, format_prompt
 from nemo_rlhf.data.tokenizer import Tokenizer
 

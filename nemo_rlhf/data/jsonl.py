@@ -269,31 +269,3 @@ def read_jsonl(path: str | Path, kind: str, skip_invalid: bool = False,
         raise DataError(f"{path}: no such file")
     rows, wheres, report = _collect(_jsonl_items(path), path, kind, skip_invalid, fields)
     return rows, [int(w.rsplit(":", 1)[1]) for w in wheres], report
-
-
-def read_rows(path: str | Path, kind: str, skip_invalid: bool = False,
-              fields: dict | None = None) -> tuple[list[dict], list[str], LoadReport]:
-    """Read and validate a dataset in any supported format (:func:`dataset_format`):
-    JSONL, parquet, or a Hugging Face ``datasets`` folder written by ``save_to_disk``.
-
-    Parquet and ``datasets`` rows are checked exactly as JSONL lines are; a row is named
-    ``<file> row <i>`` (0-based, as ``dataset[i]`` and pandas number them).
-
-    Returns:
-        ``(rows, wheres, report)``: the valid rows, each one's location (``<file>:<line>``
-        for JSONL, ``<file> row <i>`` otherwise) and the report (not yet logged).
-
-    Raises:
-        DataError: a missing path, a format whose library is not installed (naming the
-            extra to install), a ``DatasetDict`` folder (naming its splits), or without
-            ``skip_invalid`` the first invalid row.
-        ValueError: unknown ``kind``.
-    """
-    from nemo_rlhf.data.tables import dataset_format, table_items
-
-    path = Path(path)
-    if kind not in REQUIRED_FIELDS:
-        raise ValueError(f"dataset kind {kind!r}: valid kinds are {sorted(REQUIRED_FIELDS)}")
-    fmt = dataset_format(path)
-    items = _jsonl_items(path) if fmt == "jsonl" else table_items(path, fmt)
-    return _collect(items, path, kind, skip_invalid, fields)

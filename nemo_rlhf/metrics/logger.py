@@ -17,6 +17,8 @@ import math
 from pathlib import Path
 from typing import Optional, Sequence
 
+from nemo_rlhf.metrics.trackers import open_trackers
+
 PPO_CONSOLE_KEYS = ("reward_raw_mean", "reward_mean", "kl_mean", "kl_per_token", "beta",
                     "response_length", "truncated_fraction", "entropy", "policy_loss", "value_loss",
                     "explained_variance", "clip_fraction", "approx_kl", "grad_norm",
@@ -52,8 +54,6 @@ class MetricsLogger:
         self.bar = None
         self.trackers = []
         if enabled:
-            from nemo_rlhf.metrics.trackers import open_trackers
-
             self.trackers = open_trackers(trackers, Path(exp_dir), run_config)
             from torch.utils.tensorboard import SummaryWriter
             from tqdm import tqdm

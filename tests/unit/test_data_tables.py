@@ -14,8 +14,8 @@ datasets = pytest.importorskip("datasets")
 
 from nemo_rlhf.data.datasets import (DataConfig, load_preference_dataset, load_prompt_dataset,  # noqa: E402
                                      load_sft_dataset)
-from nemo_rlhf.data.jsonl import DataError, read_rows  # noqa: E402
-from nemo_rlhf.data.tables import dataset_format  # noqa: E402
+from nemo_rlhf.data.jsonl import DataError  # noqa: E402
+from nemo_rlhf.data.tables import dataset_format, read_rows  # noqa: E402
 from nemo_rlhf.data.tokenizer import Tokenizer  # noqa: E402
 from nemo_rlhf.trainers.ppo.trainer import _file_hash  # noqa: E402
 from tests.unit.test_chat_template_model import _tokenizer_dir  # noqa: E402

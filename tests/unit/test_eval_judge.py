@@ -29,9 +29,7 @@ def test_a_judge_url_scores_through_the_rm_client(monkeypatch):
             seen.setdefault("calls", []).append((list(prompts), list(responses)))
             return [float(len(r)) for r in responses]
 
-    import nemo_rlhf.reward.client as client
-
-    monkeypatch.setattr(client, "RewardModelClient", FakeClient)
+    monkeypatch.setattr(evaluation, "RewardModelClient", FakeClient)
     cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(eval_judge="http://judge:5555"),
                                 reward=types.SimpleNamespace(timeout_s=7.0, max_retries=2))
     trainer = types.SimpleNamespace(cfg=cfg)

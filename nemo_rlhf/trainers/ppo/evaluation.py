@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from nemo_rlhf.reward.client import RewardModelClient
 from nemo_rlhf.reward.functions import get_reward_function
 
 
@@ -130,8 +131,6 @@ def _judge(trainer):
         return None
     if getattr(trainer, "_eval_judge", None) is None:
         if str(spec).startswith(("http://", "https://")):
-            from nemo_rlhf.reward.client import RewardModelClient
-
             client = RewardModelClient(spec, timeout_s=trainer.cfg.reward.timeout_s,
                                        max_retries=trainer.cfg.reward.max_retries)
             trainer._eval_judge = lambda prompts, responses, extras: client.score_texts(prompts, responses)
