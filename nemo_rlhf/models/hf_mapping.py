@@ -1,0 +1,629 @@
+"""Hugging Face <-> megatron-core tensor mapping for Llama-, Qwen2- and GPT-2-style models.
+
+Both directions work on **full (unsharded) tensors** keyed like this project's
+distributed checkpoints (``load_full_tensors`` without the ``model.`` prefix): layer
+tensors are stacked on a leading layer axis, ``decoder.layers.<name>`` ``[num_layers,
+...]``, and the pre-attention / pre-MLP norms are named as megatron's sharded state dict
+names them (``self_attention.linear_qkv.layer_norm_weight`` and
+``mlp.linear_fc1.layer_norm_weight``), whichever layer spec (local or TE) wrote them.
+TP/PP never appear here: dist_checkpointing reshards.
+
+megatron tensors (``h`` hidden, ``f`` ffn, ``d`` head dim, ``H`` query heads, ``G`` query
+groups = KV heads, ``V'`` padded vocabulary, ``V`` real vocabulary, ``L`` layers):
+
+* ``embedding.word_embeddings.weight`` ``[V', h]``; rows ``V..V'`` are padding (zeros on
+  import, dropped on export); ``output_layer.weight`` ``[V', h]`` unless tied;
+* ``decoder.layers.self_attention.linear_qkv.weight`` ``[L, (H + 2G) d, h]``, fused per query
+  group: for each group ``g``, its ``H/G`` query heads, then its key head, then its value
+  head (``.bias`` ``[L, (H + 2G) d]`` the same way);
+* ``decoder.layers.self_attention.linear_proj.weight`` ``[L, h, H d]``;
+* ``decoder.layers.mlp.linear_fc1.weight`` ``[L, 2f, h]`` = ``[gate; up]`` for SwiGLU,
+  ``[L, f, h]`` for GELU; ``linear_fc2.weight`` ``[L, h, f]``;
+* norms ``[L, h]`` (``layer_norm_bias`` too for LayerNorm), ``decoder.final_layernorm.*``
+  ``[h]``; ``embedding.position_embeddings.weight`` ``[max_pos, h]`` (GPT-2);
+* ``value_head.*`` / ``reward_head.weight`` ``[1, h]`` float32, ``reward_head.bias`` ``[1]``.
+
+Hugging Face names (transformers 4.57, ``models/<arch>/modeling_<arch>.py``):
+
+* Llama / Qwen2 (``LlamaForCausalLM``, ``Qwen2ForCausalLM``): ``model.embed_tokens.weight``,
+  ``model.layers.<i>.input_layernorm.weight``, ``self_attn.{q,k,v,o}_proj.weight``
+  (``nn.Linear`` ``[out, in]``; q ``[H d, h]``, k/v ``[G d, h]``; KV head ``j`` serves query
+  heads ``j H/G .. (j+1) H/G - 1`` as in ``repeat_kv``), Qwen2 adds ``{q,k,v}_proj.bias``,
+  Llama's ``attention_bias`` / ``mlp_bias`` add biases to all four / all three,
+  ``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.weight``,
+  ``model.norm.weight``, ``lm_head.weight`` (absent when ``tie_word_embeddings``);
+* GPT-2 (``GPT2LMHeadModel``): ``transformer.wte.weight``, ``transformer.wpe.weight``,
+  ``transformer.h.<i>.ln_1.{weight,bias}``, ``attn.c_attn.{weight,bias}`` (``Conv1D``:
+  weight ``[in, out]`` = ``[h, 3h]``, output columns ``[q | k | v]``, heads contiguous
+  inside each), ``attn.c_proj``, ``ln_2``, ``mlp.c_fc`` ``[h, f]``, ``mlp.c_proj`` ``[f, h]``,
+  ``transformer.ln_f``; checkpoints saved from ``GPT2Model`` lack the ``transformer.``
+  prefix (accepted on import);
+* reward models export as ``<Arch>ForSequenceClassification`` with ``num_labels=1``:
+  the backbone under the same prefix plus ``score.weight`` ``[1, h]`` (no bias).
+
+Every transform is a reshape, slice, concatenation or transpose, so import followed by
+export returns bit-identical tensors (same names as ``save_pretrained`` writes).
+
+Simplified / refused (a clear ``ValueError`` names the key): RoPE scaling and partial
+rotary, sliding-window attention, Llama with ``attention_bias != mlp_bias``, GPT-2 with
+``scale_attn_by_inverse_layer_idx`` or unscaled attention. Dropout values of the HF config
+are not imported (this project trains RLHF with dropout 0). Exports write one
+``model.safetensors`` file (no sharding of very large models).
+
+The file side (reading and writing HF folders, tokenizers, importing a checkpoint) is
+:mod:`nemo_rlhf.tools.hf_convert`; this module is pure tensor work, so the rollout engines
+can map an actor in memory (:mod:`nemo_rlhf.rollout.vllm_engine`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from nemo_rlhf.models.config import ModelConfig
+
+L = "decoder.layers."
+ATTN_NORM_W = L + "self_attention.linear_qkv.layer_norm_weight"
+ATTN_NORM_B = L + "self_attention.linear_qkv.layer_norm_bias"
+QKV_W = L + "self_attention.linear_qkv.weight"
+QKV_B = L + "self_attention.linear_qkv.bias"
+PROJ_W = L + "self_attention.linear_proj.weight"
+PROJ_B = L + "self_attention.linear_proj.bias"
+MLP_NORM_W = L + "mlp.linear_fc1.layer_norm_weight"
+MLP_NORM_B = L + "mlp.linear_fc1.layer_norm_bias"
+FC1_W = L + "mlp.linear_fc1.weight"
+FC1_B = L + "mlp.linear_fc1.bias"
+FC2_W = L + "mlp.linear_fc2.weight"
+FC2_B = L + "mlp.linear_fc2.bias"
+FINAL_NORM_W = "decoder.final_layernorm.weight"
+FINAL_NORM_B = "decoder.final_layernorm.bias"
+WORD = "embedding.word_embeddings.weight"
+POS = "embedding.position_embeddings.weight"
+OUTPUT = "output_layer.weight"
+REWARD_W = "reward_head.weight"
+REWARD_B = "reward_head.bias"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------- helpers
+def head_dim(cfg: ModelConfig) -> int:
+    """Per-head width ``d``."""
+    return cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
+
+
+def query_groups(cfg: ModelConfig) -> int:
+    """KV heads ``G``."""
+    return cfg.num_query_groups or cfg.num_attention_heads
+
+
+def ffn_size(cfg: ModelConfig) -> int:
+    """MLP width ``f``."""
+    return cfg.ffn_hidden_size or 4 * cfg.hidden_size
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """HF ``q [H d, ...]``, ``k``/``v`` ``[G d, ...]`` -> megatron ``[(H + 2G) d, ...]``
+    (per group: its query heads, its key head, its value head)."""
+    rest = q.shape[1:]
+    q = q.reshape(groups, -1, *rest)
+    k = k.reshape(groups, -1, *rest)
+    v = v.reshape(groups, -1, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int, dim: int):
+    """Inverse of :func:`fuse_qkv`: ``[(H + 2G) d, ...]`` -> ``(q, k, v)`` contiguous."""
+    rest = qkv.shape[1:]
+    per = heads // groups
+    x = qkv.reshape(groups, (per + 2) * dim, *rest)
+    q = x[:, :per * dim].reshape(heads * dim, *rest)
+    k = x[:, per * dim:(per + 1) * dim].reshape(groups * dim, *rest)
+    v = x[:, (per + 1) * dim:].reshape(groups * dim, *rest)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[V, h]`` -> ``[rows, h]`` with zero rows appended (vocabulary padding)."""
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+class _Source:
+    """An HF state dict consumed key by key; names missing or left over are errors."""
+
+    def __init__(self, tensors: dict, ignore: Callable[[str], bool]):
+        self.tensors = tensors
+        self.used: set[str] = set()
+        self.ignore = ignore
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise ValueError(f"HF checkpoint lacks tensor {name!r}")
+        self.used.add(name)
+        return self.tensors[name]
+
+    def check_all_used(self) -> None:
+        left = sorted(k for k in self.tensors if k not in self.used and not self.ignore(k))
+        if left:
+            raise ValueError(f"HF checkpoint has {len(left)} tensors this mapping does not know: "
+                             f"{left[:6]}{' ...' if len(left) > 6 else ''}")
+
+
+def _need(mg: dict, key: str) -> torch.Tensor:
+    if key not in mg:
+        raise ValueError(f"checkpoint lacks tensor model.{key}")
+    return mg[key]
+
+
+# --------------------------------------------------------------------------- architectures
+@dataclass(frozen=True)
+class Arch:
+    """One supported Hugging Face architecture."""
+
+    name: str
+    """``llama``, ``qwen2`` or ``gpt2`` (also the HF ``model_type``)."""
+    causal_lm: str
+    """transformers class of the actor export."""
+    seq_cls: str
+    """transformers class of the reward-model export."""
+    prefix: str
+    """Backbone prefix in HF state dicts (``model.`` / ``transformer.``)."""
+
+
+ARCHS = {
+    "llama": Arch("llama", "LlamaForCausalLM", "LlamaForSequenceClassification", "model."),
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "model."),
+    "gpt2": Arch("gpt2", "GPT2LMHeadModel", "GPT2ForSequenceClassification", "transformer."),
+}
+
+
+def get_arch(name: str) -> Arch:
+    """The :class:`Arch` named ``name``.
+
+    Raises:
+        ValueError: unknown name; lists the supported ones.
+    """
+    if name not in ARCHS:
+        raise ValueError(f"architecture {name!r} is not supported; supported: {sorted(ARCHS)}")
+    return ARCHS[name]
+
+
+def arch_problems(cfg: ModelConfig, arch: str) -> list[str]:
+    """Why ``cfg`` cannot be written as ``arch`` (empty: it can)."""
+    get_arch(arch)
+    p = []
+    if arch in ("llama", "qwen2"):
+        if cfg.normalization != "RMSNorm":
+            p.append(f"model.normalization={cfg.normalization} (needs RMSNorm)")
+        if cfg.activation != "swiglu":
+            p.append(f"model.activation={cfg.activation} (needs swiglu)")
+        if cfg.position_embedding_type != "rope":
+            p.append(f"model.position_embedding_type={cfg.position_embedding_type} (needs rope)")
+        if arch == "qwen2" and (not cfg.add_qkv_bias or cfg.add_bias_linear):
+            p.append(f"model.add_qkv_bias={cfg.add_qkv_bias}, add_bias_linear={cfg.add_bias_linear} "
+                     "(qwen2 needs QKV biases only)")
+        if arch == "llama" and cfg.add_qkv_bias and not cfg.add_bias_linear:
+            p.append("model.add_qkv_bias=true without add_bias_linear (that is qwen2)")
+    else:
+        if cfg.normalization != "LayerNorm":
+            p.append(f"model.normalization={cfg.normalization} (needs LayerNorm)")
+        if cfg.activation not in ("gelu_tanh", "gelu"):
+            p.append(f"model.activation={cfg.activation} (needs gelu_tanh or gelu)")
+        if cfg.position_embedding_type != "learned_absolute":
+            p.append(f"model.position_embedding_type={cfg.position_embedding_type} "
+                     "(needs learned_absolute)")
+        if not cfg.add_bias_linear:
+            p.append("model.add_bias_linear=false (gpt2 has biases everywhere)")
+        if query_groups(cfg) != cfg.num_attention_heads:
+            p.append(f"model.num_query_groups={cfg.num_query_groups} (gpt2 has no GQA)")
+        if head_dim(cfg) * cfg.num_attention_heads != cfg.hidden_size:
+            p.append(f"model.kv_channels={cfg.kv_channels} (gpt2 needs hidden/heads)")
+    return p
+
+
+def infer_arch(cfg: ModelConfig) -> str:
+    """``qwen2`` (RMSNorm + SwiGLU + RoPE + QKV bias), ``llama`` (the same without the QKV
+    bias) or ``gpt2`` (LayerNorm + GELU + learned positions + biases).
+
+    Raises:
+        ValueError: none fits; says what each would need.
+    """
+    for arch in ("qwen2", "llama", "gpt2"):
+        if not arch_problems(cfg, arch):
+            return arch
+    why = "; ".join(f"{a}: {', '.join(arch_problems(cfg, a))}" for a in ("llama", "qwen2", "gpt2"))
+    raise ValueError(f"model {cfg.name!r} matches no supported HF architecture ({why})")
+
+
+# --------------------------------------------------------------------------- configs
+def _hf_get(hf: dict, key: str, default):
+    """A field of an HF ``config.json`` with transformers' default when it is absent."""
+    value = hf.get(key)
+    return default if value is None else value
+
+
+def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
+    """``(ModelConfig, arch)`` of an HF ``config.json`` (a dict).
+
+    Defaults for absent keys are those of transformers' ``LlamaConfig``, ``Qwen2Config``
+    and ``GPT2Config``. ``vocab_size`` is the embedding's row count (the real vocabulary).
+
+    Raises:
+        ValueError: unsupported ``model_type`` (lists the supported ones) or a feature this
+            project's model does not have (names the HF key).
+    """
+    mt = hf.get("model_type")
+    if mt not in ARCHS:
+        raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(ARCHS)}")
+    if mt == "gpt2":
+        return _gpt2_config(hf, name), mt
+    act = _hf_get(hf, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act={act!r}: only 'silu' (SwiGLU) is supported for {mt}")
+    scaling = hf.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise ValueError(f"rope_scaling={scaling}: RoPE scaling is not supported")
+    if _hf_get(hf, "partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if mt == "qwen2" and _hf_get(hf, "use_sliding_window", False):
+        raise ValueError("use_sliding_window=true: sliding-window attention is not supported")
+    heads = hf["num_attention_heads"]
+    hidden = hf["hidden_size"]
+    dim = _hf_get(hf, "head_dim", hidden // heads)
+    theta = float(_hf_get(hf, "rope_theta", 10000.0))
+    if theta != int(theta):
+        raise ValueError(f"rope_theta={theta}: a non-integer RoPE base is not supported")
+    if mt == "llama":
+        attn_bias = bool(_hf_get(hf, "attention_bias", False))
+        mlp_bias = bool(_hf_get(hf, "mlp_bias", False))
+        if attn_bias != mlp_bias:
+            raise ValueError(f"attention_bias={attn_bias} with mlp_bias={mlp_bias}: only both or "
+                             "neither can be expressed (model.add_bias_linear)")
+        bias_linear, qkv_bias = attn_bias, attn_bias
+    else:
+        bias_linear, qkv_bias = False, True
+    cfg = ModelConfig(
+        name=name,
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=_hf_get(hf, "num_key_value_heads", heads),
+        ffn_hidden_size=hf["intermediate_size"],
+        kv_channels=None if dim * heads == hidden else dim,
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=_hf_get(hf, "max_position_embeddings", 2048 if mt == "llama" else 32768),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(_hf_get(hf, "rms_norm_eps", 1e-6)),
+        activation="swiglu",
+        position_embedding_type="rope",
+        rotary_base=int(theta),
+        add_bias_linear=bias_linear,
+        add_qkv_bias=qkv_bias,
+        share_embeddings_and_output_weights=bool(_hf_get(hf, "tie_word_embeddings", False)),
+        init_method_std=float(_hf_get(hf, "initializer_range", 0.02)),
+    )
+    return cfg, mt
+
+
+def _gpt2_config(hf: dict, name: str) -> ModelConfig:
+    act = _hf_get(hf, "activation_function", "gelu_new")
+    acts = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+    if act not in acts:
+        raise ValueError(f"activation_function={act!r}: supported for gpt2: {sorted(acts)}")
+    if (not _hf_get(hf, "scale_attn_weights", True)
+            or _hf_get(hf, "scale_attn_by_inverse_layer_idx", False)):
+        raise ValueError("scale_attn_weights=false or scale_attn_by_inverse_layer_idx=true: "
+                         "attention scaling other than 1/sqrt(head_dim) is not supported")
+    hidden = _hf_get(hf, "n_embd", 768)
+    return ModelConfig(
+        name=name,
+        num_layers=_hf_get(hf, "n_layer", 12),
+        hidden_size=hidden,
+        num_attention_heads=_hf_get(hf, "n_head", 12),
+        ffn_hidden_size=_hf_get(hf, "n_inner", 4 * hidden),
+        vocab_size=_hf_get(hf, "vocab_size", 50257),
+        max_position_embeddings=_hf_get(hf, "n_positions", 1024),
+        normalization="LayerNorm",
+        layernorm_epsilon=float(_hf_get(hf, "layer_norm_epsilon", 1e-5)),
+        activation=acts[act],
+        position_embedding_type="learned_absolute",
+        add_bias_linear=True,
+        share_embeddings_and_output_weights=bool(_hf_get(hf, "tie_word_embeddings", True)),
+        init_method_std=float(_hf_get(hf, "initializer_range", 0.02)),
+    )
+
+
+def hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, reward: bool = False,
+              token_ids: Optional[dict] = None) -> dict:
+    """The ``config.json`` dict of an export.
+
+    Args:
+        dtype: the exported tensors' dtype (``torch_dtype``).
+        reward: a ``<Arch>ForSequenceClassification`` with ``num_labels=1``.
+        token_ids: ``{"bos_token_id", "eos_token_id", "pad_token_id"}`` (None entries left out).
+
+    Raises:
+        ValueError: ``cfg`` cannot be written as ``arch`` (see :func:`arch_problems`).
+    """
+    problems = arch_problems(cfg, arch)
+    if problems:
+        raise ValueError(f"model {cfg.name!r} cannot be exported as {arch}: {'; '.join(problems)}")
+    a = get_arch(arch)
+    dtype_name = {v: k for k, v in DTYPES.items()}[dtype]
+    tied = cfg.share_embeddings_and_output_weights and not reward
+    if arch == "gpt2":
+        out = {"model_type": "gpt2", "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers,
+               "n_head": cfg.num_attention_heads, "n_inner": ffn_size(cfg),
+               "n_positions": cfg.max_position_embeddings,
+               "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+               "layer_norm_epsilon": cfg.layernorm_epsilon, "attn_pdrop": 0.0, "embd_pdrop": 0.0,
+               "resid_pdrop": 0.0, "summary_first_dropout": 0.0, "scale_attn_weights": True,
+               "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
+    else:
+        out = {"model_type": arch, "hidden_size": cfg.hidden_size,
+               "intermediate_size": ffn_size(cfg), "num_hidden_layers": cfg.num_layers,
+               "num_attention_heads": cfg.num_attention_heads,
+               "num_key_value_heads": query_groups(cfg), "head_dim": head_dim(cfg),
+               "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
+               "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": float(cfg.rotary_base),
+               "rope_scaling": None, "attention_dropout": 0.0}
+        if arch == "llama":
+            out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
+                       pretraining_tp=1)
+        else:
+            out.update(use_sliding_window=False, sliding_window=None,
+                       max_window_layers=cfg.num_layers)
+    out.update(architectures=[a.seq_cls if reward else a.causal_lm], vocab_size=cfg.vocab_size,
+               tie_word_embeddings=tied, initializer_range=cfg.init_method_std,
+               torch_dtype=dtype_name, use_cache=True)
+    if reward:
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    out.update({k: v for k, v in (token_ids or {}).items() if v is not None})
+    return out
+
+
+# --------------------------------------------------------------------------- weights
+def hf_to_megatron(hf: dict, cfg: ModelConfig, arch: str) -> dict:
+    """HF causal-LM tensors -> megatron full tensors (dist-checkpoint keys, no ``model.``).
+
+    Args:
+        hf: ``{name: tensor}`` as ``save_pretrained`` writes it.
+        cfg: the model config (:func:`model_config_from_hf`); its ``padded_vocab_size``
+            sets the embedding rows.
+
+    Raises:
+        ValueError: a tensor missing, one left over, or a sequence-classification head.
+    """
+    a = get_arch(arch)
+    if "score.weight" in hf:
+        raise ValueError("the HF checkpoint has score.weight (a sequence classifier); import-hf "
+                         "converts causal-LM checkpoints only")
+    if arch == "gpt2":
+        hf = {k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
+              for k, v in hf.items()}
+        ignore = lambda k: k.endswith((".attn.bias", ".attn.masked_bias"))  # noqa: E731 - buffers
+    else:
+        ignore = lambda k: k.endswith("rotary_emb.inv_freq")  # noqa: E731 - buffer
+    src = _Source(hf, ignore)
+    per_layer: dict[str, list] = {}
+    for i in range(cfg.num_layers):
+        layer = (_gpt2_layer_in if arch == "gpt2" else _llama_layer_in)(src, i, cfg, a.prefix)
+        for k, t in layer.items():
+            per_layer.setdefault(k, []).append(t)
+    out = {k: torch.stack(v) for k, v in per_layer.items()}
+    vp = cfg.padded_vocab_size
+    if arch == "gpt2":
+        out[WORD] = pad_rows(src.take("transformer.wte.weight"), vp)
+        out[POS] = src.take("transformer.wpe.weight")
+        out[FINAL_NORM_W] = src.take("transformer.ln_f.weight")
+        out[FINAL_NORM_B] = src.take("transformer.ln_f.bias")
+    else:
+        out[WORD] = pad_rows(src.take("model.embed_tokens.weight"), vp)
+        out[FINAL_NORM_W] = src.take("model.norm.weight")
+    if cfg.share_embeddings_and_output_weights:
+        if "lm_head.weight" in src:  # some tied checkpoints store the copy too
+            src.take("lm_head.weight")
+    else:
+        out[OUTPUT] = pad_rows(src.take("lm_head.weight"), vp)
+    src.check_all_used()
+    if out[WORD].shape != (vp, cfg.hidden_size):
+        raise ValueError(f"embedding has shape {tuple(out[WORD].shape)}, config says "
+                         f"vocab_size={cfg.vocab_size} x hidden_size={cfg.hidden_size}")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _llama_layer_in(src: _Source, i: int, cfg: ModelConfig, prefix: str) -> dict:
+    p = f"{prefix}layers.{i}."
+    g = query_groups(cfg)
+    attn = p + "self_attn."
+    mlp = p + "mlp."
+    out = {
+        ATTN_NORM_W: src.take(p + "input_layernorm.weight"),
+        QKV_W: fuse_qkv(src.take(attn + "q_proj.weight"), src.take(attn + "k_proj.weight"),
+                        src.take(attn + "v_proj.weight"), g),
+        PROJ_W: src.take(attn + "o_proj.weight"),
+        MLP_NORM_W: src.take(p + "post_attention_layernorm.weight"),
+        FC1_W: torch.cat([src.take(mlp + "gate_proj.weight"), src.take(mlp + "up_proj.weight")]),
+        FC2_W: src.take(mlp + "down_proj.weight"),
+    }
+    if cfg.add_qkv_bias or cfg.add_bias_linear:
+        out[QKV_B] = fuse_qkv(src.take(attn + "q_proj.bias"), src.take(attn + "k_proj.bias"),
+                              src.take(attn + "v_proj.bias"), g)
+    if cfg.add_bias_linear:
+        out[PROJ_B] = src.take(attn + "o_proj.bias")
+        out[FC1_B] = torch.cat([src.take(mlp + "gate_proj.bias"), src.take(mlp + "up_proj.bias")])
+        out[FC2_B] = src.take(mlp + "down_proj.bias")
+    return out
+
+
+def _gpt2_layer_in(src: _Source, i: int, cfg: ModelConfig, prefix: str) -> dict:
+    p = f"{prefix}h.{i}."
+    heads = cfg.num_attention_heads
+    w = src.take(p + "attn.c_attn.weight").t()  # Conv1D [h, 3h] -> [3h, h] = [q; k; v]
+    b = src.take(p + "attn.c_attn.bias")
+    return {
+        ATTN_NORM_W: src.take(p + "ln_1.weight"),
+        ATTN_NORM_B: src.take(p + "ln_1.bias"),
+        QKV_W: fuse_qkv(*w.chunk(3, dim=0), heads),
+        QKV_B: fuse_qkv(*b.chunk(3, dim=0), heads),
+        PROJ_W: src.take(p + "attn.c_proj.weight").t(),
+        PROJ_B: src.take(p + "attn.c_proj.bias"),
+        MLP_NORM_W: src.take(p + "ln_2.weight"),
+        MLP_NORM_B: src.take(p + "ln_2.bias"),
+        FC1_W: src.take(p + "mlp.c_fc.weight").t(),
+        FC1_B: src.take(p + "mlp.c_fc.bias"),
+        FC2_W: src.take(p + "mlp.c_proj.weight").t(),
+        FC2_B: src.take(p + "mlp.c_proj.bias"),
+    }
+
+
+def megatron_to_hf(mg: dict, cfg: ModelConfig, arch: str, reward: bool = False) -> dict:
+    """megatron full tensors -> HF tensors (``<Arch>ForCausalLM`` / ``...ForSequenceClassification``).
+
+    Args:
+        mg: full checkpoint tensors; keys with or without the ``model.`` prefix. Value heads,
+            optimizer state and (for ``reward``) the output layer are ignored.
+        reward: export ``reward_head.weight`` as ``score.weight`` (the caller deals with
+            the head's bias, which HF's classifier does not have).
+
+    Returns:
+        ``{name: tensor}``, contiguous, vocabulary un-padded to ``cfg.vocab_size``.
+
+    Raises:
+        ValueError: a tensor missing or with a shape the config does not predict.
+    """
+    a = get_arch(arch)
+    mg = {k[len("model."):] if k.startswith("model.") else k: v for k, v in mg.items()
+          if not k.startswith("optimizer.")}
+    check_shapes(mg, cfg)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(cfg.num_layers):
+        out.update((_gpt2_layer_out if arch == "gpt2" else _llama_layer_out)(mg, i, cfg, a.prefix))
+    v = cfg.vocab_size
+    if arch == "gpt2":
+        out["transformer.wte.weight"] = _need(mg, WORD)[:v]
+        out["transformer.wpe.weight"] = _need(mg, POS)
+        out["transformer.ln_f.weight"] = _need(mg, FINAL_NORM_W)
+        out["transformer.ln_f.bias"] = _need(mg, FINAL_NORM_B)
+    else:
+        out["model.embed_tokens.weight"] = _need(mg, WORD)[:v]
+        out["model.norm.weight"] = _need(mg, FINAL_NORM_W)
+    if reward:
+        out["score.weight"] = _need(mg, REWARD_W)
+    elif not cfg.share_embeddings_and_output_weights:
+        out["lm_head.weight"] = _need(mg, OUTPUT)[:v]
+    return {k: t.contiguous().clone() for k, t in out.items()}
+
+
+def check_shapes(mg: dict, cfg: ModelConfig) -> None:
+    """Raise ValueError if a tensor (or a shape) of ``mg`` disagrees with ``cfg``."""
+    h, n = cfg.hidden_size, cfg.num_layers
+    qkv = (cfg.num_attention_heads + 2 * query_groups(cfg)) * head_dim(cfg)
+    fc1 = ffn_size(cfg) * (2 if cfg.activation == "swiglu" else 1)
+    expect = {WORD: (cfg.padded_vocab_size, h), QKV_W: (n, qkv, h), FC1_W: (n, fc1, h),
+              FC2_W: (n, h, ffn_size(cfg))}
+    for key, shape in expect.items():
+        found = tuple(getattr(mg[key], "shape", mg[key])) if key in mg else shape
+        if found != shape:
+            raise ValueError(f"model.{key} has shape {found} but config.yaml's model "
+                             f"section predicts {shape}")
+
+
+def _llama_layer_out(mg: dict, i: int, cfg: ModelConfig, prefix: str) -> dict:
+    p = f"{prefix}layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    heads, g, d = cfg.num_attention_heads, query_groups(cfg), head_dim(cfg)
+    q, k, v = split_qkv(_need(mg, QKV_W)[i], heads, g, d)
+    gate, up = _need(mg, FC1_W)[i].chunk(2, dim=0)
+    out = {
+        p + "input_layernorm.weight": _need(mg, ATTN_NORM_W)[i],
+        attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
+        attn + "o_proj.weight": _need(mg, PROJ_W)[i],
+        p + "post_attention_layernorm.weight": _need(mg, MLP_NORM_W)[i],
+        mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up,
+        mlp + "down_proj.weight": _need(mg, FC2_W)[i],
+    }
+    if cfg.add_qkv_bias or cfg.add_bias_linear:
+        qb, kb, vb = split_qkv(_need(mg, QKV_B)[i], heads, g, d)
+        out.update({attn + "q_proj.bias": qb, attn + "k_proj.bias": kb, attn + "v_proj.bias": vb})
+    if cfg.add_bias_linear:
+        gb, ub = _need(mg, FC1_B)[i].chunk(2, dim=0)
+        out.update({attn + "o_proj.bias": _need(mg, PROJ_B)[i], mlp + "gate_proj.bias": gb,
+                    mlp + "up_proj.bias": ub, mlp + "down_proj.bias": _need(mg, FC2_B)[i]})
+    return out
+
+
+def _gpt2_layer_out(mg: dict, i: int, cfg: ModelConfig, prefix: str) -> dict:
+    p = f"{prefix}h.{i}."
+    heads, d = cfg.num_attention_heads, head_dim(cfg)
+    w = torch.cat(split_qkv(_need(mg, QKV_W)[i], heads, heads, d))  # [3h, h] = [q; k; v]
+    b = torch.cat(split_qkv(_need(mg, QKV_B)[i], heads, heads, d))
+    return {
+        p + "ln_1.weight": _need(mg, ATTN_NORM_W)[i], p + "ln_1.bias": _need(mg, ATTN_NORM_B)[i],
+        p + "attn.c_attn.weight": w.t(), p + "attn.c_attn.bias": b,
+        p + "attn.c_proj.weight": _need(mg, PROJ_W)[i].t(),
+        p + "attn.c_proj.bias": _need(mg, PROJ_B)[i],
+        p + "ln_2.weight": _need(mg, MLP_NORM_W)[i], p + "ln_2.bias": _need(mg, MLP_NORM_B)[i],
+        p + "mlp.c_fc.weight": _need(mg, FC1_W)[i].t(), p + "mlp.c_fc.bias": _need(mg, FC1_B)[i],
+        p + "mlp.c_proj.weight": _need(mg, FC2_W)[i].t(),
+        p + "mlp.c_proj.bias": _need(mg, FC2_B)[i],
+    }
+
+
+# --------------------------------------------------------------------------- megatron model
+def _model_entries(model):
+    """``(state-dict name, dist key, layer index or None, tensor)`` of a TP=1, PP=1 model,
+    read through its sharded state dict (so whichever layer spec built it, local or TE)."""
+    for name, sh in model.sharded_state_dict(prefix="").items():
+        key, data = getattr(sh, "key", None), getattr(sh, "data", None)
+        if key is None or not torch.is_tensor(data) or name.endswith("_extra_state"):
+            continue
+        m = re.match(r"decoder\.layers\.(\d+)\.", name) if key.startswith(L) else None
+        yield name, key, int(m.group(1)) if m else None, data
+
+
+def model_full_tensors(model) -> dict:
+    """A TP=1, PP=1 model's weights as full tensors keyed like a dist checkpoint (layers
+    stacked): the input of :func:`megatron_to_hf` for a model in memory."""
+    out, layers = {}, {}
+    for _, key, layer, data in _model_entries(model):
+        if layer is None:
+            out[key] = data.detach()
+        else:
+            layers.setdefault(key, {})[layer] = data.detach()
+    out.update({k: torch.stack([v[i] for i in sorted(v)]) for k, v in layers.items()})
+    return out
+
+
+def fill_model(model, tensors: dict) -> None:
+    """Copy full tensors (dist-checkpoint keys, see the module docstring) into a TP=1,
+    PP=1 model (inverse of :func:`model_full_tensors`).
+
+    Raises:
+        ValueError: a tensor the model needs is missing, has the wrong shape, or is unused.
+    """
+    state, used = {}, set()
+    for name, key, layer, _ in _model_entries(model):
+        if key not in tensors:
+            raise ValueError(f"the conversion produced no {key} (needed by the model)")
+        state[name] = tensors[key] if layer is None else tensors[key][layer]
+        used.add(key)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        first = next((x for x in str(exc).splitlines() if "size mismatch" in x), str(exc))
+        raise ValueError(f"HF weights do not fit config.json: {first.strip()}") from None
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected or set(tensors) - used:
+        raise ValueError(f"state mismatch: missing {missing[:4]}, unexpected {unexpected[:4]}, "
+                         f"unused {sorted(set(tensors) - used)[:4]}")
+
+
