@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from nemo_rlhf.models.config import ModelConfig
 
@@ -599,6 +600,58 @@ def model_full_tensors(model) -> dict:
             out[key] = data.detach()
         else:
             layers.setdefault(key, {})[layer] = data.detach()
+    out.update({k: torch.stack([v[i] for i in sorted(v)]) for k, v in layers.items()})
+    return out
+
+
+def _tp_gather(data: torch.Tensor, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(data) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, data.contiguous(), group=group)
+    return parts
+
+
+def gather_full_tensors(model, tp_group=None, skip: Callable[[str], bool] = lambda key: False
+                        ) -> dict:
+    """This model's weights as full tensors (like :func:`model_full_tensors`), its TP shards
+    gathered over ``tp_group``: every rank of the group returns the same dict.
+
+    A tensor split across TP (vocab-parallel embedding and output layer, column-parallel
+    QKV / fc1, row-parallel proj / fc2) is all-gathered along the axis its sharded state
+    dict fragments; megatron's SwiGLU ``linear_fc1`` shard is ``[gate_r; up_r]`` per rank
+    (its ``ShardedTensorFactory``), so the halves are regrouped to ``[gate; up]``.
+    Replicated tensors (norms) are taken as they are. The tensors live where the model's
+    do (a device all-gather under NCCL).
+
+    Args:
+        model: a megatron ``GPTModel`` / actor stage at PP=1 (unwrapped).
+        tp_group: the TP group (None or size 1: no communication).
+        skip: dist keys not to gather (e.g. the value head).
+
+    Raises:
+        ValueError: a tensor fragmented along more than one axis (not a TP layout).
+    """
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
+        return {k: v for k, v in model_full_tensors(model).items() if not skip(k)}
+    out, layers = {}, {}
+    for name, sh in model.sharded_state_dict(prefix="").items():
+        key, data = getattr(sh, "key", None), getattr(sh, "data", None)
+        if key is None or not torch.is_tensor(data) or name.endswith("_extra_state") or skip(key):
+            continue
+        data = data.detach()
+        if type(sh).__name__ == "ShardedTensorFactory":  # SwiGLU fc1: [gate_r; up_r] per rank
+            halves = [p.chunk(2, dim=0) for p in _tp_gather(data, tp_group)]
+            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+        else:
+            pre = sh.prepend_axis_num
+            axes = [i - pre for i, f in enumerate(sh.axis_fragmentations) if f > 1 and i >= pre]
+            if len(axes) > 1:
+                raise ValueError(f"{key}: fragmented along axes {axes}; only one TP axis is expected")
+            full = torch.cat(_tp_gather(data, tp_group), dim=axes[0]) if axes else data
+        m = re.match(r"decoder\.layers\.(\d+)\.", name) if key.startswith(L) else None
+        if m is None:
+            out[key] = full
+        else:
+            layers.setdefault(key, {})[int(m.group(1))] = full
     out.update({k: torch.stack([v[i] for i in sorted(v)]) for k, v in layers.items()})
     return out
 

@@ -8,6 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ENGINES = ("megatron", "vllm")
+
+
+@dataclass
+class VLLMConfig:
+    """The vLLM rollout engine's own settings (config section ``rollout.vllm``), read when
+    ``rollout.engine=vllm`` (:mod:`nemo_rlhf.rollout.vllm_engine`)."""
+
+    tensor_parallel_size: int = 1
+    """vLLM's TP size; may differ from training TP but must divide
+    ``parallel.tensor_model_parallel_size`` (the engines of one DP group then split its
+    prompts)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of the GPU vLLM may take for weights + KV cache (CUDA only); in (0, 1)."""
+    kv_cache_space_gib: float = 1.0
+    """KV cache of each engine on a CPU (``VLLM_CPU_KVCACHE_SPACE``), GiB; > 0."""
+    enable_sleep_mode: bool = True
+    """On CUDA: free the engine's weights and KV cache during training and wake it for the
+    rollout (vLLM's sleep mode), so colocation does not double the memory. Ignored on a CPU."""
+    enforce_eager: bool = True
+    """No CUDA graphs (faster start-up); set false on a GPU for decode speed."""
+
 
 @dataclass
 class RolloutConfig:
@@ -36,6 +58,12 @@ class RolloutConfig:
     n_samples_per_prompt: int = 1
     """Responses sampled per prompt in a PPO step (a group, kept contiguous and on one DP
     rank; ``grpo`` / ``rloo`` need >= 2). Read by the PPO trainer, not by ``generate``."""
+    engine: str = "megatron"
+    """Which engine generates: ``megatron`` (the training model itself, KV-cached decode)
+    or ``vllm`` (an in-process vLLM engine per DP group, refit from the actor's weights in
+    memory before each rollout; needs the ``vllm`` package, ``make vllm-env``)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """Settings of ``engine=vllm``."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +104,18 @@ class RolloutConfig:
                 raise ValueError(
                     f"rollout.stop_token_ids[{i}]={t!r}: must be a non-negative integer token id"
                 )
+        if self.engine not in ENGINES:
+            raise ValueError(f"rollout.engine={self.engine!r}: valid choices are {', '.join(ENGINES)}")
+        v = self.vllm
+        if isinstance(v.tensor_parallel_size, bool) or not isinstance(v.tensor_parallel_size, int) \
+                or v.tensor_parallel_size < 1:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size!r}: must be "
+                             f"an integer >= 1")
+        if not 0.0 < v.gpu_memory_utilization < 1.0:
+            raise ValueError(f"rollout.vllm.gpu_memory_utilization={v.gpu_memory_utilization}: must be "
+                             f"in (0, 1)")
+        if not v.kv_cache_space_gib > 0:
+            raise ValueError(f"rollout.vllm.kv_cache_space_gib={v.kv_cache_space_gib}: must be > 0")
         for i, s in enumerate(self.stop_strings):
             if not isinstance(s, str) or not s:
                 raise ValueError(f"rollout.stop_strings[{i}]={s!r}: must be a non-empty string")

@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -39,7 +40,8 @@ from nemo_rlhf.metrics.logger import MetricsLogger
 from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap
 from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs, response_values
-from nemo_rlhf.rollout import generate, logprob_diff_stats
+from nemo_rlhf.rollout import logprob_diff_stats
+from nemo_rlhf.rollout.engines import build_rollout_engine
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.evaluation import evaluate_policy
@@ -109,6 +111,13 @@ class PPOTrainer:
             kl_estimator=cfg.kl.loss_estimator, loss_agg_mode=cfg.ppo.loss_agg_mode,
             norm_length=cfg.rollout.max_new_tokens)
         self.step = 0
+        self.weights_version = 0
+        """Changes whenever the actor's weights do (an optimizer step, a checkpoint load): a
+        rollout engine with its own copy of the weights refits when it differs."""
+        self.rollout_engine = build_rollout_engine(
+            cfg.rollout, dims, cfg.model, eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id, decode_fn=tokenizer.decode,
+            params_dtype=unwrap(model).config.params_dtype)
         self.nonfinite_in_a_row = 0
         self.timers = Timers()
         self.encoded = [p.prompt_ids for p in prompts]
@@ -172,20 +181,11 @@ class PPOTrainer:
         return stats
 
     def _generate(self, prompt_ids: list[list[int]], greedy: bool = False):
-        """Rollout for this DP rank's prompts; the sampler's seed is a function of
-        ``(rollout.seed, dp_rank, step)``, so a resumed run draws the same tokens."""
-        from dataclasses import replace
-
+        """Rollout for this DP rank's prompts by ``rollout.engine``; the sampling seeds are a
+        function of ``(rollout.seed, dp_rank, step)``, so a resumed run draws the same tokens."""
         cfg = replace(self.cfg.rollout, greedy=True) if greedy else self.cfg.rollout
-        m = unwrap(self.model)
-        try:
-            return generate(m, self.dims, prompt_ids, cfg,
-                            eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id,
-                            vocab_size=self.cfg.model.vocab_size,
-                            max_sequence_length=self.cfg.model.max_position_embeddings,
-                            decode_fn=self.tok.decode, call_index=self.step)
-        finally:
-            m.train()
+        return self.rollout_engine.generate(self.model, prompt_ids, cfg, call_index=self.step,
+                                            weights_version=self.weights_version)
 
     def _response_texts(self, batch) -> list[str]:
         out = []
@@ -594,7 +594,10 @@ class PPOTrainer:
         so the policy does not move (no update, Adam state or weight decay)."""
         if value_only:
             return self.optimizer.step(only=_is_value_head)
-        return self.optimizer.step()
+        stepped, norm = self.optimizer.step()
+        if stepped:
+            self.weights_version += 1
+        return stepped, norm
 
     @property
     def critic(self) -> Optional[tuple]:
@@ -750,6 +753,7 @@ class PPOTrainer:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
+        self.rollout_engine.close()
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -767,6 +771,7 @@ class PPOTrainer:
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
+        self.weights_version += 1  # the checkpoint's weights were loaded
         self.sampler.load_state_dict(sd["sampler"])
         self.kl_ctl.load_state_dict(sd["kl_controller"])
         changed = {}

@@ -1,0 +1,107 @@
+"""One rollout interface for both engines (``rollout.engine``).
+
+The PPO trainer builds an engine once (:func:`build_rollout_engine`) and then only calls
+:meth:`RolloutEngine.generate` with the actor and a weights version; it never branches on
+the engine. Both return a :class:`~nemo_rlhf.rollout.generate.RolloutBatch` in the same
+layout (prompts left-padded to ``P``, responses right-padded from column ``P``) on
+``dims.device``, with the same token ids on every rank of one model-parallel group.
+
+* ``megatron`` (:class:`MegatronRolloutEngine`): the training model itself decodes
+  (:func:`~nemo_rlhf.rollout.generate.generate`); the weights are always current.
+* ``vllm`` (:class:`~nemo_rlhf.rollout.vllm_engine.VLLMRolloutEngine`): an in-process vLLM
+  engine per DP group, refit in memory from the actor's weights when ``weights_version``
+  changed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Protocol, Sequence
+
+from nemo_rlhf.models.engine import unwrap
+from nemo_rlhf.rollout.config import RolloutConfig
+from nemo_rlhf.rollout.generate import RolloutBatch, generate
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs of a rollout engine."""
+
+    name: str
+
+    def generate(self, model, prompts: Sequence[Sequence[int]], cfg: RolloutConfig, *,
+                 call_index: int, weights_version: int) -> RolloutBatch:
+        """Responses to this DP rank's ``prompts`` by the actor ``model``'s current policy.
+
+        Args:
+            model: this rank's actor stage (DDP-wrapped or not); left in train mode.
+            prompts: ``B`` token-id lists, the same on every rank of one TP x PP group.
+            cfg: sampling and stopping rules (``cfg.greedy`` for evaluation).
+            call_index: mixes into the sampling seeds with ``(rollout.seed, dp_rank)``: the
+                same index gives the same tokens (a resumed run samples as an
+                uninterrupted one).
+            weights_version: changes whenever the actor's weights changed (an engine with
+                its own copy refits when it differs from the last refit's).
+        """
+        ...
+
+    def close(self) -> None:
+        """Free the engine's resources (idempotent)."""
+        ...
+
+
+class MegatronRolloutEngine:
+    """Decoding with the training model (megatron static KV cache, our decode layers).
+
+    Args:
+        dims: :class:`~nemo_rlhf.distributed.ParallelDims`.
+        eos_token_id, pad_token_id, vocab_size, max_sequence_length, decode_fn: as
+            :func:`~nemo_rlhf.rollout.generate.generate`.
+    """
+
+    name = "megatron"
+
+    def __init__(self, dims, *, eos_token_id: int, pad_token_id: int, vocab_size: int,
+                 max_sequence_length: int, decode_fn: Optional[Callable[[list[int]], str]] = None):
+        self.dims = dims
+        self.kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                           vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+                           decode_fn=decode_fn)
+
+    def generate(self, model, prompts, cfg: RolloutConfig, *, call_index: int,
+                 weights_version: int) -> RolloutBatch:
+        m = unwrap(model)
+        try:
+            return generate(m, self.dims, prompts, cfg, call_index=call_index, **self.kwargs)
+        finally:
+            m.train()
+
+    def close(self) -> None:
+        pass
+
+
+def build_rollout_engine(cfg: RolloutConfig, dims, model_cfg, *, eos_token_id: int,
+                         pad_token_id: int, decode_fn=None, params_dtype=None) -> RolloutEngine:
+    """The engine ``cfg.engine`` names, built on every rank (collective for ``vllm``).
+
+    Args:
+        cfg: the ``rollout`` section.
+        dims: this process's parallel layout.
+        model_cfg: :class:`~nemo_rlhf.models.config.ModelConfig` of the actor.
+        params_dtype: dtype of the actor's weights (vLLM computes in it); None = float32.
+
+    Raises:
+        ValueError: an unknown engine (naming ``rollout.engine`` and the choices), or a
+            layout the vLLM engine does not support (see its docstring).
+        ImportError: ``rollout.engine=vllm`` without the ``vllm`` package (says how to
+            install it).
+    """
+    common = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, decode_fn=decode_fn)
+    if cfg.engine == "megatron":
+        return MegatronRolloutEngine(dims, vocab_size=model_cfg.vocab_size,
+                                     max_sequence_length=model_cfg.max_position_embeddings,
+                                     **common)
+    if cfg.engine == "vllm":
+        from nemo_rlhf.rollout.vllm_engine import VLLMRolloutEngine  # lazy: vllm is optional and slow to import
+
+        return VLLMRolloutEngine(cfg, dims, model_cfg, params_dtype=params_dtype, **common)
+    cfg.validate()  # raises naming rollout.engine and the choices
+    raise AssertionError(cfg.engine)

