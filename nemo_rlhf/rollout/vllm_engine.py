@@ -123,6 +123,12 @@ class VLLMRolloutEngine:
         self.dtype = params_dtype or torch.float32
         hf_cfg = hf_config(model_cfg, self.arch, self.dtype,
                            token_ids={"eos_token_id": eos_token_id, "pad_token_id": pad_token_id})
+        # Tied input/output embeddings are given to vLLM untied, the embedding sent twice:
+        # its CPU backend repacks the output layer after loading, which breaks the tie, and
+        # an in-place reload then leaves the LM head at its dummy values.
+        self.untie = bool(hf_cfg.get("tie_word_embeddings")) and self.arch != "gpt2"
+        if self.untie:
+            hf_cfg["tie_word_embeddings"] = False
         try:
             import vllm  # lazy: optional dependency, 10 s to import
         except ImportError as exc:
@@ -185,6 +191,8 @@ class VLLMRolloutEngine:
                                    skip=_is_head)
         hf = megatron_to_hf(full, self.model_cfg, self.arch)
         del full
+        if self.untie:
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(hf.items())})
         self.llm.reset_prefix_cache()  # cached keys/values belong to the old weights
         self.loaded_version = weights_version

