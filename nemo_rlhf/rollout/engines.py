@@ -43,6 +43,10 @@ class RolloutEngine(Protocol):
         """
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """The engine's own numbers since it was built (logged with the step's metrics)."""
+        ...
+
     def close(self) -> None:
         """Free the engine's resources (idempotent)."""
         ...
@@ -73,6 +77,9 @@ class MegatronRolloutEngine:
             return generate(m, self.dims, prompts, cfg, call_index=call_index, **self.kwargs)
         finally:
             m.train()
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         pass

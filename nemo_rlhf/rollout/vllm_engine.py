@@ -329,6 +329,12 @@ class VLLMRolloutEngine:
         return [[float(d[t].logprob) for t, d in zip(s[1:], o.prompt_logprobs[1:])]
                 for s, o in zip(sequences, outs)]
 
+    def metrics(self) -> dict[str, float]:
+        """``rollout/refit_s`` (the last refit's seconds), ``rollout/refits`` and
+        ``rollout/refits_skipped`` (counts since the engine was built)."""
+        return {"rollout/refit_s": self.last_refit_s, "rollout/refits": float(self.refits),
+                "rollout/refits_skipped": float(self.skipped_refits)}
+
     def close(self) -> None:
         """Drop the engine and its temporary config folder (idempotent; call it before the
         job's process group is destroyed).

@@ -626,6 +626,7 @@ class PPOTrainer:
         kl_mean = self._bcast_float(metrics.get("kl_mean", 0.0))
         self.kl_ctl.update(kl_mean, self.cfg.ppo.num_rollout_samples)
         metrics.update(self.timers.pop())
+        metrics.update(self.rollout_engine.metrics())
         elapsed = time.perf_counter() - t0
         metrics["timing/step_s"] = elapsed
         metrics["generated_tokens_per_s"] = float(gen_tokens) / max(metrics.get("timing/rollout_s", elapsed), 1e-9)
