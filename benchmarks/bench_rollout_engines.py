@@ -43,11 +43,20 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 CKPT = REPO / "models" / "smollm2" / "megatron_tp1_pp1"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISION = {"fp32": "32", "bf16": "bf16-mixed"}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _time(fn):
+    _sync()
     t0 = time.perf_counter()
     out = fn()
+    _sync()
     return time.perf_counter() - t0, out
 
 
@@ -56,7 +65,7 @@ def _prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
     return torch.randint(1, vocab - 1, (batch, length), generator=g).tolist()
 
 
-def _hf_server(conn, path: str, threads: int, new: int) -> None:
+def _hf_server(conn, path: str, threads: int, new: int, device: str, dtype: str) -> None:
     """Times ``LlamaForCausalLM.generate`` in a clean process: receives prompts (a list of
     id lists), answers ``(wall_s, responses)``; None stops it."""
     warnings.filterwarnings("ignore")
@@ -68,9 +77,10 @@ def _hf_server(conn, path: str, threads: int, new: int) -> None:
     missing, unexpected = hf.load_state_dict(blob["hf_state"], strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     hf.tie_weights()
+    hf.to(device=device, dtype=DTYPES[dtype])
     conn.send("ready")
     while (prompts := conn.recv()) is not None:
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=device)
 
         def run():
             with torch.no_grad():
@@ -79,10 +89,10 @@ def _hf_server(conn, path: str, threads: int, new: int) -> None:
                                    pad_token_id=0, use_cache=True)
 
         wall, out = _time(run)
-        conn.send((wall, out[:, ids.shape[1]:].tolist()))
+        conn.send((wall, out[:, ids.shape[1]:].cpu().tolist()))
 
 
-def _ppo_step_seconds(engine: str, steps: int, tmp: Path) -> dict:
+def _ppo_step_seconds(engine: str, steps: int, tmp: Path, ckpt: Path, dtype: str) -> dict:
     """``timing/step_s`` and ``timing/rollout_s`` medians (steps after the first) of a
     ``conf/ppo_smollm2.yaml`` run with ``rollout.engine=engine``."""
     from nemo_rlhf.data.addition_task import AdditionTaskConfig, make_addition_dataset
@@ -95,7 +105,8 @@ def _ppo_step_seconds(engine: str, steps: int, tmp: Path) -> dict:
            "trainer.sample_table_every=0", "exp_manager.save_interval=0", "exp_manager.resume=none",
            f"exp_manager.exp_dir={exp}", f"data.train_file={data}/ppo_prompts.jsonl",
            f"data.val_file={data}/eval.jsonl", "reward.rm_weight=0",
-           "reward.functions=[{name: two_digit_addition}]"]
+           "reward.functions=[{name: two_digit_addition}]", f"trainer.precision={PRECISION[dtype]}",
+           f"exp_manager.init_from={ckpt}/step_0", f"data.tokenizer_dir={ckpt}/tokenizer"]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "timing/step_s" in r][1:]
@@ -110,6 +121,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="interleaved rounds per batch size")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--random", action="store_true", help="random weights of SmolLM2's shape")
+    p.add_argument("--ckpt", default=str(CKPT), help="the SmolLM2 megatron checkpoint folder "
+                   "(made by python -m nemo_rlhf.tools.real_model; default models/smollm2/...)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="weights of all three (ours: trainer.precision=bf16-mixed)")
     p.add_argument("--ppo-steps", type=int, default=0,
                    help="also time N PPO steps with each engine (0: skip)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
@@ -134,12 +149,13 @@ def main(argv=None) -> dict:
     from nemo_rlhf.rollout.engines import MegatronRolloutEngine
     from nemo_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 
-    raw = OmegaConf.load(CKPT / "step_0" / "config.yaml")
+    ckpt = Path(args.ckpt)
+    raw = OmegaConf.load(ckpt / "step_0" / "config.yaml")
     mcfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), raw.model))
     dims = initialize_distributed(ParallelConfig(), seed=0)
-    model = build_model(mcfg, dims, seed=7).eval()
+    model = build_model(mcfg, dims, PRECISION[args.dtype], seed=7).eval()
     if not args.random:
-        load_model_weights(CKPT / "step_0", model, init_heads=True)
+        load_model_weights(ckpt / "step_0", model, init_heads=True)
     vocab = mcfg.vocab_size
     cfg = RolloutConfig(max_new_tokens=args.new, min_new_tokens=args.new, greedy=True)
     eos = vocab - 1
@@ -147,14 +163,15 @@ def main(argv=None) -> dict:
     megatron = MegatronRolloutEngine(dims, vocab_size=vocab,
                                      max_sequence_length=mcfg.max_position_embeddings, **common)
     t0 = time.perf_counter()
-    vllm = VLLMRolloutEngine(cfg, dims, mcfg, **common)
+    vllm = VLLMRolloutEngine(cfg, dims, mcfg, params_dtype=DTYPES[args.dtype], **common)
     build_s = time.perf_counter() - t0
     refit = []
     for v in range(3):
         t, _ = _time(lambda: vllm.refit(model, v))
         refit.append(t)
 
-    hf_state = megatron_to_hf(model_full_tensors(model), mcfg, "llama")
+    hf_state = {k: v.float().cpu() for k, v in
+                megatron_to_hf(model_full_tensors(model), mcfg, "llama").items()}
     hf_cfg = hf_config(mcfg, "llama", torch.float32)
     hf_cfg.pop("architectures", None)
     times: dict = {}
@@ -164,7 +181,7 @@ def main(argv=None) -> dict:
         torch.save({"hf_state": hf_state, "hf_config": hf_cfg}, path)
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
-        server = ctx.Process(target=_hf_server, args=(child, path, args.threads, args.new),
+        server = ctx.Process(target=_hf_server, args=(child, path, args.threads, args.new, str(dims.device), args.dtype),
                              daemon=True)
         server.start()
         assert conn.recv() == "ready"
@@ -191,10 +208,10 @@ def main(argv=None) -> dict:
         if args.ppo_steps:
             vllm.close()  # its own process per run below
             for engine in ("megatron", "vllm"):
-                ppo[engine] = _ppo_step_seconds(engine, args.ppo_steps, Path(tmp))
+                ppo[engine] = _ppo_step_seconds(engine, args.ppo_steps, Path(tmp), ckpt, args.dtype)
 
-    print(f"\nSmolLM2-135M ({'random' if args.random else 'real'} weights), "
-          f"{mcfg.params_dtype if hasattr(mcfg, 'params_dtype') else 'fp32'}; prompt {args.prompt} + "
+    print(f"\nSmolLM2-135M ({'random' if args.random else 'real'} weights), {args.dtype} on "
+          f"{dims.device}; prompt {args.prompt} + "
           f"{args.new} new tokens, greedy; {args.threads} threads; median of {args.repeats} "
           f"interleaved rounds; load average {load0:.2f} -> {load1:.2f} on {os.cpu_count()} CPUs")
     print(f"vLLM engine built in {build_s:.1f} s; refit (gather + map + reload) median "
@@ -216,7 +233,7 @@ def main(argv=None) -> dict:
     if len(ppo) == 2:
         print(f"PPO step vllm/megatron: {ppo['vllm']['step_s'] / ppo['megatron']['step_s']:.2f}x "
               f"the seconds (rollout {ppo['vllm']['rollout_s'] / ppo['megatron']['rollout_s']:.2f}x)")
-    results = {"prompt_tokens": args.prompt, "new_tokens": args.new, "threads": args.threads,
+    results = {"device": str(dims.device), "dtype": args.dtype, "prompt_tokens": args.prompt, "new_tokens": args.new, "threads": args.threads,
                "random_weights": args.random, "build_s": build_s, "refit_s": refit, "rows": rows,
                "ppo": ppo}
     if args.json:

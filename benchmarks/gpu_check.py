@@ -34,7 +34,10 @@ Otherwise it runs, each step a subprocess with a timeout and its output in
    A run passes when it exits with 0 and every step's core metrics in ``metrics.jsonl``
    are finite.
 4. **rollout benchmark**: ``benchmarks/bench_rollout.py`` (KV-cache decoding vs
-   transformers' ``generate`` with the same weights on the same device; bf16 on a GPU).
+   transformers' ``generate`` with the same weights on the same device; bf16 on a GPU);
+   then, GPU only and where this python has vLLM and ``models/smollm2`` exists,
+   ``benchmarks/bench_rollout_engines.py`` (``rollout.engine=vllm`` vs megatron vs
+   transformers, refit seconds, PPO step seconds per engine); skipped saying why otherwise.
 5. **report**: ``--out`` (JSON) and a printed table: per PPO run the train-phase MFU
    (model FLOPs of the update, :mod:`nemo_rlhf.metrics.flops`, per second of the train
    phase, over the device's dense bf16 peak: :data:`PEAK_BF16_TFLOPS` by device name, or
@@ -382,6 +385,36 @@ class GPUCheck:
                          for r in bench["rows"])
         return self.settle(proc.step, True, f"{bench['model']} {bench['dtype']}: {rows}")
 
+    def vllm_bench(self) -> bool:
+        """``benchmarks/bench_rollout_engines.py`` (vLLM vs megatron vs transformers, refit
+        seconds, PPO step seconds per engine) on SmolLM2 in bf16, where this python has vLLM."""
+        if self.cpu:
+            self.skip("vllm_benchmark", "GPU only; on a CPU it runs in .venv-vllm "
+                      "(benchmarks/bench_rollout_engines.py)")
+            return True
+        probe = subprocess.run([self.python, "-c", "import vllm"], capture_output=True, text=True)
+        if probe.returncode:
+            self.skip("vllm_benchmark", "vllm is not installed for this python: pip install vllm "
+                      "(its CUDA build pins its own torch; a separate venv keeps this one intact)")
+            return True
+        ckpt = self.smollm2_dir / "megatron_tp1_pp1"
+        if not (ckpt / "step_0").is_dir():
+            self.skip("vllm_benchmark", f"{ckpt} is missing (python -m nemo_rlhf.tools.real_model)")
+            return True
+        out = self.work / "bench_rollout_engines.json"
+        cmd = [self.python, str(REPO / "benchmarks" / "bench_rollout_engines.py"), "--ckpt",
+               str(ckpt), "--dtype", "bf16", "--batch", "32", "128", "--prompt", "64", "--new",
+               "64", "--repeats", "3", "--ppo-steps", "3", "--json", str(out)]
+        step, rc = self.run("vllm_benchmark", cmd, self.args.timeout_bench)
+        bench = json.loads(out.read_text()) if rc == 0 and out.is_file() else None
+        self.report["vllm_benchmark"] = bench
+        if bench is None:
+            return self.settle(step, False, f"exit {rc}")
+        rows = ", ".join(f"batch {r['batch']}: vllm {r['vllm_tokens_per_s']:.0f}, megatron "
+                         f"{r['megatron_tokens_per_s']:.0f}, hf {r['hf_tokens_per_s']:.0f} tok/s"
+                         for r in bench["rows"])
+        return self.settle(step, True, rows)
+
     # --- the whole check -------------------------------------------------------------------
     def execute(self) -> int:
         t0 = time.monotonic()
@@ -402,6 +435,7 @@ class GPUCheck:
                 (self.finish_device_tests if kind == "tests" else self.finish_bench)(proc)
             if not self.cpu:
                 self.finish_bench(self.start_bench())
+            self.vllm_bench()
         self.report["steps"] = [asdict(s) for s in self.steps]
         self.report["ok"] = all(s.status != "failed" for s in self.steps)
         self.report["wall_s"] = time.monotonic() - t0

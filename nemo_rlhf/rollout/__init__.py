@@ -3,7 +3,8 @@
 ``config`` holds :class:`RolloutConfig` (config section ``rollout``), ``sampling`` the pure
 next-token functions, ``generate`` the decoding loop, :class:`RolloutBatch` (the layout the
 trainer consumes) and :func:`logprob_diff_stats`; ``incremental_stage`` runs a model stage
-in the decode loop. The training-side log-probs of the same tokens are
+in the decode loop; ``engines`` the one interface the trainer uses (``rollout.engine``:
+``megatron`` or ``vllm``, the latter in ``vllm_engine``, imported only when chosen). The training-side log-probs of the same tokens are
 :func:`nemo_rlhf.models.logprobs.response_logprobs`.
 """
 

@@ -45,12 +45,15 @@ import hashlib
 import json
 import logging
 import os
+import random
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -72,8 +75,8 @@ def row_seed(seed: int, dp_rank: int, call_index: int, row: int) -> int:
     return int.from_bytes(digest, "little") & (2**31 - 1)
 
 
-def cut_at_stop_strings(ids: list[int], logprobs: list[float], stop_strings, decode_fn,
-                        min_new_tokens: int) -> Optional[int]:
+def cut_at_stop_strings(ids: list[int], stop_strings, decode_fn, min_new_tokens: int
+                        ) -> Optional[int]:
     """Length of a response cut after the first token (index >= ``min_new_tokens``) at which
     the decoded response contains one of ``stop_strings``; None if none does."""
     for n in range(max(min_new_tokens, 0) + 1, len(ids) + 1):
@@ -81,6 +84,21 @@ def cut_at_stop_strings(ids: list[int], logprobs: list[float], stop_strings, dec
         if any(s in text for s in stop_strings):
             return n
     return None
+
+
+@contextmanager
+def _rng_preserved():
+    """Restore Python's, NumPy's and torch's (CPU and CUDA) global generators afterwards."""
+    py, np_state, cpu = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _is_head(key: str) -> bool:
@@ -160,7 +178,8 @@ class VLLMRolloutEngine:
             kwargs["gpu_memory_utilization"] = vcfg.gpu_memory_utilization
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
-        self.llm = vllm.LLM(**kwargs)
+        with _rng_preserved():  # vLLM seeds the process's global generators with `seed`
+            self.llm = vllm.LLM(**kwargs)
         self._sampling_params = vllm.SamplingParams
         self.build_s = time.perf_counter() - t0
         self.loaded_version: Optional[int] = None
@@ -258,8 +277,7 @@ class VLLMRolloutEngine:
                 lps[r] = [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)]
                 ended[r] = o.finish_reason == "stop"
                 if cfg.stop_strings and not ended[r]:
-                    n = cut_at_stop_strings(ids[r], lps[r], cfg.stop_strings, self.decode_fn,
-                                            cfg.min_new_tokens)
+                    n = cut_at_stop_strings(ids[r], cfg.stop_strings, self.decode_fn, cfg.min_new_tokens)
                     if n is not None:
                         ids[r], lps[r], ended[r] = ids[r][:n], lps[r][:n], True
         if n_engines > 1:

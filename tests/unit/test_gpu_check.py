@@ -53,7 +53,7 @@ def test_cpu_dry_run_passes_and_writes_the_report(tmp_path):
     status = {s["name"]: s["status"] for s in report["steps"]}
     assert status == {"setup": "skipped", "device_tests_cpu": "ok", "data": "ok", "rm_tiny": "ok",
                       "ppo_tiny": "ok", "ppo_tiny_distopt": "skipped", "ppo_smollm2": "skipped",
-                      "rollout_benchmark": "ok"}
+                      "rollout_benchmark": "ok", "vllm_benchmark": "skipped"}
     assert report["device_tests"]["passed"] > 0 and report["device_tests"]["failures"] == []
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"]
     assert report["peak"]["source"].startswith("measured host") and report["peak"]["tflops"] > 0

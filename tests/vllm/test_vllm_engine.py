@@ -73,6 +73,16 @@ def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int) -> dict:
     vllm.generate(trainer.model, prompts, greedy, call_index=0, weights_version=trainer.weights_version)
     out["refits_same_version"], out["skipped_same_version"] = vllm.refits, vllm.skipped_refits
 
+    # stop ids (with and without min_new_tokens) and stop strings, against the megatron engine
+    row0 = out["greedy_before"][1][0]
+    stops = {"stop_id": replace(greedy, stop_token_ids=[row0[2]]),
+             "stop_id_min_new": replace(greedy, stop_token_ids=[row0[2]], min_new_tokens=4),
+             "stop_string": replace(greedy, stop_strings=[trainer.tok.decode([row0[1]]) or "x"])}
+    for name, c in stops.items():
+        v = vllm.generate(trainer.model, prompts, c, call_index=0, weights_version=trainer.weights_version)
+        m = megatron.generate(trainer.model, prompts, c, call_index=0, weights_version=trainer.weights_version)
+        out[name] = {"vllm": (_responses(v), v.ended.tolist()), "megatron": (_responses(m), m.ended.tolist())}
+
     version = trainer.weights_version
     metrics = trainer.train_step()  # a PPO step whose rollout is vLLM's, with TIS on
     trainer.step += 1
@@ -121,6 +131,15 @@ def test_greedy_generations_equal_the_megatron_engines_token_for_token(layout):
     assert layout["greedy_logprob_diff_before"] < LOGPROB_TOL
     vllm, megatron = layout["greedy_after_step"]
     assert vllm == megatron
+
+
+@pytest.mark.parametrize("rule", ["stop_id", "stop_id_min_new", "stop_string"])
+def test_stop_rules_end_the_same_rows_at_the_same_tokens_as_the_megatron_engine(layout, rule):
+    got = layout[rule]
+    assert got["vllm"] == got["megatron"]
+    assert any(got["vllm"][1]), "no row stopped: the check would not see a wrong stop rule"
+    if rule == "stop_id_min_new":
+        assert min(len(r) for r in got["vllm"][0]) >= 4
 
 
 def test_a_refit_without_changed_weights_is_skipped(layout):
@@ -205,13 +224,15 @@ def _smollm2_worker(rank: int, ckpt: str, tokenizer: str, prompts: list) -> dict
     common = dict(eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, decode_fn=tok.decode)
     megatron = MegatronRolloutEngine(dims, vocab_size=mcfg.vocab_size,
                                      max_sequence_length=mcfg.max_position_embeddings, **common)
+    rng = torch.random.get_rng_state()
     vllm = VLLMRolloutEngine(cfg, dims, mcfg, **common)
+    rng_unchanged = torch.equal(rng, torch.random.get_rng_state())
     m = megatron.generate(model, ids, cfg, call_index=0, weights_version=0)
     v = vllm.generate(model, ids, cfg, call_index=0, weights_version=0)
     vllm.close()
     return {"megatron": _responses(m), "vllm": _responses(v),
             "logprob_diff": float((m.logprobs - v.logprobs).abs()[m.response_mask & v.response_mask].max()),
-            "text": [tok.decode(r) for r in _responses(v)]}
+            "text": [tok.decode(r) for r in _responses(v)], "rng_unchanged": rng_unchanged}
 
 
 def test_smollm2_greedy_generations_equal_the_megatron_engines(tmp_path):
@@ -226,3 +247,4 @@ def test_smollm2_greedy_generations_equal_the_megatron_engines(tmp_path):
                     tokenizer=str(SMOLLM2 / "tokenizer"), prompts=prompts)[0]
     assert res["vllm"] == res["megatron"], res["text"]
     assert res["logprob_diff"] < 1e-3
+    assert res["rng_unchanged"], "building the engine moved the trainer's global torch generator"

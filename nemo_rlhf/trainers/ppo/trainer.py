@@ -1,6 +1,7 @@
 """The PPO-RLHF trainer: the six steps of InstructGPT's PPO on one shared backbone.
 
-Per step: (1) prompts from a resumable sampler; (2) rollout with the actor (KV cache);
+Per step: (1) prompts from a resumable sampler; (2) rollout by ``rollout.engine`` (the actor's
+KV-cache decode, or a vLLM engine refit from the actor's weights: ``rollout/engines.py``);
 (3) scores from the served RM and/or reward functions; (4) reference log-probs with the
 reference weights swapped into the backbone; (5) old log-probs and values from one
 forward-only pass (every forward-only pass runs in eval mode, the updates in train mode:
