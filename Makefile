@@ -41,8 +41,8 @@ demo: $(STAMP)
 # The main suite, then the vLLM engine's tests in their environment (they use the SmolLM2
 # checkpoint the main suite's tests/real set up).
 test: $(STAMP) $(VSTAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm $(PYTEST_ARGS)
-	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/vllm $(VLLM_PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm_engine $(PYTEST_ARGS)
+	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/vllm_engine $(VLLM_PYTEST_ARGS)
 
 # The prepared GPU check (benchmarks/gpu_check.py): on a CUDA machine, with that machine's
 # own python and CUDA torch (GPU_PY; never the CPU .venv), installing what is missing with

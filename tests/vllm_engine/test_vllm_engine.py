@@ -183,10 +183,12 @@ def _fit_worker(rank: int, tmp: str, exp: str, max_steps: int) -> dict:
 
 
 def _step_metrics(exp: Path, step: int) -> dict:
+    """A step's logged metrics but timings and the engine's refit counters (per process)."""
     rows = [json.loads(x) for x in (exp / "metrics.jsonl").read_text().splitlines()]
     row = [r for r in rows if r.get("step") == step][-1]
     return {k: v for k, v in row.items() if isinstance(v, (int, float)) and not k.startswith("timing/")
-            and "_per_s" not in k and "memory" not in k and "rss" not in k and "_s" != k[-2:]}
+            and "_per_s" not in k and "memory" not in k and "rss" not in k and "_s" != k[-2:]
+            and not k.startswith("rollout/refit")}
 
 
 def test_a_resumed_run_generates_the_same_tokens_as_an_uninterrupted_one(tmp_path):
