@@ -128,8 +128,8 @@ def forward_backward(
             fused, chunked output layer); see :func:`model_forward`. A micro-batch with a
             ``prompt_length`` entry (int) gets the request at that prompt length.
         variable_shapes: the micro-batches may differ in shape (token-budget micro-batches
-            with their padding cut; no pipeline parallelism, whose stages exchange
-            fixed-size activations).
+            with their padding cut); under pipeline parallelism each activation's shape is
+            then sent ahead of it (megatron's ``variable_seq_lengths``).
 
     Returns:
         On the last pipeline stage, one stats dict per micro-batch; elsewhere ``[]``.
@@ -166,16 +166,22 @@ def forward_backward(
         return out, loss_func
 
     cfg = unwrap(model).config
-    results = get_forward_backward_func()(
-        forward_step_func=step,
-        data_iterator=it,
-        model=[model],
-        num_microbatches=len(micro_batches),
-        seq_length=seq,
-        micro_batch_size=mbs,
-        forward_only=forward_only,
-    )
-    del cfg
+    # between pipeline stages, variable shapes are sent ahead of each activation (megatron's
+    # variable_seq_lengths: one small p2p per transfer); fixed shapes need none
+    variable_before = cfg.variable_seq_lengths
+    cfg.variable_seq_lengths = variable_shapes or variable_before
+    try:
+        results = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=it,
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+        )
+    finally:
+        cfg.variable_seq_lengths = variable_before
     return list(results or [])
 
 

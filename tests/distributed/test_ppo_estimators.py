@@ -63,7 +63,12 @@ PARITY = {
                             "ppo.advantage_estimator=reinforce_plus_plus"),
     "dr_grpo": ("ppo.shuffle=false", "ppo.advantage_estimator=grpo", "ppo.grpo_norm_by_std=false",
                 "rollout.n_samples_per_prompt=2", "ppo.loss_agg_mode=seq-mean-token-sum-norm"),
+    # token-budget micro-batches of varied shapes (padding cut; sampled responses of varied
+    # lengths): at PP=2 the stages send each activation's shape ahead of it
+    "gae_token_budget": ("ppo.shuffle=false", *VARIED, "ppo.max_tokens_per_micro_batch=40"),
 }
+# references only (no TP/PP layouts): the padded twin of gae_token_budget
+PADDED = {"gae_padded": ("ppo.shuffle=false", *VARIED)}
 COMPARED = ("reward_mean", "response_length", "kl_mean", "policy_loss", "entropy", "approx_kl",
             "grad_norm", "advantages_mean")
 COMPARED_IF_PRESENT = ("value_loss", "critic_grad_norm", "returns_mean")
@@ -122,7 +127,7 @@ def _reference(rank: int, tmp: str, name: str):
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
-    trainer = build(compose_ppo(data, tmp / f"ref_{name}", *BASE, *PARITY[name]))
+    trainer = build(compose_ppo(data, tmp / f"ref_{name}", *BASE, *{**PARITY, **PADDED}[name]))
     # a separate critic's initial weights too (the layouts' critics start from them)
     critic = None if trainer.critic_model is None else (trainer.critic_model, None)
     save_checkpoint(tmp / f"init_{name}", 0, trainer.model, dims=trainer.dims, critic=critic)
@@ -153,7 +158,8 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("est_par"))
-    refs = {name: run_ranks(_reference, world_size=1, tmp=tmp, name=name)[0] for name in PARITY}
+    refs = {name: run_ranks(_reference, world_size=1, tmp=tmp, name=name)[0]
+            for name in (*PARITY, *PADDED)}
     return refs, run_ranks(_layouts, world_size=2, tmp=tmp)[0]
 
 
@@ -227,6 +233,16 @@ def test_detached_critic_sends_no_value_gradient_into_the_backbone(single):
     assert single["shared_detached"]["backbone_grad_from_values"] == 0.0
     assert single["shared"]["backbone_grad_from_values"] > 0.0
     assert single["shared_detached"]["head_changed"]
+
+
+def test_token_budget_micro_batches_train_like_padded_rows_and_cut_padding(parity):
+    refs, par = parity
+    budget, padded = refs["gae_token_budget"][0], refs["gae_padded"][0]
+    for key in COMPARED + tuple(k for k in COMPARED_IF_PRESENT if k in padded):
+        assert abs(budget[key] - padded[key]) <= 1e-4 * max(1.0, abs(padded[key])), key
+    assert budget["padding_fraction"] < padded.get("padding_fraction", 1.0)
+    for layout in ("tp2", "pp2"):  # the same budget, cut the same way, in every layout
+        assert par[("gae_token_budget", layout)][0]["padding_fraction"] == budget["padding_fraction"]
 
 
 @pytest.mark.parametrize("name", list(PARITY))

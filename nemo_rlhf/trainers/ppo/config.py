@@ -129,7 +129,8 @@ class PPOAlgoConfig:
     most this many padded tokens (rows x longest row), each with the padding its rows do
     not need cut away (:mod:`nemo_rlhf.trainers.ppo.micro_batches`); ``micro_batch_size``
     and ``forward_micro_batch_size`` are then not used. 0: fixed row counts over the
-    rollout's full width. Needs ``parallel.pipeline_model_parallel_size=1``."""
+    rollout's full width. Under pipeline parallelism the stages send each activation's
+    shape ahead of it."""
     logprob_chunk_size: int = 1024
     """Tokens (batch x response positions) per chunk of the fused output layer + log-probs
     (old, reference and training log-probs): only the response positions go through the
@@ -382,10 +383,6 @@ def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int, n_samples_per_prompt: int 
     Raises:
         ValueError: naming the key, its value and what would work.
     """
-    if ppo.max_tokens_per_micro_batch and pp > 1:
-        raise ValueError(f"ppo.max_tokens_per_micro_batch={ppo.max_tokens_per_micro_batch} needs "
-                         f"parallel.pipeline_model_parallel_size=1 (got {pp}): pipeline stages exchange "
-                         f"fixed-size micro-batches; set ppo.max_tokens_per_micro_batch=0")
     group = dp * n_samples_per_prompt
     if ppo.num_rollout_samples % group:
         raise ValueError(
