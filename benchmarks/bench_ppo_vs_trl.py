@@ -223,8 +223,9 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     trainer = PPOTrainer(cfg, dims, ddp, optimizer, reference, None, _Tok(a.vocab), prompts, None)
 
     def score(idx, batch):
-        """In-process RM: reward head at each row's last response token."""
-        with torch.no_grad():
+        """In-process RM: reward head at each row's last response token (timed as the
+        trainer's own scoring step is, under ``reward``)."""
+        with trainer.timers("reward"), torch.no_grad():
             out = []
             for s in range(0, batch.input_ids.shape[0], a.fwd_micro):
                 rewards = model_forward(rm, batch.input_ids[s:s + a.fwd_micro],
