@@ -295,8 +295,9 @@ class VLLMRolloutEngine:
             for r in range(B):
                 n = len(ids[r])
                 if n or ended[r]:
-                    packed[r, :n] = torch.tensor(ids[r], dtype=torch.float64)
-                    packed[r, R:R + n] = torch.tensor(lps[r], dtype=torch.float64)
+                    # host rows of the host tensor shared below
+                    packed[r, :n] = torch.tensor(ids[r], dtype=torch.float64, device="cpu")
+                    packed[r, R:R + n] = torch.tensor(lps[r], dtype=torch.float64, device="cpu")
                     packed[r, 2 * R] = n
                     packed[r, 2 * R + 1] = float(ended[r])
         # host metadata: CPU tensors go through gloo (the backend map of every group)
@@ -318,9 +319,10 @@ class VLLMRolloutEngine:
         logprobs = torch.zeros(B, R, dtype=torch.float32, device="cpu")
         for r in range(B):
             n = len(ids[r])
-            response[r, :n] = torch.tensor(ids[r], dtype=torch.long)
+            # host rows; the whole batch moves to dims.device once, below
+            response[r, :n] = torch.tensor(ids[r], dtype=torch.long, device="cpu")
             mask[r, :n] = True
-            logprobs[r, :n] = torch.tensor(lps[r], dtype=torch.float32)
+            logprobs[r, :n] = torch.tensor(lps[r], dtype=torch.float32, device="cpu")
         ended_t = torch.tensor(ended, dtype=torch.bool, device="cpu")
         input_ids = torch.cat([prompt_ids, response], dim=1)
         attention_mask = torch.cat([prompt_mask, mask], dim=1).long()

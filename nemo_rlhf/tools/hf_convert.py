@@ -1,56 +1,12 @@
 """Hugging Face <-> megatron-core conversion for Llama-, Qwen2- and GPT-2-style models:
-the files (folders, tokenizers, imported checkpoints) around the tensor mapping of
-:mod:`nemo_rlhf.models.hf_mapping` (re-exported here, described below).
+the files around the tensor mapping of :mod:`nemo_rlhf.models.hf_mapping` (re-exported
+here; its docstring gives both sides' tensor names and layouts, and what is refused).
 
-Both directions work on **full (unsharded) tensors** keyed like this project's
-distributed checkpoints (``load_full_tensors`` without the ``model.`` prefix): layer
-tensors are stacked on a leading layer axis, ``decoder.layers.<name>`` ``[num_layers,
-...]``, and the pre-attention / pre-MLP norms are named as megatron's sharded state dict
-names them (``self_attention.linear_qkv.layer_norm_weight`` and
-``mlp.linear_fc1.layer_norm_weight``), whichever layer spec (local or TE) wrote them.
-TP/PP never appear here: dist_checkpointing reshards.
-
-megatron tensors (``h`` hidden, ``f`` ffn, ``d`` head dim, ``H`` query heads, ``G`` query
-groups = KV heads, ``V'`` padded vocabulary, ``V`` real vocabulary, ``L`` layers):
-
-* ``embedding.word_embeddings.weight`` ``[V', h]``; rows ``V..V'`` are padding (zeros on
-  import, dropped on export); ``output_layer.weight`` ``[V', h]`` unless tied;
-* ``decoder.layers.self_attention.linear_qkv.weight`` ``[L, (H + 2G) d, h]``, fused per query
-  group: for each group ``g``, its ``H/G`` query heads, then its key head, then its value
-  head (``.bias`` ``[L, (H + 2G) d]`` the same way);
-* ``decoder.layers.self_attention.linear_proj.weight`` ``[L, h, H d]``;
-* ``decoder.layers.mlp.linear_fc1.weight`` ``[L, 2f, h]`` = ``[gate; up]`` for SwiGLU,
-  ``[L, f, h]`` for GELU; ``linear_fc2.weight`` ``[L, h, f]``;
-* norms ``[L, h]`` (``layer_norm_bias`` too for LayerNorm), ``decoder.final_layernorm.*``
-  ``[h]``; ``embedding.position_embeddings.weight`` ``[max_pos, h]`` (GPT-2);
-* ``value_head.*`` / ``reward_head.weight`` ``[1, h]`` float32, ``reward_head.bias`` ``[1]``.
-
-Hugging Face names (transformers 4.57, ``models/<arch>/modeling_<arch>.py``):
-
-* Llama / Qwen2 (``LlamaForCausalLM``, ``Qwen2ForCausalLM``): ``model.embed_tokens.weight``,
-  ``model.layers.<i>.input_layernorm.weight``, ``self_attn.{q,k,v,o}_proj.weight``
-  (``nn.Linear`` ``[out, in]``; q ``[H d, h]``, k/v ``[G d, h]``; KV head ``j`` serves query
-  heads ``j H/G .. (j+1) H/G - 1`` as in ``repeat_kv``), Qwen2 adds ``{q,k,v}_proj.bias``,
-  Llama's ``attention_bias`` / ``mlp_bias`` add biases to all four / all three,
-  ``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.weight``,
-  ``model.norm.weight``, ``lm_head.weight`` (absent when ``tie_word_embeddings``);
-* GPT-2 (``GPT2LMHeadModel``): ``transformer.wte.weight``, ``transformer.wpe.weight``,
-  ``transformer.h.<i>.ln_1.{weight,bias}``, ``attn.c_attn.{weight,bias}`` (``Conv1D``:
-  weight ``[in, out]`` = ``[h, 3h]``, output columns ``[q | k | v]``, heads contiguous
-  inside each), ``attn.c_proj``, ``ln_2``, ``mlp.c_fc`` ``[h, f]``, ``mlp.c_proj`` ``[f, h]``,
-  ``transformer.ln_f``; checkpoints saved from ``GPT2Model`` lack the ``transformer.``
-  prefix (accepted on import);
-* reward models export as ``<Arch>ForSequenceClassification`` with ``num_labels=1``:
-  the backbone under the same prefix plus ``score.weight`` ``[1, h]`` (no bias).
-
-Every transform is a reshape, slice, concatenation or transpose, so import followed by
-export returns bit-identical tensors (same names as ``save_pretrained`` writes).
-
-Simplified / refused (a clear ``ValueError`` names the key): RoPE scaling and partial
-rotary, sliding-window attention, Llama with ``attention_bias != mlp_bias``, GPT-2 with
-``scale_attn_by_inverse_layer_idx`` or unscaled attention. Dropout values of the HF config
-are not imported (this project trains RLHF with dropout 0). Exports write one
-``model.safetensors`` file (no sharding of very large models).
+Here: reading an HF folder's ``config.json`` and weights (safetensors or ``.bin``, sharded
+or not), importing its tokenizer and chat template, writing an HF folder
+(``config.json``, tokenizer files, one ``model.safetensors``: no sharding of very large
+models), and saving an imported checkpoint (the actor built at TP=1/PP=1, value head
+dropped; ``dist_checkpointing`` reshards it on load).
 """
 
 from __future__ import annotations
