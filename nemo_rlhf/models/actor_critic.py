@@ -30,6 +30,7 @@ from nemo_rlhf.distributed.parallel import reseed_model_parallel
 from nemo_rlhf.models.config import ModelConfig, build_transformer_config
 from nemo_rlhf.models.decode_layers import local_layer_spec
 from nemo_rlhf.models.logprobs import LogprobRequest, fused_response_logprobs
+from nemo_rlhf.models.packing import PackedBatch
 
 
 class ActorCriticModel(GPTModel):
@@ -79,29 +80,49 @@ class ActorCriticModel(GPTModel):
         return getattr(self, self.head_name)
 
     def forward(self, input_ids, *args, with_values: bool = True,
-                logprob_request: Optional[LogprobRequest] = None, **kwargs):
+                logprob_request: Optional[LogprobRequest] = None,
+                packed: Optional[PackedBatch] = None, **kwargs):
         """megatron ``GPTModel.forward``; on the last stage ``(logits, values)`` when
         ``with_values`` (and the stage has its value head, outside KV-cache decoding),
         else the logits alone (rollout, reference and SFT passes). With a
         ``logprob_request`` the logits are replaced by the response log-probs
         (:class:`~nemo_rlhf.models.logprobs.ResponseLogprobs`, output layer fused and
-        chunked; training or forward-only, not KV-cache decoding)."""
+        chunked; training or forward-only, not KV-cache decoding).
+
+        With ``packed`` (a :class:`~nemo_rlhf.models.packing.PackedBatch`), ``input_ids``,
+        the position ids and the attention mask are the packed ones (``[bins, W]``, see
+        :func:`nemo_rlhf.models.engine.model_forward`); the last stage puts the final
+        hidden states back in the padded layout before its heads, so the outputs have the
+        padded micro-batch's ``[rows, S]`` shape, as without packing."""
         self._with_values = with_values
-        self._logprob_request = (logprob_request, input_ids) if logprob_request is not None else None
+        self._packed = packed
+        targets = input_ids if packed is None else packed.padded_input_ids
+        self._logprob_request = (logprob_request, targets) if logprob_request is not None else None
         try:
             return super().forward(input_ids, *args, **kwargs)
         finally:
             self._with_values = True
             self._logprob_request = None
+            self._packed = None
+
+    def _unpacked(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The last stage's hidden states in the padded layout ``[S, rows, H]`` (a packed
+        forward's are ``[W, bins, H]``); unchanged without packing."""
+        packed = getattr(self, "_packed", None)
+        return hidden_states if packed is None else packed.unpack_hidden(hidden_states)
 
     def _postprocess(self, hidden_states, *args, **kwargs):
         request = getattr(self, "_logprob_request", None)
+        packed = getattr(self, "_packed", None)
+        if self.post_process:
+            hidden_states = self._unpacked(hidden_states)
         if request is not None and self.post_process and not kwargs.get("inference_context") \
                 and self.config.mtp_num_layers is None:
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
                 else self.output_layer.weight
-            logits = fused_response_logprobs(hidden_states, weight, request[1], request[0],
-                                             self.output_layer.tp_group)
+            logits = fused_response_logprobs(
+                hidden_states, weight, request[1], request[0], self.output_layer.tp_group,
+                select=None if packed is None else packed.response_index)
         else:
             logits = super()._postprocess(hidden_states, *args, **kwargs)
         if (not self.post_process or not self._with_values or kwargs.get("inference_context")
@@ -125,7 +146,7 @@ class RewardModel(ActorCriticModel):
     def _postprocess(self, hidden_states, *args, **kwargs):
         if not self.post_process:
             return hidden_states
-        return self._head()(hidden_states.float()).squeeze(-1).transpose(0, 1).contiguous()
+        return self._head()(self._unpacked(hidden_states).float()).squeeze(-1).transpose(0, 1).contiguous()
 
 
 class CriticModel(RewardModel):

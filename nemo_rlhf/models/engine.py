@@ -7,8 +7,10 @@ gets the last stage's model output and the micro-batch and returns
 whole mini-batch (across micro-batches and DP ranks), so the schedule and DDP are told not
 to rescale it (``calculate_per_token_loss``) and DDP sums gradients over DP ranks.
 
-Batches are batch-first dicts of tensors; every micro-batch of one call must have the same
-``[micro_batch_size, seq]`` shape (pipeline stages exchange fixed-size activations).
+Batches are batch-first dicts of tensors; every micro-batch of one call has the same
+``[micro_batch_size, seq]`` shape (pipeline stages exchange fixed-size activations), unless
+the call allows variable shapes (token-budget and packed micro-batches: each activation's
+shape is then sent ahead of it).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from nemo_rlhf.distributed.device import to_device
+from nemo_rlhf.models.packing import PackedBatch
 
 LossFn = Callable[[object, dict], tuple[torch.Tensor, dict]]
 
@@ -76,7 +79,8 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  with_values: Optional[bool] = None, logprob_request=None):
+                  with_values: Optional[bool] = None, logprob_request=None,
+                  packed: Optional[PackedBatch] = None):
     """Run one stage's forward on a batch-first batch.
 
     Args:
@@ -87,14 +91,21 @@ def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         logprob_request: actor-critic stages only: a
             :class:`~nemo_rlhf.models.logprobs.LogprobRequest`; the last stage returns
             response log-probs (``ResponseLogprobs``) where it would return logits.
+        packed: the micro-batch packed (:func:`nemo_rlhf.models.packing.pack_rows` of
+            ``input_ids``): the forward runs over its ``[bins, W]`` rows with its
+            block-diagonal causal mask and per-sequence positions; the last stage's outputs
+            come back in ``input_ids``' padded ``[batch, seq]`` layout.
 
     Returns:
         Last stage: the model's output (``(logits, values)``, logits, or rewards); other
-        stages: hidden states for the next stage.
+        stages: hidden states for the next stage (``[W, bins, hidden]`` when packed).
     """
     kwargs = {} if with_values is None else {"with_values": with_values}
     if logprob_request is not None:
         kwargs["logprob_request"] = logprob_request
+    if packed is not None:
+        return model(packed.input_ids, packed.position_ids, packed.attention_mask(), packed=packed,
+                     **kwargs)
     return model(input_ids, position_ids_for(attention_mask), causal_padding_mask(attention_mask),
                  **kwargs)
 
@@ -114,7 +125,9 @@ def forward_backward(
     Args:
         model: one pipeline stage (DDP-wrapped or bare).
         micro_batches: dicts with ``input_ids`` and ``attention_mask`` ``[mbs, seq]`` plus
-            whatever ``loss_fn`` reads; all the same shape.
+            whatever ``loss_fn`` reads; all the same shape. A micro-batch with a ``packed``
+            entry (:class:`~nemo_rlhf.models.packing.PackedBatch`) runs packed (pass
+            ``variable_shapes``); its loss function still gets ``[mbs, seq]`` outputs.
         loss_fn: ``(output, micro_batch) -> (loss, stats)``; ``loss`` is a scalar already
             normalised by the global token count. If None (forward only), the stats hold
             the raw output under ``"output"``.
@@ -154,7 +167,8 @@ def forward_backward(
         request = logprob_request
         if request is not None and "prompt_length" in mb:
             request = replace(request, prompt_length=mb["prompt_length"])
-        out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request)
+        out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request,
+                            packed=mb.get("packed"))
 
         def loss_func(output):
             one = torch.ones((), dtype=torch.int, device=dev)

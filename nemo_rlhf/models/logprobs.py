@@ -177,7 +177,8 @@ def _from_fused(out: ResponseLogprobs, batch, temperature: float, compute_entrop
 
 
 def fused_response_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor,
-                            request: LogprobRequest, tp_group) -> ResponseLogprobs:
+                            request: LogprobRequest, tp_group,
+                            select: Optional[torch.Tensor] = None) -> ResponseLogprobs:
     """The response log-probs of a last stage's final hidden states, output layer fused in.
 
     Args:
@@ -187,6 +188,10 @@ def fused_response_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, i
         request: what to compute.
         tp_group: the output layer's tensor-parallel group (its gradient of the hidden
             states is summed over it, as a column-parallel linear does).
+        select: optional ``[n]`` int64 flat indices into ``[batch * R]``: only these
+            response positions go through the output layer (the valid tokens of a packed
+            micro-batch, :attr:`nemo_rlhf.models.packing.PackedBatch.response_index`); the
+            others are 0 in the result. None: every response position.
 
     Returns:
         :class:`ResponseLogprobs` with ``[batch, R]`` float32 tensors.
@@ -206,12 +211,20 @@ def fused_response_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, i
     if tp_size > 1:
         h = copy_to_tensor_model_parallel_region(h, group=tp_group)
     targets = input_ids[:, P:].reshape(B * R)
+    if select is not None:
+        h, targets = h.index_select(0, select), targets.index_select(0, select)
+
+    def full(t: torch.Tensor) -> torch.Tensor:  # [n] selected -> [B, R], 0 elsewhere
+        if select is None:
+            return t.view(B, R)
+        return t.new_zeros(B * R).index_copy(0, select, t).view(B, R)
+
     logprobs, entropy = {}, None
     for i, t in enumerate(request.temperatures):
         lp, ent = chunked_linear_logprobs(
             h, weight, targets, tp_group if tp_size > 1 else None, tp_rank, t, request.vocab_size,
             compute_entropy=request.compute_entropy and i == 0, chunk_size=request.chunk_size)
-        logprobs[float(t)] = lp.view(B, R)
+        logprobs[float(t)] = full(lp)
         if i == 0:
-            entropy = ent.view(B, R)
+            entropy = full(ent)
     return ResponseLogprobs(logprobs=logprobs, entropy=entropy)

@@ -89,6 +89,60 @@ def _fused_vs_unfused(model, dims, ids, mask):
     return out
 
 
+# packed vs padded: rows of varied spans (left-padded prompts, right-padded responses) in
+# two micro-batches of two rows; each micro-batch packs its rows into one packed row
+PACK_SPANS = [(0, 12), (2, 7), (3, 8), (1, 10)]
+
+
+def _pack_batch():
+    ids, _ = _batch()
+    mask = torch.zeros_like(ids)
+    for i, (a, b) in enumerate(PACK_SPANS):
+        mask[i, a:b] = 1
+    return ids * mask, mask
+
+
+def _packed_vs_padded(ddp, dims, fused: bool):
+    """Per-token response log-probs, entropy and values, the loss and every parameter's
+    gradient of one forward/backward over two micro-batches (megatron's schedule, so PP=2
+    runs 1F1B), padded and packed."""
+    from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap
+    from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs
+    from nemo_rlhf.models.packing import pack_rows
+
+    ids, mask = _pack_batch()
+    n_tokens = int(mask[:, PROMPT:].sum())
+    request = LogprobRequest(PROMPT, (TEMP,), VOCAB, chunk_size=3) if fused else None
+
+    def loss_fn(output, mb):
+        first, values = output
+        lp, ent = response_logprobs(first, (mb["input_ids"], PROMPT), dims, TEMP, vocab_size=VOCAB)
+        m = mb["attention_mask"][:, PROMPT:].bool()
+        v = values[:, PROMPT - 1:-1]
+        loss = torch.where(m, -lp - 0.01 * ent + v ** 2, 0.0).sum() / n_tokens
+        zero = torch.zeros((), dtype=lp.dtype)
+        return loss, {"loss": loss.detach(), "logprobs": torch.where(m, lp, zero).detach(),
+                      "entropy": torch.where(m, ent, zero).detach(), "values": torch.where(m, v, zero).detach()}
+
+    out = {}
+    for name in ("padded", "packed"):
+        mbs = []
+        for rows in ((0, 1), (2, 3)):
+            mb = {"input_ids": ids[list(rows)], "attention_mask": mask[list(rows)]}
+            if name == "packed":
+                mb["packed"] = pack_rows(mb["input_ids"], [PACK_SPANS[r] for r in rows], [[0, 1]], PROMPT)
+            mbs.append(mb)
+        ddp.zero_grad_buffer()
+        res = forward_backward(ddp, mbs, loss_fn, logprob_request=request, variable_shapes=name == "packed")
+        finalize_grads(ddp)
+        out[name] = {"grads": {n: p.main_grad.clone() for n, p in unwrap(ddp).named_parameters()}}
+        if res:
+            out[name].update({k: torch.cat([r[k] for r in res]) for k in ("logprobs", "entropy", "values")},
+                             loss=float(sum(r["loss"] for r in res)))
+    ddp.zero_grad_buffer()
+    return out
+
+
 def _replicated_params(model):
     return {n: p.detach().clone() for n, p in model.named_parameters()
             if not getattr(p, "tensor_model_parallel", False)}
@@ -123,6 +177,9 @@ def _worker(rank: int):
     forward_backward(model, [{"input_ids": ids, "attention_mask": mask}], _loss_fn(dims, n_tokens))
     opt.step()
     out["ref_updated"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    pack_model = build_model(cfg, dims, seed=11)
+    out["pack_tp1"] = {f: _packed_vs_padded(wrap_ddp(pack_model), dims, f) for f in (True, False)}
+    del pack_model
 
     # --- bf16-mixed model with the same weights: fp32 log-probs, close to fp32's ------------
     bf16 = build_model(cfg, dims, precision="bf16-mixed", seed=11).eval()
@@ -145,6 +202,9 @@ def _worker(rank: int):
     finalize_grads(ddp)
     opt.step()
     out["tp2_replicated_after_step"] = _replicated_params(model)
+    pack_model = build_model(cfg, dims, seed=11)
+    out["pack_tp2"] = {f: _packed_vs_padded(wrap_ddp(pack_model), dims, f) for f in (True, False)}
+    del pack_model
 
     # --- PP=2 through the 1F1B schedule, 2 micro-batches -------------------------------
     dims = initialize_distributed(ParallelConfig(pipeline_model_parallel_size=2), seed=3,
@@ -161,6 +221,7 @@ def _worker(rank: int):
     out["pp2_loss"] = float(sum(r["loss"] for r in res)) if res else None
     out["pp2_grads"] = {_global_name(n, dims.pp_rank, per_stage): p.main_grad.clone()
                         for n, p in unwrap(ddp).named_parameters()}
+    out["pack_pp2"] = {f: _packed_vs_padded(ddp, dims, f) for f in (True, False)}
 
     # --- DP=2: half the batch each, loss divided by the global token count -------------
     dims = initialize_distributed(ParallelConfig(), seed=3)
@@ -206,6 +267,27 @@ def test_fused_chunked_output_layer_equals_the_logits_path_at_tp1_and_tp2(result
                 torch.testing.assert_close(fused["grads"][name], g, atol=1e-5, rtol=1e-4, msg=f"{layout} {name}")
         torch.testing.assert_close(r["tp2_fused"]["fused"]["logprobs"], r["ref_fused"]["fused"]["logprobs"],
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["pack_tp1", "pack_tp2", "pack_pp2"])
+def test_packed_micro_batches_give_the_padded_logprobs_values_and_gradients(results, layout):
+    for fused in (True, False):  # the fused chunked output layer and the logits path
+        seen_outputs = False
+        for r in results:
+            got, ref = r[layout][fused]["packed"], r[layout][fused]["padded"]
+            if "logprobs" in ref:  # the last pipeline stage
+                seen_outputs = True
+                assert ref["logprobs"].abs().sum() > 0 and ref["values"].abs().sum() > 0
+                for key in ("logprobs", "entropy", "values"):
+                    torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=0, msg=f"{layout} {key}")
+                assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+            assert got["grads"].keys() == ref["grads"].keys()
+            for name, g in ref["grads"].items():
+                assert g.abs().sum() > 0 or name.startswith("embedding"), name
+                scale = max(1.0, g.abs().max().item())
+                torch.testing.assert_close(got["grads"][name], g, atol=1e-5 * scale, rtol=0,
+                                           msg=f"{layout} fused={fused} {name}")
+        assert seen_outputs
 
 
 def test_tp2_replicated_params_identical_across_tp_ranks_after_init_and_step(results):

@@ -20,6 +20,8 @@ BASE = ("reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", "optim.l
         "ppo.num_rollout_samples=8", "ppo.global_batch_size=8", "ppo.micro_batch_size=2",
         "ppo.forward_micro_batch_size=2", "ppo.ppo_epochs=1")
 VARIED = ("rollout.max_new_tokens=8", "rollout.stop_token_ids=[3,4,5]")
+# sequence packing: one packed row of up to 40 tokens per micro-batch (several sequences each)
+PACKED = ("ppo.max_tokens_per_micro_batch=40", "ppo.sequence_packing=true", "ppo.packed_row_length=40")
 RUNS = {
     "grpo": ("ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"),
     "dr_grpo": ("ppo.advantage_estimator=grpo", "ppo.grpo_norm_by_std=false",
@@ -45,6 +47,7 @@ RUNS = {
     "token_budget": VARIED + ("ppo.max_tokens_per_micro_batch=40",),
     "separate": VARIED + ("critic.mode=separate",),
     "separate_budget": VARIED + ("critic.mode=separate", "ppo.max_tokens_per_micro_batch=40"),
+    "separate_packed": VARIED + ("critic.mode=separate", *PACKED),
     "tis": ("ppo.rollout_is_cap=1.0",),
     "mask_all": ("ppo.rollout_mask_threshold=1e-12", "ppo.value_loss_coef=0.0"),
 }
@@ -66,6 +69,8 @@ PARITY = {
     # token-budget micro-batches of varied shapes (padding cut; sampled responses of varied
     # lengths): at PP=2 the stages send each activation's shape ahead of it
     "gae_token_budget": ("ppo.shuffle=false", *VARIED, "ppo.max_tokens_per_micro_batch=40"),
+    # the same with the sequences packed into rows (block-diagonal attention)
+    "gae_packed": ("ppo.shuffle=false", *VARIED, *PACKED),
 }
 # references only (no TP/PP layouts): the padded twin of gae_token_budget
 PADDED = {"gae_padded": ("ppo.shuffle=false", *VARIED)}
@@ -198,7 +203,8 @@ def test_precision_auto_is_resolved_to_a_concrete_choice_before_the_build(single
 
 @pytest.mark.parametrize("fused, logits", [("shared", "logits_path"), ("chunk3", "logits_path"),
                                            ("unscaled_kl_chunk3", "unscaled_kl_logits"),
-                                           ("token_budget", "varied"), ("separate_budget", "separate")])
+                                           ("token_budget", "varied"), ("separate_budget", "separate"),
+                                           ("separate_packed", "separate")])
 def test_the_fused_chunked_output_layer_and_token_budget_train_like_the_plain_path(single, fused, logits):
     for a, b in zip(single[fused]["metrics"], single[logits]["metrics"]):
         assert a.keys() == b.keys()
@@ -211,6 +217,8 @@ def test_the_token_budget_cuts_padding(single):
     for budget, rows in (("token_budget", "varied"), ("separate_budget", "separate")):
         for a, b in zip(single[budget]["metrics"], single[rows]["metrics"]):
             assert 0 <= a["padding_fraction"] < b["padding_fraction"] < 1
+    for a, b in zip(single["separate_packed"]["metrics"], single["separate_budget"]["metrics"]):
+        assert 0 <= a["padding_fraction"] < b["padding_fraction"]
 
 
 def test_rollout_correction_weights_the_policy_loss_and_reports_its_metrics(single):
@@ -243,6 +251,17 @@ def test_token_budget_micro_batches_train_like_padded_rows_and_cut_padding(parit
     assert budget["padding_fraction"] < padded.get("padding_fraction", 1.0)
     for layout in ("tp2", "pp2"):  # the same budget, cut the same way, in every layout
         assert par[("gae_token_budget", layout)][0]["padding_fraction"] == budget["padding_fraction"]
+
+
+def test_packed_micro_batches_train_like_padded_rows_without_padding(parity):
+    refs, par = parity
+    packed, padded = refs["gae_packed"][0], refs["gae_padded"][0]
+    budget = refs["gae_token_budget"][0]
+    for key in COMPARED + tuple(k for k in COMPARED_IF_PRESENT if k in padded):
+        assert abs(packed[key] - padded[key]) <= 1e-4 * max(1.0, abs(padded[key])), key
+    assert packed["padding_fraction"] < budget["padding_fraction"] < padded["padding_fraction"]
+    for layout in ("tp2", "pp2"):
+        assert par[("gae_packed", layout)][0]["padding_fraction"] == packed["padding_fraction"]
 
 
 @pytest.mark.parametrize("name", list(PARITY))

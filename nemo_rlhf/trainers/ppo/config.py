@@ -131,6 +131,17 @@ class PPOAlgoConfig:
     and ``forward_micro_batch_size`` are then not used. 0: fixed row counts over the
     rollout's full width. Under pipeline parallelism the stages send each activation's
     shape ahead of it."""
+    sequence_packing: bool = False
+    """With ``max_tokens_per_micro_batch``: concatenate the sequences (their valid tokens)
+    into packed rows of ``packed_row_length`` tokens, attention kept within each sequence
+    (block-diagonal causal mask, positions per sequence), so neither the transformer
+    layers nor the output layer compute on padding (:mod:`nemo_rlhf.models.packing`); the
+    budget then counts packed rows x their fill. Log-probs, values and gradients equal the
+    padded forward's (fp32, up to summation order) at any TP / PP layout."""
+    packed_row_length: int = 0
+    """Tokens per packed row with ``sequence_packing`` (0: the mini-batch's longest
+    sequence; a longer row packs more sequences together but its attention, a dense
+    masked ``row x row`` product, costs more per token)."""
     logprob_chunk_size: int = 1024
     """Tokens (batch x response positions) per chunk of the fused output layer + log-probs
     (old, reference and training log-probs): only the response positions go through the
@@ -152,6 +163,12 @@ class PPOAlgoConfig:
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"ppo.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must be "
                              f">= 0 (0: micro-batches of ppo.micro_batch_size rows)")
+        if self.sequence_packing and self.max_tokens_per_micro_batch == 0:
+            raise ValueError("ppo.sequence_packing=true needs a token budget: set "
+                             "ppo.max_tokens_per_micro_batch > 0 (tokens per packed micro-batch)")
+        if self.packed_row_length < 0:
+            raise ValueError(f"ppo.packed_row_length={self.packed_row_length}: must be >= 0 "
+                             f"(0: the longest sequence of the mini-batch)")
         if self.logprob_chunk_size < 0:
             raise ValueError(f"ppo.logprob_chunk_size={self.logprob_chunk_size}: must be >= 0 "
                              f"(0: materialise the logits)")

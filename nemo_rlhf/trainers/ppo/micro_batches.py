@@ -13,10 +13,17 @@ padded key is masked out, so the log-probs and values of the kept tokens are tho
 padded forward (up to floating-point summation order); the losses divide by global token
 counts, so the split does not change them.
 
-Simplified: rows are not concatenated into one sequence (megatron's THD packed format,
-which needs transformer-engine's attention); what is saved is the padding between a
-micro-batch's rows and the rollout's longest row. Needs a fixed micro-batch shape under
-pipeline parallelism, so the trainer allows it at ``pipeline_model_parallel_size=1`` only.
+With ``pack`` (``ppo.sequence_packing``) the rows are also concatenated: the mini-batch's
+sequences (their valid tokens only) are placed first-fit, longest first, into packed rows
+of ``row_length`` tokens (at least its longest sequence;
+:func:`nemo_rlhf.models.packing.first_fit_decreasing`),
+and micro-batches are formed from whole packed rows within the budget
+(``packed rows x their longest fill``). The forward runs over the packed rows
+(:func:`nemo_rlhf.models.packing.pack_rows`: block-diagonal causal mask, positions per
+sequence) and the last stage hands the loss ``[rows, columns]`` outputs as without packing.
+
+Under pipeline parallelism the stages send each activation's shape ahead of it
+(megatron's ``variable_seq_lengths``).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from nemo_rlhf.models.packing import first_fit_decreasing, pack_rows
 
 
 @dataclass(frozen=True)
@@ -38,17 +47,27 @@ class MicroBatchPlan:
     """``P - start``: the kept prompt columns; response token ``j`` is column ``prompt_length + j``."""
     response_length: int
     """Kept response columns (the micro-batch's longest response, >= 1)."""
+    bins: tuple[tuple[int, ...], ...] = ()
+    """Packed micro-batches only: the packed rows, as positions into ``rows`` (empty: not packed)."""
+    spans: tuple[tuple[int, int], ...] = ()
+    """Packed micro-batches only: per row, its valid kept columns ``(a, b)``."""
+    width: int = 0
+    """Packed micro-batches only: tokens of the fullest packed row."""
 
     @property
     def tokens(self) -> int:
-        """Padded size ``rows x columns``: the compute this micro-batch costs."""
+        """The compute this micro-batch costs: ``rows x columns`` padded, ``packed rows x
+        width`` packed."""
+        if self.bins:
+            return len(self.bins) * self.width
         return len(self.rows) * (self.prompt_length + self.response_length)
 
 
 def plan_micro_batches(prompt_starts: list[int], response_lengths: list[int], prompt_length: int,
-                       rows: list[int], max_rows: int, max_tokens: int) -> list[MicroBatchPlan]:
-    """Pack ``rows`` into micro-batches of at most ``max_tokens`` padded tokens and
-    ``max_rows`` rows, longest spans first.
+                       rows: list[int], max_rows: int, max_tokens: int,
+                       pack: bool = False, row_length: int = 0) -> list[MicroBatchPlan]:
+    """Group ``rows`` into micro-batches of at most ``max_tokens`` padded tokens and
+    ``max_rows`` rows, longest spans first (``pack``: packed rows, see the module).
 
     Args:
         prompt_starts: per rollout row, its first non-padding column (``< prompt_length``).
@@ -58,6 +77,11 @@ def plan_micro_batches(prompt_starts: list[int], response_lengths: list[int], pr
         max_rows: rows per micro-batch at most (>= 1).
         max_tokens: padded tokens per micro-batch at most; a row longer than it alone is a
             micro-batch of one row.
+        pack: concatenate the rows' valid tokens into packed rows as long as the longest
+            row (the budget then counts ``packed rows x their longest fill``; ``max_rows``
+            counts sequences).
+        row_length: with ``pack``, tokens per packed row (0, or less than the longest row:
+            the longest row's length).
 
     Returns:
         Plans covering every row of ``rows`` exactly once (host metadata only).
@@ -67,6 +91,9 @@ def plan_micro_batches(prompt_starts: list[int], response_lengths: list[int], pr
     """
     if max_rows < 1 or max_tokens < 1:
         raise ValueError(f"plan_micro_batches: max_rows={max_rows} and max_tokens={max_tokens} must be >= 1")
+    if pack:
+        return _plan_packed(prompt_starts, response_lengths, prompt_length, rows, max_rows, max_tokens,
+                            row_length)
     span = {r: prompt_length - prompt_starts[r] + max(1, response_lengths[r]) for r in rows}
     order = sorted(rows, key=lambda r: (-span[r], r))  # similar lengths side by side
     plans, current = [], []
@@ -85,6 +112,39 @@ def plan_micro_batches(prompt_starts: list[int], response_lengths: list[int], pr
             close(current)
             current = []
         current.append(r)
+    if current:
+        close(current)
+    return plans
+
+
+def _plan_packed(prompt_starts: list[int], response_lengths: list[int], prompt_length: int,
+                 rows: list[int], max_rows: int, max_tokens: int, row_length: int) -> list[MicroBatchPlan]:
+    """:func:`plan_micro_batches` with ``pack``: rows first-fit into packed rows, packed
+    rows grouped into micro-batches in order."""
+    n = [prompt_length - prompt_starts[r] + response_lengths[r] for r in rows]  # valid tokens
+    bins = [[rows[i] for i in b] for b in first_fit_decreasing(n, max(max(n), row_length))]
+    fill = [sum(prompt_length - prompt_starts[r] + response_lengths[r] for r in b) for b in bins]
+    plans, current = [], []
+
+    def close(group):
+        members = [r for k in group for r in bins[k]]
+        start = min(prompt_starts[r] for r in members)
+        resp = max(max(1, response_lengths[r]) for r in members)
+        pos, packed = 0, []
+        for k in group:
+            packed.append(tuple(range(pos, pos + len(bins[k]))))
+            pos += len(bins[k])
+        spans = tuple((prompt_starts[r] - start, prompt_length - start + response_lengths[r]) for r in members)
+        plans.append(MicroBatchPlan(tuple(members), start, prompt_length - start, resp, tuple(packed),
+                                    spans, max(fill[k] for k in group)))
+
+    for k in range(len(bins)):
+        grown = current + [k]
+        if current and (sum(len(bins[j]) for j in grown) > max_rows
+                        or len(grown) * max(fill[j] for j in grown) > max_tokens):
+            close(current)
+            grown = [k]
+        current = grown
     if current:
         close(current)
     return plans
@@ -109,7 +169,9 @@ def take(plan: MicroBatchPlan, tensors: dict, prompt_length: int, device: torch.
 
     ``input_ids`` / ``attention_mask`` (``[B, P+R]``) keep columns ``start ..
     P + response_length``; every other tensor (``[B, R]`` per response token) keeps its
-    first ``response_length`` columns. ``prompt_length`` (int) is added for the loss.
+    first ``response_length`` columns. ``prompt_length`` (int) is added for the loss, and
+    for a packed plan ``packed`` (:class:`~nemo_rlhf.models.packing.PackedBatch`, on
+    ``device``), which the forward runs over instead of the padded rows.
     """
     idx = torch.tensor(plan.rows, dtype=torch.long, device=device)
     end = prompt_length + plan.response_length
@@ -118,6 +180,9 @@ def take(plan: MicroBatchPlan, tensors: dict, prompt_length: int, device: torch.
         v = v.index_select(0, idx)
         mb[k] = v[:, plan.start:end] if k in ("input_ids", "attention_mask") else v[:, :plan.response_length]
     mb["prompt_length"] = plan.prompt_length
+    if plan.bins:
+        mb["packed"] = pack_rows(mb["input_ids"], list(plan.spans), [list(b) for b in plan.bins],
+                                 plan.prompt_length)
     return mb
 
 

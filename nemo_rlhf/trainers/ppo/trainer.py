@@ -306,8 +306,9 @@ class PPOTrainer:
 
     def _forward_micro_batches(self, batch) -> tuple[list[dict], Optional[list]]:
         """The forward-only passes' micro-batches: ``ppo.forward_micro_batch_size`` rows of
-        the full width, or, with ``ppo.max_tokens_per_micro_batch``, packed by the token
-        budget with their padding cut (and the plans, to put the rows back)."""
+        the full width, or, with ``ppo.max_tokens_per_micro_batch``, grouped by the token
+        budget with their padding cut, rows concatenated with ``ppo.sequence_packing``
+        (and the plans, to put the rows back)."""
         P_len, B = batch.prompt_length, batch.input_ids.shape[0]
         tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
         budget = self.cfg.ppo.max_tokens_per_micro_batch
@@ -315,7 +316,9 @@ class PPOTrainer:
             mbs = self.cfg.ppo.forward_micro_batch_size
             return [{k: v[s] for k, v in tensors.items()} for s in _chunks(B, mbs)], None
         starts, lengths = row_extents(batch.attention_mask, batch.response_mask, P_len)
-        plans = plan_micro_batches(starts, lengths, P_len, list(range(B)), B, budget)
+        plans = plan_micro_batches(starts, lengths, P_len, list(range(B)), B, budget,
+                                   pack=self.cfg.ppo.sequence_packing,
+                                   row_length=self.cfg.ppo.packed_row_length)
         return [take(p, tensors, P_len, self.dims.device) for p in plans], plans
 
     @staticmethod
@@ -537,8 +540,10 @@ class PPOTrainer:
                     rows = order_host[mb_slice].tolist()
                     micro = [take(p, tensors, batch.prompt_length, self.dims.device) for p in
                              plan_micro_batches(*extents, batch.prompt_length, rows, len(rows),
-                                                c.max_tokens_per_micro_batch)]
-                computed_tokens += sum(mb["input_ids"].numel() for mb in micro)
+                                                c.max_tokens_per_micro_batch, pack=c.sequence_packing,
+                                                row_length=c.packed_row_length)]
+                computed_tokens += sum(mb["packed"].tokens() if "packed" in mb else mb["input_ids"].numel()
+                                       for mb in micro)
                 res, stepped = [], True
                 if self.critic_model is None or not value_only:  # a separate critic's warm-up
                     self.optimizer.zero_grad()                    # leaves the actor alone
