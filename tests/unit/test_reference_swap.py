@@ -27,7 +27,7 @@ def _actor_and_reference(dims):
     from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
 
     model = build_model(load_model_preset("tiny", vocab_size=VOCAB), dims, seed=3)
-    ref = ReferencePolicy(model, "offload")
+    ref = ReferencePolicy(model, "offload", zero_copy=False)  # the copy path (CUDA's)
     with torch.no_grad():  # the actor moves away from the reference
         for p in model.parameters():
             p.add_(0.01)
@@ -121,3 +121,43 @@ def test_failure_restoring_one_tensor_still_restores_all_others_and_raises(dims)
     del params[victim].copy_
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert changed == [victim], changed  # only the tensor whose copy failed is not restored
+
+
+def test_on_the_host_the_swap_exchanges_storage_without_a_stash(dims):
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import load_model_preset
+    from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
+
+    model = build_model(load_model_preset("tiny", vocab_size=VOCAB), dims, seed=3)
+    initial = _snapshot(model)
+    ref = ReferencePolicy(model, "offload")  # the model is in host memory: zero-copy
+    copying = ReferencePolicy(model, "offload", zero_copy=False)
+    assert ref.zero_copy and not ref.stash
+    assert 2 * ref.host_bytes() == copying.host_bytes() > 0
+    with torch.no_grad():  # the actor moves away from the reference
+        for p in model.parameters():
+            p.add_(0.01)
+    before = _snapshot(model)
+    pointers = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with ref.swapped_in() as m:
+        assert m is model
+        for n, p in model.named_parameters():
+            expected = initial[n] if not n.startswith("value_head.") else before[n]
+            assert torch.equal(p, expected), n
+    _assert_bit_identical(model, before)
+    assert pointers == {n: p.data_ptr() for n, p in model.named_parameters()}  # its own tensors back
+    with pytest.raises(_Boom):
+        with ref.swapped_in():
+            raise _Boom("forward failed")
+    _assert_bit_identical(model, before)
+    with ref.swapped_in():  # and the reference weights survived both round trips
+        assert all(torch.equal(p, initial[n]) for n, p in model.named_parameters()
+                   if not n.startswith("value_head."))
+
+
+def test_zero_copy_needs_the_parameters_in_host_memory():
+    from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
+
+    on_meta = torch.nn.Linear(2, 2, device="meta")
+    with pytest.raises(ValueError, match="not in host memory"):
+        ReferencePolicy(on_meta, "offload", zero_copy=True)

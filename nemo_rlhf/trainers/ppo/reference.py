@@ -5,6 +5,9 @@ memory (pinned when CUDA is present), one copy per rank. To compute reference lo
 the reference weights are copied into the shared backbone's parameters, a forward-only
 pass runs, and the actor's weights (stashed in a preallocated host buffer) are copied
 back: no extra accelerator memory, and the actor's weights come back bit-identical.
+When the model itself lives in host memory (CPU runs), the swap exchanges the parameters'
+storage with the reference tensors instead (``param.data``; no copy and no stash buffer:
+one model's worth of host memory less, and no copy time).
 
 ``colocated``: a second, frozen model stage holds the reference weights on the device:
 no copies per step, one more model's worth of memory.
@@ -40,21 +43,35 @@ class ReferencePolicy:
             (build it from the initial checkpoint, then create this before any update).
         mode: ``offload`` or ``colocated``.
         build_fn: ``() -> model stage`` used by ``colocated`` to build the resident copy.
+        zero_copy: ``offload`` only: swap by exchanging the parameters' storage with the
+            reference tensors instead of copying (None: when every parameter is in host
+            memory, the only place it can be).
+
+    Raises:
+        ValueError: an unknown ``mode``; ``colocated`` without ``build_fn``; ``zero_copy``
+            with parameters off the host.
     """
 
-    def __init__(self, model, mode: str = "offload", build_fn=None):
+    def __init__(self, model, mode: str = "offload", build_fn=None, zero_copy=None):
         if mode not in ("offload", "colocated"):
             raise ValueError(f"reference.mode={mode!r}: valid choices are ['offload', 'colocated']")
         self.mode = mode
         self.model = model
+        self.zero_copy = False
         if mode == "offload":
             params = _backbone_params(model)
+            on_host = all(p.device.type == "cpu" for p in params.values())
+            if zero_copy and not on_host:
+                raise ValueError("ReferencePolicy(zero_copy=True): the model's parameters are not in host "
+                                 "memory; the storage exchange needs both sides there")
+            self.zero_copy = on_host if zero_copy is None else bool(zero_copy)
             self.ref = {}
             self.stash = {}
             for n, p in params.items():
                 self.ref[n] = _host_buffer(p)
                 self.ref[n].copy_(p.detach())
-                self.stash[n] = _host_buffer(p)
+                if not self.zero_copy:
+                    self.stash[n] = _host_buffer(p)
             self.resident = None
         else:
             if build_fn is None:
@@ -68,7 +85,8 @@ class ReferencePolicy:
             self.resident.eval()
 
     def host_bytes(self) -> int:
-        """Host memory held (bytes): reference copy plus the stash buffer (offload)."""
+        """Host memory held (bytes): reference copy plus the stash buffer (offload; no stash
+        with ``zero_copy``)."""
         if self.mode != "offload":
             return 0
         return sum(t.numel() * t.element_size() for t in list(self.ref.values()) + list(self.stash.values()))
@@ -81,13 +99,28 @@ class ReferencePolicy:
         weights are restored on exit. Exception-safe: an error part-way through the
         swap-in (or in the body) restores every tensor already overwritten before it
         propagates; an error restoring one tensor does not stop the others from being
-        restored, and the first such error is raised afterwards. ``colocated``: the
-        resident copy.
+        restored, and the first such error is raised afterwards. ``zero_copy``: the same
+        with the parameters' storage exchanged (and exchanged back) instead of copied.
+        ``colocated``: the resident copy.
         """
         if self.mode == "colocated":
             yield self.resident
             return
         params = _backbone_params(self.model)
+        if self.zero_copy:
+            exchanged: list[str] = []
+            try:
+                with torch.no_grad():
+                    for n, p in params.items():
+                        p.data, self.ref[n] = self.ref[n], p.data
+                        exchanged.append(n)
+                yield self.model
+            finally:
+                with torch.no_grad():
+                    for n in exchanged:  # the actor's own tensors back, the reference's aside
+                        p = params[n]
+                        p.data, self.ref[n] = self.ref[n], p.data
+            return
         swapped: list[str] = []  # names whose parameter may hold reference weights
         try:
             with torch.no_grad():
