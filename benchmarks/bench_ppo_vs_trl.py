@@ -40,7 +40,8 @@ Measured, after ``--warmup`` untimed PPO steps, over ``--steps`` steps (mean):
   ours from the trainer's own timers, TRL's by wrapping its module-level
   ``batch_generation`` and ``forward`` and an ``on_step_end`` callback;
 * peak memory: the process's peak resident set size (Linux ``VmHWM``) during the timed
-  steps (reset through ``/proc/self/clear_refs`` after the warm-up), and RSS after set-up.
+  steps (reset through ``/proc/self/clear_refs`` after the warm-up, the C heap's free memory
+  returned to the kernel first on both sides), and RSS after set-up.
   This is whole-process host RSS (torch CPU tensors + Python + libraries), not tracemalloc
   (which does not see torch's allocator); the two environments import different
   libraries, so the set-up RSS is printed too;
@@ -66,6 +67,7 @@ Set up the TRL side once (``.venv-bench`` is git-ignored by its own ``.gitignore
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
@@ -105,7 +107,17 @@ def rss_mib() -> float:
 
 
 def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) of this process; False if not allowed."""
+    """Reset the kernel's peak-RSS mark (VmHWM) of this process; False if not allowed.
+
+    First hands the C heap's free memory back to the kernel (glibc's ``malloc_trim``, where
+    there is one), so the mark starts from live memory: what set-up freed (our side's HF
+    export of three models, TRL's model loading) would otherwise stay resident and count
+    toward the peak. Both sides call this at the same point (after the warm-up steps).
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     try:
         Path("/proc/self/clear_refs").write_text("5")
         return True
@@ -576,7 +588,7 @@ def report(a: argparse.Namespace, ours: dict, trl: dict | None) -> None:
               f"separate critic alone = {ts['value_model']['total_bytes'] / st['trained_total_bytes']:.2f}x "
               f"of our whole actor-critic state")
         print(f"  frozen: reference ours {_fmt_b(st['reference_bytes'])} ({a.reference}"
-              + (": host copy + swap stash" if a.reference == "offload" else "")
+              + (": one host copy; its CUDA swap adds a stash" if a.reference == "offload" else "")
               + f") vs trl {_fmt_b(ts['reference_bytes'])} (resident); reward model ours "
               f"{_fmt_b(st['reward_model_bytes'])} vs trl {_fmt_b(ts['reward_model_bytes'])}")
     print("\nper-step timings (s):")

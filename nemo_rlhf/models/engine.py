@@ -126,8 +126,8 @@ def forward_backward(
         model: one pipeline stage (DDP-wrapped or bare).
         micro_batches: dicts with ``input_ids`` and ``attention_mask`` ``[mbs, seq]`` plus
             whatever ``loss_fn`` reads; all the same shape. A micro-batch with a ``packed``
-            entry (:class:`~nemo_rlhf.models.packing.PackedBatch`) runs packed (pass
-            ``variable_shapes``); its loss function still gets ``[mbs, seq]`` outputs.
+            entry (:class:`~nemo_rlhf.models.packing.PackedBatch`) runs packed (shapes are
+            then variable); its loss function still gets ``[mbs, seq]`` outputs.
         loss_fn: ``(output, micro_batch) -> (loss, stats)``; ``loss`` is a scalar already
             normalised by the global token count. If None (forward only), the stats hold
             the raw output under ``"output"``.
@@ -151,6 +151,8 @@ def forward_backward(
 
     if not micro_batches:
         return []
+    # packed activations are [W, bins, hidden], not the padded [seq, mbs, hidden]
+    variable_shapes = variable_shapes or any("packed" in mb for mb in micro_batches)
     mbs, seq = micro_batches[0]["input_ids"].shape
     for i, mb in enumerate(micro_batches):
         if not variable_shapes and tuple(mb["input_ids"].shape) != (mbs, seq):

@@ -77,9 +77,9 @@ def plan_micro_batches(prompt_starts: list[int], response_lengths: list[int], pr
         max_rows: rows per micro-batch at most (>= 1).
         max_tokens: padded tokens per micro-batch at most; a row longer than it alone is a
             micro-batch of one row.
-        pack: concatenate the rows' valid tokens into packed rows as long as the longest
-            row (the budget then counts ``packed rows x their longest fill``; ``max_rows``
-            counts sequences).
+        pack: concatenate the rows' valid tokens into packed rows of ``row_length``
+            tokens (the budget then counts ``packed rows x their longest fill``;
+            ``max_rows`` counts sequences).
         row_length: with ``pack``, tokens per packed row (0, or less than the longest row:
             the longest row's length).
 
