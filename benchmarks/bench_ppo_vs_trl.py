@@ -52,6 +52,9 @@ Measured, after ``--warmup`` untimed PPO steps, over ``--steps`` steps (mean):
   copy of the trained parameters on both sides (ours: megatron DDP's persistent
   ``main_grad`` buffer; TRL: ``.grad``, materialised at every backward).
 
+``--profile N`` also profiles one more step of ours with ``torch.profiler`` and prints the
+share of self CPU time in GEMM ops and the top ``N`` ops.
+
 Run (1 torch thread per side by default, ``--threads``)::
 
     python benchmarks/bench_ppo_vs_trl.py                      # tiny preset
@@ -127,6 +130,25 @@ def reset_peak_rss() -> bool:
 
 def peak_rss_mib() -> float:
     return _status_kib("VmHWM") / 1024
+
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul")
+
+
+def _profile_step(trainer, rows: int) -> str:
+    """One more PPO step of our side under ``torch.profiler`` (CPU, after the timed steps):
+    the share of self CPU time in GEMM ops, and the top ``rows`` ops by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.train_step()
+        trainer.step += 1
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMM_OPS)
+    head = (f"profile of one more step of ours: {total / 1e6:.2f} s of self CPU time in ops, "
+            f"{gemm / max(total, 1):.1%} of it in GEMMs ({', '.join(GEMM_OPS)})\n")
+    return head + events.table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
 def _tensor_bytes(t) -> int:
@@ -290,6 +312,7 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
             steps.append(row)
     opt_steps = trainer.cfg.ppo.ppo_epochs * (a.batch // a.mini)
     peak = peak_rss_mib()
+    profile = _profile_step(trainer, a.profile) if a.profile else None
     # MFU: the step's model FLOPs (nemo_rlhf.metrics.flops) over the fp32 GEMM rate of this
     # process, same threads, measured now (1024^3, best of 5)
     from nemo_rlhf.metrics.flops import ppo_step_flops
@@ -309,7 +332,7 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     head_params = sum(q.numel() for n, q in actor.named_parameters() if n.startswith("value_head"))
     return {
         "side": "ours", "steps": steps, "rss_import_mib": rss_import, "rss_setup_mib": rss_setup,
-        "flops": flops, "gemm_peak_gflops": gemm_peak,
+        "profile": profile, "flops": flops, "gemm_peak_gflops": gemm_peak,
         "peak_rss_mib": peak, "peak_reset": peak_reset, "optimizer_steps_per_ppo_step": opt_steps,
         "state": {
             "trained_params": sum(q.numel() for q in trained), "value_head_params": head_params,
@@ -591,6 +614,8 @@ def report(a: argparse.Namespace, ours: dict, trl: dict | None) -> None:
               + (": one host copy; its CUDA swap adds a stash" if a.reference == "offload" else "")
               + f") vs trl {_fmt_b(ts['reference_bytes'])} (resident); reward model ours "
               f"{_fmt_b(st['reward_model_bytes'])} vs trl {_fmt_b(ts['reward_model_bytes'])}")
+    if ours.get("profile"):
+        print("\n" + ours["profile"])
     print("\nper-step timings (s):")
     for s in sides:
         for i, r in enumerate(s["steps"]):
@@ -624,6 +649,9 @@ def main() -> None:
     p.add_argument("--trl-python", default=str(REPO / ".venv-bench" / "bin" / "python"),
                    help="interpreter of the environment with trl<=0.29.1")
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--profile", type=int, default=0,
+                   help="after the timed steps, profile one more step of ours and print this "
+                        "many top ops by self CPU time (0: off)")
     p.add_argument("--json", help="also write both sides' raw results here")
     p.add_argument("--_role", help=argparse.SUPPRESS)
     p.add_argument("--_work", help=argparse.SUPPRESS)
