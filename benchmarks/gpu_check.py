@@ -727,8 +727,8 @@ def print_report(report: dict, path: Path) -> None:
     gpus = "" if report["mode"] == "cpu" else f" x{env['gpus']}"
     print(f"\n=== GPU check ({report['mode']}) on {env['device']}{gpus}"
           f": torch {env['torch']}, CUDA {env['cuda']}, megatron-core {env['megatron-core']}, "
-          f"transformers {env['transformers']}, layer spec "
-          f"{'transformer-engine' if env.get('transformer-engine') else 'local'} ===")
+          f"transformers {env['transformers']}, layer spec local"
+          f"{' (transformer-engine ' + env['transformer-engine'] + ' installed, not used)' if env.get('transformer-engine') else ''} ===")
     print(f"peak used for MFU: {_fmt(peak['tflops'], '.4g', ' TFLOP/s')} ({peak['source']})")
     print(f"{'step':<26} {'status':<8} {'s':>7}  detail")
     for s in report["steps"]:

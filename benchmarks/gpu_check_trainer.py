@@ -198,12 +198,7 @@ def environment() -> dict:
     """What the run ran on: device name, torch / CUDA versions, layer spec."""
     info = {"torch": torch.__version__, "cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    try:
-        import transformer_engine  # noqa: F401
-
-        info["layer_spec"] = "transformer_engine"
-    except (ImportError, OSError, RuntimeError):
-        info["layer_spec"] = "local"
+    info["layer_spec"] = "local"  # on every device (nemo_rlhf.models.actor_critic._layer_spec)
     return info
 
 

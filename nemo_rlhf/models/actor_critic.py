@@ -19,13 +19,11 @@ would need the sequence-parallel gather); virtual pipeline stages are not used.
 
 from __future__ import annotations
 
-import copy
 from typing import Optional
 
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_rlhf.distributed.parallel import reseed_model_parallel
@@ -215,42 +213,15 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
 
 
 def _layer_spec(model_cfg: ModelConfig):
-    """Transformer-engine layer spec when TE is installed (the ``gpu`` extra), else the
-    local spec. TE needs CUDA to import, so CPU machines always get the local spec.
+    """The layer spec on every device: :func:`nemo_rlhf.models.decode_layers.local_layer_spec`,
+    megatron's local spec with a layer and self-attention class that add an incremental
+    KV-cache decoding path (same parameters and keys, same training forward).
 
-    The local spec is :func:`nemo_rlhf.models.decode_layers.local_layer_spec`: megatron's
-    local spec with a layer and self-attention class that add an incremental KV-cache
-    decoding path (same parameters and keys, same training forward).
-
-    TE's spec is taken with its self-attention's mask type set to ``arbitrary``
-    (:func:`with_arbitrary_attention_mask`): with megatron's default ``causal`` TE ignores
-    the attention mask, while every forward here passes one (left-padded prompts, padded
-    keys, packed sequences' block-diagonal mask)."""
-    try:
-        import transformer_engine  # noqa: F401
-        from megatron.core.models.gpt.gpt_layer_specs import (
-            get_gpt_layer_with_transformer_engine_spec,
-        )
-    except (ImportError, OSError, RuntimeError):
-        return local_layer_spec(normalization=model_cfg.normalization)
-    return with_arbitrary_attention_mask(get_gpt_layer_with_transformer_engine_spec())
-
-
-def with_arbitrary_attention_mask(spec):
-    """A copy of a megatron GPT layer spec whose self-attention applies the attention mask
-    it is given (``AttnMaskType.arbitrary``: ``[batch, 1, sq, sk]`` bool, True = masked)
-    instead of a built-in causal mask.
-
-    Needed for transformer-engine's attention, which with the ``causal`` type does not read
-    the mask (megatron's local attention applies the given mask either way). TE runs an
-    arbitrary mask with its unfused or cuDNN backend, not flash-attention.
-
-    Raises:
-        ValueError: a spec without ``submodules.self_attention.params``.
-    """
-    spec = copy.deepcopy(spec)
-    attn = getattr(getattr(spec, "submodules", None), "self_attention", None)
-    if attn is None or getattr(attn, "params", None) is None:
-        raise ValueError(f"layer spec {spec!r}: no submodules.self_attention.params to set the mask type in")
-    attn.params = {**attn.params, "attn_mask_type": AttnMaskType.arbitrary}
-    return spec
+    Transformer-engine's spec is not used, even where TE is installed (NGC containers ship
+    it): its layers fuse the norms into the linear layers (``linear_qkv.layer_norm_weight``
+    instead of ``input_layernorm.weight``), so checkpoints, the HF mapping and the decode
+    layers, all written for the local keys, would not apply; and under megatron's
+    ``causal`` mask type TE does not read the attention mask that every forward here passes
+    (left-padded prompts, padded keys, packed sequences). megatron's local attention runs on
+    CUDA as on the host."""
+    return local_layer_spec(normalization=model_cfg.normalization)

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.transformer.enums import AttnMaskType
 
-from nemo_rlhf.models.actor_critic import ActorCriticModel, with_arbitrary_attention_mask
-from nemo_rlhf.models.config import build_transformer_config, load_model_preset
-from nemo_rlhf.models.decode_layers import local_layer_spec
-from nemo_rlhf.models.engine import model_forward
 from nemo_rlhf.models.packing import first_fit_decreasing, pack_rows
 from nemo_rlhf.trainers.ppo.config import PPOAlgoConfig
 from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, take
-from tests.single_rank import single_rank
 
 P = 4
 STARTS = [0, 2, 3, 1, 2]  # first prompt column per row (left padding before it)
@@ -113,31 +107,3 @@ def test_sequence_packing_needs_a_token_budget():
         PPOAlgoConfig(packed_row_length=-1)
     assert PPOAlgoConfig(sequence_packing=True, max_tokens_per_micro_batch=64).sequence_packing
 
-
-def test_the_arbitrary_mask_spec_applies_the_given_mask_alone():
-    """TE's spec is taken with ``attn_mask_type=arbitrary`` (TE ignores the mask under
-    ``causal``). On the local attention the same change must give the same forward: the
-    padded and packed masks carry the causality themselves."""
-    spec = local_layer_spec("RMSNorm")
-    masked = with_arbitrary_attention_mask(spec)
-    assert masked.submodules.self_attention.params["attn_mask_type"] == AttnMaskType.arbitrary
-    assert spec.submodules.self_attention.params["attn_mask_type"] == AttnMaskType.causal  # a copy
-    with pytest.raises(ValueError, match="self_attention"):
-        with_arbitrary_attention_mask(object())
-    with single_rank(seed=1):
-        cfg = load_model_preset("tiny", vocab_size=64)
-        tcfg = build_transformer_config(cfg, 1, 1, "32")
-        models = []
-        for s in (local_layer_spec(cfg.normalization),
-                  with_arbitrary_attention_mask(local_layer_spec(cfg.normalization))):
-            models.append(ActorCriticModel(tcfg, cfg, True, True, layer_spec=s).eval())
-        models[1].load_state_dict(models[0].state_dict())
-        ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 0]])
-        mask = (ids > 0).long()
-        pk = pack_rows(ids, [(2, 6), (0, 5)], [[0, 1]], prompt_length=3)
-        with torch.no_grad():
-            for packed in (None, pk):
-                (a, va), (b, vb) = (model_forward(m, ids, mask, packed=packed) for m in models)
-                m = mask.bool()
-                torch.testing.assert_close(a[m], b[m], atol=1e-6, rtol=0)
-                torch.testing.assert_close(va[m], vb[m], atol=1e-6, rtol=0)

@@ -4,9 +4,14 @@ static-batching path."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
+from nemo_rlhf.models.actor_critic import _layer_spec
+from nemo_rlhf.models.config import load_model_preset
 from nemo_rlhf.models.decode_layers import (
     CACHE_TAG,
     KVCacheSelfAttention,
@@ -270,3 +275,12 @@ def test_cpu_compat_suspended_pops_the_mode_and_restores_it(dims):
         with cpu_compat.suspended():
             raise ValueError("boom")
     assert shim_modes() == before
+
+
+def test_the_local_spec_is_used_even_where_transformer_engine_imports(monkeypatch):
+    """TE's spec has other parameter names and ignores the padding/packing masks under
+    ``causal``; a TE install (an NGC container) must not switch the layers to it."""
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    spec = _layer_spec(load_model_preset("tiny"))
+    assert spec.module is KVCacheTransformerLayer
+    assert spec.submodules.self_attention.module is KVCacheSelfAttention
