@@ -64,11 +64,12 @@ class MegatronRolloutEngine:
     name = "megatron"
 
     def __init__(self, dims, *, eos_token_id: int, pad_token_id: int, vocab_size: int,
-                 max_sequence_length: int, decode_fn: Optional[Callable[[list[int]], str]] = None):
+                 max_sequence_length: int, decode_fn: Optional[Callable[[list[int]], str]] = None,
+                 with_values: bool = False):
         self.dims = dims
         self.kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                            vocab_size=vocab_size, max_sequence_length=max_sequence_length,
-                           decode_fn=decode_fn)
+                           decode_fn=decode_fn, with_values=with_values)
 
     def generate(self, model, prompts, cfg: RolloutConfig, *, call_index: int,
                  weights_version: int) -> RolloutBatch:
@@ -86,7 +87,8 @@ class MegatronRolloutEngine:
 
 
 def build_rollout_engine(cfg: RolloutConfig, dims, model_cfg, *, eos_token_id: int,
-                         pad_token_id: int, decode_fn=None, params_dtype=None) -> RolloutEngine:
+                         pad_token_id: int, decode_fn=None, params_dtype=None,
+                         with_values: bool = False) -> RolloutEngine:
     """The engine ``cfg.engine`` names, built on every rank (collective for ``vllm``).
 
     Args:
@@ -94,10 +96,13 @@ def build_rollout_engine(cfg: RolloutConfig, dims, model_cfg, *, eos_token_id: i
         dims: this process's parallel layout.
         model_cfg: :class:`~nemo_rlhf.models.config.ModelConfig` of the actor.
         params_dtype: dtype of the actor's weights (vLLM computes in it); None = float32.
+        with_values: the rollout also returns the actor-critic's values
+            (``RolloutBatch.values``, megatron engine only).
 
     Raises:
-        ValueError: an unknown engine (naming ``rollout.engine`` and the choices), or a
-            layout the vLLM engine does not support (see its docstring).
+        ValueError: an unknown engine (naming ``rollout.engine`` and the choices), a
+            layout the vLLM engine does not support (see its docstring), or
+            ``with_values`` with an engine other than megatron.
         ImportError: ``rollout.engine=vllm`` without the ``vllm`` package (says how to
             install it).
     """
@@ -105,7 +110,12 @@ def build_rollout_engine(cfg: RolloutConfig, dims, model_cfg, *, eos_token_id: i
     if cfg.engine == "megatron":
         return MegatronRolloutEngine(dims, vocab_size=model_cfg.vocab_size,
                                      max_sequence_length=model_cfg.max_position_embeddings,
-                                     **common)
+                                     with_values=with_values, **common)
+    if with_values:
+        raise ValueError(f"rollout.engine={cfg.engine}: the rollout's values (ppo.old_logprobs_from_rollout "
+                         f"with the value head on the actor's backbone) come from the megatron engine's "
+                         f"decode only: set rollout.engine=megatron, critic.mode=separate, or a critic-free "
+                         f"ppo.advantage_estimator")
     if cfg.engine == "vllm":
         from nemo_rlhf.rollout.vllm_engine import VLLMRolloutEngine  # lazy: vllm is optional and slow to import
 

@@ -104,6 +104,10 @@ class RolloutBatch:
     """``[B, R]`` float32: sampling log-probs of the response tokens, 0 where masked."""
     vocab_size: int = 0
     """Real vocabulary size the sampler used (padded rows excluded); 0 = unknown."""
+    values: Optional[torch.Tensor] = None
+    """``[B, R]`` float32, with ``generate(..., with_values=True)``: the critic's value of
+    the state each response token is chosen in (the value head on the decode step's final
+    hidden state: position ``P-1+j`` for token ``j``), 0 where masked; None otherwise."""
 
     @property
     def batch_size(self) -> int:
@@ -141,6 +145,7 @@ class RolloutBatch:
             response_ids=pad(self.response_ids, pad_token_id),
             response_mask=pad(self.response_mask, False),
             logprobs=pad(self.logprobs, 0.0),
+            values=None if self.values is None else pad(self.values, 0.0),
         )
 
 
@@ -288,6 +293,7 @@ def generate(
     max_sequence_length: int,
     decode_fn: Optional[DecodeFn] = None,
     call_index: Optional[int] = None,
+    with_values: bool = False,
 ) -> RolloutBatch:
     """Generate responses for this DP rank's prompts.
 
@@ -306,6 +312,10 @@ def generate(
         decode_fn: ``token_ids -> str`` for ``cfg.stop_strings`` (response so far).
         call_index: mixes into the sampler seed; None = a per-process counter, so
             successive calls draw differently. Pass it for reproducible rollouts.
+        with_values: also return the actor-critic's values of the states that choose the
+            response tokens (:attr:`RolloutBatch.values`, on the last pipeline stage; None
+            elsewhere), from its value head on each decode step's final hidden state (the
+            old values of ``ppo.old_logprobs_from_rollout``). Needs the KV cache.
 
     Returns:
         :class:`RolloutBatch` on every rank of the group (same tokens on all of them).
@@ -314,10 +324,15 @@ def generate(
         ValueError: bad config, empty prompt list or prompt, a prompt id outside the
             vocabulary, ``len(prompt) + max_new_tokens > max_sequence_length`` (naming the
             prompt index and the lengths), stop strings without ``decode_fn``; raised
-            before any forward. Also if the model-parallel ranks got different prompts.
+            before any forward. Also if the model-parallel ranks got different prompts, or
+            ``with_values`` without the KV cache or for a model with no value head.
     """
     _check_inputs(prompts, cfg, eos_token_id, pad_token_id, vocab_size, max_sequence_length,
                   decode_fn)
+    if with_values and (not cfg.use_kv_cache or not isinstance(unwrap(model), ActorCriticModel)
+                        or type(unwrap(model)).head_name != "value_head"):
+        raise ValueError("generate(with_values=True): the values come from an actor-critic's value head "
+                         "on the KV-cache decode path (rollout.use_kv_cache=true)")
     if call_index is None:
         call_index = next(_CALL_COUNTER)
     prompt_ids, prompt_mask, prompt_lengths = left_pad(prompts, pad_token_id)
@@ -332,7 +347,8 @@ def generate(
     try:
         with torch.no_grad(), cpu_compat.suspended():
             return _decode(core, dims, prompt_ids, prompt_mask, prompt_lengths, cfg,
-                           eos_token_id, pad_token_id, vocab_size, decode_fn, call_index)
+                           eos_token_id, pad_token_id, vocab_size, decode_fn, call_index,
+                           with_values)
     finally:
         core.train(was_training)
         if not dims.is_first_stage:
@@ -340,7 +356,8 @@ def generate(
 
 
 def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutConfig,
-            eos_token_id, pad_token_id, vocab_size, decode_fn, call_index) -> RolloutBatch:
+            eos_token_id, pad_token_id, vocab_size, decode_fn, call_index,
+            with_values: bool = False) -> RolloutBatch:
     B, P = prompt_ids.shape
     R = cfg.max_new_tokens
     L = P + R
@@ -365,6 +382,14 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
     packed = torch.zeros(3, B, dtype=torch.float64, device=dev)
 
     runner = _StageRunner(model, dims, B, cfg.use_kv_cache, L)
+    values = None
+    if with_values and dims.is_last_stage:
+        if runner.stage is None:
+            raise RuntimeError("generate(with_values=True): this model stage does not take the "
+                               "incremental decode path (IncrementalStage.for_model), which computes "
+                               "the values")
+        runner.stage.value_head = model.value_head
+        values = torch.zeros(B, max(R, 0), dtype=torch.float32, device=dev)
     prefill_pos = position_ids_for(prompt_mask)
     # no left padding: no prefill mask either (the attention is causal by default)
     prefill_mask = None if bool(prompt_mask.all()) else causal_padding_mask(prompt_mask)
@@ -405,6 +430,8 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
         seq_ids[:, P + t] = torch.where(active, tokens, pad_token_id)
         seq_mask[:, P + t] = active
         logprobs[:, t] = torch.where(active, packed[1].float(), 0.0)
+        if values is not None:
+            values[:, t] = torch.where(active, runner.stage.last_values, 0.0)
         lengths += active
         newly = active & packed[2].bool()
         ended |= newly
@@ -426,6 +453,7 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
         truncated=~ended,
         logprobs=logprobs[:, :steps].clone(),
         vocab_size=vocab_size,
+        values=None if values is None else values[:, :steps].clone(),
     )
 
 

@@ -60,6 +60,12 @@ class IncrementalStage:
                 and not getattr(emb.word_embeddings, "reduce_scatter_embeddings", False)
                 and not getattr(emb, "reduce_scatter_embeddings", False))
         self._plain_output = gpt.post_process and _plain_linear(gpt.output_layer, tp1)
+        self.value_head: Optional[torch.nn.Module] = None
+        """Set to an actor-critic's value head to also compute, each call, the value of the
+        last token's state (:attr:`last_values`)."""
+        self.last_values: Optional[torch.Tensor] = None
+        """``[B]`` float32: the value head on the last token's final hidden state (last
+        stage, with :attr:`value_head`)."""
 
     @classmethod
     def for_model(cls, gpt, rotary_seq_len: int) -> Optional["IncrementalStage"]:
@@ -125,7 +131,8 @@ class IncrementalStage:
 
         Returns:
             Last stage: ``[B, padded_vocab]`` logits of the last of the ``s`` tokens
-            (gathered over TP). Other stages: ``[s, B, h]`` hidden states for the next.
+            (gathered over TP; with :attr:`value_head`, that token's value is left in
+            :attr:`last_values`). Other stages: ``[s, B, h]`` hidden states for the next.
         """
         gpt = self.gpt
         h = self._embed(input_ids_BS, position_ids_BS) if gpt.pre_process else input_tensor
@@ -136,6 +143,8 @@ class IncrementalStage:
         h = h[-1]  # [B, h]: only the last token's logits are needed
         if self.final_norm is not None:
             h = self.final_norm(h)
+        if self.value_head is not None:  # as ActorCriticModel._postprocess: fp32 head
+            self.last_values = self.value_head(h.float()).squeeze(-1)
         weight = (gpt.shared_embedding_or_output_weight()
                   if gpt.share_embeddings_and_output_weights else gpt.output_layer.weight)
         if self._plain_output:

@@ -48,6 +48,10 @@ RUNS = {
     "separate": VARIED + ("critic.mode=separate",),
     "separate_budget": VARIED + ("critic.mode=separate", "ppo.max_tokens_per_micro_batch=40"),
     "separate_packed": VARIED + ("critic.mode=separate", *PACKED),
+    # old log-probs and values from the rollout (no forward-only pass of the actor)
+    "from_rollout": ("ppo.old_logprobs_from_rollout=true",),
+    "from_rollout_grpo": ("ppo.old_logprobs_from_rollout=true", "ppo.advantage_estimator=grpo",
+                          "rollout.n_samples_per_prompt=2"),
     "tis": ("ppo.rollout_is_cap=1.0",),
     "mask_all": ("ppo.rollout_mask_threshold=1e-12", "ppo.value_loss_coef=0.0"),
 }
@@ -71,6 +75,8 @@ PARITY = {
     "gae_token_budget": ("ppo.shuffle=false", *VARIED, "ppo.max_tokens_per_micro_batch=40"),
     # the same with the sequences packed into rows (block-diagonal attention)
     "gae_packed": ("ppo.shuffle=false", *VARIED, *PACKED),
+    # old log-probs and values from the rollout: at PP=2 the last stage's decode has them
+    "gae_from_rollout": ("ppo.shuffle=false", *VARIED, "ppo.old_logprobs_from_rollout=true"),
 }
 # references only (no TP/PP layouts): the padded twin of gae_token_budget
 PADDED = {"gae_padded": ("ppo.shuffle=false", *VARIED)}
@@ -123,6 +129,12 @@ def _single(rank: int, tmp: str):
                      "head_changed": any(not torch.equal(head[k], after[k]) for k in head)}
         if name in ("shared", "shared_detached"):
             out[name]["backbone_grad_from_values"] = _backbone_grads_from_values(tr)
+    out["errors"] = {}
+    try:  # the rollout records log-probs at the sampling temperature only
+        build(compose_ppo(data, tmp / "bad", *BASE, "ppo.old_logprobs_from_rollout=true",
+                          "rollout.temperature=0.7", "kl.temperature=unscaled"))
+    except ValueError as e:
+        out["errors"]["from_rollout_unscaled_kl"] = str(e)
     return out
 
 
@@ -219,6 +231,30 @@ def test_the_token_budget_cuts_padding(single):
             assert 0 <= a["padding_fraction"] < b["padding_fraction"] < 1
     for a, b in zip(single["separate_packed"]["metrics"], single["separate_budget"]["metrics"]):
         assert 0 <= a["padding_fraction"] < b["padding_fraction"]
+
+
+def test_old_logprobs_and_values_from_the_rollout_train_like_the_forward_pass(single):
+    for name, ref in (("from_rollout", "shared"), ("from_rollout_grpo", "grpo")):
+        got, want = single[name]["metrics"], single[ref]["metrics"]
+        for a, b in zip(got, want):
+            assert "timing/old_logprobs_values_s" in b and "timing/old_logprobs_values_s" not in a
+            for key in COMPARED + ("value_loss", "clip_fraction", "explained_variance"):
+                if key in b:
+                    assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (name, key)
+            # the training forward recomputes what the decode gave: ~1, not exactly 1
+            assert b["first_minibatch/ratio_max"] == 1.0
+            assert a["first_minibatch/ratio_max"] == pytest.approx(1.0, abs=1e-4)
+            assert a["rollout_train_logprob_diff_max"] == 0.0  # rollout vs "old": the same numbers now
+    assert "kl.temperature=sampling" in single["errors"]["from_rollout_unscaled_kl"]
+
+
+def test_old_logprobs_from_the_rollout_refuses_what_it_cannot_take(tmp_path):
+    from nemo_rlhf.rollout.config import RolloutConfig
+    from nemo_rlhf.rollout.engines import build_rollout_engine
+
+    with pytest.raises(ValueError, match="rollout.engine=megatron"):
+        build_rollout_engine(RolloutConfig(engine="vllm"), None, None, eos_token_id=1, pad_token_id=0,
+                             with_values=True)
 
 
 def test_rollout_correction_weights_the_policy_loss_and_reports_its_metrics(single):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nemo_rlhf.models.engine import model_forward
-from nemo_rlhf.models.logprobs import response_logprobs
+from nemo_rlhf.models.logprobs import response_logprobs, response_values
 from nemo_rlhf.rollout import RolloutBatch, RolloutConfig, generate
 from tests.single_rank import random_prompts, single_rank
 
@@ -213,6 +213,40 @@ def test_sampling_logprobs_match_training_forward_logprobs(models, dims):
         assert diff <= 1e-5, f"{name}: max |rollout - train| = {diff}"
         assert (lp[~b.response_mask] == 0).all() and (ent[b.response_mask] > 0).all()
         assert lp.requires_grad is False
+
+
+def test_rollout_values_match_the_training_forward_values(models, dims):
+    """``with_values``: the value head on the decode path's hidden states, as the full
+    forward computes them (the old values of ``ppo.old_logprobs_from_rollout``)."""
+    for name in ("rope_std0.1", "learned_abs_gpt2_like"):
+        model = models[name]
+        head = model.value_head
+        saved = {k: v.clone() for k, v in head.state_dict().items()}
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():  # a head that reads the hidden states (the preset's starts at 0)
+            head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.5)
+            head.bias.fill_(0.1)
+        try:
+            cfg = dict(temperature=0.7, seed=4, stop_token_ids=[3, 4, 5])
+            b = generate(model, dims, _prompts(), RolloutConfig(max_new_tokens=12, **cfg),
+                         eos_token_id=VOCAB - 1, pad_token_id=PAD, vocab_size=VOCAB,
+                         max_sequence_length=MAX_SEQ, call_index=0, with_values=True)
+            plain = _gen(model, dims, **cfg)
+            _assert_same(b, plain)  # asking for values changes nothing else
+            assert plain.values is None and b.values.shape == b.logprobs.shape
+            with torch.no_grad():
+                _, v = model_forward(model.eval(), b.input_ids, b.attention_mask)
+            expected = response_values(v, b.prompt_length, b.response_length)
+            m = b.response_mask
+            assert not m.all() and (b.values[~m] == 0).all() and b.values[m].abs().min() > 0
+            diff = (b.values - expected).abs()[m].max().item()
+            assert diff <= 1e-5, f"{name}: max |rollout - forward| value = {diff}"
+        finally:
+            head.load_state_dict(saved)
+    with pytest.raises(ValueError, match="use_kv_cache"):
+        generate(models["rope_std0.1"], dims, _prompts(), RolloutConfig(use_kv_cache=False),
+                 eos_token_id=VOCAB - 1, pad_token_id=PAD, vocab_size=VOCAB,
+                 max_sequence_length=MAX_SEQ, with_values=True)
 
 
 def test_greedy_logprobs_are_at_temperature_one(models, dims):

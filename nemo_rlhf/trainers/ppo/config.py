@@ -131,6 +131,15 @@ class PPOAlgoConfig:
     and ``forward_micro_batch_size`` are then not used. 0: fixed row counts over the
     rollout's full width. Under pipeline parallelism the stages send each activation's
     shape ahead of it."""
+    old_logprobs_from_rollout: bool = False
+    """Take the old log-probs (and, with the value head on the actor's backbone, the old
+    values) from the rollout instead of a forward-only pass over it: the megatron engine's
+    sampling log-probs (at ``rollout.logprob_temperature``, before top-k/top-p) and its
+    value head on each decode step's hidden states. Saves one of the step's three
+    forwards (old, reference, RM). The ratio on the first mini-batch is then ~1 instead of
+    exactly 1 (the decode and the training forward differ in the last bits;
+    ``rollout_correction/mismatch`` no longer measures it). Needs ``kl.temperature`` to
+    give the rollout's temperature; with a shared critic, ``rollout.engine=megatron``."""
     sequence_packing: bool = False
     """With ``max_tokens_per_micro_batch``: concatenate the sequences (their valid tokens)
     into packed rows of ``packed_row_length`` tokens, attention kept within each sequence

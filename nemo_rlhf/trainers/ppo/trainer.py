@@ -115,10 +115,22 @@ class PPOTrainer:
         self.weights_version = 0
         """Changes whenever the actor's weights do (an optimizer step, a checkpoint load): a
         rollout engine with its own copy of the weights refits when it differs."""
+        if cfg.ppo.old_logprobs_from_rollout and self._kl_temperature() != cfg.rollout.logprob_temperature:
+            raise ValueError(
+                f"ppo.old_logprobs_from_rollout=true: the KL compares log-probs at temperature "
+                f"{self._kl_temperature()} (kl.temperature={cfg.kl.temperature}) but the rollout records them "
+                f"at {cfg.rollout.logprob_temperature}: set kl.temperature=sampling")
+        if (cfg.ppo.old_logprobs_from_rollout and cfg.rollout.engine == "vllm"
+                and (cfg.rollout.top_k or cfg.rollout.top_p < 1.0) and not cfg.rollout.greedy):
+            raise ValueError(
+                f"ppo.old_logprobs_from_rollout=true with rollout.engine=vllm: vLLM records log-probs "
+                f"after top-k/top-p (rollout.top_k={cfg.rollout.top_k}, rollout.top_p={cfg.rollout.top_p}), "
+                f"not of the policy the update trains: set rollout.top_k=0 and rollout.top_p=1.0")
         self.rollout_engine = build_rollout_engine(
             cfg.rollout, dims, cfg.model, eos_token_id=tokenizer.eos_id,
             pad_token_id=tokenizer.pad_id, decode_fn=tokenizer.decode,
-            params_dtype=unwrap(model).config.params_dtype)
+            params_dtype=unwrap(model).config.params_dtype,
+            with_values=cfg.ppo.old_logprobs_from_rollout and self.actor_values)
         self.nonfinite_in_a_row = 0
         self.timers = Timers()
         self.encoded = [p.prompt_ids for p in prompts]
@@ -350,12 +362,18 @@ class PPOTrainer:
         return None if out is None else out["values"]
 
     def compute_old_and_reference(self, batch) -> Optional[ForwardResults]:
-        """Steps 4-5a: old log-probs and values (actor, or the separate critic), reference
-        log-probs (weights swapped in); None off the last pipeline stage."""
+        """Steps 4-5a: old log-probs and values (actor, or the separate critic; the
+        rollout's with ``ppo.old_logprobs_from_rollout``), reference log-probs (weights
+        swapped in); None off the last pipeline stage."""
         kl_temp = self._kl_temperature()
-        with self.timers("old_logprobs_values"):
-            old = self._forward_logprobs(self.model, batch, with_values=self.actor_values,
-                                         kl_temperature=kl_temp)
+        if self.cfg.ppo.old_logprobs_from_rollout:  # the rollout's own (kl_temp checked at start)
+            old = {"logprobs": batch.logprobs} if self.dims.is_last_stage else None
+            if old is not None and self.actor_values:
+                old["values"] = batch.values
+        else:
+            with self.timers("old_logprobs_values"):
+                old = self._forward_logprobs(self.model, batch, with_values=self.actor_values,
+                                             kl_temperature=kl_temp)
         values = None
         if self.critic_model is not None:
             with self.timers("critic_values"):
