@@ -27,7 +27,9 @@ Same work: ``min_new_tokens = max_new_tokens`` on our side and no stop token on 
 every response has ``--new`` tokens; prompts are random token ids of ``--prompt`` tokens
 (no padding); temperature 1, no top-k / top-p. Per PPO step each side runs: generation,
 three forward passes (ours: actor logits + values, reference, RM; TRL: reference, value
-model, RM -- TRL takes the old log-probs from the generation scores), then ``--epochs``
+model, RM -- TRL takes the old log-probs from the generation scores; with
+``--old-logprobs-from-rollout`` ours takes its old log-probs and values from the decode too
+and runs two: reference, RM), then ``--epochs``
 passes over ``--batch / --mini`` mini-batches of ``--mini / --micro`` micro-batches
 (ours: one forward/backward of the shared backbone per micro-batch; TRL: policy AND value
 model forward/backward). Our side also clips the gradient norm (TRL's loop does not).
@@ -229,6 +231,7 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     p.ratio_eps, p.value_clip, p.value_loss_coef = 0.2, 0.2, a.vf_coef
     p.entropy_bonus, p.discount_factor, p.gae_lambda = 0.0, 1.0, 0.95
     p.normalize_advantages, p.missing_eos_penalty = True, None
+    p.old_logprobs_from_rollout = a.old_logprobs_from_rollout
     cfg.kl.type, cfg.kl.initial_policy_kl_penalty = "fixed", a.kl_coef
     cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.weight_decay = a.lr, 0, 0.0
 
@@ -542,7 +545,8 @@ def report(a: argparse.Namespace, ours: dict, trl: dict | None) -> None:
     print(f"per PPO step: {a.batch} prompts x {a.prompt} tokens, {a.new} new tokens (sampled, "
           f"temperature 1), mini-batch {a.mini}, micro-batch {a.micro}, forward micro-batch "
           f"{a.fwd_micro}, {a.epochs} PPO epoch(s); {a.warmup} warm-up step(s), mean of {a.steps} timed"
-          + (f", best of {a.rounds} alternating rounds" if a.rounds > 1 else ""))
+          + (f", best of {a.rounds} alternating rounds" if a.rounds > 1 else "")
+          + ("; ours: old log-probs and values from the rollout" if a.old_logprobs_from_rollout else ""))
     print(f"optimizer steps per PPO step: ours {ours['optimizer_steps_per_ppo_step']:g}"
           + (f", trl {trl['optimizer_steps_per_ppo_step']:g}" if trl else "")
           + (" (TRL accumulates over gradient_accumulation_steps micro-batches, which spans "
@@ -648,6 +652,9 @@ def main() -> None:
     p.add_argument("--reference", choices=["offload", "colocated"], default="offload")
     p.add_argument("--trl-python", default=str(REPO / ".venv-bench" / "bin" / "python"),
                    help="interpreter of the environment with trl<=0.29.1")
+    p.add_argument("--old-logprobs-from-rollout", action="store_true",
+                   help="ours: ppo.old_logprobs_from_rollout (old log-probs and values from the "
+                        "decode, no forward-only pass; TRL takes its old log-probs from generation too)")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--profile", type=int, default=0,
                    help="after the timed steps, profile one more step of ours and print this "
