@@ -93,7 +93,7 @@ def main() -> None:
         ids, attention, response_mask, P = _rollout(prompts, responses, vocab, a.seed)
         model = wrap_ddp(build_model(cfg, dims, seed=a.seed).train())
         tensors = {"input_ids": ids, "attention_mask": attention, "response_mask": response_mask}
-        n_tokens = response_mask.sum().float()
+        n_tokens = response_mask.sum().float().to(dims.device)
         real = int(attention.sum())
         extents = row_extents(attention, response_mask, P)
 
@@ -124,6 +124,7 @@ def main() -> None:
                 model.zero_grad_buffer()
                 t0 = time.perf_counter()
                 res = forward_backward(model, batches[m], loss_fn, variable_shapes=m != "rows",
+                                       device=dims.device,
                                        logprob_request=LogprobRequest(P, (1.0,), vocab, chunk_size=1024))
                 if rep:
                     times[m].append(time.perf_counter() - t0)
