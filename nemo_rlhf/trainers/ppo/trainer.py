@@ -4,8 +4,9 @@ Per step: (1) prompts from a resumable sampler; (2) rollout by ``rollout.engine`
 KV-cache decode, or a vLLM engine refit from the actor's weights: ``rollout/engines.py``);
 (3) scores from the served RM and/or reward functions; (4) reference log-probs with the
 reference weights swapped into the backbone; (5) old log-probs and values from one
-forward-only pass (every forward-only pass runs in eval mode, the updates in train mode:
-without dropout the ratio is exactly 1 on the first mini-batch), token rewards
+forward-only pass, or from the rollout itself (``ppo.old_logprobs_from_rollout``; every
+forward-only pass runs in eval mode, the updates in train mode: without dropout the ratio
+is exactly 1 on the first mini-batch), token rewards
 ``-beta*KL`` (both log-probs at ``kl.temperature``'s temperature) plus the score at the
 last response token, GAE; (6) ``ppo_epochs`` over
 mini-batches through megatron's pipeline schedule, one optimizer step per mini-batch,
