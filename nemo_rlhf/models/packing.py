@@ -61,10 +61,12 @@ class PackedBatch:
 
     @property
     def rows(self) -> int:
+        """Rows of the padded micro-batch (sequences)."""
         return self.padded_input_ids.shape[0]
 
     @property
     def seq(self) -> int:
+        """``S``: columns of the padded micro-batch."""
         return self.padded_input_ids.shape[1]
 
     def tokens(self) -> int:

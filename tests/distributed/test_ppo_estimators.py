@@ -135,6 +135,12 @@ def _single(rank: int, tmp: str):
                           "rollout.temperature=0.7", "kl.temperature=unscaled"))
     except ValueError as e:
         out["errors"]["from_rollout_unscaled_kl"] = str(e)
+    try:  # vLLM records log-probs after top-p (refused before vLLM is imported)
+        build(compose_ppo(data, tmp / "bad_vllm", *BASE, "ppo.old_logprobs_from_rollout=true",
+                          "rollout.engine=vllm", "rollout.top_p=0.9", "ppo.advantage_estimator=grpo",
+                          "rollout.n_samples_per_prompt=2"))
+    except ValueError as e:
+        out["errors"]["from_rollout_vllm_top_p"] = str(e)
     return out
 
 
@@ -246,6 +252,7 @@ def test_old_logprobs_and_values_from_the_rollout_train_like_the_forward_pass(si
             assert a["first_minibatch/ratio_max"] == pytest.approx(1.0, abs=1e-4)
             assert a["rollout_train_logprob_diff_max"] == 0.0  # rollout vs "old": the same numbers now
     assert "kl.temperature=sampling" in single["errors"]["from_rollout_unscaled_kl"]
+    assert "rollout.top_p=1.0" in single["errors"]["from_rollout_vllm_top_p"]
 
 
 def test_old_logprobs_from_the_rollout_refuses_what_it_cannot_take(tmp_path):
