@@ -70,7 +70,7 @@ def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
     if cfg.exp_manager.init_from:
         load_model_weights(cfg.exp_manager.init_from, model,
                            init_heads=cfg.exp_manager.init_value_head)
-    reference = ReferencePolicy(model, cfg.reference.mode, build_fn=make_stage)
+    reference = ReferencePolicy(model, cfg.reference.mode, build_fn=make_stage, device=dims.device)
     ddp = wrap_ddp(model, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optim, dims, cfg.trainer.precision)
     critic = build_separate_critic(cfg, dims) if separate else None

@@ -161,3 +161,15 @@ def test_zero_copy_needs_the_parameters_in_host_memory():
     on_meta = torch.nn.Linear(2, 2, device="meta")
     with pytest.raises(ValueError, match="not in host memory"):
         ReferencePolicy(on_meta, "offload", zero_copy=True)
+
+
+def test_dims_device_decides_the_swap_an_accelerator_takes_the_copy_path():
+    from nemo_rlhf.distributed.device_guard import EMULATED_DEVICE
+    from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
+
+    model = torch.nn.Linear(2, 2)  # in host memory either way
+    assert ReferencePolicy(model, "offload", device=torch.device("cpu")).zero_copy
+    on_accelerator = ReferencePolicy(model, "offload", device=EMULATED_DEVICE)  # the guard's cpu:0
+    assert not on_accelerator.zero_copy and set(on_accelerator.stash) == {"weight", "bias"}
+    with pytest.raises(ValueError, match="not in host memory"):
+        ReferencePolicy(model, "offload", zero_copy=True, device=EMULATED_DEVICE)

@@ -44,15 +44,17 @@ class ReferencePolicy:
         mode: ``offload`` or ``colocated``.
         build_fn: ``() -> model stage`` used by ``colocated`` to build the resident copy.
         zero_copy: ``offload`` only: swap by exchanging the parameters' storage with the
-            reference tensors instead of copying (None: when every parameter is in host
+            reference tensors instead of copying (None: when the model lives in host
             memory, the only place it can be).
+        device: where the model lives (``dims.device``); the host is
+            ``torch.device("cpu")`` exactly. None: read from the parameters.
 
     Raises:
         ValueError: an unknown ``mode``; ``colocated`` without ``build_fn``; ``zero_copy``
             with parameters off the host.
     """
 
-    def __init__(self, model, mode: str = "offload", build_fn=None, zero_copy=None):
+    def __init__(self, model, mode: str = "offload", build_fn=None, zero_copy=None, device=None):
         if mode not in ("offload", "colocated"):
             raise ValueError(f"reference.mode={mode!r}: valid choices are ['offload', 'colocated']")
         self.mode = mode
@@ -60,10 +62,15 @@ class ReferencePolicy:
         self.zero_copy = False
         if mode == "offload":
             params = _backbone_params(model)
-            on_host = all(p.device.type == "cpu" for p in params.values())
+            host = torch.device("cpu")
+            if device is not None:  # dims.device: under the device guard cpu:0, "the accelerator"
+                on_host = torch.device(device) == host
+            else:
+                on_host = all(p.device == host for p in params.values())
             if zero_copy and not on_host:
-                raise ValueError("ReferencePolicy(zero_copy=True): the model's parameters are not in host "
-                                 "memory; the storage exchange needs both sides there")
+                where = f"device={device}" if device is not None else "its parameters' devices"
+                raise ValueError(f"ReferencePolicy(zero_copy=True): the model is not in host memory "
+                                 f"({where}); the storage exchange needs both sides there")
             self.zero_copy = on_host if zero_copy is None else bool(zero_copy)
             self.ref = {}
             self.stash = {}
