@@ -33,6 +33,10 @@ and runs two: reference, RM), then ``--epochs``
 passes over ``--batch / --mini`` mini-batches of ``--mini / --micro`` micro-batches
 (ours: one forward/backward of the shared backbone per micro-batch; TRL: policy AND value
 model forward/backward). Our side also clips the gradient norm (TRL's loop does not).
+``--recompute`` turns activation recompute on for the training passes of both sides (ours:
+``model.recompute_granularity=full``, every layer; TRL: ``gradient_checkpointing_enable()``
+on the policy and the value model): each trained layer keeps only its input and runs its
+forward again in the backward, trading about one more forward for the activations' memory.
 
 Measured, after ``--warmup`` untimed PPO steps, over ``--steps`` steps (mean):
 
@@ -211,7 +215,8 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     cfg = PPOConfig()
     cfg.model = load_model_preset(a.preset, vocab_size=a.vocab,
                                   max_position_embeddings=a.prompt + a.new,
-                                  hidden_dropout=0.0, attention_dropout=0.0)
+                                  hidden_dropout=0.0, attention_dropout=0.0,
+                                  recompute_granularity="full" if a.recompute else None)
     cfg.trainer.seed = a.seed
     cfg.trainer.precision = "32"
     cfg.exp_manager.exp_dir = str(work / "ours_exp")
@@ -394,6 +399,9 @@ def run_trl(a: argparse.Namespace, work: Path) -> dict:
     ref = load(LlamaForCausalLM, "policy")
     value = load(LlamaForSequenceClassification, "value", num_labels=1)
     reward = load(LlamaForSequenceClassification, "reward", num_labels=1)
+    if a.recompute:  # HF's activation checkpointing, every layer (no-grad passes keep the KV cache)
+        for m in (policy, value):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     probe = torch.load(work / "probe.pt")
     with torch.no_grad():
         ids = probe["ids"]
@@ -546,7 +554,9 @@ def report(a: argparse.Namespace, ours: dict, trl: dict | None) -> None:
           f"temperature 1), mini-batch {a.mini}, micro-batch {a.micro}, forward micro-batch "
           f"{a.fwd_micro}, {a.epochs} PPO epoch(s); {a.warmup} warm-up step(s), mean of {a.steps} timed"
           + (f", best of {a.rounds} alternating rounds" if a.rounds > 1 else "")
-          + ("; ours: old log-probs and values from the rollout" if a.old_logprobs_from_rollout else ""))
+          + ("; ours: old log-probs and values from the rollout" if a.old_logprobs_from_rollout else "")
+          + ("; activation recompute on both sides (ours: model.recompute_granularity=full; TRL: "
+             "gradient_checkpointing_enable on the policy and value model)" if a.recompute else ""))
     print(f"optimizer steps per PPO step: ours {ours['optimizer_steps_per_ppo_step']:g}"
           + (f", trl {trl['optimizer_steps_per_ppo_step']:g}" if trl else "")
           + (" (TRL accumulates over gradient_accumulation_steps micro-batches, which spans "
@@ -655,6 +665,10 @@ def main() -> None:
     p.add_argument("--old-logprobs-from-rollout", action="store_true",
                    help="ours: ppo.old_logprobs_from_rollout (old log-probs and values from the "
                         "decode, no forward-only pass; TRL takes its old log-probs from generation too)")
+    p.add_argument("--recompute", action="store_true",
+                   help="activation recompute in the training passes on both sides: ours "
+                        "model.recompute_granularity=full (every layer), TRL the policy's and value "
+                        "model's gradient_checkpointing_enable()")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--profile", type=int, default=0,
                    help="after the timed steps, profile one more step of ours and print this "

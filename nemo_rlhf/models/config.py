@@ -13,7 +13,7 @@ log-probs and sampling (``ModelConfig.vocab_size`` is the real vocabulary).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -27,6 +27,11 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+"""``model.recompute_modules`` choices on the local layer spec (megatron's ``layernorm``
+recompute needs transformer-engine)."""
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "auto")
 """``trainer.precision`` choices; ``auto`` is resolved once at start-up (:func:`resolve_precision`)."""
 AUTO_BF16_MIN_SPEEDUP = 1.2
@@ -81,11 +86,37 @@ class ModelConfig:
     """Std of the normal weight init."""
     value_head_init_std: float = 0.0
     """Std of the value head's weight init; 0 starts with values == bias == 0."""
+    recompute_granularity: Optional[str] = None
+    """Activation recomputation in training passes (megatron-core's; forward-only passes
+    keep nothing either way). None: every layer keeps its activations for the backward.
+    ``full``: a recomputed layer keeps only its input ``[seq, batch, hidden]`` and runs its
+    forward again in the backward (about one forward more of compute; per micro-batch the
+    activations shrink from every layer's to one layer's plus the inputs). ``selective``:
+    only ``recompute_modules`` are recomputed (cheap, smaller saving). Gradients are the
+    same as without (tested). Not part of the architecture: checkpoints load either way."""
+    recompute_method: str = "uniform"
+    """``full`` only: ``uniform`` recomputes every layer of the stage, in units of
+    ``recompute_num_layers`` (one input kept per unit); ``block`` recomputes the first
+    ``recompute_num_layers`` layers of each pipeline stage and keeps the rest."""
+    recompute_num_layers: int = 1
+    """``full`` only: layers per recompute unit (``uniform``) or recomputed layers per
+    pipeline stage (``block``); at most ``num_layers / pipeline_model_parallel_size``."""
+    recompute_modules: list = field(default_factory=lambda: ["core_attn"])
+    """``selective`` only: submodules recomputed in each layer, from ``core_attn`` (the
+    attention scores and softmax: ``[batch, heads, seq, seq]``) and ``mlp`` (the MLP's
+    ``ffn_hidden_size``-wide activations)."""
 
     def __post_init__(self) -> None:
         check_choice("model.normalization", self.normalization, NORMALIZATIONS)
         check_choice("model.activation", self.activation, ACTIVATIONS)
         check_choice("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
+        check_choice("model.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
+        check_choice("model.recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        self.recompute_modules = list(self.recompute_modules)
+        for module in self.recompute_modules:
+            check_choice("model.recompute_modules", module, RECOMPUTE_MODULES)
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"model.recompute_num_layers={self.recompute_num_layers}: must be >= 1")
         for key in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
                     "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
@@ -115,7 +146,8 @@ class ModelConfig:
 
         d = asdict(self)
         for k in ("name", "hidden_dropout", "attention_dropout", "init_method_std",
-                  "value_head_init_std", "max_position_embeddings"):
+                  "value_head_init_std", "max_position_embeddings", "recompute_granularity",
+                  "recompute_method", "recompute_num_layers", "recompute_modules"):
             d.pop(k)
         return d
 
@@ -211,10 +243,27 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
 
     Weights are created on the CPU (``use_cpu_initialization``) and moved to the device by
     the caller; all CUDA-only fusions are off.
+
+    Raises:
+        ValueError: ``model.recompute_num_layers`` larger than a pipeline stage's layers
+            (``full`` recompute).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = precision_dtype(precision)
+    recompute = {}
+    if model.recompute_granularity == "full":
+        per_stage = model.num_layers // pp
+        if model.recompute_num_layers > per_stage:
+            raise ValueError(
+                f"model.recompute_num_layers={model.recompute_num_layers} is more than the "
+                f"{per_stage} layers of a pipeline stage (model.num_layers={model.num_layers}, "
+                f"parallel.pipeline_model_parallel_size={pp})")
+        recompute = dict(recompute_granularity="full", recompute_method=model.recompute_method,
+                         recompute_num_layers=model.recompute_num_layers)
+    elif model.recompute_granularity == "selective":
+        recompute = dict(recompute_granularity="selective",
+                         recompute_modules=list(model.recompute_modules))
     swiglu = model.activation == "swiglu"
     act = {"swiglu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh}[model.activation]
     return TransformerConfig(
@@ -252,6 +301,7 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
         # Losses are already divided by global token counts (passed in), so neither the
         # pipeline schedule nor DDP may rescale them by micro-batch or DP counts.
         calculate_per_token_loss=True,
+        **recompute,
     )
 
 

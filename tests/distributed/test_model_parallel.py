@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -148,6 +149,29 @@ def _replicated_params(model):
             if not getattr(p, "tensor_model_parallel", False)}
 
 
+def _saved_bytes_and_grads(model, dims, ids, mask, n_tokens):
+    """Bytes the training forward saves for the backward (not counting what a recomputing
+    backward saves again), and the gradients (plain autograd)."""
+    from nemo_rlhf.models.engine import model_forward
+
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = model_forward(model, ids, mask)
+        loss, _ = _loss_fn(dims, n_tokens)(output, {"input_ids": ids, "attention_mask": mask})
+    loss.backward()
+    return saved[0], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+RECOMPUTE = {"full": dict(recompute_granularity="full"),
+             "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"])}
+
+
 def _worker(rank: int):
     from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
     from nemo_rlhf.models.actor_critic import build_model
@@ -170,6 +194,11 @@ def _worker(rank: int):
     out["ref_loss"] = float(res[0]["loss"])
     out["ref_grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
+    # activation recompute: the same gradients, less saved for the backward
+    out["recompute_tp1"] = {"none": _saved_bytes_and_grads(build_model(cfg, dims, seed=11), dims, ids, mask, n_tokens)}
+    for name, rc in RECOMPUTE.items():
+        rc_model = build_model(dataclasses.replace(cfg, **rc), dims, seed=11)
+        out["recompute_tp1"][name] = _saved_bytes_and_grads(rc_model, dims, ids, mask, n_tokens)
     # whole batch, one rank, plain autograd, one optimizer step
     # adam_eps=1 makes the first AdamW step ~ lr * grad: well conditioned for comparison
     # (with a tiny eps the first step is lr * sign(grad), which flips on rounding noise).
@@ -202,6 +231,10 @@ def _worker(rank: int):
     finalize_grads(ddp)
     opt.step()
     out["tp2_replicated_after_step"] = _replicated_params(model)
+    out["recompute_tp2"] = {
+        name: _saved_bytes_and_grads(build_model(dataclasses.replace(cfg, **rc), dims, seed=11),
+                                     dims, ids, mask, n_tokens)
+        for name, rc in {"none": {}, **RECOMPUTE}.items()}
     pack_model = build_model(cfg, dims, seed=11)
     out["pack_tp2"] = {f: _packed_vs_padded(wrap_ddp(pack_model), dims, f) for f in (True, False)}
     del pack_model
@@ -222,6 +255,16 @@ def _worker(rank: int):
     out["pp2_grads"] = {_global_name(n, dims.pp_rank, per_stage): p.main_grad.clone()
                         for n, p in unwrap(ddp).named_parameters()}
     out["pack_pp2"] = {f: _packed_vs_padded(ddp, dims, f) for f in (True, False)}
+    # the same schedule with the stage's one layer recomputed (block method)
+    rc_cfg = dataclasses.replace(cfg, recompute_granularity="full", recompute_method="block")
+    rc_ddp = wrap_ddp(build_model(rc_cfg, dims, seed=11))
+    with torch.no_grad():
+        for n, p in unwrap(rc_ddp).named_parameters():
+            p.copy_(ref_weights[_global_name(n, dims.pp_rank, per_stage)])
+    forward_backward(rc_ddp, mbs, _loss_fn(dims, n_tokens))
+    finalize_grads(rc_ddp)
+    out["recompute_pp2_grads"] = {_global_name(n, dims.pp_rank, per_stage): p.main_grad.clone()
+                                  for n, p in unwrap(rc_ddp).named_parameters()}
 
     # --- DP=2: half the batch each, loss divided by the global token count -------------
     dims = initialize_distributed(ParallelConfig(), seed=3)
@@ -288,6 +331,29 @@ def test_packed_micro_batches_give_the_padded_logprobs_values_and_gradients(resu
                 torch.testing.assert_close(got["grads"][name], g, atol=1e-5 * scale, rtol=0,
                                            msg=f"{layout} fused={fused} {name}")
         assert seen_outputs
+
+
+@pytest.mark.parametrize("layout", ["recompute_tp1", "recompute_tp2"])
+def test_activation_recompute_gives_the_same_gradients_and_saves_less(results, layout):
+    for r in results:
+        saved_none, grads_none = r[layout]["none"]
+        for name in RECOMPUTE:
+            saved, grads = r[layout][name]
+            assert grads.keys() == grads_none.keys()
+            for n, g in grads_none.items():
+                assert g.abs().sum() > 0 or n.startswith("embedding"), n
+                torch.testing.assert_close(grads[n], g, atol=1e-6, rtol=1e-5, msg=f"{layout} {name} {n}")
+            assert saved < saved_none, (layout, name, saved, saved_none)
+        # full keeps each layer's input only: far less than every layer's activations
+        assert r[layout]["full"][0] < 0.5 * saved_none, (layout, r[layout]["full"][0], saved_none)
+
+
+def test_pp2_schedule_with_block_recompute_gives_the_pp1_gradients(results):
+    for r in results:
+        got = r["recompute_pp2_grads"]
+        assert got.keys() == r["pp2_grads"].keys() and got
+        for n, g in r["pp2_grads"].items():
+            torch.testing.assert_close(got[n], g, atol=1e-6, rtol=1e-5, msg=n)
 
 
 def test_tp2_replicated_params_identical_across_tp_ranks_after_init_and_step(results):

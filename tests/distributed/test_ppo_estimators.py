@@ -52,6 +52,10 @@ RUNS = {
     "from_rollout": ("ppo.old_logprobs_from_rollout=true",),
     "from_rollout_grpo": ("ppo.old_logprobs_from_rollout=true", "ppo.advantage_estimator=grpo",
                           "rollout.n_samples_per_prompt=2"),
+    # activation recompute (megatron's): the same training, less memory
+    "recompute_full": ("model.recompute_granularity=full",),
+    "recompute_separate_packed": VARIED + ("critic.mode=separate", *PACKED, "model.recompute_granularity=selective",
+                                           "model.recompute_modules=[core_attn,mlp]"),
     "tis": ("ppo.rollout_is_cap=1.0",),
     "mask_all": ("ppo.rollout_mask_threshold=1e-12", "ppo.value_loss_coef=0.0"),
 }
@@ -112,6 +116,7 @@ def _backbone_grads_from_values(trainer) -> float:
 
 
 def _single(rank: int, tmp: str):
+    from nemo_rlhf.models.engine import unwrap
     from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
@@ -126,6 +131,7 @@ def _single(rank: int, tmp: str):
             tr.step += 1
         after = _head(tr)
         out[name] = {"metrics": metrics, "precision": tr.cfg.trainer.precision,
+                     "recompute": unwrap(tr.model).config.recompute_granularity,
                      "head_changed": any(not torch.equal(head[k], after[k]) for k in head)}
         if name in ("shared", "shared_detached"):
             out[name]["backbone_grad_from_values"] = _backbone_grads_from_values(tr)
@@ -229,6 +235,18 @@ def test_the_fused_chunked_output_layer_and_token_budget_train_like_the_plain_pa
         for key in COMPARED + ("value_loss", "clip_fraction", "kl_mean", "explained_variance"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     assert single[logits]["metrics"][1]["kl_mean"] != 0  # the second step saw an updated actor
+
+
+@pytest.mark.parametrize("recompute, plain", [("recompute_full", "shared"),
+                                              ("recompute_separate_packed", "separate_packed")])
+def test_activation_recompute_trains_exactly_like_keeping_the_activations(single, recompute, plain):
+    assert single[plain]["recompute"] is None
+    assert single[recompute]["recompute"] == {"recompute_full": "full"}.get(recompute, "selective")
+    for a, b in zip(single[recompute]["metrics"], single[plain]["metrics"]):
+        for key in COMPARED + ("value_loss", "clip_fraction", "explained_variance") + COMPARED_IF_PRESENT:
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (recompute, key)
+    assert single[plain]["metrics"][1]["kl_mean"] != 0  # the second step saw an updated actor
 
 
 def test_the_token_budget_cuts_padding(single):

@@ -33,6 +33,11 @@ CHOICES = [  # (job, override, the message names: key=value, and the valid value
     ("rm", "model.activation=relu", "model.activation='relu': valid choices are ['swiglu', 'gelu', 'gelu_tanh']"),
     ("ppo", "model.position_embedding_type=alibi",
      "model.position_embedding_type='alibi': valid choices are ['rope', 'learned_absolute']"),
+    ("ppo", "model.recompute_granularity=layer",
+     "model.recompute_granularity='layer': valid choices are [None, 'full', 'selective']"),
+    ("sft", "model.recompute_method=even", "model.recompute_method='even': valid choices are ['uniform', 'block']"),
+    ("rm", "model.recompute_modules=[layernorm]",
+     "model.recompute_modules='layernorm': valid choices are ['core_attn', 'mlp']"),
     ("sft", "parallel.backend=mpi", "parallel.backend='mpi': valid choices are 'auto', 'gloo', 'nccl'"),
     ("rm", "optim.decay_style=step", "optim.decay_style='step': valid choices are ['constant', 'linear', 'cosine']"),
     ("eval", "checker=exact", "checker='exact': valid choices are ['arithmetic_exact_match'"),
@@ -55,3 +60,31 @@ def test_a_bad_closed_choice_fails_at_config_time_naming_the_key_and_the_valid_v
 def test_module_function_reward_paths_are_accepted_without_importing_them():
     cfg = typed_job("ppo", ["reward.functions=[{name: 'no_such_module:fn'}]", "trainer.eval_checker=null"])
     assert cfg.reward.functions[0].name == "no_such_module:fn" and cfg.trainer.eval_checker is None
+
+
+def test_activation_recompute_is_set_from_the_command_line_and_reaches_megatron():
+    from nemo_rlhf.models.config import build_transformer_config
+
+    cfg = typed_job("ppo", ["model.recompute_granularity=full", "model.recompute_method=block",
+                            "model.recompute_num_layers=2"])
+    tc = build_transformer_config(cfg.model, tp=1, pp=1)
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "block", 2)
+    sel = typed_job("sft", ["model.recompute_granularity=selective", "model.recompute_modules=[mlp]"])
+    tc = build_transformer_config(sel.model, tp=1, pp=1)
+    assert (tc.recompute_granularity, tc.recompute_modules, tc.recompute_num_layers) == ("selective", ["mlp"], None)
+    assert build_transformer_config(typed_job("ppo", []).model, tp=1, pp=1).recompute_granularity is None
+    # not architecture: a checkpoint trained without recompute resumes with it
+    assert cfg.model.fingerprint() == typed_job("ppo", []).model.fingerprint()
+
+
+def test_more_recomputed_layers_than_a_pipeline_stage_holds_is_refused_naming_the_keys():
+    from nemo_rlhf.models.config import build_transformer_config
+
+    cfg = typed_job("ppo", ["model.recompute_granularity=full", "model.recompute_num_layers=2"])
+    assert cfg.model.num_layers == 2
+    build_transformer_config(cfg.model, tp=1, pp=1)
+    with pytest.raises(ValueError, match=r"model.recompute_num_layers=2 is more than the 1 layers .*"
+                                         r"pipeline_model_parallel_size=2"):
+        build_transformer_config(cfg.model, tp=1, pp=2)
+    with pytest.raises(ValueError, match=r"model.recompute_num_layers=0: must be >= 1"):
+        typed_job("ppo", ["model.recompute_num_layers=0"])
