@@ -399,9 +399,6 @@ def run_trl(a: argparse.Namespace, work: Path) -> dict:
     ref = load(LlamaForCausalLM, "policy")
     value = load(LlamaForSequenceClassification, "value", num_labels=1)
     reward = load(LlamaForSequenceClassification, "reward", num_labels=1)
-    if a.recompute:  # HF's activation checkpointing, every layer (no-grad passes keep the KV cache)
-        for m in (policy, value):
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     probe = torch.load(work / "probe.pt")
     with torch.no_grad():
         ids = probe["ids"]
@@ -463,6 +460,13 @@ def run_trl(a: argparse.Namespace, work: Path) -> dict:
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref,
                          reward_model=reward, train_dataset=ds, value_model=value,
                          eval_dataset=ds.select(range(a.micro)), callbacks=[Clock()])
+    if a.recompute:
+        # HF's activation checkpointing, every layer; no-grad passes (generation, scoring) run
+        # without it and keep the KV cache. Enabled after the trainer is built: trl 0.29.1's
+        # PolicyAndValueWrapper records the flag then and, when set, calls a
+        # gradient_checkpointing_disable() it does not have before each generation.
+        for m in (policy, value):
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     opt_steps = [0]
     opt.register_step_post_hook(lambda *_: opt_steps.__setitem__(0, opt_steps[0] + 1))
