@@ -50,7 +50,9 @@ Measured, after ``--warmup`` untimed PPO steps, over ``--steps`` steps (mean):
   returned to the kernel first on both sides), and RSS after set-up.
   This is whole-process host RSS (torch CPU tensors + Python + libraries), not tracemalloc
   (which does not see torch's allocator); the two environments import different
-  libraries, so the set-up RSS is printed too;
+  libraries, so the set-up RSS is printed too; and the torch tensors still alive after the
+  timed steps (distinct host storages the garbage collector reaches): the models, gradients
+  and optimizer states, so that nothing left over from set-up goes unnoticed;
 * model-state memory (bytes) of the trained models: parameters + gradients + Adam states
   (exp_avg, exp_avg_sq, step; fp32 master copies if any), counted from the real tensors:
   our shared actor-critic vs TRL's policy + separate value model; frozen copies
@@ -136,6 +138,26 @@ def reset_peak_rss() -> bool:
 
 def peak_rss_mib() -> float:
     return _status_kib("VmHWM") / 1024
+
+
+def live_tensor_mib() -> float:
+    """MiB of the distinct host storages of every torch tensor the garbage collector can
+    reach (models, gradients, optimizer states, and anything set-up left alive), each
+    storage counted once; autograd's saved tensors and allocator caches are not seen."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    storages = {}
+    for o in gc.get_objects():
+        try:
+            if isinstance(o, torch.Tensor) and o.device.type == "cpu":
+                st = o.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        except (RuntimeError, TypeError):  # a tensor without storage (meta, sparse, ...)
+            continue
+    return sum(storages.values()) / 2**20
 
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul")
@@ -298,7 +320,9 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
                 "rewards": rm_out.float()}, work / "probe.pt")
     (work / "hf_config.json").write_text(json.dumps(hf_cfg))
     (work / "prompts.json").write_text(json.dumps(prompt_ids))
-    del policy, value, reward
+    # nothing of the export or the probe outlives the set-up (the loop variable ``tensors``
+    # held the RM's exported copy, 513 MiB at the SmolLM2 shape, through the timed steps)
+    del policy, value, reward, tensors, probe, logits, values, rm_out
     rss_setup = rss_mib()
 
     phases = {"generation": ("rollout",),
@@ -320,6 +344,7 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
             steps.append(row)
     opt_steps = trainer.cfg.ppo.ppo_epochs * (a.batch // a.mini)
     peak = peak_rss_mib()
+    live = live_tensor_mib()
     profile = _profile_step(trainer, a.profile) if a.profile else None
     # MFU: the step's model FLOPs (nemo_rlhf.metrics.flops) over the fp32 GEMM rate of this
     # process, same threads, measured now (1024^3, best of 5)
@@ -329,6 +354,7 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     flops = ppo_step_flops(cfg.model, batch=a.batch, prompt_len=a.prompt, response_len=a.new,
                            ppo_epochs=trainer.cfg.ppo.ppo_epochs).to_dict()
     gemm_peak = host_gemm_gflops(n=1024, reps=5)["fp32"]
+    executed = executed_gflops(cfg.model, a)
 
     # --- model state (bytes)
     trained = optimizer.params
@@ -341,7 +367,9 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     return {
         "side": "ours", "steps": steps, "rss_import_mib": rss_import, "rss_setup_mib": rss_setup,
         "profile": profile, "flops": flops, "gemm_peak_gflops": gemm_peak,
+        "executed_gflops": executed,
         "peak_rss_mib": peak, "peak_reset": peak_reset, "optimizer_steps_per_ppo_step": opt_steps,
+        "live_tensor_mib": live,
         "state": {
             "trained_params": sum(q.numel() for q in trained), "value_head_params": head_params,
             "param_bytes": param_b, "grad_bytes": grad_b, "main_grad_buffer_bytes": main_grad_b,
@@ -409,6 +437,7 @@ def run_trl(a: argparse.Namespace, work: Path) -> dict:
             "rewards": float((reward.score(reward.model(ids).last_hidden_state).squeeze(-1)
                               - probe["rewards"]).abs().max()),
         }
+    del probe, ids  # the probe's tensors do not outlive the check (as on our side)
 
     vocab = hf_cfg["vocab_size"]
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t1"))
@@ -474,6 +503,7 @@ def run_trl(a: argparse.Namespace, work: Path) -> dict:
     t_train, c_train = time.perf_counter(), time.process_time()
     trainer.train()
     peak = peak_rss_mib()
+    live = live_tensor_mib()
     if len(marks) != a.warmup + a.steps or len(step_ends) != len(marks):
         raise SystemExit(f"expected {a.warmup + a.steps} PPO updates, saw {len(marks)} / {len(step_ends)}")
     steps = []
@@ -501,6 +531,7 @@ def run_trl(a: argparse.Namespace, work: Path) -> dict:
     return {
         "side": "trl", "steps": steps, "rss_import_mib": rss_import, "rss_setup_mib": rss_setup,
         "peak_rss_mib": peak, "peak_reset": peak_reset[0], "weight_check": diffs,
+        "live_tensor_mib": live,
         "optimizer_steps_per_ppo_step": opt_steps[0] / len(marks),
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__},
@@ -526,6 +557,37 @@ def _child(python: str, role: str, a: argparse.Namespace, work: Path) -> dict:
     res = json.loads(out.read_text())
     res["wall_s"] = time.perf_counter() - t0
     return res
+
+
+def executed_gflops(model_cfg, a: argparse.Namespace) -> dict:
+    """GFLOP per PPO step that each side's code computes (matrix products and attention,
+    :mod:`nemo_rlhf.metrics.flops`'s counts), not model FLOPs: where model FLOPs charge the
+    output layer on every position, here it runs only where a side runs it.
+
+    With ``Fb`` a backbone forward over ``batch x (prompt + new)`` tokens (no output layer),
+    ``Lall`` the output layer on every position and ``Lr`` on the response positions only:
+
+    * TRL: generation; reference ``Fb + Lall`` (HF computes the logits of every position),
+      value model ``Fb`` and RM ``Fb`` (score heads, no output layer); per PPO epoch the
+      policy ``3 (Fb + Lall)`` and the value model ``3 Fb``; with recompute (HF's, the
+      decoder layers) ``+ Fb`` per trained model.
+    * ours: generation; old log-probs + values ``Fb + Lr`` (fused, chunked output layer on
+      the response positions; skipped with ``--old-logprobs-from-rollout``), reference
+      ``Fb + Lr``, RM ``Fb``; per PPO epoch the shared backbone ``3 (Fb + Lr)``; with
+      recompute (every layer) ``+ Fb``.
+    """
+    from nemo_rlhf.metrics.flops import decode_flops, forward_flops
+
+    S = a.prompt + a.new
+    fb = forward_flops(model_cfg, a.batch, S, logits=False)
+    l_all = forward_flops(model_cfg, a.batch, S) - fb
+    l_r = a.batch * a.new * 2 * model_cfg.hidden_size * model_cfg.padded_vocab_size
+    gen = decode_flops(model_cfg, a.batch, a.prompt, a.new)
+    rc = 1 if a.recompute else 0
+    trl = gen + (fb + l_all) + 2 * fb + a.epochs * (3 * (fb + l_all) + 3 * fb + rc * 2 * fb)
+    ours = (gen + (0 if a.old_logprobs_from_rollout else fb + l_r) + (fb + l_r) + fb
+            + a.epochs * (3 * (fb + l_r) + rc * fb))
+    return {"ours": ours / 1e9, "trl": trl / 1e9}
 
 
 def _print_mfu(ours: dict, mean: dict, threads: int) -> None:
@@ -599,6 +661,8 @@ def report(a: argparse.Namespace, ours: dict, trl: dict | None) -> None:
     line("process CPU seconds per step", cpu["ours"], cpu.get("trl"))
     line("peak RSS during timed steps MiB", ours["peak_rss_mib"], trl["peak_rss_mib"] if trl else None,
          "{:>12.0f}")
+    line("live tensors after the steps MiB", ours["live_tensor_mib"],
+         trl["live_tensor_mib"] if trl else None, "{:>12.0f}")
     line("RSS after set-up MiB", ours["rss_setup_mib"], trl["rss_setup_mib"] if trl else None, "{:>12.0f}")
     line("RSS after imports MiB", ours["rss_import_mib"], trl["rss_import_mib"] if trl else None,
          "{:>12.0f}")
@@ -608,6 +672,14 @@ def report(a: argparse.Namespace, ours: dict, trl: dict | None) -> None:
         print("  (peak RSS could not be reset after the warm-up: lifetime peak)")
 
     _print_mfu(ours, mean["ours"], a.threads)
+    ex = ours["executed_gflops"]
+    print(f"\nGFLOP per step each side computes (matrix products + attention, see "
+          f"executed_gflops): ours {ex['ours']:.0f}, trl {ex['trl']:.0f}, ratio "
+          f"{ex['ours'] / ex['trl']:.3f}: at equal FLOP/s the step-time ratio")
+    if trl:
+        rate = {s_: ex[s_] / mean[s_]["step"] for s_ in ("ours", "trl")}
+        print(f"  achieved: ours {rate['ours']:.1f} GFLOP/s, trl {rate['trl']:.1f} GFLOP/s "
+              f"({rate['ours'] / rate['trl']:.2f}x)")
 
     st = ours["state"]
     print("\nmodel state (parameters + gradients + Adam states, fp32 bytes):")

@@ -180,6 +180,8 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
             del z
         ctx.save_for_backward(hidden, weight, target, lse_full, entropy)
         ctx.args = (temperature, vocab_start, vocab_size, compute_entropy, chunk_size)
+        # megatron DDP's persistent fp32 gradient buffer of the weight (None outside DDP)
+        ctx.main_grad = getattr(weight, "main_grad", None)
         return logprobs, entropy
 
     @staticmethod
@@ -187,7 +189,13 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
         hidden, weight, target, lse_full, entropy = ctx.saved_tensors
         temperature, vocab_start, vocab_size, compute_entropy, chunk_size = ctx.args
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # the weight's gradient goes straight into DDP's main_grad when there is one (no
+        # [vocab, hidden] buffer held through the rest of the backward, and for a tied
+        # embedding no second one to sum with the embedding's gradient); else a local fp32 sum
+        into = ctx.main_grad if ctx.needs_input_grad[1] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1] and into is None:
+            grad_weight = into = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         v_local = weight.shape[0]
         for s in range(0, hidden.shape[0], chunk_size):
             e = min(hidden.shape[0], s + chunk_size)
@@ -199,12 +207,15 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
                              None if grad_entropy is None else grad_entropy[s:e],
                              compute_entropy, temperature).to(hidden.dtype)
             grad_hidden[s:e] = g @ weight
-            if g.dtype == torch.float32:
-                grad_weight.addmm_(g.t(), hidden[s:e])  # in place: no [vocab, hidden] temporary
-            else:
-                grad_weight.add_(g.t() @ hidden[s:e])
+            if into is not None:
+                if g.dtype == into.dtype:
+                    into.addmm_(g.t(), hidden[s:e])  # in place: no [vocab, hidden] temporary
+                else:
+                    into.add_(g.t() @ hidden[s:e])
             del z, g
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None, None
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def chunked_linear_logprobs(
@@ -226,8 +237,15 @@ def chunked_linear_logprobs(
     from ``hidden`` and ``weight`` instead of keeping them (the idea of Liger-Kernel's fused
     linear cross-entropy, Hsu et al. 2024; here vocab-parallel, with the entropy, fp32 math).
     The logits are computed in ``hidden``'s dtype (as the output layer computes them), then
-    cast to fp32; the gradients of ``hidden`` and ``weight`` come back in their dtypes (the
-    weight's accumulated over chunks in fp32).
+    cast to fp32; the gradient of ``hidden`` comes back in its dtype. The weight's gradient:
+    when ``weight`` carries megatron DDP's ``main_grad`` buffer (a DDP-wrapped model), it is
+    accumulated there, chunk by chunk, and autograd gets None for it -- as megatron's
+    gradient-accumulation fusion writes a linear's weight gradient into ``main_grad``, but
+    without its ``grad_added_to_main_grad`` flag, so the other gradients of a tied
+    embedding still reach ``main_grad`` through DDP's hook. That needs DDP's grad hooks not
+    to wait for this weight (``overlap_grad_reduce=False``, as
+    :func:`nemo_rlhf.models.engine.wrap_ddp` configures it). Without ``main_grad`` the
+    gradient is summed over the chunks in fp32 and returned in the weight's dtype.
 
     With TP > 1 each rank holds ``weight``'s vocabulary shard and the gradient of ``hidden``
     returned here is this shard's part: the caller sums it over the TP group (megatron's

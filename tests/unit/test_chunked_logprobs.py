@@ -71,6 +71,60 @@ def test_bf16_weights_give_fp32_logprobs_and_grads_in_the_inputs_dtypes(test_dev
     torch.testing.assert_close(lp, ref_lp, atol=0.1, rtol=0.05)
 
 
+@pytest.mark.device
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_with_main_grad_gets_its_gradient_there_and_none_from_autograd(dtype, test_device):
+    """Under megatron DDP the weight carries a persistent fp32 ``main_grad``: the weight's
+    gradient is added into it (on top of what it holds) and autograd gets none, so no
+    ``[vocab, hidden]`` gradient tensor is held; the hidden states' gradient is unchanged."""
+    hidden, weight, ids, w_lp, w_ent = _inputs(test_device, dtype)
+    ref = _grads(lambda h, w: chunked_linear_logprobs(h, w, ids, vocab_size=REAL_V, chunk_size=4),
+                 hidden, weight, w_lp, w_ent)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    before = torch.randn(V, H, generator=torch.Generator().manual_seed(5)).to(test_device)
+    w.main_grad = before.clone()
+    lp, ent = chunked_linear_logprobs(h, w, ids, vocab_size=REAL_V, chunk_size=4)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    assert w.grad is None
+    assert w.main_grad.dtype == torch.float32
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.02)
+    torch.testing.assert_close(w.main_grad - before, ref[3].float(), **tol)
+    torch.testing.assert_close(h.grad, ref[2], atol=0, rtol=0)
+
+
+def test_a_tied_embedding_gets_both_gradients_into_main_grad():
+    """A tied embedding under megatron DDP: the output layer's gradient written into
+    ``main_grad`` by the fused head plus the embedding lookup's gradient added by DDP's hook
+    equal the whole gradient of the unfused model."""
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(V, H, generator=g) * 0.5
+    tokens = torch.randint(0, REAL_V, (N,), generator=g)
+    ids = torch.randint(0, REAL_V, (N,), generator=g)
+    w_lp = torch.randn(N, generator=g)
+
+    def loss(weight, fused):
+        hidden = torch.tanh(torch.nn.functional.embedding(tokens, weight))
+        lp, _ = (chunked_linear_logprobs(hidden, weight, ids, vocab_size=REAL_V, chunk_size=4) if fused
+                 else _unfused(hidden, weight, ids, 1.0))
+        return (lp * w_lp).sum()
+
+    ref_w = table.clone().requires_grad_(True)
+    loss(ref_w, fused=False).backward()
+
+    w = table.clone().requires_grad_(True)
+    w.main_grad = torch.zeros(V, H)
+
+    def ddp_hook(param):  # megatron DDP's hook (overlap_grad_reduce=False): add, drop .grad
+        if param.grad is not None:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+
+    w.register_post_accumulate_grad_hook(ddp_hook)
+    loss(w, fused=True).backward()
+    assert w.grad is None
+    torch.testing.assert_close(w.main_grad, ref_w.grad, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_arguments_name_the_problem():
     h, w, ids = torch.zeros(3, 4), torch.zeros(5, 4), torch.zeros(3, dtype=torch.long)
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
