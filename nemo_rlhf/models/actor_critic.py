@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo_rlhf.distributed.parallel import reseed_model_parallel
 from nemo_rlhf.models.config import ModelConfig, build_transformer_config
 from nemo_rlhf.models.decode_layers import local_layer_spec
+from nemo_rlhf.models.embedding import use_main_grad_lookup
 from nemo_rlhf.models.logprobs import LogprobRequest, fused_response_logprobs
 from nemo_rlhf.models.packing import PackedBatch
 
@@ -209,6 +210,9 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
     config = build_transformer_config(model_cfg, dims.tp, dims.pp, precision)
     model = classes[kind](config, model_cfg, pre_process=dims.is_first_stage,
                           post_process=dims.is_last_stage, layer_spec=_layer_spec(model_cfg))
+    # the word embedding's weight gradient into DDP's main_grad, without a dense
+    # [vocab, hidden] gradient (nemo_rlhf.models.embedding)
+    use_main_grad_lookup(model)
     return model.to(dims.device)
 
 

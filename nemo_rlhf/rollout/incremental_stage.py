@@ -17,6 +17,7 @@ from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
 from nemo_rlhf.models.actor_critic import ActorCriticModel
 from nemo_rlhf.models.decode_layers import KVCacheTransformerLayer, _plain_linear
+from nemo_rlhf.models.embedding import MainGradVocabParallelEmbedding
 
 
 class IncrementalStage:
@@ -56,7 +57,8 @@ class IncrementalStage:
         if gpt.pre_process:
             emb = gpt.embedding
             self._plain_embedding = (
-                tp1 and type(emb.word_embeddings) is VocabParallelEmbedding
+                # megatron's lookup (ours differs only in the backward, unused in decoding)
+                tp1 and type(emb.word_embeddings) in (VocabParallelEmbedding, MainGradVocabParallelEmbedding)
                 and not getattr(emb.word_embeddings, "reduce_scatter_embeddings", False)
                 and not getattr(emb, "reduce_scatter_embeddings", False))
         self._plain_output = gpt.post_process and _plain_linear(gpt.output_layer, tp1)
