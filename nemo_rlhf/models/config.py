@@ -290,11 +290,7 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
         init_method_std=model.init_method_std,
         use_cpu_initialization=True,
         perform_initialization=True,
-        # megatron's SwiGLU autograd function (fusions.fused_bias_swiglu): saves the fc1
-        # output alone and recomputes the activation in the backward, where the unfused
-        # chunk/silu/mul keeps three more [tokens, ffn] tensors per layer (without linear
-        # biases: the decode loop's lean MLP computes that same forward)
-        bias_activation_fusion=swiglu and not model.add_bias_linear,
+        bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,

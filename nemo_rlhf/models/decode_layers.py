@@ -345,10 +345,7 @@ class KVCacheTransformerLayer(TransformerLayer):
             and not getattr(self, "recompute_mlp", False)
             and not getattr(cfg, "inference_fuse_tp_communication", False)
             and not getattr(cfg, "use_te_activation_func", False)
-            # megatron's fused SwiGLU computes the forward the lean MLP computes
-            and (not getattr(cfg, "bias_activation_fusion", False)
-                 or (cfg.gated_linear_unit and cfg.activation_func is F.silu
-                     and not cfg.add_bias_linear))
+            and not getattr(cfg, "bias_activation_fusion", False)
             and getattr(cfg, "activation_func_clamp_value", None) is None
             and not getattr(cfg, "cpu_offloading", False)
             and not getattr(cfg, "fine_grained_activation_offloading", False)
