@@ -39,9 +39,9 @@ def wrap_ddp(model: torch.nn.Module, grad_reduce_in_fp32: bool = True,
 
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32,
-        # False: the fused output layer (models.vocab_parallel.chunked_linear_logprobs)
-        # writes its weight gradient into main_grad and gives autograd none, so no hook
-        # may wait for that weight's gradient
+        # False: the fused output layer (models.vocab_parallel.chunked_linear_logprobs) and
+        # the word-embedding lookup (models.embedding) write their weight gradients into
+        # main_grad and give autograd none, so no hook may wait for those gradients
         overlap_grad_reduce=False,
         use_distributed_optimizer=use_distributed_optimizer,
     )
