@@ -38,10 +38,10 @@ vllm-env: $(VSTAMP)
 demo: $(STAMP)
 	$(BIN)/python -m launchers.demo $(ARGS)
 
-# The main suite, then the vLLM engine's tests in their environment (they use the SmolLM2
+# The main suite (its 30 slowest tests listed at the end), then the vLLM engine's tests in their environment (they use the SmolLM2
 # checkpoint the main suite's tests/real set up).
 test: $(STAMP) $(VSTAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --ignore=tests/vllm_engine $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/vllm_engine $(PYTEST_ARGS)
 	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/vllm_engine $(VLLM_PYTEST_ARGS)
 
 # The prepared GPU check (benchmarks/gpu_check.py): on a CUDA machine, with that machine's

@@ -30,7 +30,7 @@ the RM's preference pairs and scores the held-out set (the "gold" metric):
 ``--task tiny`` (about 5 minutes): number reversal taught by a sloppy demonstrator
 (``nemo_rlhf/data/reversal_task.py``: the SFT rows copy the number 60% of the time, the
 preference pairs always prefer the reversal) on a tiny model trained from scratch: data ->
-SFT -> RM -> served RM + PPO -> evaluation. SFT imitates the copy; PPO against the RM
+SFT -> RM (started from the SFT model) -> served RM + PPO -> evaluation. SFT imitates the copy; PPO against the RM
 learns the reversal (README: 30.5% -> 94.5% held-out).
 
 Every stage is the project's own entry point run as a subprocess (exactly what a user would
@@ -150,8 +150,8 @@ def run_tiny(a) -> int:
                  f"optim.warmup_steps={min(3, steps - 1)}"] if steps else []),
               *a.rm_overrides], logs / f"{exp.name}.log")
 
-    if _latest(out / "rm") is None:
-        train_rm(out / "rm", None, data / "preference.jsonl", None)
+    if _latest(out / "rm") is None:  # from the SFT model, as InstructGPT's RM (sec. 3.5)
+        train_rm(out / "rm", sft, data / "preference.jsonl", None)
     rm = _latest(out / "rm")
     times["rm"] = time.time() - t
 
