@@ -340,9 +340,9 @@ class KVCacheTransformerLayer(TransformerLayer):
             and isinstance(self.cross_attention, IdentityOp)
             and isinstance(self.pre_cross_attn_layernorm, IdentityOp)
             and type(self.mlp) is MLP
-            and not getattr(self, "recompute_input_layernorm", False)
-            and not getattr(self, "recompute_pre_mlp_layernorm", False)
-            and not getattr(self, "recompute_mlp", False)
+            # (megatron's selective recompute flags are not checked: the incremental path
+            # runs only under an inference context, without autograd, where recomputing
+            # a module in the backward has nothing to change)
             and not getattr(cfg, "inference_fuse_tp_communication", False)
             and not getattr(cfg, "use_te_activation_func", False)
             and not getattr(cfg, "bias_activation_fusion", False)

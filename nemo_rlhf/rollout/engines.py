@@ -102,11 +102,15 @@ def build_rollout_engine(cfg: RolloutConfig, dims, model_cfg, *, eos_token_id: i
     Raises:
         ValueError: an unknown engine (naming ``rollout.engine`` and the choices), a
             layout the vLLM engine does not support (see its docstring), or
-            ``with_values`` with an engine other than megatron.
+            ``with_values`` with an engine other than megatron or without the KV cache.
         ImportError: ``rollout.engine=vllm`` without the ``vllm`` package (says how to
             install it).
     """
     common = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id, decode_fn=decode_fn)
+    if with_values and not cfg.use_kv_cache:
+        raise ValueError("rollout.use_kv_cache=false: the rollout's values (ppo.old_logprobs_from_rollout "
+                         "with the value head on the actor's backbone) come from the KV-cache decode: set "
+                         "rollout.use_kv_cache=true or ppo.old_logprobs_from_rollout=false")
     if cfg.engine == "megatron":
         return MegatronRolloutEngine(dims, vocab_size=model_cfg.vocab_size,
                                      max_sequence_length=model_cfg.max_position_embeddings,

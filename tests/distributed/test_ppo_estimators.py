@@ -52,6 +52,10 @@ RUNS = {
     "from_rollout": ("ppo.old_logprobs_from_rollout=true",),
     "from_rollout_grpo": ("ppo.old_logprobs_from_rollout=true", "ppo.advantage_estimator=grpo",
                           "rollout.n_samples_per_prompt=2"),
+    # the decode that gives the values with megatron's MLP recompute on (it crashed: the
+    # layers' recompute flag took them off the incremental path)
+    "from_rollout_recompute_mlp": ("ppo.old_logprobs_from_rollout=true", "model.recompute_granularity=selective",
+                                   "model.recompute_modules=[mlp]"),
     # activation recompute (megatron's): the same training, less memory
     "recompute_full": ("model.recompute_granularity=full",),
     "recompute_separate_packed": VARIED + ("critic.mode=separate", *PACKED, "model.recompute_granularity=selective",
@@ -147,6 +151,12 @@ def _single(rank: int, tmp: str):
                           "rollout.n_samples_per_prompt=2"))
     except ValueError as e:
         out["errors"]["from_rollout_vllm_top_p"] = str(e)
+    for name, correction in (("from_rollout_tis", "ppo.rollout_is_cap=2.0"),
+                             ("from_rollout_mask", "ppo.rollout_mask_threshold=0.5")):
+        try:  # the correction would compare the rollout's log-probs with themselves
+            build(compose_ppo(data, tmp / name, *BASE, "ppo.old_logprobs_from_rollout=true", correction))
+        except ValueError as e:
+            out["errors"][name] = str(e)
     return out
 
 
@@ -271,6 +281,18 @@ def test_old_logprobs_and_values_from_the_rollout_train_like_the_forward_pass(si
             assert a["rollout_train_logprob_diff_max"] == 0.0  # rollout vs "old": the same numbers now
     assert "kl.temperature=sampling" in single["errors"]["from_rollout_unscaled_kl"]
     assert "rollout.top_p=1.0" in single["errors"]["from_rollout_vllm_top_p"]
+    for name, key in (("from_rollout_tis", "ppo.rollout_is_cap=2.0"),
+                      ("from_rollout_mask", "ppo.rollout_mask_threshold=0.5")):
+        assert key in single["errors"][name] and "no-op" in single["errors"][name]
+        assert "ppo.old_logprobs_from_rollout=false" in single["errors"][name]
+
+
+def test_values_from_the_rollout_with_mlp_recompute_train_like_without(single):
+    assert single["from_rollout_recompute_mlp"]["recompute"] == "selective"
+    for a, b in zip(single["from_rollout_recompute_mlp"]["metrics"], single["from_rollout"]["metrics"]):
+        assert "timing/old_logprobs_values_s" not in a
+        for key in COMPARED + ("value_loss", "clip_fraction", "explained_variance"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
 
 
 def test_old_logprobs_from_the_rollout_refuses_what_it_cannot_take(tmp_path):
@@ -279,6 +301,10 @@ def test_old_logprobs_from_the_rollout_refuses_what_it_cannot_take(tmp_path):
 
     with pytest.raises(ValueError, match="rollout.engine=megatron"):
         build_rollout_engine(RolloutConfig(engine="vllm"), None, None, eos_token_id=1, pad_token_id=0,
+                             with_values=True)
+    # refused when the job is built, not at the first rollout
+    with pytest.raises(ValueError, match="rollout.use_kv_cache=true or ppo.old_logprobs_from_rollout=false"):
+        build_rollout_engine(RolloutConfig(use_kv_cache=False), None, None, eos_token_id=1, pad_token_id=0,
                              with_values=True)
 
 

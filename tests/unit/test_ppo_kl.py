@@ -153,3 +153,17 @@ def test_build_kl_controller_registry():
     assert "adaptive" in str(err.value) and "fixed" in str(err.value)
     with pytest.raises(ValueError, match="horizon"):
         build_kl_controller("adaptive", 0.1, target=6.0)
+
+
+def test_k3_log_ratio_is_clipped_so_the_estimate_stays_finite():
+    from nemo_rlhf.algorithms.ppo.kl import K3_LOG_RATIO_CLAMP
+
+    lp = torch.tensor([-200.0, 0.0, -1.0]).requires_grad_()
+    ref = torch.tensor([0.0, -200.0, -1.0])
+    kl = kl_penalty(lp, ref, "k3")
+    assert torch.isfinite(kl).all()
+    expected = [math.exp(K3_LOG_RATIO_CLAMP) - K3_LOG_RATIO_CLAMP - 1,
+                math.exp(-K3_LOG_RATIO_CLAMP) + K3_LOG_RATIO_CLAMP - 1, 0.0]
+    torch.testing.assert_close(kl, torch.tensor(expected), rtol=1e-6, atol=1e-6)
+    kl.sum().backward()
+    assert torch.isfinite(lp.grad).all()

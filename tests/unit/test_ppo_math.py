@@ -98,8 +98,9 @@ def test_policy_loss_worked_positive_advantage_is_clipped(test_device):
     out = finalize_token_stats(stats)
     assert out["clip_fraction"] == 1.0
     assert out["ratio_mean"] == pytest.approx(1.3, abs=1e-5)
-    # k3(new vs old) = exp(old - new) - (old - new) - 1 = 1/1.3 + log(1.3) - 1
-    assert out["approx_kl"] == pytest.approx(1 / 1.3 + math.log(1.3) - 1, abs=1e-6)
+    # KL(pi_old || pi) on a token pi_old sampled, k3 with r = pi / pi_old = 1.3:
+    # r - 1 - log r = 0.3 - log(1.3) (the reversed ratio gave 1/1.3 + log(1.3) - 1, 11% less)
+    assert out["approx_kl"] == pytest.approx(0.3 - math.log(1.3), abs=1e-6)
 
 
 def test_policy_loss_worked_negative_advantage_is_not_clipped():

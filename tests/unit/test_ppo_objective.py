@@ -105,3 +105,51 @@ def test_critic_loss_is_the_value_loss_alone_without_vf_coef():
     assert float(loss) == pytest.approx(expected, abs=1e-6)
     assert float(stats["value_loss_sum"]) == pytest.approx(expected * T, abs=1e-6)
     assert float(stats["valid_tokens"]) == 3 and not math.isnan(float(loss))
+
+
+def test_logged_entropy_and_kl_loss_are_nats_per_token_in_every_agg_mode():
+    # Every valid token has entropy 1 nat and k1 KL 0.5 nats: the logged entropy and kl_loss
+    # are 1.0 and 0.5 whatever loss_agg_mode aggregates the loss terms with (they were the
+    # aggregated terms: 1.0 / 4.5 / 1.0 / 0.14 for the four modes at these lengths).
+    from nemo_rlhf.algorithms.ppo import finalize_token_stats
+
+    mask = torch.tensor([[True] * 8, [True] + [False] * 7])
+    lp = torch.full((2, 8), -1.0)
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                 "seq-mean-token-sum-norm"):
+        o = PPOObjective(kl_coef=0.1, kl_estimator="k1", loss_agg_mode=mode, norm_length=64)
+        _, stats = ppo_loss(o, lp, torch.ones(2, 8), mask, 9, 2, old_logprobs=lp,
+                            advantages=torch.zeros(2, 8), kl_logprobs=lp, ref_logprobs=lp - 0.5)
+        out = finalize_token_stats(stats)
+        assert out["entropy"] == pytest.approx(1.0, abs=1e-6), mode
+        assert out["kl_loss"] == pytest.approx(0.5, abs=1e-6), mode
+
+
+def test_kl_term_far_from_the_reference_is_finite_and_clamped():
+    # logp - ref_logp = -100 on one token: k3's exp(100) overflowed fp32 to inf (an infinite
+    # loss and a NaN gradient: the step was skipped). The log-ratio is clipped before the exp
+    # and the estimate clamped to DEFAULT_KL_LOSS_CLAMP (10 nats): finite, no gradient there.
+    from nemo_rlhf.algorithms.ppo import DEFAULT_KL_LOSS_CLAMP, finalize_token_stats
+
+    lp = torch.tensor([[-101.0, -1.0]]).requires_grad_()
+    ref = torch.tensor([[-1.0, -1.5]])
+    mask = torch.tensor([[True, True]])
+    o = _objective(kl_coef=1.0, kl_estimator="k3")
+    loss, stats = ppo_loss(o, lp, torch.zeros(1, 2), mask, 2, 1, old_logprobs=lp.detach(),
+                           advantages=torch.zeros(1, 2), kl_logprobs=lp, ref_logprobs=ref)
+    loss.backward()
+    k3_second = math.exp(-0.5) + 0.5 - 1  # log r = ref - logp = -0.5
+    assert DEFAULT_KL_LOSS_CLAMP == 10.0
+    assert float(loss) == pytest.approx((10.0 + k3_second) / 2, abs=1e-5)
+    assert finalize_token_stats(stats)["kl_loss"] == pytest.approx((10.0 + k3_second) / 2, abs=1e-5)
+    assert torch.isfinite(lp.grad).all()
+    assert float(lp.grad[0, 0]) == 0.0  # clamped: no gradient from the far token
+    assert float(lp.grad[0, 1]) == pytest.approx((1 - math.exp(-0.5)) / 2, abs=1e-6)
+    # off (kl_clamp=None): still finite, k3's log-ratio bound (20) keeps exp finite
+    lp.grad = None
+    loss, _ = ppo_loss(_objective(kl_coef=1.0, kl_estimator="k3", kl_clamp=None), lp,
+                       torch.zeros(1, 2), mask, 2, 1, old_logprobs=lp.detach(),
+                       advantages=torch.zeros(1, 2), kl_logprobs=lp, ref_logprobs=ref)
+    loss.backward()
+    assert float(loss) == pytest.approx((math.exp(20.0) - 21.0 + k3_second) / 2, rel=1e-5)
+    assert torch.isfinite(lp.grad).all()

@@ -44,6 +44,7 @@ from nemo_rlhf.algorithms.ppo.kl import (
     kl_penalty,
 )
 from nemo_rlhf.algorithms.ppo.losses import (
+    DEFAULT_KL_LOSS_CLAMP,
     DEFAULT_LOSS_AGG_MODE,
     LOSS_AGG_MODES,
     aggregate_loss,
@@ -64,6 +65,7 @@ __all__ = [
     "rollout_correction_weights",
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_ESTIMATOR_REFERENCES",
+    "DEFAULT_KL_LOSS_CLAMP",
     "DEFAULT_LOSS_AGG_MODE",
     "KL_CONTROLLERS",
     "KL_ESTIMATORS",

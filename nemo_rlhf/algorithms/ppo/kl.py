@@ -7,7 +7,9 @@ second distribution; ``log r = ref_logprobs - logprobs``:
 * ``k1 = logp - ref_logp = -log r``: unbiased, high variance, can be negative per token.
 * ``k2 = 0.5 * (logp - ref_logp)^2``: biased, low variance, never negative.
 * ``k3 = exp(log r) - log r - 1``: unbiased, low variance, never negative (verl's
-  ``low_var_kl``).
+  ``low_var_kl``). ``log r`` is clipped to ``[-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP]``
+  (20, as verl's ``low_var_kl``) before the ``exp``: a token with ``logp - ref_logp <
+  -88.7`` would otherwise give ``inf`` in fp32, and an infinite loss and gradient.
 
 Controllers follow Ziegler et al. 2019, "Fine-Tuning Language Models from Human
 Preferences", section 2.2 (as in TRL/OpenAI lm-human-preferences ``AdaptiveKLController``).
@@ -31,6 +33,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
+    "K3_LOG_RATIO_CLAMP",
     "build_kl_controller",
     "kl_penalty",
 ]
@@ -47,8 +50,13 @@ def _kl_k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return 0.5 * diff * diff
 
 
+K3_LOG_RATIO_CLAMP = 20.0
+"""``|log r|`` bound of the k3 estimate (``exp(20) - 21 = 4.9e8`` nats at most: finite in
+fp32, and its gradient too)."""
+
+
 def _kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
-    log_r = ref_logprobs - logprobs
+    log_r = (ref_logprobs - logprobs).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
     return torch.exp(log_r) - log_r - 1.0
 
 

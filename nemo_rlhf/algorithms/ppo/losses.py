@@ -69,6 +69,7 @@ from nemo_rlhf.algorithms.ppo.core import (
 from nemo_rlhf.algorithms.ppo.kl import KL_ESTIMATORS, kl_penalty
 
 __all__ = [
+    "DEFAULT_KL_LOSS_CLAMP",
     "DEFAULT_LOSS_AGG_MODE",
     "LOSS_AGG_MODES",
     "aggregate_loss",
@@ -91,6 +92,10 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
 #: The default mode, today's behaviour; the one place it is set (a config field can
 #: default to this constant).
 DEFAULT_LOSS_AGG_MODE = "token-mean"
+
+#: Default bound (nats) on the per-token estimate of the KL loss term (verl clamps its
+#: ``low_var_kl`` to the same): :func:`kl_loss`, ``PPOObjective.kl_clamp``.
+DEFAULT_KL_LOSS_CLAMP = 10.0
 
 GlobalCount = Union[int, float, torch.Tensor]
 Stats = Dict[str, torch.Tensor]
@@ -251,8 +256,8 @@ def policy_loss(
         ``(loss, stats)``: ``loss`` is a 0-d fp32 tensor; ``stats`` (detached 0-d fp32, see
         module docstring) has ``valid_tokens``, ``clip_fraction_sum`` (tokens whose
         objective came from the clipped ratio), ``dual_clip_fraction_sum`` (tokens capped
-        by dual-clip), ``approx_kl_sum`` (k3 of new vs old: ``exp(old - new) - (old - new)
-        - 1``), ``ratio_mean_sum``, ``ratio_max`` and ``ratio_min`` (-inf / +inf when no
+        by dual-clip), ``approx_kl_sum`` (k3 estimate of KL(pi_old || pi) on the tokens
+        pi_old sampled: ``r - 1 - log r`` with ``r = exp(new - old)``), ``ratio_mean_sum``, ``ratio_max`` and ``ratio_min`` (-inf / +inf when no
         token is valid).
 
     Raises:
@@ -294,7 +299,9 @@ def policy_loss(
 
     with torch.no_grad():
         ratio_d = ratio.detach()
-        approx_kl = KL_ESTIMATORS["k3"](t["logprobs"].detach(), t["old_logprobs"].detach())
+        # KL(pi_old || pi) on tokens sampled from pi_old: k3 with r = pi / pi_old
+        # (Schulman 2020), i.e. the estimator's "actor" is the old policy.
+        approx_kl = KL_ESTIMATORS["k3"](t["old_logprobs"].detach(), t["logprobs"].detach())
         stats: Stats = {
             "valid_tokens": _count(mask),
             "clip_fraction_sum": _count(clip_hit & mask),
@@ -417,7 +424,7 @@ def kl_loss(
     loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE,
     global_sequences: Optional[GlobalCount] = None,
     norm_length: Optional[GlobalCount] = None,
-    clamp: Optional[float] = None,
+    clamp: Optional[float] = DEFAULT_KL_LOSS_CLAMP,
 ) -> Tuple[torch.Tensor, Stats]:
     """KL(pi || pi_ref) as a loss term: the per-token estimate, aggregated like the losses.
 
@@ -441,7 +448,10 @@ def kl_loss(
         global_sequences: rows of the mini-batch over all micro-batches and DP ranks
             (the ``seq-*`` modes).
         norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
-        clamp: clip the per-token estimate to ``[-clamp, clamp]`` (None: off).
+        clamp: clip the per-token estimate to ``[-clamp, clamp]``; default
+            :data:`DEFAULT_KL_LOSS_CLAMP` (10 nats, as verl's ``low_var_kl``): a token far
+            from the reference then adds no gradient instead of a huge one. None: off
+            (k3's log-ratio stays clipped, :data:`~nemo_rlhf.algorithms.ppo.kl.K3_LOG_RATIO_CLAMP`).
 
     Returns:
         ``(loss, stats)``: 0-d fp32 loss; stats ``valid_tokens`` and ``ref_kl_sum``

@@ -19,7 +19,9 @@ from typing import Optional, Tuple
 
 import torch
 
+from nemo_rlhf.algorithms.ppo.core import masked_sum
 from nemo_rlhf.algorithms.ppo.losses import (
+    DEFAULT_KL_LOSS_CLAMP,
     DEFAULT_LOSS_AGG_MODE,
     GlobalCount,
     Stats,
@@ -52,6 +54,8 @@ class PPOObjective:
     """Weight of the KL(actor || reference) term (0: off)."""
     kl_estimator: str = "k3"
     """Estimator of the KL term (``k1``, ``k2``, ``k3``)."""
+    kl_clamp: Optional[float] = DEFAULT_KL_LOSS_CLAMP
+    """Bound on the KL term's per-token estimate (``kl.clamp`` when set; None: off)."""
     loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE
     """Token-loss aggregation (:func:`~nemo_rlhf.algorithms.ppo.losses.aggregate_loss`)."""
     norm_length: Optional[int] = None
@@ -97,9 +101,13 @@ def ppo_loss(
 
     Returns:
         ``(loss, stats)``: ``loss`` a scalar float32; ``stats`` the policy and value
-        losses' statistics plus ``value_loss_sum``, ``kl_loss_sum``, ``policy_loss_sum``
-        and ``entropy_sum`` (each term times the global token count, so
-        :func:`~nemo_rlhf.algorithms.ppo.losses.finalize_token_stats` reports the term).
+        losses' statistics plus ``value_loss_sum`` and ``policy_loss_sum`` (the loss terms
+        times the global token count, so
+        :func:`~nemo_rlhf.algorithms.ppo.losses.finalize_token_stats` reports the terms as
+        aggregated by ``loss_agg_mode``), and ``entropy_sum`` and ``kl_loss_sum``: token
+        sums of the entropy and of the KL term's (clamped) per-token estimate, which
+        ``finalize_token_stats`` turns into nats per token whatever ``loss_agg_mode``
+        (the unit the guards and the docs read).
 
     Raises:
         ValueError: the KL term without ``kl_logprobs``/``ref_logprobs``, or a value term
@@ -129,12 +137,13 @@ def ppo_loss(
         if o.kl_coef > 0:
             if kl_logprobs is None or ref_logprobs is None:
                 raise ValueError("ppo_loss: kl_coef > 0 needs kl_logprobs and ref_logprobs")
-            kll, _ = kl_loss(kl_logprobs, ref_logprobs, response_mask, global_valid_tokens,
-                             estimator=o.kl_estimator, **agg)
+            kll, kstats = kl_loss(kl_logprobs, ref_logprobs, response_mask, global_valid_tokens,
+                                  estimator=o.kl_estimator, clamp=o.kl_clamp, **agg)
             loss = loss + o.kl_coef * kll
-            stats["kl_loss_sum"] = kll.detach() * scale
+            stats["kl_loss_sum"] = kstats["ref_kl_sum"]
     stats["policy_loss_sum"] = pl.detach() * scale
-    stats["entropy_sum"] = ent.detach() * scale
+    with torch.no_grad():
+        stats["entropy_sum"] = masked_sum(entropy.detach(), response_mask.bool())
     return loss, stats
 
 

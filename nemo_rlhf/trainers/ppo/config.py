@@ -139,7 +139,10 @@ class PPOAlgoConfig:
     forwards (old, reference, RM). The ratio on the first mini-batch is then ~1 instead of
     exactly 1 (the decode and the training forward differ in the last bits;
     ``rollout_correction/mismatch`` no longer measures it). Needs ``kl.temperature`` to
-    give the rollout's temperature; with a shared critic, ``rollout.engine=megatron``."""
+    give the rollout's temperature; with a shared critic, ``rollout.engine=megatron`` and
+    ``rollout.use_kv_cache=true``. Refused with ``rollout_is_cap`` /
+    ``rollout_mask_threshold``, which would then compare the rollout's log-probs with
+    themselves."""
     sequence_packing: bool = False
     """With ``max_tokens_per_micro_batch``: concatenate the sequences (their valid tokens)
     into packed rows of ``packed_row_length`` tokens, attention kept within each sequence
@@ -169,6 +172,15 @@ class PPOAlgoConfig:
         if self.rollout_mask_threshold is not None and not self.rollout_mask_threshold > 0.0:
             raise ValueError(f"ppo.rollout_mask_threshold={self.rollout_mask_threshold}: must be > 0 "
                              f"nats (null: off)")
+        if self.old_logprobs_from_rollout and (self.rollout_is_cap is not None
+                                               or self.rollout_mask_threshold is not None):
+            # the correction compares the training engine's old log-probs with the rollout's;
+            # taken from the rollout, they are the same numbers: every weight 1, nothing masked
+            raise ValueError(
+                f"ppo.old_logprobs_from_rollout=true makes ppo.rollout_is_cap={self.rollout_is_cap} / "
+                f"ppo.rollout_mask_threshold={self.rollout_mask_threshold} a no-op (the old log-probs "
+                f"would be compared with themselves): set ppo.old_logprobs_from_rollout=false to "
+                f"correct the rollout-vs-train mismatch, or both corrections to null")
         if self.max_tokens_per_micro_batch < 0:
             raise ValueError(f"ppo.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must be "
                              f">= 0 (0: micro-batches of ppo.micro_batch_size rows)")
@@ -204,7 +216,8 @@ class KLConfig:
     estimator: str = "k1"
     """``k1``, ``k2`` or ``k3``."""
     clamp: Optional[float] = None
-    """Clamp the per-token KL to [-clamp, clamp] (None: off)."""
+    """Clamp the per-token KL to [-clamp, clamp]: the reward's KL (None: off there) and the
+    KL loss term's (None: ``DEFAULT_KL_LOSS_CLAMP``, 10 nats, as verl)."""
     temperature: str = "sampling"
     """Temperature of both log-probs in the KL: ``sampling`` (default, as TRL: the rollout's
     logprob_temperature, the distribution the actor samples from and PPO trains) or

@@ -110,8 +110,9 @@ class PPOTrainer:
             clip_eps_high=cfg.ppo.ratio_eps_high, dual_clip=cfg.ppo.dual_clip,
             value_clip=cfg.ppo.value_clip, value_loss_coef=cfg.ppo.value_loss_coef,
             entropy_coef=cfg.ppo.entropy_bonus, kl_coef=cfg.kl.loss_coef,
-            kl_estimator=cfg.kl.loss_estimator, loss_agg_mode=cfg.ppo.loss_agg_mode,
-            norm_length=cfg.rollout.max_new_tokens)
+            kl_estimator=cfg.kl.loss_estimator,
+            kl_clamp=P.DEFAULT_KL_LOSS_CLAMP if cfg.kl.clamp is None else cfg.kl.clamp,
+            loss_agg_mode=cfg.ppo.loss_agg_mode, norm_length=cfg.rollout.max_new_tokens)
         self.step = 0
         self.weights_version = 0
         """Changes whenever the actor's weights do (an optimizer step, a checkpoint load): a
