@@ -165,6 +165,23 @@ def _checkpoint_config(path: Path) -> dict:
     return OmegaConf.to_container(OmegaConf.load(cfg_file), resolve=True)
 
 
+def _tokenizer_dir(path: Path, data: dict) -> str:
+    """The checkpoint's own tokenizer copy, else its config's ``data.tokenizer_dir``
+    (:func:`~nemo_rlhf.checkpoint.io.checkpoint_tokenizer_dir`).
+
+    Raises:
+        FileNotFoundError: neither exists (names both; ``tokenizer_dir=`` overrides).
+    """
+    from nemo_rlhf.checkpoint.io import checkpoint_tokenizer_dir
+
+    found = checkpoint_tokenizer_dir(path, data.get("tokenizer_dir"))
+    if found is None:
+        raise FileNotFoundError(
+            f"{path}: no tokenizer/ folder in the checkpoint and its config's data.tokenizer_dir="
+            f"{data.get('tokenizer_dir')!r} is not a tokenizer folder here; pass tokenizer_dir=<folder>")
+    return found
+
+
 def checkpoint_paths(cfg: EvalConfig) -> list[Path]:
     """The checkpoint folders ``cfg`` asks for, each once, sorted by step (stable).
 
@@ -421,7 +438,7 @@ def _evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, 
     """One checkpoint's result dict and its samples rows (every rank)."""
     saved = _checkpoint_config(path)
     d = saved.get("data", {})
-    data_cfg = DataConfig(train_file=cfg.data, tokenizer_dir=cfg.tokenizer_dir or d["tokenizer_dir"],
+    data_cfg = DataConfig(train_file=cfg.data, tokenizer_dir=cfg.tokenizer_dir or _tokenizer_dir(path, d),
                           chat_template=cfg.chat_template or d.get("chat_template"),
                           system_prompt=cfg.system_prompt or d.get("system_prompt"))
     tok = Tokenizer(data_cfg.tokenizer_dir)
@@ -553,7 +570,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         require_matplotlib()
     first = _checkpoint_config(paths[0])
     d = first.get("data", {})
-    tok = Tokenizer(cfg.tokenizer_dir or d["tokenizer_dir"])
+    tok = Tokenizer(cfg.tokenizer_dir or _tokenizer_dir(paths[0], d))
     model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), first["model"]))
     dims, model_cfg = setup_run(cfg.parallel, model_cfg, tok, cfg.seed)
     precision = agree_on_precision(str(cfg.precision), dims)

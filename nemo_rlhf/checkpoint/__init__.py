@@ -3,6 +3,7 @@
 from nemo_rlhf.checkpoint.io import (
     CheckpointError,
     checkpoint_heads,
+    checkpoint_tokenizer_dir,
     find_latest_checkpoint,
     is_complete,
     list_checkpoints,
@@ -17,7 +18,7 @@ from nemo_rlhf.checkpoint.io import (
 )
 
 __all__ = [
-    "CheckpointError", "checkpoint_heads", "find_latest_checkpoint", "is_complete", "list_checkpoints",
+    "CheckpointError", "checkpoint_heads", "checkpoint_tokenizer_dir", "find_latest_checkpoint", "is_complete", "list_checkpoints",
     "load_checkpoint", "load_model_weights", "read_metadata",
     "read_trainer_state", "resolve_checkpoint", "save_checkpoint", "step_dir", "verify_checkpoint",
 ]

@@ -44,6 +44,14 @@ from nemo_rlhf.models.engine import unwrap
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+TOKENIZER_SUBDIR = "tokenizer"
+"""Folder of a checkpoint holding a copy of the run's tokenizer files
+(:data:`TOKENIZER_FILES`): a checkpoint moved to another folder, filesystem or cluster
+still has its tokenizer (:func:`checkpoint_tokenizer_dir`)."""
+TOKENIZER_FILES = ("tokenizer.json", "special_tokens.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "chat_template.jinja")
+"""The files of a tokenizer folder that :class:`~nemo_rlhf.data.tokenizer.Tokenizer` and the
+HF export read (those present are copied; nothing else of the folder, e.g. model weights)."""
 HEAD_KEYS = ("value_head.", "reward_head.")
 
 
@@ -341,6 +349,7 @@ def save_checkpoint(
     _barrier()
     maybe_crash("save_written", step)
     if _rank() == 0:
+        _copy_tokenizer(config, tmp)
         meta = {
             "step": int(step),
             "time": time.time(),
@@ -375,10 +384,42 @@ def save_checkpoint(
     return final
 
 
+def _copy_tokenizer(config: Optional[dict], ckpt: Path) -> None:
+    """Copy the :data:`TOKENIZER_FILES` of ``config["data"]["tokenizer_dir"]`` (when it names
+    a folder holding ``tokenizer.json``) into ``ckpt/tokenizer``."""
+    src = ((config or {}).get("data") or {}).get("tokenizer_dir")
+    if not src or not (Path(src) / "tokenizer.json").is_file():
+        return
+    dst = ckpt / TOKENIZER_SUBDIR
+    dst.mkdir(exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, dst / name)
+
+
+def checkpoint_tokenizer_dir(path: Path, saved: Optional[str] = None) -> Optional[str]:
+    """The tokenizer folder of the checkpoint at ``path``: its own copy
+    (``path/tokenizer``, written by :func:`save_checkpoint`) when there is one, else the
+    config's ``data.tokenizer_dir`` (``saved``; checkpoints from before the copy) if it is a
+    folder here, else ``<path's parent>/tokenizer`` (``import-hf``'s layout), else None.
+
+    Args:
+        path: a checkpoint folder (``step_<N>``).
+        saved: ``data.tokenizer_dir`` of its ``config.yaml`` (absolute, or relative to the
+            working directory of the run that wrote it).
+    """
+    path = Path(path)
+    for candidate in (path / TOKENIZER_SUBDIR, Path(saved) if saved else None,
+                      path.parent / TOKENIZER_SUBDIR):
+        if candidate is not None and (candidate / "tokenizer.json").is_file():
+            return str(candidate)
+    return None
+
+
 def file_checksums(path: Path) -> dict[str, list]:
-    """``{relative path: [size in bytes, sha256 hex]}`` of the shard and RNG files."""
+    """``{relative path: [size in bytes, sha256 hex]}`` of the shard, RNG and tokenizer files."""
     out = {}
-    for sub in ("dist", "rng"):
+    for sub in ("dist", "rng", TOKENIZER_SUBDIR):
         for f in sorted((Path(path) / sub).rglob("*")):
             if f.is_file():
                 h = hashlib.sha256()

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from nemo_rlhf.checkpoint.io import resolve_checkpoint
+from nemo_rlhf.checkpoint.io import checkpoint_tokenizer_dir, resolve_checkpoint
 
 RUN_SETTINGS = ("hidden_dropout", "attention_dropout", "init_method_std", "value_head_init_std")
 """Model keys that are the job's own settings, never taken from the checkpoint."""
@@ -199,12 +199,9 @@ def adopt_for_hydra_job(dcfg: DictConfig, job: str) -> list[str]:
 
 
 def _tokenizer_dir(saved: Optional[str], path: Path) -> Optional[str]:
-    """The checkpoint config's tokenizer folder if it exists here, else ``<root>/tokenizer``
-    (``import-hf``'s layout), else None."""
-    if saved and Path(saved).is_dir():
-        return str(saved)
-    near = path.parent / "tokenizer"
-    return str(near) if near.is_dir() else None
+    """The checkpoint's tokenizer folder (:func:`~nemo_rlhf.checkpoint.io.checkpoint_tokenizer_dir`:
+    its own copy first, so a moved checkpoint keeps its tokenizer)."""
+    return checkpoint_tokenizer_dir(path, saved)
 
 
 __all__ = ["CheckpointModelError", "INIT_FROM_KEYS", "adopt_checkpoint_model", "adopt_for_hydra_job",

@@ -177,6 +177,11 @@ def _resolve_tokenizer_dir(cfg: RMScorerConfig, info: RMCheckpointInfo) -> str:
         if not Path(cfg.tokenizer_dir).exists():
             raise FileNotFoundError(f"tokenizer_dir={cfg.tokenizer_dir!r}: no such folder")
         return cfg.tokenizer_dir
+    from nemo_rlhf.checkpoint.io import TOKENIZER_SUBDIR
+
+    own = Path(info.path) / TOKENIZER_SUBDIR
+    if (own / "tokenizer.json").is_file():
+        return str(own)  # the checkpoint's own copy: a moved checkpoint keeps its tokenizer
     if not info.tokenizer_dir:
         raise ValueError(f"{info.path}/config.yaml has no data.tokenizer_dir; pass tokenizer_dir=<folder>")
     if not Path(info.tokenizer_dir).exists():

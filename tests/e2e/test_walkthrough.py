@@ -221,7 +221,11 @@ def test_rm_and_ppo_take_the_model_from_the_checkpoint_and_run(walk):
     rm_ckpt = shared / "exp" / "rm" / "checkpoints" / "step_2"
     assert (rm_ckpt / "COMPLETE").is_file()
     rm_cfg = yaml.safe_load((rm_ckpt / "config.yaml").read_text())
-    assert rm_cfg["model"]["num_layers"] == 2 and rm_cfg["data"]["tokenizer_dir"] == str(root / "tokenizer")
+    # the tokenizer: the import's own copy inside its checkpoint (relocatable), the import's files
+    assert rm_cfg["model"]["num_layers"] == 2 and rm_cfg["data"]["tokenizer_dir"] == str(root / "step_0" / "tokenizer")
+    assert ((root / "step_0" / "tokenizer" / "tokenizer.json").read_bytes()
+            == (root / "tokenizer" / "tokenizer.json").read_bytes())
+    assert (rm_ckpt / "tokenizer" / "tokenizer.json").is_file()  # and the RM's checkpoint its own
     assert rm_cfg["data"]["chat_template"] == "model"
     ppo = shared / "exp" / "ppo"
     assert (ppo / "checkpoints" / "step_2" / "COMPLETE").is_file()

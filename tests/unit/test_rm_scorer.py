@@ -138,7 +138,10 @@ def test_scorer_matches_in_process_model_for_text_and_token_items(rm):
     assert meta["reward_mean"] == 0.25 and meta["reward_std"] == 1.5 and meta["reward_stats_count"] == 8
     assert meta["vocab_size"] == rm["tok"].vocab_size == scorer.vocab_size
     assert meta["model_name"] == "tiny" and meta["chat_template"] == "chatml"
-    assert meta["tokenizer_dir"] == str(rm["tok_dir"].resolve())
+    # the checkpoint's own copy of the run's tokenizer (a moved checkpoint keeps it)
+    assert meta["tokenizer_dir"] == str((Path(meta["checkpoint_path"]) / "tokenizer").resolve())
+    assert (Path(meta["tokenizer_dir"]) / "tokenizer.json").read_bytes() == (
+        rm["tok_dir"] / "tokenizer.json").read_bytes()
     json.dumps(meta)
     scorer.close()
 

@@ -41,7 +41,10 @@ def cmd_export_hf(args) -> int:
         raise CLIError(f"--dtype {args.dtype}: valid choices are {sorted(hc.DTYPES)}")
     tok_dir = None
     if not args.no_tokenizer:
-        tok_dir = Path(args.tokenizer_dir or (cfg.get("data") or {}).get("tokenizer_dir") or "")
+        from nemo_rlhf.checkpoint.io import checkpoint_tokenizer_dir
+
+        saved = (cfg.get("data") or {}).get("tokenizer_dir")
+        tok_dir = Path(args.tokenizer_dir or checkpoint_tokenizer_dir(ckpt, saved) or saved or "")
         if not str(tok_dir) or not (tok_dir / "tokenizer.json").is_file():
             raise CLIError(f"tokenizer folder {str(tok_dir) or '(none in config.yaml)'} has no "
                            "tokenizer.json; pass --tokenizer-dir DIR or --no-tokenizer")
