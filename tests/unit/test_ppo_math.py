@@ -244,6 +244,26 @@ def test_explained_variance():
     assert math.isnan(float(explained_variance(returns, t([[2.0, 2.0, 2.0, 0.0]]), mask)))
 
 
+def test_explained_variance_from_sums_over_row_splits_equals_the_whole_batch():
+    # the trainer sums explained_variance_sums over DP ranks: two halves == the whole batch
+    from nemo_rlhf.algorithms.ppo import explained_variance_from_sums, explained_variance_sums
+
+    gen = torch.Generator().manual_seed(0)
+    values, returns = torch.randn(6, 5, generator=gen), torch.randn(6, 5, generator=gen) * 2
+    mask = torch.rand(6, 5, generator=gen) > 0.3
+    whole = float(explained_variance(values, returns, mask))
+    halves = (explained_variance_sums(values[:2], returns[:2], mask[:2])
+              + explained_variance_sums(values[2:], returns[2:], mask[2:]))
+    assert explained_variance_from_sums(halves) == pytest.approx(whole, abs=1e-6)
+    # rank 0's rows alone (what was logged under DP) give another number
+    assert abs(float(explained_variance(values[:2], returns[:2], mask[:2])) - whole) > 1e-2
+    mask1 = t([[1, 1, 1, 0]]).bool()
+    r = t([[1.0, 2.0, 3.0, NAN]])
+    assert explained_variance_from_sums(explained_variance_sums(t([[0.5, 2.5, 3.0, 0.0]]), r, mask1)) \
+        == pytest.approx(0.75, abs=1e-9)
+    assert math.isnan(explained_variance_from_sums(explained_variance_sums(r, t([[2.0, 2.0, 2.0, 0.0]]), mask1)))
+
+
 # --------------------------------------------------------------------------------------
 # Reward placement
 # --------------------------------------------------------------------------------------

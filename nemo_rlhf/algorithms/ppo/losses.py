@@ -75,6 +75,8 @@ __all__ = [
     "aggregate_loss",
     "entropy_bonus",
     "explained_variance",
+    "explained_variance_from_sums",
+    "explained_variance_sums",
     "finalize_token_stats",
     "kl_loss",
     "merge_token_stats",
@@ -469,6 +471,42 @@ def kl_loss(
     with torch.no_grad():
         stats: Stats = {"valid_tokens": _count(mask), "ref_kl_sum": masked_sum(kl.detach(), mask)}
     return loss, stats
+
+
+def explained_variance_sums(
+    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """The sums :func:`explained_variance_from_sums` needs, over this rank's valid tokens:
+    ``[sum R, sum R^2, sum (R - V), sum (R - V)^2, n]``, float64 (summed over DP ranks
+    with one all-reduce, they give the explained variance of the whole batch).
+
+    Args:
+        values, returns: ``[batch, response_len]``; ``response_mask`` bool or 0/1.
+
+    Returns:
+        ``[5]`` float64 on the inputs' device.
+
+    Raises:
+        ValueError: shape mismatch.
+    """
+    mask, t = _prepare(response_mask, values=values, returns=returns)
+    with torch.no_grad():
+        ret = _select(mask, t["returns"].detach()).double()
+        diff = _select(mask, t["returns"].detach() - t["values"].detach()).double()
+        return torch.stack([ret.sum(), (ret * ret).sum(), diff.sum(), (diff * diff).sum(),
+                            mask.sum().double()])
+
+
+def explained_variance_from_sums(sums: torch.Tensor) -> float:
+    """``1 - Var[R - V] / Var[R]`` (unbiased variances) from :func:`explained_variance_sums`
+    (possibly summed over ranks); NaN when fewer than 2 tokens or ``Var[R] == 0``, as
+    :func:`explained_variance`."""
+    s_r, sq_r, s_d, sq_d, n = (float(x) for x in sums.tolist())
+    if n < 2:
+        return math.nan
+    var_r = (sq_r - s_r * s_r / n) / (n - 1)
+    var_d = (sq_d - s_d * s_d / n) / (n - 1)
+    return 1.0 - var_d / var_r if var_r > 0 else math.nan
 
 
 def explained_variance(

@@ -42,7 +42,6 @@ from nemo_rlhf.metrics.logger import MetricsLogger
 from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap
 from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs, response_values
-from nemo_rlhf.rollout import logprob_diff_stats
 from nemo_rlhf.rollout.engines import build_rollout_engine
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
 from nemo_rlhf.trainers.ppo.config import PPOConfig
@@ -413,15 +412,37 @@ class PPOTrainer:
             return None, {}
         with self.timers("advantages"):
             adv, metrics = self._advantages(batch, scores, fwd)
-            metrics.update(logprob_diff_stats(batch.logprobs, fwd.old_logprobs,
-                                              batch.response_mask))
-            if self.needs_values:
-                metrics["explained_variance"] = float(P.explained_variance(
-                    fwd.values, adv.returns, batch.response_mask))
-            reps = self._repetition(batch)
-            metrics["repetition"] = float(sum(reps) / max(len(reps), 1))
-            metrics["response_length_max"] = float(batch.response_lengths.max())
+            metrics.update(self._rollout_quality(batch, fwd, adv))
         return adv, metrics
+
+    def _rollout_quality(self, batch, fwd: ForwardResults, adv: Advantages) -> dict:
+        """The rollout-vs-train log-prob mismatch, the critic's explained variance, the
+        n-gram repetition and the longest response, each over the whole batch (every DP
+        rank's rows: one sum and one max all-reduce on ``dims.device``)."""
+        mask = batch.response_mask
+        dev = mask.device
+        m = mask.bool()
+        diff = (batch.logprobs.detach().float() - fwd.old_logprobs.detach().float()).abs()
+        reps = self._repetition(batch)
+        ev = (P.explained_variance_sums(fwd.values, adv.returns, mask) if self.needs_values
+              else torch.zeros(5, dtype=torch.float64, device=dev))
+        sums = torch.cat([torch.stack([torch.where(m, diff, 0.0).sum().double(), m.sum().double(),
+                                       torch.tensor(float(sum(reps)), dtype=torch.float64, device=dev),
+                                       torch.tensor(float(len(reps)), dtype=torch.float64, device=dev)]),
+                          ev.to(dev)])
+        maxes = torch.stack([torch.where(m, diff, 0.0).max() if diff.numel() else diff.new_zeros(()),
+                             batch.response_lengths.max().float().to(dev)])
+        if self.dims.dp > 1:
+            dist.all_reduce(sums, group=self.dims.dp_group)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
+        diff_sum, tokens, rep_sum, rows = (float(x) for x in sums[:4].tolist())
+        out = {"rollout_train_logprob_diff_mean": diff_sum / tokens if tokens else 0.0,
+               "rollout_train_logprob_diff_max": float(maxes[0]),
+               "repetition": rep_sum / max(rows, 1.0),
+               "response_length_max": float(maxes[1])}
+        if self.needs_values:
+            out["explained_variance"] = P.explained_variance_from_sums(sums[4:])
+        return out
 
     def _advantages(self, batch, scores, fwd: ForwardResults) -> tuple[Advantages, dict]:
         mask = batch.response_mask
