@@ -151,6 +151,12 @@ def _single(rank: int, tmp: str):
                           "rollout.n_samples_per_prompt=2"))
     except ValueError as e:
         out["errors"]["from_rollout_vllm_top_p"] = str(e)
+    try:  # vLLM's processed log-probs come after its min-tokens processor (EOS/stops removed)
+        build(compose_ppo(data, tmp / "bad_vllm_min", *BASE, "ppo.old_logprobs_from_rollout=true",
+                          "rollout.engine=vllm", "rollout.min_new_tokens=2", "ppo.advantage_estimator=grpo",
+                          "rollout.n_samples_per_prompt=2"))
+    except ValueError as e:
+        out["errors"]["from_rollout_vllm_min_tokens"] = str(e)
     for name, correction in (("from_rollout_tis", "ppo.rollout_is_cap=2.0"),
                              ("from_rollout_mask", "ppo.rollout_mask_threshold=0.5")):
         try:  # the correction would compare the rollout's log-probs with themselves
@@ -281,6 +287,7 @@ def test_old_logprobs_and_values_from_the_rollout_train_like_the_forward_pass(si
             assert a["rollout_train_logprob_diff_max"] == 0.0  # rollout vs "old": the same numbers now
     assert "kl.temperature=sampling" in single["errors"]["from_rollout_unscaled_kl"]
     assert "rollout.top_p=1.0" in single["errors"]["from_rollout_vllm_top_p"]
+    assert "set rollout.min_new_tokens=0" in single["errors"]["from_rollout_vllm_min_tokens"]
     for name, key in (("from_rollout_tis", "ppo.rollout_is_cap=2.0"),
                       ("from_rollout_mask", "ppo.rollout_mask_threshold=0.5")):
         assert key in single["errors"][name] and "no-op" in single["errors"][name]

@@ -67,7 +67,9 @@ class PPOAlgoConfig:
     """PPO hyper-parameters (group ``ppo``; NeMo-Aligner's ``model.ppo`` names)."""
 
     num_rollout_samples: int = 32
-    """Prompts rolled out per PPO step, across all DP ranks."""
+    """Samples (responses) rolled out per PPO step, across all DP ranks: with
+    ``rollout.n_samples_per_prompt = n``, ``num_rollout_samples / n`` prompts each
+    sampled ``n`` times."""
     global_batch_size: int = 16
     """Samples per optimizer step (a mini-batch), across all DP ranks."""
     micro_batch_size: int = 4

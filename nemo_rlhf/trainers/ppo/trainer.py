@@ -127,6 +127,13 @@ class PPOTrainer:
                 f"ppo.old_logprobs_from_rollout=true with rollout.engine=vllm: vLLM records log-probs "
                 f"after top-k/top-p (rollout.top_k={cfg.rollout.top_k}, rollout.top_p={cfg.rollout.top_p}), "
                 f"not of the policy the update trains: set rollout.top_k=0 and rollout.top_p=1.0")
+        if (cfg.ppo.old_logprobs_from_rollout and cfg.rollout.engine == "vllm"
+                and cfg.rollout.min_new_tokens > 0):
+            raise ValueError(
+                f"ppo.old_logprobs_from_rollout=true with rollout.engine=vllm: vLLM records log-probs "
+                f"after its min-tokens processor has removed EOS and the stop tokens from the first "
+                f"rollout.min_new_tokens={cfg.rollout.min_new_tokens} positions, not the policy's own: "
+                f"set rollout.min_new_tokens=0 or ppo.old_logprobs_from_rollout=false")
         self.rollout_engine = build_rollout_engine(
             cfg.rollout, dims, cfg.model, eos_token_id=tokenizer.eos_id,
             pad_token_id=tokenizer.pad_id, decode_fn=tokenizer.decode,
