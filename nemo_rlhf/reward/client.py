@@ -9,6 +9,16 @@ Retries: connection errors, timeouts and 5xx are retried with exponential backof
 (``backoff_s * 2**k`` seconds before retry k+1); 4xx are not (the request itself is
 wrong). Scoring is a pure function of the request, so retrying a POST is safe.
 
+A slow server is not a dead one: ``timeout_s`` bounds how long the client waits for an
+answer before it asks whether the server is alive, not how long the scoring may take.
+Each ``POST /score`` carries a request id (``X-Request-ID``, kept across its retries), and
+the server attaches a repeated id to the work already in flight for it (it is never
+queued twice). When an attempt times out, the client probes ``GET /health`` (answered
+by the server's event loop while the model is busy): a server that answers ``ready`` is
+busy, and the client asks again with the same id without spending a retry, for at most
+``max_wait_s`` seconds in all; a server that does not answer (dead, unreachable) spends a
+retry, so a dead server is reported after the retries, as before.
+
 Simplified on purpose: synchronous (the PPO trainer calls it between phases); chunks of a
 large request are sent one after another, not concurrently.
 """
@@ -20,6 +30,7 @@ import math
 import numbers
 import os
 import time
+import uuid
 from typing import Any, Mapping, Sequence
 
 import httpx
@@ -51,7 +62,8 @@ class RewardModelClient:
 
     Args:
         url: server base URL, ``http://host:port``.
-        timeout_s: per-attempt timeout in seconds (connect, read, write each).
+        timeout_s: per-attempt timeout in seconds (connect, read, write each); a read
+            timeout on ``/score`` is followed by a ``/health`` probe (module docstring).
         max_retries: retries after the first attempt on connection errors, timeouts and
             5xx; 0 disables retries.
         backoff_s: sleep before the first retry in seconds; doubles each retry.
@@ -59,6 +71,8 @@ class RewardModelClient:
         chunk_size: most items per ``POST /score``; larger lists are split into
             sequential requests. None: one request (the server's
             ``max_items_per_request`` must then allow it).
+        max_wait_s: the longest one ``/score`` request may wait on a server that is alive
+            and busy (answers ``/health``), in seconds, over all its attempts.
         transport: an ``httpx`` transport, for tests only.
 
     Thread-safe: one client may be shared by threads.
@@ -73,6 +87,7 @@ class RewardModelClient:
         auth_token: str | None = None,
         chunk_size: int | None = None,
         transport: httpx.BaseTransport | None = None,
+        max_wait_s: float = 3600.0,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"RewardModelClient: url={url!r}; valid: http://host:port")
@@ -82,6 +97,8 @@ class RewardModelClient:
             raise ValueError(f"RewardModelClient: max_retries={max_retries}; valid: an int >= 0")
         if backoff_s < 0:
             raise ValueError(f"RewardModelClient: backoff_s={backoff_s}; valid: a number of seconds >= 0")
+        if not max_wait_s > 0:
+            raise ValueError(f"RewardModelClient: max_wait_s={max_wait_s}; valid: a number of seconds > 0")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"RewardModelClient: chunk_size={chunk_size}; valid: None or an int >= 1")
         self.url = url.rstrip("/")
@@ -89,6 +106,9 @@ class RewardModelClient:
         self.max_retries = int(max_retries)
         self.backoff_s = float(backoff_s)
         self.chunk_size = chunk_size
+        self.max_wait_s = float(max_wait_s)
+        self.busy_waits = 0
+        """Attempts that timed out on a server that answered ``/health`` ready (counted)."""
         headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
         self._http = httpx.Client(
             base_url=self.url, timeout=httpx.Timeout(self.timeout_s), headers=headers, transport=transport
@@ -133,35 +153,74 @@ class RewardModelClient:
         self.close()
 
     # ------------------------------------------------------------------ requests
-    def _request(self, method: str, path: str, payload: Any = None, retry: bool = True) -> httpx.Response:
-        """One call with retries; returns a 2xx response or raises RewardServiceError."""
+    def _request(self, method: str, path: str, payload: Any = None, retry: bool = True,
+                 request_id: str | None = None) -> httpx.Response:
+        """One call with retries; returns a 2xx response or raises RewardServiceError.
+
+        With ``request_id`` (sent as ``X-Request-ID``; the server deduplicates it), a
+        timed-out attempt on a server that answers ``/health`` ready is repeated without
+        spending a retry, until ``max_wait_s`` has passed since the first attempt."""
         attempts = self.max_retries + 1 if retry else 1
         content = json.dumps(payload).encode() if payload is not None else None
-        headers = {"Content-Type": "application/json"} if content is not None else None
+        headers = {"Content-Type": "application/json"} if content is not None else {}
+        if request_id is not None:
+            headers["X-Request-ID"] = request_id
         last = "no attempt made"
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+        start = time.monotonic()
+        failed = 0
+        while failed < attempts:
             try:
-                resp = self._http.request(method, path, content=content, headers=headers)
+                resp = self._http.request(method, path, content=content, headers=headers or None)
             except httpx.ConnectError as exc:
                 last = f"connection failed ({exc})"
+                failed += 1
+                self._backoff(failed, attempts)
                 continue
             except httpx.TimeoutException as exc:
                 last = f"timed out after {self.timeout_s} s ({type(exc).__name__})"
+                if request_id is not None and isinstance(exc, httpx.ReadTimeout):
+                    waited = time.monotonic() - start
+                    alive = self._busy_but_alive()
+                    if alive is not None and waited < self.max_wait_s:
+                        self.busy_waits += 1
+                        continue  # the same id again: the server attaches it to its work
+                    if alive is not None:
+                        last = (f"still busy after {waited:.0f} s (reward.max_wait_s={self.max_wait_s:g}; "
+                                f"last /health: {alive})")
+                        break
+                    last += "; /health did not answer either"
+                failed += 1
+                self._backoff(failed, attempts)
                 continue
             except httpx.TransportError as exc:  # server died mid-reply, connection reset, ...
                 last = f"connection broken ({type(exc).__name__}: {exc})"
+                failed += 1
+                self._backoff(failed, attempts)
                 continue
             if resp.status_code >= 500:
                 last = f"HTTP {resp.status_code}: {_server_message(resp)}"
+                failed += 1
+                self._backoff(failed, attempts)
                 continue
             if resp.status_code >= 400:
                 raise RewardServiceError(
                     f"reward service {self.url}{path}: HTTP {resp.status_code}: {_server_message(resp)}"
                 )
             return resp
-        raise RewardServiceError(f"reward service {self.url}{path}: {last} (gave up after {attempts} attempt(s))")
+        raise RewardServiceError(f"reward service {self.url}{path}: {last} (gave up after {failed} attempt(s))")
+
+    def _backoff(self, failed: int, attempts: int) -> None:
+        if failed < attempts:
+            time.sleep(self.backoff_s * 2 ** (failed - 1))
+
+    def _busy_but_alive(self) -> dict[str, Any] | None:
+        """The ``/health`` body when the server answers 200 ``ready`` (alive, so a timed-out
+        ``/score`` is work still in progress), else None."""
+        try:
+            status, body = self.health()
+        except RewardServiceError:
+            return None
+        return body if status == 200 and body.get("status") == "ready" else None
 
     def _json(self, resp: httpx.Response, path: str) -> Any:
         try:
@@ -193,7 +252,7 @@ class RewardModelClient:
         return self.score([{"prompt": p, "response": r} for p, r in zip(prompts, responses)])
 
     def _score_chunk(self, wire: list[dict[str, Any]]) -> list[float]:
-        resp = self._request("POST", "/score", {"items": wire})
+        resp = self._request("POST", "/score", {"items": wire}, request_id=uuid.uuid4().hex)
         body = self._json(resp, "/score")
         where = f"reward service {self.url}/score"
         if not isinstance(body, dict) or "scores" not in body:

@@ -13,9 +13,14 @@ Endpoints (JSON in and out; errors are ``{"error": message, "field": key-or-null
   still loading or the server is stopping. One request's fault never fails another's:
   items are checked by the scorer before they are batched, and a batch on which the
   scorer fails is split until the failure is pinned to its request(s) (see
-  :mod:`nemo_rlhf.reward.batching`).
-- ``GET /health`` -> 200 ``{"status": "ready"}`` once the scorer is loaded; 503
-  ``{"status": "loading"}`` before (the socket is up while the model loads). No auth.
+  :mod:`nemo_rlhf.reward.batching`). A request with an ``X-Request-ID`` header that
+  repeats one still in flight (or among the last :data:`DEDUP_WINDOW` answered) gets
+  that request's scores: a client's retry never queues the same work twice (a repeated
+  id with another body is 409).
+- ``GET /health`` -> 200 ``{"status": "ready", "queued_items", "items_scored"}`` once the
+  scorer is loaded (answered while the model is busy: how a client tells a slow server
+  from a dead one); 503 ``{"status": "loading"}`` before (the socket is up while the
+  model loads). No auth.
 - ``GET /metadata`` -> ``{"status", "scorer": scorer.metadata(), "server": config and
   address, "stats": batching counters}``; 503 while loading.
 - ``GET /stats`` -> batching counters (``batches``, ``items_scored``, ``requests``, ...).
@@ -35,6 +40,8 @@ worker, since the model lives in this process.
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
 import hmac
 import json
 import logging
@@ -246,6 +253,10 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+DEDUP_WINDOW = 1024
+"""Answered request ids remembered for deduplication (besides those in flight)."""
+
+
 def build_app(
     batcher: DynamicBatcher,
     cfg: RMServerConfig,
@@ -290,19 +301,26 @@ def build_app(
                     vocab_size=batcher.vocab_size, pid=os.getpid())
         return info
 
+    # request id -> (sha256 of the body, the future of its scores); oldest first
+    requests_by_id: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
+    dedup = {"deduplicated_requests": 0}
+
     @app.get("/health")
     async def health() -> JSONResponse:
         state = batcher.state
         body: dict[str, Any] = {"status": state}
         if state == "failed":
             body["error"] = repr(batcher.error)
+        if state == "ready":
+            counters = batcher.stats()
+            body.update(queued_items=counters["queued_items"], items_scored=counters["items_scored"])
         return JSONResponse(body, status_code=200 if state == "ready" else 503)
 
     @app.get("/stats")
     async def stats(request: Request) -> JSONResponse:
         if (denied := check_auth(request)) is not None:
             return denied
-        return JSONResponse({"status": batcher.state, **batcher.stats()})
+        return JSONResponse({"status": batcher.state, **batcher.stats(), **dedup})
 
     @app.get("/metadata")
     async def metadata(request: Request) -> JSONResponse:
@@ -328,10 +346,29 @@ def build_app(
             items = parse_score_request(body, cfg, batcher.vocab_size)
         except RequestError as exc:
             return _error(exc.status, exc.message, exc.field)
-        try:
-            future = batcher.submit(items)
-        except (BatcherStopped, RuntimeError) as exc:  # stopping, or not ready
-            return _error(503, str(exc))
+        request_id = request.headers.get("x-request-id")
+        digest = hashlib.sha256(body).hexdigest() if request_id else None
+        seen = requests_by_id.get(request_id) if request_id else None
+        if seen is not None and seen[1].done() and seen[1].exception() is not None:
+            seen = None  # it failed: a retry scores it again (the fault may have been transient)
+        if seen is not None:
+            if seen[0] != digest:
+                return _error(409, f"X-Request-ID {request_id!r} was already used for another request body",
+                              "X-Request-ID")
+            future = seen[1]  # a retry: wait for the work already queued or done for it
+            dedup["deduplicated_requests"] += 1
+        else:
+            try:
+                future = batcher.submit(items)
+            except (BatcherStopped, RuntimeError) as exc:  # stopping, or not ready
+                return _error(503, str(exc))
+            if request_id:
+                requests_by_id[request_id] = (digest, future)
+                while len(requests_by_id) > DEDUP_WINDOW:
+                    oldest = next(iter(requests_by_id))
+                    if not requests_by_id[oldest][1].done():
+                        break  # never forget work in flight
+                    requests_by_id.popitem(last=False)
         try:
             scores = await asyncio.wrap_future(future)
         except BatcherStopped as exc:

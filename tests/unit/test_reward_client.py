@@ -74,9 +74,40 @@ def test_timeouts_are_retried_with_exponential_backoff_then_named():
 
     client, calls = _client([timeout], max_retries=3, backoff_s=0.02, timeout_s=7)
     t0 = time.monotonic()
-    with pytest.raises(RewardServiceError, match=rf"{URL}/score: timed out after 7.0 s .*4 attempt"):
+    with pytest.raises(RewardServiceError, match=rf"{URL}/score: timed out after 7.0 s \(ReadTimeout\); /health did not answer "
+                                                 r"either .*4 attempt"):
         client.score(ITEMS)
-    assert len(calls) == 4 and time.monotonic() - t0 >= 0.02 + 0.04 + 0.08
+    scored = [c for c in calls if c.url.path == "/score"]
+    assert len(scored) == 4 and time.monotonic() - t0 >= 0.02 + 0.04 + 0.08
+    # each timeout was followed by a liveness probe; every attempt carried the same request id
+    assert [c.url.path for c in calls] == ["/score", "/health"] * 4
+    assert len({c.headers["x-request-id"] for c in scored}) == 1
+
+
+def test_a_timeout_on_a_server_that_answers_health_is_waited_out_without_spending_retries():
+    # the server is alive and busy: /score times out three times, /health answers ready each
+    # time, then the fourth /score (same request id) returns; max_retries=0 would have failed
+    state = {"score_calls": 0}
+
+    def handler(request):
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ready", "queued_items": 2, "items_scored": 0})
+        state["score_calls"] += 1
+        if state["score_calls"] <= 3:
+            raise httpx.ReadTimeout("read timed out", request=request)
+        return httpx.Response(200, json={"scores": [1, 2]})
+
+    client, calls = _client([handler], max_retries=0, timeout_s=1)
+    assert client.score(ITEMS) == [1.0, 2.0]
+    assert client.busy_waits == 3
+    ids = {c.headers["x-request-id"] for c in calls if c.url.path == "/score"}
+    assert len(ids) == 1  # the server deduplicates it: the work is queued once
+    # ... but not forever: past max_wait_s the busy server is reported as such
+    state["score_calls"] = -10**9
+    client2, _ = _client([handler], max_retries=0, timeout_s=1, max_wait_s=0.01)
+    time.sleep(0.02)
+    with pytest.raises(RewardServiceError, match=r"still busy after .*reward.max_wait_s=0.01"):
+        client2.score(ITEMS)
 
 
 def test_broken_connection_is_retried():

@@ -238,6 +238,61 @@ def test_killed_server_mid_run_makes_client_raise_nothing_scored(tmp_path):
             assert c.url in str(info.value)
 
 
+def test_a_server_slower_than_the_client_timeout_scores_each_item_once(tmp_path):
+    """Scoring takes 4 x 0.4 s = 1.6 s per batch, over three times the client's 0.5 s
+    timeout: the request completes, the server scored each item once (the client's repeats
+    carried the same request id and attached to the work in flight), and no retry was
+    spent (max_retries=0 would have failed it before)."""
+    with running_server(tmp_path, "slow", "--item-ms", "400") as (_proc, addr, log):
+        with RewardModelClient.from_address_file(str(addr), wait_s=30, max_retries=0, timeout_s=0.5) as c:
+            c.wait_until_healthy(30)
+            items = [ScoreItem(prompt=f"q{i}", response="r" * i) for i in range(4)]
+            t0 = time.monotonic()
+            assert c.score(items) == [fake.expected_score(it) for it in items]
+            took = time.monotonic() - t0
+            stats = c.stats()
+    assert 1.6 <= took < 4.0, took
+    assert c.busy_waits >= 2  # it timed out at least twice and found the server alive each time
+    assert stats["requests"] == 1 and stats["items"] == 4 and stats["items_scored"] == 4, stats
+    assert stats["deduplicated_requests"] == c.busy_waits, (stats, log.read_text()[-2000:])
+
+
+def test_a_server_killed_while_the_client_waits_on_it_busy_is_reported_promptly(tmp_path):
+    with running_server(tmp_path, "slow_killed", "--item-ms", "3000") as (proc, addr, _log):
+        with RewardModelClient.from_address_file(str(addr), wait_s=30, max_retries=1, backoff_s=0.05,
+                                                 timeout_s=0.5) as c:
+            c.wait_until_healthy(30)
+            outcome: dict = {}
+
+            def in_flight() -> None:
+                try:
+                    outcome["scores"] = c.score([ScoreItem(prompt="a", response="b")] * 4)
+                except RewardServiceError as exc:
+                    outcome["error"] = exc
+                outcome["at"] = time.monotonic()
+
+            t = threading.Thread(target=in_flight)
+            t.start()
+            time.sleep(1.5)  # the client has found the server busy (alive) at least twice
+            assert c.busy_waits >= 2
+            proc.kill()
+            killed = time.monotonic()
+            proc.wait(5)
+            t.join(30)
+    assert "scores" not in outcome and c.url in str(outcome["error"])
+    assert outcome["at"] - killed < 5.0  # the retries' timeouts and backoff, not max_wait_s (1 h)
+
+
+def test_a_repeated_request_id_with_another_body_is_refused(server):
+    headers = {"Authorization": f"Bearer {TOKEN}", "X-Request-ID": "same-id"}
+    with httpx.Client(base_url=server.url, timeout=10) as h:
+        first = h.post("/score", content=_items({"prompt": "a", "response": "bb"}), headers=headers)
+        again = h.post("/score", content=_items({"prompt": "a", "response": "bb"}), headers=headers)
+        other = h.post("/score", content=_items({"prompt": "a", "response": "ccc"}), headers=headers)
+    assert first.status_code == again.status_code == 200 and first.json() == again.json()
+    assert other.status_code == 409 and "X-Request-ID 'same-id'" in other.json()["error"]
+
+
 def test_health_is_503_while_loading_then_200_and_address_file_written_when_ready(tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -257,7 +312,7 @@ def test_health_is_503_while_loading_then_200_and_address_file_written_when_read
         assert score.status_code == 503 and "loading" in score.json()["error"]
         release.touch()  # the model finishes loading
         with RewardModelClient(url) as c:
-            assert c.wait_until_healthy(deadline_s=20, poll_s=0.05) == {"status": "ready"}
+            assert c.wait_until_healthy(deadline_s=20, poll_s=0.05) ["status"] == "ready"
         assert addr.read_text().strip() == url
         proc.terminate()
         proc.wait(10)
@@ -389,4 +444,5 @@ def test_deeply_nested_json_gets_400_while_good_clients_get_200(iso_server):
     resp = replies["nested"]
     assert resp.status_code == 400, resp.text
     assert "not valid JSON" in resp.json()["error"] and "nested too deeply" in resp.json()["error"]
-    assert iso_server.client.health() == (200, {"status": "ready"})
+    status, body = iso_server.client.health()
+    assert status == 200 and body["status"] == "ready" and body["queued_items"] == 0

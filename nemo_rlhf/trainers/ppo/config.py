@@ -266,9 +266,15 @@ class RewardConfig:
     functions: list[RewardFunctionSpec] = field(default_factory=list)
     """Rule-based sources (e.g. the task's checker)."""
     timeout_s: float = 60.0
-    """Per-request timeout."""
+    """Seconds without an answer from the RM server after which the client checks that it
+    is alive (``GET /health``); a busy server is waited on (``max_wait_s``), one that does
+    not answer spends a retry (:mod:`nemo_rlhf.reward.client`)."""
     max_retries: int = 3
-    """Retries before a scoring error stops training."""
+    """Retries before a scoring error stops training (connection errors, 5xx, a server
+    that does not answer ``/health``)."""
+    max_wait_s: float = 3600.0
+    """The longest one scoring request may wait on a server that is alive but busy
+    (seconds); past it the step fails naming the server."""
     wait_for_server_s: float = 300.0
     """Deadline for the RM server's /health at start-up."""
     normalization: str = "running"
@@ -278,6 +284,9 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         check_choice("reward.normalization", self.normalization, NORMALIZATION_MODES)
+        if not self.timeout_s > 0 or not self.max_wait_s > 0 or self.max_retries < 0:
+            raise ValueError(f"reward.timeout_s={self.timeout_s}, reward.max_wait_s={self.max_wait_s}, "
+                             f"reward.max_retries={self.max_retries}: the seconds must be > 0, the retries >= 0")
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"reward.clip={self.clip}: must be > 0 (or null: off)")
         for i, spec in enumerate(self.functions):

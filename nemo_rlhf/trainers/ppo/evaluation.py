@@ -132,7 +132,8 @@ def _judge(trainer):
     if getattr(trainer, "_eval_judge", None) is None:
         if str(spec).startswith(("http://", "https://")):
             client = RewardModelClient(spec, timeout_s=trainer.cfg.reward.timeout_s,
-                                       max_retries=trainer.cfg.reward.max_retries)
+                                       max_retries=trainer.cfg.reward.max_retries,
+                                       max_wait_s=trainer.cfg.reward.max_wait_s)
             trainer._eval_judge = lambda prompts, responses, extras: client.score_texts(prompts, responses)
         else:
             trainer._eval_judge = get_reward_function(spec)

@@ -68,7 +68,7 @@ def build_reward(cfg: RewardConfig, dims=None):
     """
     sources = []
     if cfg.rm_url or cfg.rm_address_file:
-        kw = dict(timeout_s=cfg.timeout_s, max_retries=cfg.max_retries)
+        kw = dict(timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, max_wait_s=cfg.max_wait_s)
         client = (RewardModelClient(cfg.rm_url, **kw) if cfg.rm_url else
                   RewardModelClient.from_address_file(cfg.rm_address_file,
                                                       wait_s=cfg.wait_for_server_s, **kw))
