@@ -229,7 +229,12 @@ class CombinedReward:
     """
 
     def __init__(self, sources: Sequence[WeightedSource],
-                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 max_abs_score: float | None = None) -> None:
+        if max_abs_score is not None and not max_abs_score > 0:
+            raise ValueError(f"reward.max_abs_score={max_abs_score}: must be > 0 (or null: off)")
+        self.max_abs_score = max_abs_score
+        """Refuse a raw source value with ``|value| > max_abs_score`` (None: off)."""
         if not sources:
             raise ValueError("CombinedReward needs at least one source")
         names = [s.name for s in sources]
@@ -252,8 +257,9 @@ class CombinedReward:
         """Every source's raw values: name -> ``[batch]`` float32 (host). No collective.
 
         Raises:
-            ValueError: mismatched lengths, or a source returned a wrong count or a
-                non-finite value; any source's own error (e.g. ``RewardServiceError``).
+            ValueError: mismatched lengths, or a source returned a wrong count, a
+                non-finite value or one past ``max_abs_score`` (named with its position);
+                any source's own error (e.g. ``RewardServiceError``).
         """
         prompts, responses = list(prompts), list(responses)
         extras = [{} for _ in prompts] if extras is None else list(extras)
@@ -261,9 +267,15 @@ class CombinedReward:
         raw = {}
         for src in self.sources:
             values = src.source.score(prompts, responses, extras)
-            raw[src.name] = torch.tensor(  # host
-                _check_source_output(values, len(prompts), f"reward source {src.name!r}"),
-                dtype=torch.float32, device="cpu")
+            values = _check_source_output(values, len(prompts), f"reward source {src.name!r}")
+            if self.max_abs_score is not None:
+                for i, v in enumerate(values):
+                    if abs(v) > self.max_abs_score:
+                        raise ValueError(
+                            f"reward source {src.name!r} returned {v!r} at position {i}: past "
+                            f"reward.max_abs_score={self.max_abs_score:g} (a broken reward model or "
+                            f"function?); raise reward.max_abs_score if such scores are meant")
+            raw[src.name] = torch.tensor(values, dtype=torch.float32, device="cpu")  # host
         return raw
 
     def combine(self, raw: Mapping[str, torch.Tensor], update_stats: bool = True,

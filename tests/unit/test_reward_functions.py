@@ -137,6 +137,16 @@ def test_combined_reward_propagates_rm_failure_and_rejects_bad_source_output():
         CombinedReward([WeightedSource("a", FakeClient()), WeightedSource("a", FakeClient())])
 
 
+def test_an_absurd_finite_score_is_refused_naming_source_value_position_and_key():
+    absurd = RewardFunctionScorer(lambda p, r, e: [1.0, 1e30][:len(p)])
+    with pytest.raises(ValueError, match=r"'rm' returned 1e\+30 at position 1: past reward.max_abs_score=1e\+06"):
+        CombinedReward([WeightedSource("rm", absurd)], max_abs_score=1e6).score(["a", "b"], ["c", "d"])
+    # off (null): taken as it is
+    assert CombinedReward([WeightedSource("rm", absurd)]).score(["a", "b"], ["c", "d"]).raw_scores[1] == 1e30
+    with pytest.raises(ValueError, match="reward.max_abs_score=0"):
+        CombinedReward([WeightedSource("rm", absurd)], max_abs_score=0)
+
+
 def test_combined_reward_state_dict_carries_running_stats():
     def make():
         return CombinedReward([WeightedSource("len", RewardFunctionScorer(length_reward), normalizer=RewardNormalizer("running"))])

@@ -275,6 +275,9 @@ class RewardConfig:
     max_wait_s: float = 3600.0
     """The longest one scoring request may wait on a server that is alive but busy
     (seconds); past it the step fails naming the server."""
+    max_abs_score: Optional[float] = 1.0e6
+    """A raw score of any source past this magnitude stops the step with an error naming
+    the source, the value and its position (NaN / Inf always do); null: off."""
     wait_for_server_s: float = 300.0
     """Deadline for the RM server's /health at start-up."""
     normalization: str = "running"

@@ -96,4 +96,4 @@ def build_reward(cfg: RewardConfig, dims=None):
                          "reward.functions")
     gather = (functools.partial(gather_over_scoring_ranks, dims)
               if dims is not None and dims.dp > 1 else None)
-    return CombinedReward(sources, gather=gather)
+    return CombinedReward(sources, gather=gather, max_abs_score=cfg.max_abs_score)
