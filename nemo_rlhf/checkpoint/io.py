@@ -409,9 +409,10 @@ def checkpoint_tokenizer_dir(path: Path, saved: Optional[str] = None) -> Optiona
             working directory of the run that wrote it).
     """
     path = Path(path)
-    for candidate in (path / TOKENIZER_SUBDIR, Path(saved) if saved else None,
-                      path.parent / TOKENIZER_SUBDIR):
-        if candidate is not None and (candidate / "tokenizer.json").is_file():
+    if (path / TOKENIZER_SUBDIR / "tokenizer.json").is_file():
+        return str(path / TOKENIZER_SUBDIR)
+    for candidate in (Path(saved) if saved else None, path.parent / TOKENIZER_SUBDIR):
+        if candidate is not None and candidate.is_dir():
             return str(candidate)
     return None
 

@@ -71,7 +71,6 @@ def test_without_model_the_checkpoint_gives_shape_tokenizer_and_template(tmp_pat
     step = _ckpt(root, 0, data={"tokenizer_dir": "/elsewhere/tokenizer", "chat_template": "model",
                                 "system_prompt": None})
     (root / "tokenizer").mkdir()  # import-hf's layout; the recorded path is not on this host
-    (root / "tokenizer" / "tokenizer.json").write_text("{}")
     overrides = [f"rm.init_from={root}", "data.train_file=x.jsonl"]
     dcfg, choice = _job("rm", *overrides)
     rm_init_std = dcfg.model.value_head_init_std
@@ -150,7 +149,6 @@ def test_the_slurm_launcher_takes_the_model_from_the_checkpoint(tmp_path):
     root = tmp_path / "llama3"
     _ckpt(root, 0)
     (root / "tokenizer").mkdir()
-    (root / "tokenizer" / "tokenizer.json").write_text("{}")
     common = ["cluster.nodes=4", "cluster.gpus_per_node=8", "parallel.tensor_model_parallel_size=8",
               f"exp_manager.init_from={root}", f"exp_manager.exp_dir={tmp_path}/exp",
               "reward.rm_weight=0", "reward.functions=[{name: arithmetic_exact_match}]",
