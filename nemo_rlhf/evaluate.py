@@ -54,8 +54,8 @@ import torch.distributed as dist
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from nemo_rlhf.algorithms.ppo.kl import kl_penalty
-from nemo_rlhf.checkpoint import (is_complete, list_checkpoints, load_model_weights, read_metadata,
-                                  resolve_checkpoint)
+from nemo_rlhf.checkpoint import (checkpoint_tokenizer_dir, is_complete, list_checkpoints, load_model_weights,
+                                  read_metadata, resolve_checkpoint)
 from nemo_rlhf.config import check_choice, to_typed
 from nemo_rlhf.data.datasets import DataConfig, load_prompt_dataset
 from nemo_rlhf.data.templates import check_template
@@ -172,8 +172,6 @@ def _tokenizer_dir(path: Path, data: dict) -> str:
     Raises:
         FileNotFoundError: neither exists (names both; ``tokenizer_dir=`` overrides).
     """
-    from nemo_rlhf.checkpoint.io import checkpoint_tokenizer_dir
-
     found = checkpoint_tokenizer_dir(path, data.get("tokenizer_dir"))
     if found is None:
         raise FileNotFoundError(

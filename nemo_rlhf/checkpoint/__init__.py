@@ -1,6 +1,7 @@
 """Distributed checkpoints: atomic save, resume, resharding (see :mod:`.io`)."""
 
 from nemo_rlhf.checkpoint.io import (
+    TOKENIZER_SUBDIR,
     CheckpointError,
     checkpoint_heads,
     checkpoint_tokenizer_dir,
@@ -18,7 +19,7 @@ from nemo_rlhf.checkpoint.io import (
 )
 
 __all__ = [
-    "CheckpointError", "checkpoint_heads", "checkpoint_tokenizer_dir", "find_latest_checkpoint", "is_complete", "list_checkpoints",
+    "TOKENIZER_SUBDIR", "CheckpointError", "checkpoint_heads", "checkpoint_tokenizer_dir", "find_latest_checkpoint", "is_complete", "list_checkpoints",
     "load_checkpoint", "load_model_weights", "read_metadata",
     "read_trainer_state", "resolve_checkpoint", "save_checkpoint", "step_dir", "verify_checkpoint",
 ]

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from omegaconf import MISSING, OmegaConf
 
 from nemo_rlhf.checkpoint import (
+    TOKENIZER_SUBDIR,
     CheckpointError,
     load_model_weights,
     read_metadata,
@@ -177,8 +178,6 @@ def _resolve_tokenizer_dir(cfg: RMScorerConfig, info: RMCheckpointInfo) -> str:
         if not Path(cfg.tokenizer_dir).exists():
             raise FileNotFoundError(f"tokenizer_dir={cfg.tokenizer_dir!r}: no such folder")
         return cfg.tokenizer_dir
-    from nemo_rlhf.checkpoint.io import TOKENIZER_SUBDIR
-
     own = Path(info.path) / TOKENIZER_SUBDIR
     if (own / "tokenizer.json").is_file():
         return str(own)  # the checkpoint's own copy: a moved checkpoint keeps its tokenizer

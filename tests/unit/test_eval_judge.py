@@ -8,7 +8,7 @@ import types
 import pytest
 
 from nemo_rlhf.trainers.ppo import evaluation
-from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig
+from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig, RewardConfig
 
 
 def test_the_judge_is_checked_when_the_config_is_built():
@@ -22,8 +22,8 @@ def test_a_judge_url_scores_through_the_rm_client(monkeypatch):
     seen = {}
 
     class FakeClient:
-        def __init__(self, url, timeout_s, max_retries):
-            seen["init"] = (url, timeout_s, max_retries)
+        def __init__(self, url, timeout_s, max_retries, max_wait_s):
+            seen["init"] = (url, timeout_s, max_retries, max_wait_s)
 
         def score_texts(self, prompts, responses):
             seen.setdefault("calls", []).append((list(prompts), list(responses)))
@@ -31,12 +31,12 @@ def test_a_judge_url_scores_through_the_rm_client(monkeypatch):
 
     monkeypatch.setattr(evaluation, "RewardModelClient", FakeClient)
     cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(eval_judge="http://judge:5555"),
-                                reward=types.SimpleNamespace(timeout_s=7.0, max_retries=2))
+                                reward=RewardConfig(timeout_s=7.0, max_retries=2, max_wait_s=60.0))
     trainer = types.SimpleNamespace(cfg=cfg)
     judge = evaluation._judge(trainer)
     assert judge(["p", "q"], ["abc", "de"], [{}, {}]) == [3.0, 2.0]
     assert evaluation._judge(trainer) is judge  # built once
-    assert seen["init"] == ("http://judge:5555", 7.0, 2) and seen["calls"] == [(["p", "q"], ["abc", "de"])]
+    assert seen["init"] == ("http://judge:5555", 7.0, 2, 60.0) and seen["calls"] == [(["p", "q"], ["abc", "de"])]
 
 
 def test_win_rate_counts_ties_as_half():

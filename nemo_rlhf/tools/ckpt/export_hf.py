@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from nemo_rlhf.checkpoint import checkpoint_tokenizer_dir
 from nemo_rlhf.tools.ckpt._common import (
     EXIT_OK,
     CLIError,
@@ -41,8 +42,6 @@ def cmd_export_hf(args) -> int:
         raise CLIError(f"--dtype {args.dtype}: valid choices are {sorted(hc.DTYPES)}")
     tok_dir = None
     if not args.no_tokenizer:
-        from nemo_rlhf.checkpoint.io import checkpoint_tokenizer_dir
-
         saved = (cfg.get("data") or {}).get("tokenizer_dir")
         tok_dir = Path(args.tokenizer_dir or checkpoint_tokenizer_dir(ckpt, saved) or saved or "")
         if not str(tok_dir) or not (tok_dir / "tokenizer.json").is_file():
