@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -296,7 +297,9 @@ def write_dataset_files(out: str | Path, files: dict[str, str], force: bool = Fa
         if status[name] != "unchanged":
             target = out / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.tmp")
+            # a name of this process's own: two processes writing the same folder (the ranks
+            # of a job) each publish a whole file by the rename, never a half-written one
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
             tmp.write_bytes(text.encode())
             tmp.replace(target)
     return status

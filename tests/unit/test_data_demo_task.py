@@ -127,3 +127,24 @@ def test_make_demo_data_tool_cli(tmp_path):
     assert changed.returncode == 1 and "--force" in changed.stderr
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert manifest["config"]["n_val"] == 10 and "tokenizer/tokenizer.json" in manifest["sha256"]
+
+
+def _write_demo(out: str) -> dict:
+    from nemo_rlhf.data.demo_task import DemoTaskConfig, make_demo_dataset
+
+    return make_demo_dataset(out, DemoTaskConfig(n_sft=64, n_pref=64, n_ppo=64, n_eval=16, n_val=16))
+
+
+def test_ranks_writing_the_same_folder_at_once_all_succeed(tmp_path):
+    """The ranks of a job each write the (identical) dataset into one folder at the same time:
+    none reads another's half-written file as a different dataset."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for attempt in range(25):
+        out = str(tmp_path / f"d{attempt}")
+        with ctx.Pool(6) as pool:
+            results = pool.map(_write_demo, [out] * 6)
+        assert all(set(r.values()) <= {"written", "unchanged"} for r in results)
+        assert not [p for p in (tmp_path / f"d{attempt}").rglob(".*.tmp")]
+    assert set(_write_demo(str(tmp_path / "d0")).values()) == {"unchanged"}
