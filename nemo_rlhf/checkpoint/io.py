@@ -10,11 +10,18 @@ Layout of ``<root>/step_<N>/``::
     trainer_state.json     counters, sampler position, KL controller, reward stats, ...
     config.yaml            the run's resolved config
     metadata.json          step, parallel layout, fingerprint, optimizer format and Adam
-                           step counts (per parameter, by layout-independent name)
+                           step counts (per parameter, by layout-independent name), the
+                           files' sizes and sha256
+    digests/rank_<r>.json  sha256 of every tensor shard rank r wrote, taken from memory
+                           (:mod:`.digests`); the written shards are read back and compared
+                           before publication
+    tokenizer/             a copy of the run's tokenizer files
     COMPLETE               written last, before the rename
 
-Publication: every rank writes into ``<root>/.tmp_step_<N>``; after a barrier rank 0
-writes ``metadata.json`` and ``COMPLETE``, renames the folder to ``step_<N>`` and then
+Publication: every rank writes into ``<root>/.tmp_step_<N>``, reads its shards back and
+compares them with the digests it took from memory (a mismatch on any rank: nothing is
+published, the folder is removed and every rank raises :class:`CheckpointError` naming the
+tensors); after a barrier rank 0 writes ``metadata.json`` and ``COMPLETE``, renames the folder to ``step_<N>`` and then
 replaces ``<root>/latest`` (a one-line text file) by an atomic rename. A crash at any point
 leaves either the previous checkpoint or the new one; a folder without ``COMPLETE`` is
 never picked (:func:`find_latest_checkpoint`).
@@ -38,7 +45,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nemo_rlhf.checkpoint.faults import maybe_crash
+from nemo_rlhf.checkpoint.digests import DIGESTS_SUBDIR, read_back_problems, shard_digests, write_rank_digests
+from nemo_rlhf.checkpoint.faults import fault_requested, maybe_crash
 from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.models.engine import unwrap
 
@@ -291,8 +299,9 @@ def save_checkpoint(
     dims=None,
     fingerprint: Optional[dict] = None,
     critic: Optional[tuple] = None,
+    verify: bool = True,
 ) -> Path:
-    """Write ``<root>/step_<step>`` on every rank and publish it atomically.
+    """Write ``<root>/step_<step>`` on every rank, verify it and publish it atomically.
 
     Args:
         root: checkpoint folder (``<exp_dir>/checkpoints``), shared by all ranks.
@@ -305,9 +314,16 @@ def save_checkpoint(
         fingerprint: facts a resume must match (model, tokenizer, data, reference).
         critic: ``(critic stage, its optimizer or None)`` of a separate critic
             (``critic.mode=separate``): saved under ``critic.`` / ``critic_optimizer``.
+        verify: read the written shards back and compare them with the digests taken from
+            memory before publishing (``exp_manager.verify_after_save``); the digests are
+            written either way (``nemo-rlhf-ckpt validate --deep``).
 
     Returns:
         The published ``step_<step>`` path.
+
+    Raises:
+        CheckpointError: a shard read back differs from the tensor saved (names the tensors;
+            nothing is published, ``latest`` still names the previous checkpoint).
     """
     from megatron.core import dist_checkpointing
 
@@ -344,9 +360,17 @@ def save_checkpoint(
         part_meta[f"{key}_extra"] = {
             "scheduler": part_opt.scheduler.state_dict(),
             "scaler": part_opt.scaler.state_dict() if part_opt.scaler else None}
+    tensors, digests = shard_digests(sharded)
+    if fault_requested("change_after_digest", step):
+        _plant_change(tensors)
     dist_checkpointing.save(sharded, str(tmp / "dist"))
     torch.save({"rng": rng_state()}, tmp / "rng" / f"rank_{_rank()}.pt")
+    write_rank_digests(tmp, _rank(), digests)
     _barrier()
+    if fault_requested("overwrite_shard", step) and _rank() == 0:
+        _plant_overwrite(tmp / "dist")
+    if verify:
+        _verify_or_discard(tmp, tensors, digests, dims, step)
     maybe_crash("save_written", step)
     if _rank() == 0:
         _copy_tokenizer(config, tmp)
@@ -384,6 +408,52 @@ def save_checkpoint(
     return final
 
 
+def _verify_or_discard(tmp: Path, tensors: list, digests: list[dict], dims, step: int) -> None:
+    """Read this rank's shards back and compare; if any rank found a difference, remove
+    ``tmp`` and raise :class:`CheckpointError` on every rank (the message lists what every
+    rank found, read from the shared folder: no host objects through the collective)."""
+    problems = read_back_problems(tensors, digests, tmp / "dist")
+    if problems:
+        (tmp / DIGESTS_SUBDIR / f"problems_rank_{_rank()}.txt").write_text("\n".join(problems) + "\n")
+    flag = torch.tensor([1.0 if problems else 0.0],
+                        device=getattr(dims, "device", None) or torch.device("cpu"))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    found = []
+    for f in sorted((tmp / DIGESTS_SUBDIR).glob("problems_rank_*.txt")):
+        rank = f.stem.rpartition("_")[2]
+        found += [f"rank {rank}: {line}" for line in f.read_text().splitlines() if line]
+    _barrier()
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shown = found[:10] + ([f"... and {len(found) - 10} more"] if len(found) > 10 else [])
+    raise CheckpointError(
+        f"checkpoint step {int(step)} not published: the written shards differ from the tensors "
+        f"saved ({len(found)} shard(s)):\n  " + "\n  ".join(shown)
+        + f"\n{tmp.parent / LATEST} still names the previous checkpoint")
+
+
+def _plant_change(tensors: list) -> None:
+    """Fault ``change_after_digest``: add 1 to the first element of the first floating
+    tensor this rank saves (after its digest was taken)."""
+    for st in tensors:
+        if st.data.is_floating_point() and st.data.numel():
+            with torch.no_grad():
+                st.data.view(-1)[0] += 1
+            return
+
+
+def _plant_overwrite(dist_dir: Path) -> None:
+    """Fault ``overwrite_shard``: overwrite 64 bytes at the middle of the largest shard file."""
+    files = sorted(Path(dist_dir).glob("*.distcp"), key=lambda f: f.stat().st_size)
+    if files:
+        with open(files[-1], "r+b") as fh:
+            fh.seek(files[-1].stat().st_size // 2)
+            fh.write(bytes(range(64)))
+
+
 def _copy_tokenizer(config: Optional[dict], ckpt: Path) -> None:
     """Copy the :data:`TOKENIZER_FILES` of ``config["data"]["tokenizer_dir"]`` (when it names
     a folder holding ``tokenizer.json``) into ``ckpt/tokenizer``."""
@@ -418,9 +488,10 @@ def checkpoint_tokenizer_dir(path: Path, saved: Optional[str] = None) -> Optiona
 
 
 def file_checksums(path: Path) -> dict[str, list]:
-    """``{relative path: [size in bytes, sha256 hex]}`` of the shard, RNG and tokenizer files."""
+    """``{relative path: [size in bytes, sha256 hex]}`` of the shard, RNG, digest and
+    tokenizer files."""
     out = {}
-    for sub in ("dist", "rng", TOKENIZER_SUBDIR):
+    for sub in ("dist", "rng", DIGESTS_SUBDIR, TOKENIZER_SUBDIR):
         for f in sorted((Path(path) / sub).rglob("*")):
             if f.is_file():
                 h = hashlib.sha256()

@@ -65,6 +65,11 @@ class ExpManagerConfig:
     (:mod:`nemo_rlhf.checkpoint.policy`, the same for every job)."""
     ignore_fingerprint: bool = False
     """Resume even if the checkpoint's model/tokenizer/data fingerprint differs from the run's."""
+    verify_after_save: bool = True
+    """Read every saved tensor shard back and compare it with the sha256 taken from memory
+    before the checkpoint is published (a mismatch stops the job, naming the tensor; the
+    previous checkpoint stays the newest). false: the digests are still written, for
+    ``nemo-rlhf-ckpt validate --deep``. Cost: :mod:`nemo_rlhf.checkpoint.digests`."""
 
     def __post_init__(self) -> None:
         for key in ("save_interval", "keep_last"):

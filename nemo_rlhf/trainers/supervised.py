@@ -265,7 +265,8 @@ class SupervisedTrainer:
         if not self.cfg.exp_manager.checkpoints:
             return None
         path = save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer,
-                               self.trainer_state(), self.run_config, self.dims, self.fingerprint())
+                               self.trainer_state(), self.run_config, self.dims, self.fingerprint(),
+                               verify=self.cfg.exp_manager.verify_after_save)
         if self.cfg.exp_manager.keep_last and self.dims.rank == 0:
             prune(self.checkpoint_dir, self.cfg.exp_manager.keep_last)
         self.print(f"saved {path}")

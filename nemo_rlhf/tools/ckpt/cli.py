@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("ckpt")
     s = add("validate", cmd_validate, "checksums, shard presence and loadability")
     s.add_argument("ckpt")
+    s.add_argument("--deep", action="store_true",
+                   help="also recompute every tensor's sha256 and compare it with the digest taken from memory at save")
     s = add("resume-info", cmd_resume_info, "what an auto-resume would load, and why")
     s.add_argument("exp_dir")
     s.add_argument("--resume", default="auto", help="exp_manager.resume: auto, none or a path")

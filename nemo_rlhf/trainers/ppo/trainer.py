@@ -800,7 +800,8 @@ class PPOTrainer:
         ``exp_manager.keep_last`` (0: keep all)."""
         root = self.exp.checkpoint_dir
         path = save_checkpoint(root, self.step, self.model, self.optimizer, self.state_dict(),
-                               self.run_config, self.dims, self.fingerprint, critic=self.critic)
+                               self.run_config, self.dims, self.fingerprint, critic=self.critic,
+                               verify=self.cfg.exp_manager.verify_after_save)
         if self.cfg.exp_manager.keep_last and self.dims.rank == 0:
             prune(root, self.cfg.exp_manager.keep_last)
         return path
