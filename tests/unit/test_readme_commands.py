@@ -1,8 +1,14 @@
-"""Every command in the ```bash blocks of the README and the pages it links (``docs/*.md``,
-``benchmarks/README.md``) is checked: its program exists and its arguments parse; Hydra
+"""The README and the pages it links (``docs/*.md``, ``benchmarks/README.md``) are checked.
+
+Every command in their ```bash blocks: its program exists and its arguments parse; Hydra
 overrides compose into the job's typed schema (no run). A new kind of command fails here
 until a check for it is added. Commands run for real elsewhere are named in ``COVERED``
-(the walkthrough, the multi-node dry-run and test-only)."""
+(the walkthrough, the multi-node dry-run and test-only).
+
+Every repository path (``nemo_rlhf/...``, ``conf/...``, ``tests/...::test_name``, ...) and
+every ``nemo_rlhf.*`` / ``launchers.*`` module they name exists, every relative link
+resolves inside the repository (to a heading, when it names one), and the README stays a
+front door of at most ``README_MAX_LINES`` lines."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import pytest
 from tests.conf_helpers import JOBS, schema
 
 REPO = Path(__file__).resolve().parents[2]
+README_MAX_LINES = 200
 
 
 def doc_files() -> list[Path]:
@@ -209,3 +216,105 @@ def test_a_bad_option_of_a_demo_or_benchmark_command_is_caught():
         _check_script(["python", "benchmarks/bench_packing.py", "--batchh", "16"])
     with pytest.raises(AssertionError):
         _check_script(["python", "benchmarks/bench_no_such_thing.py"])
+
+
+# --------------------------------------------------------------------------- names and links
+
+PATH_ROOTS = ("nemo_rlhf", "conf", "launchers", "docs", "tests", "benchmarks", "slurm", "tools")
+PATH_RE = re.compile(r"(?<![\w./<>$-])((?:%s)/[\w./*<>{}:-]*)" % "|".join(PATH_ROOTS))
+MODULE_RE = re.compile(r"(?<![\w./-])((?:nemo_rlhf|launchers)(?:\.\w+)+)")
+LINK_RE = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+PARENT_RE = re.compile(r"`(\.\./[^`\s]*)`")
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of the markdown headings of ``text`` (code blocks skipped)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    out = set()
+    for heading in re.findall(r"^#{1,6}\s+(.*?)\s*$", text, flags=re.M):
+        out.add(re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-"))
+    return out
+
+
+def _path_problem(word: str) -> str | None:
+    word = word.rstrip(".,:;)")
+    path, _, test_name = word.partition("::")
+    path = re.split(r"[<{]", path, maxsplit=1)[0]
+    if "*" in path:
+        return None if list(REPO.glob(path)) else f"{word}: no file matches"
+    target = REPO / path
+    if not target.exists():
+        return f"{word}: no such file or folder"
+    if test_name and not re.search(rf"^\s*def {re.escape(test_name)}\b", target.read_text(), flags=re.M):
+        return f"{word}: no test {test_name} in {path}"
+    return None
+
+
+def _module_problem(name: str) -> str | None:
+    parts = name.split(".")
+    for i in range(len(parts), 1, -1):
+        base = REPO.joinpath(*parts[:i])
+        source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if source.is_file():
+            break
+    else:
+        return f"{name}: no such module"
+    if i < len(parts):  # an attribute of the module: defined or exported there
+        attr = re.escape(parts[i])
+        text = source.read_text()
+        if not re.search(rf"^\s*(def|class)\s+{attr}\b|^{attr}\s*[:=]|[\"']{attr}[\"']", text, flags=re.M):
+            return f"{name}: {'.'.join(parts[:i])} has no {parts[i]}"
+    return None
+
+
+def _link_problem(page: Path, text: str, target: str) -> str | None:
+    if re.match(r"[a-z]+:", target):  # https:, mailto:
+        return None
+    path, _, anchor = target.partition("#")
+    if not path:  # a heading of this page
+        return None if anchor in _anchors(text) else f"{target}: no such heading on this page"
+    dest = (page.parent / path).resolve()
+    if REPO not in (dest, *dest.parents):
+        return f"{target}: outside the repository"
+    if not dest.exists():
+        return f"{target}: no such file"
+    if anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+        return f"{target}: no heading #{anchor} in {dest.relative_to(REPO)}"
+    return None
+
+
+def page_problems(page: Path, text: str) -> list[str]:
+    """Every repository path, module, link and ``../`` mention of ``text`` (the page at
+    ``page``) that does not resolve."""
+    problems = [p for w in PATH_RE.findall(text) if (p := _path_problem(w))]
+    problems += [p for m in MODULE_RE.findall(text) if (p := _module_problem(m))]
+    problems += [p for t in LINK_RE.findall(text) if (p := _link_problem(page, text, t))]
+    problems += [p for t in PARENT_RE.findall(text) if (p := _link_problem(page, text, t))]
+    return problems
+
+
+@pytest.mark.parametrize("page", doc_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_path_module_and_link_a_page_names_exists(page):
+    assert page_problems(page, page.read_text()) == []
+
+
+def test_names_and_links_that_do_not_exist_are_caught():
+    page = REPO / "docs" / "x.md"
+    text = """# Title
+See `nemo_rlhf/trainers/ppo/nope.py`, `conf/*_nothing.yaml`, `tests/unit/test_conf.py::test_nope`,
+`nemo_rlhf.trainers.nope`, `nemo_rlhf.reward.functions.no_such_fn`, [a](missing.md),
+[b](demo.md#no-such-heading), [c](../../outside.md), notes in `../shared/DESIGN.md`.
+Fine: `nemo_rlhf/data/<task>.py`, `conf/*_tiny.yaml`, `nemo_rlhf.reward.functions.CombinedReward`,
+`tests/unit/test_conf.py`, [d](demo.md#the-tiny-demo---task-tiny), [e](#title), [f](https://example.com).
+"""
+    problems = page_problems(page, text)
+    assert len(problems) == 9, problems
+    for needle in ("nope.py", "_nothing", "test_nope", "trainers.nope", "no_such_fn", "missing.md",
+                   "no-such-heading", "outside.md", "DESIGN.md"):
+        assert sum(needle in p for p in problems) == 1, (needle, problems)
+
+
+def test_the_readme_is_a_front_door():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
+    assert "../shared" not in "\n".join(lines)
