@@ -231,8 +231,8 @@ def test_sweep_job_array_runs_each_value_in_its_own_folder(slurm, data, tmp_path
 
 
 def test_the_readmes_multi_node_commands_pass_sbatch_test_only(slurm, tmp_path):
-    """Every launchers.slurm command of the README (the walkthrough's RM job and PPO on 2
-    trainer nodes + an RM node, the 'Multi-node on SLURM' PPO on 4 + 1) with
+    """Every launchers.slurm command of the README and its pages (the README walkthrough's RM
+    job and PPO on 2 trainer nodes + an RM node, docs/slurm.md's PPO on 4 + 1) with
     conf/cluster/example.yaml, asked of the scheduler with --test-only against the test
     cluster's never-started partition of 8-GPU nodes (tests/slurm/cluster.sh); /shared
     holds an 8B-shaped checkpoint's config only."""

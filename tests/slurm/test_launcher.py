@@ -201,11 +201,11 @@ def test_train_ppo_misspelt_key_fails_naming_it(tmp_path):
 
 
 def test_the_readme_multi_node_example_renders(capsys):
-    """The README's multi-node command (its text, read from the README) passes validation
-    and renders with --dry-run: the preset's heads fit TP=8, and the job has 4 trainer nodes
-    and one for the RM server."""
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("## Multi-node on SLURM", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    """The multi-node command of docs/slurm.md (its text, read from the page the README links)
+    passes validation and renders with --dry-run: the preset's heads fit TP=8, and the job has
+    4 trainer nodes and one for the RM server."""
+    page = (REPO / "docs" / "slurm.md").read_text()
+    block = page.split("# Multi-node on SLURM", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     cmd = " ".join(line.rstrip("\\").strip() for line in block.strip().splitlines())
     argv = shlex.split(cmd)
     assert argv[:3] == ["python", "-m", "launchers.slurm"]
