@@ -370,7 +370,7 @@ def save_checkpoint(
     if fault_requested("overwrite_shard", step) and _rank() == 0:
         _plant_overwrite(tmp / "dist")
     if verify:
-        _verify_or_discard(tmp, tensors, digests, dims, step)
+        _verify_or_discard(tmp, digests, dims, step)
     maybe_crash("save_written", step)
     if _rank() == 0:
         _copy_tokenizer(config, tmp)
@@ -408,11 +408,11 @@ def save_checkpoint(
     return final
 
 
-def _verify_or_discard(tmp: Path, tensors: list, digests: list[dict], dims, step: int) -> None:
+def _verify_or_discard(tmp: Path, digests: list[dict], dims, step: int) -> None:
     """Read this rank's shards back and compare; if any rank found a difference, remove
     ``tmp`` and raise :class:`CheckpointError` on every rank (the message lists what every
     rank found, read from the shared folder: no host objects through the collective)."""
-    problems = read_back_problems(tensors, digests, tmp / "dist")
+    problems = read_back_problems(digests, tmp / "dist")
     if problems:
         (tmp / DIGESTS_SUBDIR / f"problems_rank_{_rank()}.txt").write_text("\n".join(problems) + "\n")
     flag = torch.tensor([1.0 if problems else 0.0],
