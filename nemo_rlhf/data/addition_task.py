@@ -21,7 +21,7 @@ checker as the labeller): :func:`build_preference_pairs` turns scored samples in
 ``{"prompt", "chosen", "rejected"}`` rows, a correct answer against an incorrect one of the
 same prompt. Such pairs mostly teach an RM the *form* of a right answer (the model's right
 answers are mostly ``a + b = c`` lines, its wrong ones prose), which PPO then exploits
-(measured: the README's SmolLM2 section). :func:`answer_edit_pairs` adds minimal pairs that
+(measured: docs/demo.md). :func:`answer_edit_pairs` adds minimal pairs that
 differ only in the stated number -- a right sample against the same text with a near-miss
 number, a wrong sample against the same text with the right sum -- so that the form alone
 cannot separate chosen from rejected (counterfactual augmentation of the model's own

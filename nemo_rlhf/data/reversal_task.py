@@ -10,7 +10,7 @@ A model of the tiny shape (``conf/model/tiny.yaml``) learns both the copy and th
 from a few thousand rows, so what PPO changes is the choice between them, not the model's
 capacity. (The precedence arithmetic of :mod:`nemo_rlhf.data.demo_task`, the tests' fixture
 task, is capacity-bound at that size: its SFT model computes about half the sums right at
-all, and PPO could not move it; README, "The tiny task".)
+all, and PPO could not move it; docs/demo.md, "The task the tiny demo replaced".)
 
 Prompts are ``d1 d2 ... dn =`` with ``n`` in ``[min_digits, max_digits]`` and digits 1-9
 (no zero, so every answer is an integer without a leading zero and the integer checker

