@@ -9,7 +9,9 @@ before ``latest`` is updated).
 (:func:`fault_requested`): ``change_after_digest`` changes one saved tensor in memory after
 its digest was taken and before it is written (a buffer modified under the save);
 ``overwrite_shard`` overwrites bytes in the middle of a written shard file before the read-back
-(a storage layer returning other data). Both unset in normal runs: no-ops.
+(a storage layer returning other data); ``enospc`` fails this rank's part of the write with
+``OSError(ENOSPC)`` after the shards, ``enospc_publish`` fails rank 0's metadata write the
+same way (a full disk). Unset in normal runs: no-ops.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import signal
 
 ENV = "NEMO_RLHF_CRASH_AT"
 FAULT_ENV = "NEMO_RLHF_FAULT"
-FAULTS = ("change_after_digest", "overwrite_shard")
+FAULTS = ("change_after_digest", "overwrite_shard", "enospc", "enospc_publish")
 
 
 def _matches(spec: str | None, point: str, step: int) -> bool:

@@ -32,6 +32,7 @@ saving is not used.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -322,8 +323,11 @@ def save_checkpoint(
         The published ``step_<step>`` path.
 
     Raises:
-        CheckpointError: a shard read back differs from the tensor saved (names the tensors;
-            nothing is published, ``latest`` still names the previous checkpoint).
+        CheckpointError: on every rank, with nothing published (the partial folder removed,
+            ``latest`` still names the previous checkpoint): a shard read back differs from
+            the tensor saved (names the tensors), or any rank's write failed (e.g. no space
+            left on the device: the failing rank's message names the error, the others the
+            rank). Every rank reaches the same decision: none is left waiting in a barrier.
     """
     from megatron.core import dist_checkpointing
 
@@ -363,49 +367,98 @@ def save_checkpoint(
     tensors, digests = shard_digests(sharded)
     if fault_requested("change_after_digest", step):
         _plant_change(tensors)
-    dist_checkpointing.save(sharded, str(tmp / "dist"))
-    torch.save({"rng": rng_state()}, tmp / "rng" / f"rank_{_rank()}.pt")
-    write_rank_digests(tmp, _rank(), digests)
-    _barrier()
+    failure = None
+    try:
+        dist_checkpointing.save(sharded, str(tmp / "dist"))
+        if fault_requested("enospc", step):
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: NEMO_RLHF_FAULT)")
+        torch.save({"rng": rng_state()}, tmp / "rng" / f"rank_{_rank()}.pt")
+        write_rank_digests(tmp, _rank(), digests)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - OSError, or torch's CheckpointException
+        # (a BaseException) carrying another rank's OSError: every rank must reach the
+        # agreement below, or the others would wait in a barrier until the timeout
+        failure = f"rank {_rank()}: {type(exc).__name__}: {_first_line(exc)}"
+    _fail_together(failure, tmp, dims, step)
     if fault_requested("overwrite_shard", step) and _rank() == 0:
         _plant_overwrite(tmp / "dist")
     if verify:
         _verify_or_discard(tmp, digests, dims, step)
     maybe_crash("save_written", step)
+    failure = None
     if _rank() == 0:
-        _copy_tokenizer(config, tmp)
-        meta = {
-            "step": int(step),
-            "time": time.time(),
-            "parallel": dims.describe() if dims is not None else None,
-            "optimizer_step": opt_step,
-            "optimizer_param_steps": opt_steps,
-            "has_optimizer": optimizer is not None,
-            "optimizer_format": _optimizer_format(optimizer) if optimizer is not None else None,
-            "optimizer_extra": part_meta.get("optimizer_extra", {}),
-            "has_critic": critic is not None,
-            **{k: v for k, v in part_meta.items() if k != "optimizer_extra"},
-            "fingerprint": fingerprint or {},
-            "files": file_checksums(tmp),
-        }
-        (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {}, indent=2))
-        if config is not None:
-            from omegaconf import OmegaConf
-
-            (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
-        _atomic_write_text(tmp / COMPLETE, f"{int(step)}\n")
-        if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
-            trash = root / f".trash_step_{int(step)}_{os.getpid()}"
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        maybe_crash("save_published", step)
-        _atomic_write_text(root / LATEST, final.name + "\n")
-    _barrier()
+        try:
+            _publish(root, tmp, final, step, config, trainer_state, {
+                "step": int(step),
+                "time": time.time(),
+                "parallel": dims.describe() if dims is not None else None,
+                "optimizer_step": opt_step,
+                "optimizer_param_steps": opt_steps,
+                "has_optimizer": optimizer is not None,
+                "optimizer_format": _optimizer_format(optimizer) if optimizer is not None else None,
+                "optimizer_extra": part_meta.get("optimizer_extra", {}),
+                "has_critic": critic is not None,
+                **{k: v for k, v in part_meta.items() if k != "optimizer_extra"},
+                "fingerprint": fingerprint or {},
+            })
+        except OSError as exc:
+            failure = f"rank 0 publishing: {type(exc).__name__}: {_first_line(exc)}"
+    _fail_together(failure, tmp, dims, step)
     return final
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else repr(exc)
+
+
+def _fail_together(failure: Optional[str], tmp: Path, dims, step: int) -> None:
+    """A synchronisation point of the save that also agrees on failure: if any rank's
+    part failed (``failure``: its message), the unpublished ``tmp`` is removed and every
+    rank raises :class:`CheckpointError` (the failing rank with its message; the others
+    name the rank to read). A flag on ``dims.device`` is all-reduced: no host objects go
+    through the collective."""
+    flag = torch.tensor([0.0 if failure is None else 1.0 + _rank()],
+                        device=getattr(dims, "device", None) or torch.device("cpu"))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    latest = tmp.parent / LATEST
+    previous = latest.read_text().strip() if latest.is_file() else None
+    raise CheckpointError(
+        f"checkpoint step {int(step)} not saved: "
+        + (failure or f"rank {int(flag.item()) - 1} failed (its log has the error)")
+        + f"; the partial save {tmp} was removed; "
+        + (f"{latest} still names {previous}" if previous else "no earlier checkpoint in this folder"))
+
+
+def _publish(root: Path, tmp: Path, final: Path, step: int, config, trainer_state, meta: dict) -> None:
+    """Rank 0: write the metadata files into ``tmp``, rename it to ``final`` and point
+    ``latest`` at it."""
+    _copy_tokenizer(config, tmp)
+    meta["files"] = file_checksums(tmp)
+    if fault_requested("enospc_publish", step):
+        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: NEMO_RLHF_FAULT)")
+    (tmp / "metadata.json").write_text(json.dumps(meta, indent=2, default=str))
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer_state or {}, indent=2))
+    if config is not None:
+        from omegaconf import OmegaConf
+
+        (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
+    _atomic_write_text(tmp / COMPLETE, f"{int(step)}\n")
+    if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
+        trash = root / f".trash_step_{int(step)}_{os.getpid()}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    maybe_crash("save_published", step)
+    _atomic_write_text(root / LATEST, final.name + "\n")
 
 
 def _verify_or_discard(tmp: Path, digests: list[dict], dims, step: int) -> None:

@@ -1,6 +1,8 @@
 """Verify-after-save on two gloo ranks: at DP=2 (rank 1 writes no shard of its own and reads
 nothing back) and at TP=2 (each rank its own shards); a tensor changed under the save on
-rank 1 alone stops the save on both ranks with the same message, nothing published."""
+rank 1 alone stops the save on both ranks with the same message, nothing published; no
+space left on one rank (its own files, or rank 0's metadata) stops the save on both, the
+other rank naming the failing one, instead of leaving it waiting in a barrier."""
 
 from __future__ import annotations
 
@@ -57,6 +59,17 @@ def _worker(rank: int, tmp: str) -> dict:
         torch.distributed.barrier()
         res["latest_after"] = (root / "latest").read_text().strip()
         res["left"] = sorted(p.name for p in root.iterdir())
+        # a full disk on one rank: at its own files (rank 1), at the metadata (rank 0)
+        for step, (fault, on_rank) in enumerate((("enospc", 1), ("enospc_publish", 0)), start=3):
+            if rank == on_rank:
+                os.environ[FAULT_ENV] = f"{fault}:{step}"
+            try:
+                save_checkpoint(root, step, model, opt, {}, None, dims)
+                res[fault] = None
+            except CheckpointError as exc:
+                res[fault] = str(exc)
+            os.environ.pop(FAULT_ENV, None)
+        res["left_after_enospc"] = sorted(p.name for p in root.iterdir())
         out[layout] = res
     return out
 
@@ -85,3 +98,14 @@ def test_verified_save_and_a_fault_on_one_rank_stops_both(results, layout):
         assert r0["latest_after"] == "step_1" and r0["left"] == ["latest", "step_1"]
     else:
         assert r0["error"] is None and r1["error"] is None and r0["latest_after"] == "step_2"
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2"])
+def test_no_space_on_one_rank_stops_the_save_on_both(results, layout):
+    r0, r1 = results[0][layout], results[1][layout]
+    assert "rank 1: OSError" in r1["enospc"] and "No space left on device" in r1["enospc"]
+    assert "rank 1 failed (its log has the error)" in r0["enospc"]
+    assert "rank 0 publishing: OSError" in r0["enospc_publish"] and "No space left" in r0["enospc_publish"]
+    assert "rank 0 failed" in r1["enospc_publish"]
+    latest = r0["latest_after"]
+    assert r0["left_after_enospc"] == sorted(["latest", "step_1", *(["step_2"] if latest == "step_2" else [])])

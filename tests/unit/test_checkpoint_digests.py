@@ -132,3 +132,33 @@ def test_deep_problems_name_a_checkpoint_without_digests(job, tmp_path):
         f.unlink()
     (path / "digests").rmdir()
     assert deep_problems(path, full) == ["no digests/ (a checkpoint written before tensor digests): nothing to compare"]
+
+
+@pytest.mark.parametrize("fault", ["enospc", "enospc_publish", "dist_write"])
+def test_no_space_left_during_a_save_keeps_the_previous_checkpoint_and_says_so(job, tmp_path, monkeypatch, fault):
+    """A full disk at the shards (megatron's write failing), at this rank's own files, or at
+    rank 0's metadata: CheckpointError naming ENOSPC, the partial folder removed, the
+    previous checkpoint still the newest; the next save (space freed) works."""
+    import errno
+
+    from megatron.core import dist_checkpointing
+
+    save, _ = job
+    first = save(tmp_path, 1)
+    if fault == "dist_write":
+        real = dist_checkpointing.save
+
+        def full_disk(sharded, directory, *a, **kw):
+            (tmp_path / ".tmp_step_2" / "dist" / "__0_0.distcp").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(dist_checkpointing, "save", full_disk)
+    else:
+        monkeypatch.setenv(FAULT_ENV, f"{fault}:2")
+    with pytest.raises(CheckpointError, match=r"step 2 not saved: rank 0.*No space left on device.*"
+                                              r"was removed; .*latest still names step_1"):
+        save(tmp_path, 2)
+    assert find_latest_checkpoint(tmp_path) == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_1"]
+    monkeypatch.undo()
+    assert save(tmp_path, 2) == tmp_path / "step_2" == find_latest_checkpoint(tmp_path)
