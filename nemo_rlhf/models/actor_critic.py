@@ -34,6 +34,29 @@ from nemo_rlhf.models.logprobs import LogprobRequest, fused_response_logprobs
 from nemo_rlhf.models.packing import PackedBatch
 
 
+def apply_rope_scaling(gpt: GPTModel, model_cfg: ModelConfig) -> None:
+    """Scale ``gpt``'s RoPE inverse frequencies in place per ``model.rope_scaling``
+    (``llama3``: megatron's ``RotaryEmbedding._apply_scaling``, a port of transformers'
+    ``_compute_llama3_parameters``, given all four of the checkpoint's parameters, where
+    megatron's own ``rope_scaling`` flag passes the factor alone). Every consumer of the
+    rotary embedding (the training forward, the KV-cache decode) reads these frequencies.
+    A no-op without scaling or without RoPE."""
+    rot = getattr(gpt, "rotary_pos_emb", None)
+    if model_cfg.rope_scaling is None or rot is None:
+        return
+    inv = rot.inv_freq
+    rot_dim = 2 * inv.numel()
+    base = 1.0 / (model_cfg.rotary_base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=inv.device)
+                                             / rot_dim))
+    rot.inv_freq = rot._apply_scaling(
+        base, factor=model_cfg.rope_scaling_factor, low_freq_factor=model_cfg.rope_low_freq_factor,
+        high_freq_factor=model_cfg.rope_high_freq_factor,
+        original_max_position_embeddings=model_cfg.rope_original_max_position_embeddings).to(inv.dtype)
+    clear = getattr(type(rot).forward, "cache_clear", None)  # frequencies megatron cached by length
+    if clear is not None:
+        clear()
+
+
 class ActorCriticModel(GPTModel):
     """megatron ``GPTModel`` with a value head sharing the backbone.
 
@@ -63,6 +86,7 @@ class ActorCriticModel(GPTModel):
             rotary_base=model_cfg.rotary_base,
         )
         self.model_cfg = model_cfg
+        apply_rope_scaling(self, model_cfg)
         self._with_values = True  # this call's with_values (forward's argument)
         self.detach_value_head = False
         """When True the value head reads the hidden states with the gradient stopped

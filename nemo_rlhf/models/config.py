@@ -27,6 +27,10 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu", "gelu_tanh")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+ROPE_SCALINGS = (None, "llama3")
+ROPE_SCALING_KEYS = ("rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_max_position_embeddings")
+"""``model.rope_scaling`` choices: none, or Llama 3.1+'s frequency-dependent scaling."""
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp")
@@ -72,6 +76,20 @@ class ModelConfig:
     """``rope`` or ``learned_absolute``."""
     rotary_base: int = 10000
     """RoPE theta."""
+    rope_scaling: Optional[str] = None
+    """RoPE frequency scaling: None, or ``llama3`` (every Llama 3.1 / 3.2 / 3.3 checkpoint:
+    HF ``rope_scaling.rope_type``); its parameters are the four ``rope_*`` keys below, HF's
+    names with the ``rope_`` prefix. Formula: transformers' ``_compute_llama3_parameters``
+    (wavelengths above ``original_max_position_embeddings / low_freq_factor`` divided by
+    ``factor``, below ``... / high_freq_factor`` kept, interpolated between)."""
+    rope_scaling_factor: float = 8.0
+    """``llama3``: the long-wavelength divisor (8 for Llama 3.1 / 3.3, 32 for 3.2)."""
+    rope_low_freq_factor: float = 1.0
+    """``llama3``: ``low_freq_factor``."""
+    rope_high_freq_factor: float = 4.0
+    """``llama3``: ``high_freq_factor``."""
+    rope_original_max_position_embeddings: int = 8192
+    """``llama3``: the pre-training context the wavelengths are compared with."""
     add_bias_linear: bool = False
     """Biases on all linear layers (GPT-2 style)."""
     add_qkv_bias: bool = False
@@ -110,6 +128,18 @@ class ModelConfig:
         check_choice("model.normalization", self.normalization, NORMALIZATIONS)
         check_choice("model.activation", self.activation, ACTIVATIONS)
         check_choice("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
+        check_choice("model.rope_scaling", self.rope_scaling, ROPE_SCALINGS)
+        if self.rope_scaling is not None:
+            if self.position_embedding_type != "rope":
+                raise ValueError(f"model.rope_scaling={self.rope_scaling!r} needs "
+                                 f"model.position_embedding_type=rope, not {self.position_embedding_type!r}")
+            if not (self.rope_scaling_factor > 0 and 0 < self.rope_low_freq_factor < self.rope_high_freq_factor
+                    and self.rope_original_max_position_embeddings >= 1):
+                raise ValueError(
+                    f"model.rope_scaling=llama3: rope_scaling_factor={self.rope_scaling_factor} must be > 0, "
+                    f"0 < rope_low_freq_factor={self.rope_low_freq_factor} < rope_high_freq_factor="
+                    f"{self.rope_high_freq_factor}, rope_original_max_position_embeddings="
+                    f"{self.rope_original_max_position_embeddings} >= 1")
         check_choice("model.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
         check_choice("model.recompute_method", self.recompute_method, RECOMPUTE_METHODS)
         self.recompute_modules = list(self.recompute_modules)
@@ -149,6 +179,9 @@ class ModelConfig:
                   "value_head_init_std", "max_position_embeddings", "recompute_granularity",
                   "recompute_method", "recompute_num_layers", "recompute_modules"):
             d.pop(k)
+        if self.rope_scaling is None:  # (checkpoints from before RoPE scaling keep their fingerprint)
+            for k in ROPE_SCALING_KEYS:
+                d.pop(k)
         return d
 
 

@@ -44,7 +44,8 @@ Hugging Face names (transformers 4.57, ``models/<arch>/modeling_<arch>.py``):
 Every transform is a reshape, slice, concatenation or transpose, so import followed by
 export returns bit-identical tensors (same names as ``save_pretrained`` writes).
 
-Simplified / refused (a clear ``ValueError`` names the key): RoPE scaling and partial
+Simplified / refused (a clear ``ValueError`` names the key): RoPE scaling other than
+``llama3`` (Llama 3.1+) and partial
 rotary, sliding-window attention, Llama with ``attention_bias != mlp_bias``, GPT-2 with
 ``scale_attn_by_inverse_layer_idx`` or unscaled attention. Dropout values of the HF config
 are not imported (this project trains RLHF with dropout 0). Exports write one
@@ -269,9 +270,7 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
     act = _hf_get(hf, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r}: only 'silu' (SwiGLU) is supported for {mt}")
-    scaling = hf.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise ValueError(f"rope_scaling={scaling}: RoPE scaling is not supported")
+    rope = _rope_scaling(hf.get("rope_scaling"))
     if _hf_get(hf, "partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
     if mt == "qwen2" and _hf_get(hf, "use_sliding_window", False):
@@ -310,8 +309,48 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
         add_qkv_bias=qkv_bias,
         share_embeddings_and_output_weights=bool(_hf_get(hf, "tie_word_embeddings", False)),
         init_method_std=float(_hf_get(hf, "initializer_range", 0.02)),
+        **rope,
     )
     return cfg, mt
+
+
+ROPE_TYPES = ("default", "llama3")
+"""HF ``rope_scaling.rope_type`` values imported (``default``: none)."""
+
+
+def _rope_scaling(scaling) -> dict:
+    """:class:`ModelConfig` ``rope_*`` keys of an HF ``rope_scaling`` (None or a dict).
+
+    Raises:
+        ValueError: a ``rope_type`` other than :data:`ROPE_TYPES` (``linear``, ``dynamic``,
+            ``yarn``, ``longrope``, ...: names it and the supported ones), or a ``llama3``
+            entry missing a parameter.
+    """
+    if not scaling:
+        return {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return {}
+    if kind != "llama3":
+        raise ValueError(f"rope_scaling={scaling}: rope_type {kind!r} is not supported; supported: "
+                         f"{list(ROPE_TYPES)}")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling={scaling}: rope_type 'llama3' needs {missing}")
+    return {"rope_scaling": "llama3", "rope_scaling_factor": float(scaling["factor"]),
+            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+            "rope_original_max_position_embeddings": int(scaling["original_max_position_embeddings"])}
+
+
+def hf_rope_scaling(cfg: ModelConfig) -> Optional[dict]:
+    """The HF ``rope_scaling`` entry of ``cfg`` (None without scaling)."""
+    if cfg.rope_scaling is None:
+        return None
+    return {"rope_type": cfg.rope_scaling, "factor": cfg.rope_scaling_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor, "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_position_embeddings}
 
 
 def _gpt2_config(hf: dict, name: str) -> ModelConfig:
@@ -375,7 +414,7 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, reward: bool = Fa
                "num_key_value_heads": query_groups(cfg), "head_dim": head_dim(cfg),
                "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
                "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": float(cfg.rotary_base),
-               "rope_scaling": None, "attention_dropout": 0.0}
+               "rope_scaling": hf_rope_scaling(cfg), "attention_dropout": 0.0}
         if arch == "llama":
             out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
                        pretraining_tp=1)

@@ -1,6 +1,7 @@
 """Hugging Face interop and resharding, end to end (transformers in-process, 2 gloo ranks).
 
-One module fixture does all the work once: tiny random Llama (GQA, untied), Qwen2 (QKV
+One module fixture does all the work once: tiny random Llama (GQA, untied), Llama 3.1 (its
+RoPE scaling), Qwen2 (QKV
 biases, tied) and GPT-2 (tied, learned positions) built with transformers and saved with
 tokenizer files; ``import-hf`` of each (TP=1; GPT-2 also with ``--pp 2``); ``reshard`` of
 the Llama import to TP=2; ONE 2-rank spawn for every megatron-side forward (TP=1, TP=2,
@@ -20,7 +21,7 @@ from tests.distributed.harness import run_ranks
 
 pytest.importorskip("transformers")
 
-ARCHS = ("llama", "qwen2", "gpt2")
+ARCHS = ("llama", "llama31", "qwen2", "gpt2")
 IDS = torch.randint(3, 150, (2, 12), generator=torch.Generator().manual_seed(0))
 TOL = 1e-4
 
@@ -49,6 +50,12 @@ def _hf_models():
     return {
         "llama": LlamaForCausalLM(LlamaConfig(vocab_size=200, tie_word_embeddings=False,
                                               rope_theta=500000.0, **common)),
+        # Llama 3.1's RoPE scaling, its context shrunk to 32 tokens so that the three bands
+        # (kept, interpolated, divided by the factor) all occur at this head size
+        "llama31": LlamaForCausalLM(LlamaConfig(
+            vocab_size=200, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
+                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}, **common)),
         "qwen2": Qwen2ForCausalLM(Qwen2Config(vocab_size=150, tie_word_embeddings=True, **common)),
         "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=260, n_embd=64, n_layer=2, n_head=4,
                                            n_positions=64)),

@@ -21,6 +21,10 @@ HF_CONFIGS = {
                   "num_hidden_layers": 32},
     "llama3_70b": {**LLAMA3, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
                    "num_hidden_layers": 80},
+    "llama3_1_8b": {**LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+                    "num_hidden_layers": 32, "max_position_embeddings": 131072,
+                    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}},
     "qwen2_5_7b": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
                    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
                    "max_position_embeddings": 32768, "num_attention_heads": 28, "num_hidden_layers": 28,
@@ -28,7 +32,7 @@ HF_CONFIGS = {
                    "sliding_window": 131072, "tie_word_embeddings": False, "use_sliding_window": False,
                    "vocab_size": 152064},
 }
-PARAMS_B = {"llama3_8b": 8.03, "llama3_70b": 70.55, "qwen2_5_7b": 7.62}  # the model cards' counts
+PARAMS_B = {"llama3_8b": 8.03, "llama3_1_8b": 8.03, "llama3_70b": 70.55, "qwen2_5_7b": 7.62}  # the model cards' counts
 
 
 @pytest.mark.parametrize("preset", sorted(HF_CONFIGS))
@@ -57,3 +61,34 @@ def test_llama3_8b_on_a_node_of_8_gpus_takes_tp_8():
     assert validate_parallel_layout(layout, 16, num_layers=cfg.num_layers,
                                     num_attention_heads=cfg.num_attention_heads,
                                     num_query_groups=cfg.num_query_groups) == 2
+
+
+@pytest.mark.parametrize("scaling, message", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+     r"rope_type 'yarn' is not supported; supported: \['default', 'llama3'\]"),
+    ({"type": "linear", "factor": 2.0}, r"rope_type 'linear' is not supported"),
+    ({"type": "dynamic", "factor": 2.0}, r"rope_type 'dynamic' is not supported"),
+    ({"rope_type": "llama3", "factor": 8.0}, r"rope_type 'llama3' needs \['low_freq_factor', "
+                                             r"'high_freq_factor', 'original_max_position_embeddings'\]"),
+])
+def test_rope_scaling_other_than_llama3_is_refused_naming_it(scaling, message):
+    with pytest.raises(ValueError, match=message):
+        model_config_from_hf({**HF_CONFIGS["llama3_1_8b"], "rope_scaling": scaling}, "x")
+
+
+def test_default_rope_scaling_imports_as_none_and_keeps_the_old_fingerprint():
+    plain, _ = model_config_from_hf({**HF_CONFIGS["llama3_8b"], "rope_scaling": {"rope_type": "default"}}, "x")
+    assert plain.rope_scaling is None and "rope_scaling" not in plain.fingerprint()
+    scaled = load_model_preset("llama3_1_8b")
+    assert scaled.fingerprint()["rope_scaling"] == "llama3" and scaled.fingerprint()["rope_scaling_factor"] == 8.0
+
+
+def test_rope_scaling_config_is_checked():
+    from nemo_rlhf.models.config import ModelConfig
+
+    with pytest.raises(ValueError, match=r"model.rope_scaling='yarn': valid choices are \[None, 'llama3'\]"):
+        ModelConfig(rope_scaling="yarn")
+    with pytest.raises(ValueError, match=r"needs model.position_embedding_type=rope"):
+        ModelConfig(rope_scaling="llama3", position_embedding_type="learned_absolute")
+    with pytest.raises(ValueError, match=r"rope_low_freq_factor=4.0 < rope_high_freq_factor=1.0"):
+        ModelConfig(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0)

@@ -33,6 +33,9 @@ def _build(dims, **overrides):
 MODELS = {
     "rope_std0.02": dict(),
     "rope_std0.1": dict(init_method_std=0.1),
+    # Llama 3.1's scaling, its context shrunk to 32 tokens so that every frequency band moves
+    "rope_llama3_scaling": dict(init_method_std=0.1, rope_scaling="llama3", rope_scaling_factor=8.0,
+                                rope_original_max_position_embeddings=32),
     "learned_abs_gpt2_like": dict(init_method_std=0.1, position_embedding_type="learned_absolute",
                                   normalization="LayerNorm", activation="gelu",
                                   add_bias_linear=True),
@@ -84,7 +87,18 @@ def test_kv_cache_greedy_equals_full_recompute_token_for_token(models, dims, nam
         assert len(set(row.tolist())) >= 3
 
 
-@pytest.mark.parametrize("name", ["rope_std0.1", "learned_abs_gpt2_like"])
+def test_rope_scaling_reaches_the_forward(models, dims):
+    """The same weights (same seed) with and without llama3 scaling: other logits (else the
+    KV-cache test above would not be checking the scaled frequencies)."""
+    ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain, _ = model_forward(models["rope_std0.1"], ids, torch.ones_like(ids))
+        scaled, _ = model_forward(models["rope_llama3_scaling"], ids, torch.ones_like(ids))
+    assert torch.equal(plain[:, 0], scaled[:, 0])  # position 0: no rotation either way
+    assert (plain[:, 1:] - scaled[:, 1:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", ["rope_std0.1", "rope_llama3_scaling", "learned_abs_gpt2_like"])
 def test_kv_cache_sampling_equals_full_recompute_with_the_same_seed(models, dims, name):
     kw = dict(temperature=0.7, top_p=0.9, seed=3)
     _assert_same(_gen(models[name], dims, **kw), _gen(models[name], dims, use_kv_cache=False, **kw))

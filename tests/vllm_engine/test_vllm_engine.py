@@ -2,7 +2,7 @@
 
 One spawned world per layout (training TP=1 and TP=2, engine TP=1 and TP=2) runs all the
 checks of a PPO trainer built with the vLLM engine; the SmolLM2 check and the resume check
-have their own worlds. Tolerances: fp32 on both sides; vLLM's CPU kernels (its own GEMM
+have their own worlds; the TP=1 world's model has Llama 3.1's RoPE scaling. Tolerances: fp32 on both sides; vLLM's CPU kernels (its own GEMM
 and attention) round differently from megatron's, measured up to ~1e-6 nats on the tiny
 model, so the log-prob bound is 1e-4.
 """
@@ -24,6 +24,9 @@ SMOLLM2_STEP = SMOLLM2 / "step_0"
 LOGPROB_TOL = 1e-4
 # vLLM's CPU attention has no kernel for head dim 16 (the tiny preset's 64 / 4 heads)
 TINY = ("model.num_attention_heads=2", "model.num_query_groups=2")
+# Llama 3.1's RoPE scaling, its context shrunk to 32 tokens so that it changes every band: at
+# training TP=1 the model has it (vLLM builds it from the exported config.json's rope_scaling)
+LLAMA3_ROPE = ("model.rope_scaling=llama3", "model.rope_original_max_position_embeddings=32")
 
 
 def _engines(trainer):
@@ -41,14 +44,14 @@ def _responses(batch) -> list[list[int]]:
     return [batch.response_ids[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
 
 
-def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int) -> dict:
+def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = ()) -> dict:
     from dataclasses import replace
 
     from nemo_rlhf.models.engine import unwrap
     from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
-    cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / "exp", *TINY,
+    cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / "exp", *TINY, *extra,
                       f"parallel.tensor_model_parallel_size={tp}", "rollout.engine=vllm",
                       f"rollout.vllm.tensor_parallel_size={vllm_tp}", "rollout.temperature=1.0",
                       "rollout.max_new_tokens=8", "ppo.rollout_is_cap=2.0", "optim.lr=1e-2",
@@ -121,7 +124,7 @@ def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int) -> dict:
 def layout(request, tmp_path_factory):
     tp, vllm_tp = request.param
     res = run_ranks(_trainer_worker, world_size=tp, tmp=str(tmp_path_factory.mktemp("vllm")),
-                    tp=tp, vllm_tp=vllm_tp)
+                    tp=tp, vllm_tp=vllm_tp, extra=LLAMA3_ROPE if tp == 1 else ())
     return res[0]
 
 
