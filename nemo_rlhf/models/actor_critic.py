@@ -252,4 +252,4 @@ def _layer_spec(model_cfg: ModelConfig):
     ``causal`` mask type TE does not read the attention mask that every forward here passes
     (left-padded prompts, padded keys, packed sequences). megatron's local attention runs on
     CUDA as on the host."""
-    return local_layer_spec(normalization=model_cfg.normalization)
+    return local_layer_spec(normalization=model_cfg.normalization, qk_layernorm=model_cfg.qk_layernorm)

@@ -94,6 +94,10 @@ class ModelConfig:
     """Biases on all linear layers (GPT-2 style)."""
     add_qkv_bias: bool = False
     """Biases on the QKV projection only (Qwen2 style)."""
+    qk_layernorm: bool = False
+    """An RMSNorm / LayerNorm (``model.normalization``, ``layernorm_epsilon``) over each head's
+    query and key, ``[head_dim]`` weights shared by the heads, before RoPE (Qwen3's ``q_norm``
+    / ``k_norm``; megatron's ``qk_layernorm``)."""
     share_embeddings_and_output_weights: bool = False
     """Tie the input embedding and the output layer."""
     hidden_dropout: float = 0.0
@@ -179,9 +183,13 @@ class ModelConfig:
                   "value_head_init_std", "max_position_embeddings", "recompute_granularity",
                   "recompute_method", "recompute_num_layers", "recompute_modules"):
             d.pop(k)
-        if self.rope_scaling is None:  # (checkpoints from before RoPE scaling keep their fingerprint)
+        # facts added later are left out at their defaults: the checkpoints written before
+        # they existed keep their fingerprint
+        if self.rope_scaling is None:
             for k in ROPE_SCALING_KEYS:
                 d.pop(k)
+        if not self.qk_layernorm:
+            d.pop("qk_layernorm")
         return d
 
 
@@ -318,6 +326,7 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
         activation_func=act,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=model.add_qkv_bias or model.add_bias_linear,
+        qk_layernorm=model.qk_layernorm,
         hidden_dropout=model.hidden_dropout,
         attention_dropout=model.attention_dropout,
         init_method_std=model.init_method_std,

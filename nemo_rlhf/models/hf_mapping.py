@@ -72,6 +72,8 @@ ATTN_NORM_W = L + "self_attention.linear_qkv.layer_norm_weight"
 ATTN_NORM_B = L + "self_attention.linear_qkv.layer_norm_bias"
 QKV_W = L + "self_attention.linear_qkv.weight"
 QKV_B = L + "self_attention.linear_qkv.bias"
+Q_NORM_W = L + "self_attention.q_layernorm.weight"
+K_NORM_W = L + "self_attention.k_layernorm.weight"
 PROJ_W = L + "self_attention.linear_proj.weight"
 PROJ_B = L + "self_attention.linear_proj.bias"
 MLP_NORM_W = L + "mlp.linear_fc1.layer_norm_weight"
@@ -171,7 +173,7 @@ class Arch:
     """One supported Hugging Face architecture."""
 
     name: str
-    """``llama``, ``qwen2`` or ``gpt2`` (also the HF ``model_type``)."""
+    """``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``gpt2`` (also the HF ``model_type``)."""
     causal_lm: str
     """transformers class of the actor export."""
     seq_cls: str
@@ -182,7 +184,9 @@ class Arch:
 
 ARCHS = {
     "llama": Arch("llama", "LlamaForCausalLM", "LlamaForSequenceClassification", "model."),
+    "mistral": Arch("mistral", "MistralForCausalLM", "MistralForSequenceClassification", "model."),
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "model."),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "model."),
     "gpt2": Arch("gpt2", "GPT2LMHeadModel", "GPT2ForSequenceClassification", "transformer."),
 }
 
@@ -202,7 +206,10 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[str]:
     """Why ``cfg`` cannot be written as ``arch`` (empty: it can)."""
     get_arch(arch)
     p = []
-    if arch in ("llama", "qwen2"):
+    if arch in ("llama", "mistral", "qwen2", "qwen3"):
+        if cfg.qk_layernorm != (arch == "qwen3"):
+            p.append(f"model.qk_layernorm={cfg.qk_layernorm} ({arch} {'needs' if arch == 'qwen3' else 'has no'} "
+                     "query / key norms)")
         if cfg.normalization != "RMSNorm":
             p.append(f"model.normalization={cfg.normalization} (needs RMSNorm)")
         if cfg.activation != "swiglu":
@@ -214,6 +221,14 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[str]:
                      "(qwen2 needs QKV biases only)")
         if arch == "llama" and cfg.add_qkv_bias and not cfg.add_bias_linear:
             p.append("model.add_qkv_bias=true without add_bias_linear (that is qwen2)")
+        if arch == "qwen3" and cfg.add_bias_linear != cfg.add_qkv_bias:
+            p.append(f"model.add_qkv_bias={cfg.add_qkv_bias}, add_bias_linear={cfg.add_bias_linear} "
+                     "(qwen3's attention_bias covers q, k, v and o together; its MLP has none)")
+        if arch == "qwen3" and cfg.add_bias_linear:
+            p.append("model.add_bias_linear=true (qwen3's MLP has no biases)")
+        if arch == "mistral" and (cfg.add_qkv_bias or cfg.add_bias_linear):
+            p.append(f"model.add_qkv_bias={cfg.add_qkv_bias}, add_bias_linear={cfg.add_bias_linear} "
+                     "(mistral has no linear biases)")
     else:
         if cfg.normalization != "LayerNorm":
             p.append(f"model.normalization={cfg.normalization} (needs LayerNorm)")
@@ -232,16 +247,18 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[str]:
 
 
 def infer_arch(cfg: ModelConfig) -> str:
-    """``qwen2`` (RMSNorm + SwiGLU + RoPE + QKV bias), ``llama`` (the same without the QKV
-    bias) or ``gpt2`` (LayerNorm + GELU + learned positions + biases).
+    """``qwen3`` (RMSNorm + SwiGLU + RoPE + query / key norms), ``qwen2`` (the same with a
+    QKV bias and no query / key norms), ``llama`` (neither) or ``gpt2`` (LayerNorm + GELU +
+    learned positions + biases). A Mistral-shaped model is ``llama`` (the same tensors and
+    math; ``export-hf --arch mistral`` writes it as Mistral).
 
     Raises:
         ValueError: none fits; says what each would need.
     """
-    for arch in ("qwen2", "llama", "gpt2"):
+    for arch in ("qwen3", "qwen2", "llama", "gpt2"):
         if not arch_problems(cfg, arch):
             return arch
-    why = "; ".join(f"{a}: {', '.join(arch_problems(cfg, a))}" for a in ("llama", "qwen2", "gpt2"))
+    why = "; ".join(f"{a}: {', '.join(arch_problems(cfg, a))}" for a in ("llama", "qwen2", "qwen3", "gpt2"))
     raise ValueError(f"model {cfg.name!r} matches no supported HF architecture ({why})")
 
 
@@ -270,15 +287,33 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
     act = _hf_get(hf, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r}: only 'silu' (SwiGLU) is supported for {mt}")
-    rope = _rope_scaling(hf.get("rope_scaling"))
-    if _hf_get(hf, "partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
-    if mt == "qwen2" and _hf_get(hf, "use_sliding_window", False):
+    # transformers >= 5 writes one ``rope_parameters`` dict (theta, type and the scaling's
+    # parameters); earlier versions (and most Hub files) ``rope_theta`` and ``rope_scaling``
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta_value, scaling = params.get("rope_theta", 10000.0), params
+        partial = params.get("partial_rotary_factor", _hf_get(hf, "partial_rotary_factor", 1.0))
+    else:
+        theta_value, scaling = _hf_get(hf, "rope_theta", 10000.0), hf.get("rope_scaling")
+        partial = _hf_get(hf, "partial_rotary_factor", 1.0)
+    rope = _rope_scaling(scaling)
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor={partial}: only 1 (RoPE on the whole head) is supported")
+    if mt in ("qwen2", "qwen3") and _hf_get(hf, "use_sliding_window", False):
         raise ValueError("use_sliding_window=true: sliding-window attention is not supported")
+    if mt == "mistral":
+        window = hf.get("sliding_window")
+        positions = _hf_get(hf, "max_position_embeddings", 4096 * 32)
+        if window is not None and window < positions:
+            raise ValueError(
+                f"sliding_window={window} (< max_position_embeddings={positions}): sliding-window "
+                f"attention is not supported (attention here is full: past {window} tokens it would "
+                f"see tokens the window hides); checkpoints with sliding_window null (Mistral-7B-v0.2 and "
+                f"later) import, or set max_position_embeddings <= {window} in a copy of config.json")
     heads = hf["num_attention_heads"]
     hidden = hf["hidden_size"]
     dim = _hf_get(hf, "head_dim", hidden // heads)
-    theta = float(_hf_get(hf, "rope_theta", 10000.0))
+    theta = float(theta_value)
     if theta != int(theta):
         raise ValueError(f"rope_theta={theta}: a non-integer RoPE base is not supported")
     if mt == "llama":
@@ -288,6 +323,13 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
             raise ValueError(f"attention_bias={attn_bias} with mlp_bias={mlp_bias}: only both or "
                              "neither can be expressed (model.add_bias_linear)")
         bias_linear, qkv_bias = attn_bias, attn_bias
+    elif mt == "mistral":
+        bias_linear, qkv_bias = False, False
+    elif mt == "qwen3":
+        if _hf_get(hf, "attention_bias", False):
+            raise ValueError("attention_bias=true: qwen3 with biases on q, k, v and o but not the MLP "
+                             "cannot be expressed (model.add_bias_linear covers the MLP too)")
+        bias_linear, qkv_bias = False, False
     else:
         bias_linear, qkv_bias = False, True
     cfg = ModelConfig(
@@ -299,7 +341,8 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
         ffn_hidden_size=hf["intermediate_size"],
         kv_channels=None if dim * heads == hidden else dim,
         vocab_size=hf["vocab_size"],
-        max_position_embeddings=_hf_get(hf, "max_position_embeddings", 2048 if mt == "llama" else 32768),
+        max_position_embeddings=_hf_get(hf, "max_position_embeddings",
+                                        {"llama": 2048, "mistral": 4096 * 32}.get(mt, 32768)),
         normalization="RMSNorm",
         layernorm_epsilon=float(_hf_get(hf, "rms_norm_eps", 1e-6)),
         activation="swiglu",
@@ -307,6 +350,7 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
         rotary_base=int(theta),
         add_bias_linear=bias_linear,
         add_qkv_bias=qkv_bias,
+        qk_layernorm=mt == "qwen3",
         share_embeddings_and_output_weights=bool(_hf_get(hf, "tie_word_embeddings", False)),
         init_method_std=float(_hf_get(hf, "initializer_range", 0.02)),
         **rope,
@@ -319,7 +363,8 @@ ROPE_TYPES = ("default", "llama3")
 
 
 def _rope_scaling(scaling) -> dict:
-    """:class:`ModelConfig` ``rope_*`` keys of an HF ``rope_scaling`` (None or a dict).
+    """:class:`ModelConfig` ``rope_*`` keys of an HF ``rope_scaling`` or ``rope_parameters``
+    (None or a dict).
 
     Raises:
         ValueError: a ``rope_type`` other than :data:`ROPE_TYPES` (``linear``, ``dynamic``,
@@ -418,6 +463,11 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, reward: bool = Fa
         if arch == "llama":
             out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
                        pretraining_tp=1)
+        elif arch == "mistral":
+            out.update(sliding_window=None)
+        elif arch == "qwen3":
+            out.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                       max_window_layers=cfg.num_layers)
         else:
             out.update(use_sliding_window=False, sliding_window=None,
                        max_window_layers=cfg.num_layers)
@@ -494,6 +544,9 @@ def _llama_layer_in(src: _Source, i: int, cfg: ModelConfig, prefix: str) -> dict
         FC1_W: torch.cat([src.take(mlp + "gate_proj.weight"), src.take(mlp + "up_proj.weight")]),
         FC2_W: src.take(mlp + "down_proj.weight"),
     }
+    if cfg.qk_layernorm:
+        out[Q_NORM_W] = src.take(attn + "q_norm.weight")
+        out[K_NORM_W] = src.take(attn + "k_norm.weight")
     if cfg.add_qkv_bias or cfg.add_bias_linear:
         out[QKV_B] = fuse_qkv(src.take(attn + "q_proj.bias"), src.take(attn + "k_proj.bias"),
                               src.take(attn + "v_proj.bias"), g)
@@ -591,6 +644,9 @@ def _llama_layer_out(mg: dict, i: int, cfg: ModelConfig, prefix: str) -> dict:
         mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up,
         mlp + "down_proj.weight": _need(mg, FC2_W)[i],
     }
+    if cfg.qk_layernorm:
+        out[attn + "q_norm.weight"] = _need(mg, Q_NORM_W)[i]
+        out[attn + "k_norm.weight"] = _need(mg, K_NORM_W)[i]
     if cfg.add_qkv_bias or cfg.add_bias_linear:
         qb, kb, vb = split_qkv(_need(mg, QKV_B)[i], heads, g, d)
         out.update({attn + "q_proj.bias": qb, attn + "k_proj.bias": kb, attn + "v_proj.bias": vb})

@@ -1,7 +1,7 @@
 """Hugging Face interop and resharding, end to end (transformers in-process, 2 gloo ranks).
 
 One module fixture does all the work once: tiny random Llama (GQA, untied), Llama 3.1 (its
-RoPE scaling), Qwen2 (QKV
+RoPE scaling), Mistral, Qwen3 (q / k norms, its own head size), Qwen2 (QKV
 biases, tied) and GPT-2 (tied, learned positions) built with transformers and saved with
 tokenizer files; ``import-hf`` of each (TP=1; GPT-2 also with ``--pp 2``); ``reshard`` of
 the Llama import to TP=2; ONE 2-rank spawn for every megatron-side forward (TP=1, TP=2,
@@ -21,8 +21,10 @@ from tests.distributed.harness import run_ranks
 
 pytest.importorskip("transformers")
 
-ARCHS = ("llama", "llama31", "qwen2", "gpt2")
-IDS = torch.randint(3, 150, (2, 12), generator=torch.Generator().manual_seed(0))
+ARCHS = ("llama", "llama31", "mistral", "qwen2", "qwen3", "gpt2")
+# 40 positions: past llama31's original_max_position_embeddings (32)
+IDS = torch.randint(3, 150, (2, 40), generator=torch.Generator().manual_seed(0))
+EXPORT_AS = {"mistral": ["--arch", "mistral"]}  # (the others: what export-hf infers)
 TOL = 1e-4
 
 
@@ -42,8 +44,8 @@ def _tokenizer(directory: Path, vocab_size: int) -> None:
 
 
 def _hf_models():
-    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)
@@ -56,7 +58,12 @@ def _hf_models():
             vocab_size=200, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling={
                 "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 32}, **common)),
+        "mistral": MistralForCausalLM(MistralConfig(vocab_size=180, tie_word_embeddings=False,
+                                                    sliding_window=None, rope_theta=1000000.0, **common)),
         "qwen2": Qwen2ForCausalLM(Qwen2Config(vocab_size=150, tie_word_embeddings=True, **common)),
+        # per-head q / k norms, a head size of its own (24, not 64 / 4), tied embeddings
+        "qwen3": Qwen3ForCausalLM(Qwen3Config(vocab_size=170, tie_word_embeddings=True, head_dim=24,
+                                              attention_bias=False, **common)),
         "gpt2": GPT2LMHeadModel(GPT2Config(vocab_size=260, n_embd=64, n_layer=2, n_head=4,
                                            n_positions=64)),
     }
@@ -150,7 +157,7 @@ def env(tmp_path_factory):
     ranks = run_ranks(_worker, 2, root=str(root))
     exported = {}
     for arch in ARCHS:
-        _cli("export-hf", root / "imported" / arch, "--out", root / "exported" / arch)
+        _cli("export-hf", root / "imported" / arch, "--out", root / "exported" / arch, *EXPORT_AS.get(arch, []))
         hf = AutoModelForCausalLM.from_pretrained(root / "exported" / arch).eval()
         with torch.no_grad():
             exported[arch] = hf(IDS).logits
@@ -193,6 +200,10 @@ def test_resharded_checkpoint_gives_the_source_logits(env):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_exported_model_loads_in_transformers_with_same_logits(env, arch):
     _close(env["exported"][arch], env["ref"][arch], TOL)
+    exported = json.loads((env["root"] / "exported" / arch / "config.json").read_text())
+    source = json.loads((env["root"] / "hf" / arch / "config.json").read_text())
+    assert exported["model_type"] == source["model_type"]
+    assert exported.get("rope_scaling") == source.get("rope_scaling")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -32,7 +32,14 @@ HF_CONFIGS = {
                    "sliding_window": 131072, "tie_word_embeddings": False, "use_sliding_window": False,
                    "vocab_size": 152064},
 }
-PARAMS_B = {"llama3_8b": 8.03, "llama3_1_8b": 8.03, "llama3_70b": 70.55, "qwen2_5_7b": 7.62}  # the model cards' counts
+QWEN3_0_6B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "attention_bias": False,
+              "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+              "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+              "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+              "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+              "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936}
+HF_CONFIGS["qwen3_0_6b"] = QWEN3_0_6B
+PARAMS_B = {"llama3_8b": 8.03, "llama3_1_8b": 8.03, "llama3_70b": 70.55, "qwen2_5_7b": 7.62, "qwen3_0_6b": 0.60}  # the model cards' counts
 
 
 @pytest.mark.parametrize("preset", sorted(HF_CONFIGS))
@@ -45,13 +52,16 @@ def test_preset_equals_the_import_of_the_hf_config(preset):
 @pytest.mark.parametrize("preset", sorted(HF_CONFIGS))
 def test_preset_parameter_count_matches_the_model_card(preset):
     c = load_model_preset(preset)
-    d = c.hidden_size // c.num_attention_heads
+    d = c.kv_channels or c.hidden_size // c.num_attention_heads
     attn = c.hidden_size * d * (c.num_attention_heads + 2 * c.num_query_groups) \
         + c.num_attention_heads * d * c.hidden_size
     if c.add_qkv_bias:
         attn += d * (c.num_attention_heads + 2 * c.num_query_groups)
+    if c.qk_layernorm:
+        attn += 2 * d
     layer = attn + 3 * c.hidden_size * c.ffn_hidden_size + 2 * c.hidden_size
-    total = c.num_layers * layer + 2 * c.vocab_size * c.hidden_size + c.hidden_size
+    embeddings = (1 if c.share_embeddings_and_output_weights else 2) * c.vocab_size * c.hidden_size
+    total = c.num_layers * layer + embeddings + c.hidden_size
     assert total / 1e9 == pytest.approx(PARAMS_B[preset], abs=0.01)
 
 
@@ -92,3 +102,38 @@ def test_rope_scaling_config_is_checked():
         ModelConfig(rope_scaling="llama3", position_embedding_type="learned_absolute")
     with pytest.raises(ValueError, match=r"rope_low_freq_factor=4.0 < rope_high_freq_factor=1.0"):
         ModelConfig(rope_scaling="llama3", rope_low_freq_factor=4.0, rope_high_freq_factor=1.0)
+
+
+def test_mistral_imports_as_llama_shapes_and_a_binding_sliding_window_is_refused():
+    mistral = {**HF_CONFIGS["llama3_8b"], "model_type": "mistral", "max_position_embeddings": 32768,
+               "rope_theta": 1000000.0, "vocab_size": 32768, "sliding_window": None}
+    cfg, arch = model_config_from_hf(mistral, "mistral-7b-v0.3")
+    assert arch == "mistral" and not cfg.add_bias_linear and not cfg.add_qkv_bias and cfg.rotary_base == 1000000
+    with pytest.raises(ValueError, match=r"sliding_window=4096 \(< max_position_embeddings=32768\): "
+                                         r"sliding-window attention is not supported"):
+        model_config_from_hf({**mistral, "sliding_window": 4096}, "mistral-7b-v0.1")
+    cfg, _ = model_config_from_hf({**mistral, "sliding_window": 32768}, "x")  # never binds
+    assert cfg.max_position_embeddings == 32768
+
+
+@pytest.mark.parametrize("preset", ["llama3_8b", "llama3_1_8b", "qwen2_5_7b"])
+def test_transformers_5_rope_parameters_import_like_rope_theta_and_rope_scaling(preset):
+    """transformers >= 5 saves ``rope_parameters`` (theta inside) and no ``rope_theta`` /
+    ``rope_scaling``: the same model (a default theta would be silently wrong)."""
+    old = HF_CONFIGS[preset]
+    new = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling")}
+    new["rope_parameters"] = {"rope_theta": old["rope_theta"], "rope_type": "default", **(old.get("rope_scaling") or {})}
+    assert asdict(model_config_from_hf(new, "x")[0]) == asdict(model_config_from_hf(old, "x")[0])
+    assert model_config_from_hf(new, "x")[0].rotary_base == int(old["rope_theta"])
+
+
+def test_qwen3_imports_with_query_key_norms_and_its_own_head_size():
+    qwen3 = QWEN3_0_6B
+    cfg, arch = model_config_from_hf(qwen3, "qwen3-0.6b")
+    assert arch == "qwen3" and cfg.qk_layernorm and cfg.kv_channels == 128 and not cfg.add_qkv_bias
+    assert cfg.share_embeddings_and_output_weights and cfg.fingerprint()["qk_layernorm"] is True
+    with pytest.raises(ValueError, match="attention_bias=true"):
+        model_config_from_hf({**qwen3, "attention_bias": True}, "x")
+    with pytest.raises(ValueError, match="use_sliding_window=true"):
+        model_config_from_hf({**qwen3, "use_sliding_window": True}, "x")
+    assert "qk_layernorm" not in load_model_preset("llama3_8b").fingerprint()

@@ -33,9 +33,11 @@ def _build(dims, **overrides):
 MODELS = {
     "rope_std0.02": dict(),
     "rope_std0.1": dict(init_method_std=0.1),
-    # Llama 3.1's scaling, its context shrunk to 32 tokens so that every frequency band moves
+    # Llama 3.1's scaling, its context shrunk to 8 tokens: the decode runs past it
     "rope_llama3_scaling": dict(init_method_std=0.1, rope_scaling="llama3", rope_scaling_factor=8.0,
-                                rope_original_max_position_embeddings=32),
+                                rope_original_max_position_embeddings=8),
+    # Qwen3's per-head query / key norms with a head size of its own (24, not 64 / 4)
+    "qk_norm_qwen3_like": dict(init_method_std=0.1, qk_layernorm=True, kv_channels=24),
     "learned_abs_gpt2_like": dict(init_method_std=0.1, position_embedding_type="learned_absolute",
                                   normalization="LayerNorm", activation="gelu",
                                   add_bias_linear=True),
@@ -98,7 +100,8 @@ def test_rope_scaling_reaches_the_forward(models, dims):
     assert (plain[:, 1:] - scaled[:, 1:]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("name", ["rope_std0.1", "rope_llama3_scaling", "learned_abs_gpt2_like"])
+@pytest.mark.parametrize("name", ["rope_std0.1", "rope_llama3_scaling", "qk_norm_qwen3_like",
+                                  "learned_abs_gpt2_like"])
 def test_kv_cache_sampling_equals_full_recompute_with_the_same_seed(models, dims, name):
     kw = dict(temperature=0.7, top_p=0.9, seed=3)
     _assert_same(_gen(models[name], dims, **kw), _gen(models[name], dims, use_kv_cache=False, **kw))

@@ -2,7 +2,8 @@
 
 One spawned world per layout (training TP=1 and TP=2, engine TP=1 and TP=2) runs all the
 checks of a PPO trainer built with the vLLM engine; the SmolLM2 check and the resume check
-have their own worlds; the TP=1 world's model has Llama 3.1's RoPE scaling. Tolerances: fp32 on both sides; vLLM's CPU kernels (its own GEMM
+have their own worlds; the TP=1 world's model has Llama 3.1's RoPE scaling, the TP=2 / vLLM
+TP=2 world's is a Qwen3 (query / key norms). Tolerances: fp32 on both sides; vLLM's CPU kernels (its own GEMM
 and attention) round differently from megatron's, measured up to ~1e-6 nats on the tiny
 model, so the log-prob bound is 1e-4.
 """
@@ -24,9 +25,12 @@ SMOLLM2_STEP = SMOLLM2 / "step_0"
 LOGPROB_TOL = 1e-4
 # vLLM's CPU attention has no kernel for head dim 16 (the tiny preset's 64 / 4 heads)
 TINY = ("model.num_attention_heads=2", "model.num_query_groups=2")
-# Llama 3.1's RoPE scaling, its context shrunk to 32 tokens so that it changes every band: at
-# training TP=1 the model has it (vLLM builds it from the exported config.json's rope_scaling)
-LLAMA3_ROPE = ("model.rope_scaling=llama3", "model.rope_original_max_position_embeddings=32")
+# Llama 3.1's RoPE scaling, its context shrunk to 8 tokens so that prompts and responses run
+# past it: at training TP=1 the model has it (vLLM builds it from the exported config.json)
+LLAMA3_ROPE = ("model.rope_scaling=llama3", "model.rope_original_max_position_embeddings=8")
+# Qwen3's per-head query / key norms: the training TP=2 / vLLM TP=2 world's model is a Qwen3
+QWEN3 = ("model.qk_layernorm=true",)
+EXTRA = {(1, 1): LLAMA3_ROPE, (2, 2): QWEN3}
 
 
 def _engines(trainer):
@@ -124,7 +128,7 @@ def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = (
 def layout(request, tmp_path_factory):
     tp, vllm_tp = request.param
     res = run_ranks(_trainer_worker, world_size=tp, tmp=str(tmp_path_factory.mktemp("vllm")),
-                    tp=tp, vllm_tp=vllm_tp, extra=LLAMA3_ROPE if tp == 1 else ())
+                    tp=tp, vllm_tp=vllm_tp, extra=EXTRA.get((tp, vllm_tp), ()))
     return res[0]
 
 
