@@ -39,7 +39,15 @@ QWEN3_0_6B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "att
               "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
               "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936}
 HF_CONFIGS["qwen3_0_6b"] = QWEN3_0_6B
-PARAMS_B = {"llama3_8b": 8.03, "llama3_1_8b": 8.03, "llama3_70b": 70.55, "qwen2_5_7b": 7.62, "qwen3_0_6b": 0.60}  # the model cards' counts
+LLAMA3_2 = {**LLAMA3, "max_position_embeddings": 131072, "tie_word_embeddings": True, "intermediate_size": 8192,
+            "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+HF_CONFIGS["llama3_2_1b"] = {**LLAMA3_2, "hidden_size": 2048, "head_dim": 64, "num_attention_heads": 32,
+                             "num_hidden_layers": 16}
+HF_CONFIGS["llama3_2_3b"] = {**LLAMA3_2, "hidden_size": 3072, "head_dim": 128, "num_attention_heads": 24,
+                             "num_hidden_layers": 28}
+PARAMS_B = {"llama3_8b": 8.03, "llama3_1_8b": 8.03, "llama3_70b": 70.55, "qwen2_5_7b": 7.62, "qwen3_0_6b": 0.60,
+            "llama3_2_1b": 1.23, "llama3_2_3b": 3.21}  # the model cards' counts
 
 
 @pytest.mark.parametrize("preset", sorted(HF_CONFIGS))
