@@ -69,6 +69,7 @@ and the number of groups).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from dataclasses import dataclass
@@ -90,7 +91,11 @@ from nemo_rlhf.algorithms.ppo.gae import compute_gae, compute_gae_reference
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_ESTIMATOR_REFERENCES",
+    "ESTIMATOR_TRAITS",
     "AdvantageConfig",
+    "EstimatorTraits",
+    "estimator_traits",
+    "register_advantage_estimator",
     "check_groups_divisible",
     "check_slice_keeps_groups",
     "compute_advantages",
@@ -361,6 +366,70 @@ ADVANTAGE_ESTIMATORS: Dict[str, AdvantageEstimator] = {
 }
 
 
+@dataclass(frozen=True)
+class EstimatorTraits:
+    """What an advantage estimator reads and how a trainer treats its output: every check
+    of a trainer and its config reads these, never an estimator's name."""
+
+    needs_values: bool = False
+    """Reads the critic's values: the trainer computes them and trains the value head (a
+    critic-free estimator refuses ``critic.mode=separate`` and a critic warm-up)."""
+    needs_groups: bool = False
+    """Compares the samples of one prompt (``group_ids``): needs
+    ``rollout.n_samples_per_prompt >= 2`` (with one sample every advantage would be 0)."""
+    batch_whitening: bool = False
+    """``ppo.normalize_advantages`` whitens its advantages over the batch (``gae``; ``grpo``
+    and ``reinforce_plus_plus`` normalise by their own rule, ``rloo`` keeps its baseline's
+    scale)."""
+
+
+#: name -> :class:`EstimatorTraits`, the same names as :data:`ADVANTAGE_ESTIMATORS`.
+ESTIMATOR_TRAITS: Dict[str, EstimatorTraits] = {
+    "gae": EstimatorTraits(needs_values=True, batch_whitening=True),
+    "grpo": EstimatorTraits(needs_groups=True),
+    "rloo": EstimatorTraits(needs_groups=True),
+    "reinforce_plus_plus": EstimatorTraits(),
+}
+
+
+def register_advantage_estimator(name: str, fn: AdvantageEstimator, traits: EstimatorTraits,
+                                 replace: bool = False) -> None:
+    """Add an estimator under ``name`` (then ``ppo.advantage_estimator=<name>`` accepts it:
+    register before the config is built, e.g. in the module that defines it).
+
+    Args:
+        name: the config value.
+        fn: ``(token_rewards, values, response_mask, group_ids, *, <keyword parameters>) ->
+            (advantages, returns)``; its keyword-only parameters are filled from the
+            :class:`AdvantageConfig` fields of the same names (and ``reduce_fn``).
+        traits: what it reads (:class:`EstimatorTraits`).
+        replace: allow replacing an estimator of that name.
+
+    Raises:
+        ValueError: the name is taken (and not ``replace``), or ``fn`` has a keyword-only
+            parameter that no :class:`AdvantageConfig` field fills.
+    """
+    if name in ADVANTAGE_ESTIMATORS and not replace:
+        raise ValueError(f"advantage estimator {name!r} is already registered (pass replace=True)")
+    fields = {f.name for f in dataclasses.fields(AdvantageConfig)} | {"reduce_fn"}
+    unknown = [k for k in _keyword_params(fn) if k not in fields]
+    if unknown:
+        raise ValueError(f"advantage estimator {name!r}: keyword parameters {unknown} are not "
+                         f"AdvantageConfig fields ({sorted(fields - {'estimator'})})")
+    ADVANTAGE_ESTIMATORS[name] = fn
+    ESTIMATOR_TRAITS[name] = traits
+
+
+def estimator_traits(name: str) -> EstimatorTraits:
+    """The :class:`EstimatorTraits` of the estimator registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the valid names).
+    """
+    get_advantage_estimator(name)
+    return ESTIMATOR_TRAITS.get(name, EstimatorTraits())
+
+
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered as ``name``.
 
@@ -384,10 +453,10 @@ def _keyword_params(fn: Callable) -> List[str]:
 
 @dataclass
 class AdvantageConfig:
-    """Which advantage estimator runs and its parameters: the one place their defaults live.
-
-    A trainer config embeds it (e.g. ``ppo.advantage``); ``compute_advantages`` passes each
-    estimator exactly the fields it reads.
+    """Which advantage estimator runs and its parameters: the one place their defaults live
+    (the PPO trainer's ``ppo.advantage_estimator``, ``ppo.discount_factor``,
+    ``ppo.gae_lambda`` and ``ppo.grpo_norm_by_std`` take theirs from here and build it);
+    ``compute_advantages`` passes each estimator exactly the fields it reads.
     """
 
     estimator: str = "gae"
@@ -415,14 +484,19 @@ class AdvantageConfig:
             raise ValueError(f"advantage.eps={self.eps}: must be a finite number > 0")
 
     @property
+    def traits(self) -> EstimatorTraits:
+        """The estimator's :class:`EstimatorTraits` (from the registry)."""
+        return estimator_traits(self.estimator)
+
+    @property
     def needs_values(self) -> bool:
-        """Whether the estimator reads critic values (only ``gae``)."""
-        return self.estimator == "gae"
+        """Whether the estimator reads critic values (:attr:`EstimatorTraits.needs_values`)."""
+        return self.traits.needs_values
 
     @property
     def needs_groups(self) -> bool:
-        """Whether the estimator reads ``group_ids`` (``grpo``, ``rloo``)."""
-        return self.estimator in ("grpo", "rloo")
+        """Whether the estimator reads ``group_ids`` (:attr:`EstimatorTraits.needs_groups`)."""
+        return self.traits.needs_groups
 
 
 def compute_advantages(

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from nemo_rlhf.algorithms.ppo.advantages import ADVANTAGE_ESTIMATORS
+from nemo_rlhf.algorithms.ppo.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, estimator_traits
+from nemo_rlhf.algorithms.ppo.losses import DEFAULT_LOSS_AGG_MODE
+from nemo_rlhf.algorithms.ppo.objective import PPOObjective
 from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from nemo_rlhf.algorithms.ppo.losses import LOSS_AGG_MODES
 from nemo_rlhf.config import check_choice
@@ -78,37 +80,39 @@ class PPOAlgoConfig:
     """Samples per forward-only pass (old log-probs, values, reference)."""
     ppo_epochs: int = 2
     """Passes over the rollout per step."""
-    ratio_eps: float = 0.2
-    """Policy clip range epsilon."""
+    ratio_eps: float = PPOObjective.clip_eps
+    """Policy clip range epsilon (``PPOObjective.clip_eps``)."""
     ratio_eps_low: Optional[float] = None
     """Asymmetric lower clip (None: ratio_eps)."""
     ratio_eps_high: Optional[float] = None
     """Asymmetric upper clip (None: ratio_eps)."""
     dual_clip: Optional[float] = None
     """Dual-clip constant c > 1 for negative advantages (None: off)."""
-    value_clip: Optional[float] = 0.2
+    value_clip: Optional[float] = PPOObjective.value_clip
     """Value clip range around the old values (None: off)."""
-    value_loss_coef: float = 0.1
+    value_loss_coef: float = PPOObjective.value_loss_coef
     """vf_coef in loss = policy + vf_coef * value - entropy_bonus * entropy (small: with the
     shared backbone of ``critic.mode=shared`` it keeps the critic's gradient from dominating)."""
-    entropy_bonus: float = 0.0
-    """Entropy coefficient."""
-    discount_factor: float = 1.0
-    """GAE gamma."""
-    gae_lambda: float = 0.95
-    """GAE lambda."""
+    entropy_bonus: float = PPOObjective.entropy_coef
+    """Entropy coefficient (``PPOObjective.entropy_coef``)."""
+    discount_factor: float = AdvantageConfig.gamma
+    """Discount gamma (``AdvantageConfig.gamma``: ``gae``, ``reinforce_plus_plus``)."""
+    gae_lambda: float = AdvantageConfig.lam
+    """GAE lambda (``AdvantageConfig.lam``)."""
     normalize_advantages: bool = True
     """Whiten ``gae`` advantages over valid tokens (statistics all-reduced over DP); the
     critic-free estimators normalise by their own rule and are not whitened again."""
-    advantage_estimator: str = "gae"
+    advantage_estimator: str = AdvantageConfig.estimator
     """``gae`` (with the critic), or critic-free: ``grpo`` (group-normalised outcome, Shao
     et al. 2024), ``rloo`` (leave-one-out baseline, Ahmadian et al. 2024),
     ``reinforce_plus_plus`` (batch-whitened returns, Hu 2025). Critic-free: no values are
     computed and the value head is not trained. ``grpo``/``rloo`` need
-    ``rollout.n_samples_per_prompt >= 2``."""
-    grpo_norm_by_std: bool = True
+    ``rollout.n_samples_per_prompt >= 2``. Also any name registered with
+    :func:`~nemo_rlhf.algorithms.ppo.advantages.register_advantage_estimator`: what it needs
+    is read from its :class:`~nemo_rlhf.algorithms.ppo.advantages.EstimatorTraits`."""
+    grpo_norm_by_std: bool = AdvantageConfig.norm_by_std
     """``grpo``: divide by the group's std (GRPO); false: Dr. GRPO (Liu et al. 2025)."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE
     """How token losses become one loss, always over global (all micro-batches, all DP
     ranks) counts: ``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``,
     ``seq-mean-token-sum-norm`` (horizon: ``rollout.max_new_tokens``); see
@@ -416,13 +420,14 @@ class PPOConfig:
                              f"trainer needs >= 1 (a response must have a token to carry its "
                              f"score)")
         est, n = self.ppo.advantage_estimator, self.rollout.n_samples_per_prompt
-        if est in ("grpo", "rloo") and n < 2:
+        traits = estimator_traits(est)
+        if traits.needs_groups and n < 2:
             raise ValueError(f"ppo.advantage_estimator={est} compares the samples of one prompt: "
                              f"set rollout.n_samples_per_prompt >= 2 (got {n})")
-        if est != "gae" and self.critic.mode == "separate":
+        if not traits.needs_values and self.critic.mode == "separate":
             raise ValueError(f"critic.mode=separate with the critic-free ppo.advantage_estimator="
                              f"{est}: no critic is trained; use critic.mode=shared")
-        if est != "gae" and self.trainer.critic_warmup_steps:
+        if not traits.needs_values and self.trainer.critic_warmup_steps:
             raise ValueError(f"trainer.critic_warmup_steps={self.trainer.critic_warmup_steps} with "
                              f"the critic-free ppo.advantage_estimator={est}: set it to 0")
 

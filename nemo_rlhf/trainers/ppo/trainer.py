@@ -464,7 +464,7 @@ class PPOTrainer:
         adv, ret = P.compute_advantages(self.advantage_cfg, rewards, fwd.values, mask,
                                         group_ids, reduce_fn=self._whiten_reduce)
         raw_adv = adv
-        if c.ppo.normalize_advantages and self.advantage_cfg.estimator == "gae":
+        if c.ppo.normalize_advantages and self.advantage_cfg.traits.batch_whitening:
             adv = P.masked_whiten(adv, mask, reduce_fn=self._whiten_reduce)
         seq_kl = torch.where(mask, kl, 0.0).sum(-1)
         ret_masked = torch.where(mask, ret, 0.0)
