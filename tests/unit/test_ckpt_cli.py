@@ -295,9 +295,9 @@ def _bad_cases(exp: Path, scratch: Path) -> dict:
     full = scratch / "full"
     full.mkdir()
     (full / "mine.txt").write_text("keep me")
-    mistral = scratch / "mistral"
-    mistral.mkdir()
-    (mistral / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    moe = scratch / "qwen3_moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     noweights = scratch / "noweights"
     noweights.mkdir()
     (noweights / "config.json").write_text(json.dumps({
@@ -331,8 +331,9 @@ def _bad_cases(exp: Path, scratch: Path) -> dict:
         "export-nonempty-out": (["export-hf", ckpt, "--out", full], "not an empty folder"),
         "import-missing": (["import-hf", missing, "--out", new], "no such file"),
         "import-not-hf": (["import-hf", empty, "--out", new], "no config.json"),
-        "import-unsupported": (["import-hf", mistral, "--out", new],
-                               "'mistral' is not supported; supported: ['gpt2', 'llama', 'qwen2']"),
+        "import-unsupported": (["import-hf", moe, "--out", new],
+                               "'qwen3_moe' is not supported; supported: ['gpt2', 'llama', 'mistral', 'qwen2', "
+                               "'qwen3']"),
         "import-no-weights": (["import-hf", noweights, "--out", new], "no weights"),
     }
 
