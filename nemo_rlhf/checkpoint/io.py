@@ -413,17 +413,29 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else repr(exc)
 
 
+def _max_over_ranks(value: float, dims) -> float:
+    """The largest ``value`` of all ranks (one all-reduce of a one-element tensor on
+    ``dims.device``; without dims, the default group's device: the current CUDA device under
+    NCCL, else the host)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    device = getattr(dims, "device", None)
+    if device is None:
+        nccl = dist.get_backend() == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    flag = torch.tensor([value], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return float(flag.item())
+
+
 def _fail_together(failure: Optional[str], tmp: Path, dims, step: int) -> None:
     """A synchronisation point of the save that also agrees on failure: if any rank's
     part failed (``failure``: its message), the unpublished ``tmp`` is removed and every
     rank raises :class:`CheckpointError` (the failing rank with its message; the others
     name the rank to read). A flag on ``dims.device`` is all-reduced: no host objects go
     through the collective."""
-    flag = torch.tensor([0.0 if failure is None else 1.0 + _rank()],
-                        device=getattr(dims, "device", None) or torch.device("cpu"))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
+    flag = _max_over_ranks(0.0 if failure is None else 1.0 + _rank(), dims)
+    if not flag:
         return
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -431,7 +443,7 @@ def _fail_together(failure: Optional[str], tmp: Path, dims, step: int) -> None:
     previous = latest.read_text().strip() if latest.is_file() else None
     raise CheckpointError(
         f"checkpoint step {int(step)} not saved: "
-        + (failure or f"rank {int(flag.item()) - 1} failed (its log has the error)")
+        + (failure or f"rank {int(flag) - 1} failed (its log has the error)")
         + f"; the partial save {tmp} was removed; "
         + (f"{latest} still names {previous}" if previous else "no earlier checkpoint in this folder"))
 
@@ -468,11 +480,7 @@ def _verify_or_discard(tmp: Path, digests: list[dict], dims, step: int) -> None:
     problems = read_back_problems(digests, tmp / "dist")
     if problems:
         (tmp / DIGESTS_SUBDIR / f"problems_rank_{_rank()}.txt").write_text("\n".join(problems) + "\n")
-    flag = torch.tensor([1.0 if problems else 0.0],
-                        device=getattr(dims, "device", None) or torch.device("cpu"))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
+    if not _max_over_ranks(1.0 if problems else 0.0, dims):
         return
     found = []
     for f in sorted((tmp / DIGESTS_SUBDIR).glob("problems_rank_*.txt")):
