@@ -255,11 +255,11 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     p = cfg.ppo
     p.num_rollout_samples, p.global_batch_size = a.batch, a.mini
     p.micro_batch_size, p.forward_micro_batch_size, p.ppo_epochs = a.micro, a.fwd_micro, a.epochs
-    p.ratio_eps, p.value_clip, p.value_loss_coef = 0.2, 0.2, a.vf_coef
-    p.entropy_bonus, p.discount_factor, p.gae_lambda = 0.0, 1.0, 0.95
+    p.clip_eps, p.value_clip, p.value_loss_coef = 0.2, 0.2, a.vf_coef
+    p.entropy_coef, p.gamma, p.lam = 0.0, 1.0, 0.95
     p.normalize_advantages, p.missing_eos_penalty = True, None
     p.old_logprobs_from_rollout = a.old_logprobs_from_rollout
-    cfg.kl.type, cfg.kl.initial_policy_kl_penalty = "fixed", a.kl_coef
+    cfg.kl.type, cfg.kl.init_kl_coef = "fixed", a.kl_coef
     cfg.optim.lr, cfg.optim.warmup_steps, cfg.optim.weight_decay = a.lr, 0, 0.0
 
     dims = initialize_distributed(cfg.parallel, seed=cfg.trainer.seed,

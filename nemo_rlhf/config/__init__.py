@@ -16,9 +16,18 @@ T = TypeVar("T")
 
 RENAMED_KEYS: dict[str, str] = {
     "trainer.save_interval": "exp_manager.save_interval",
+    "ppo.ratio_eps": "ppo.clip_eps",
+    "ppo.ratio_eps_low": "ppo.clip_eps_low",
+    "ppo.ratio_eps_high": "ppo.clip_eps_high",
+    "ppo.discount_factor": "ppo.gamma",
+    "ppo.gae_lambda": "ppo.lam",
+    "ppo.entropy_bonus": "ppo.entropy_coef",
+    "kl.initial_policy_kl_penalty": "kl.init_kl_coef",
 }
-"""Training-job keys that moved, old -> new (one ``trainer`` / ``exp_manager`` vocabulary
-for PPO, SFT and RM: SFT/RM had ``trainer.save_interval``)."""
+"""Training-job keys that moved, old -> new: one ``trainer`` / ``exp_manager`` vocabulary
+for PPO, SFT and RM (SFT/RM had ``trainer.save_interval``), and the PPO knobs under the
+field's names, the same in the config, the math (``PPOObjective``, ``AdvantageConfig``,
+the KL controllers) and the metrics (``kl_coef``: the current beta)."""
 
 
 def to_typed(dcfg: DictConfig, schema: type[T]) -> T:
@@ -31,9 +40,11 @@ def to_typed(dcfg: DictConfig, schema: type[T]) -> T:
     Raises:
         omegaconf.errors.ConfigKeyError: naming the full key, e.g. ``Key 'foo' not in
             'PPOTrainerConfig'`` with ``full_key: trainer.foo``.
-        ValueError: from a schema's ``__post_init__`` (naming the key and valid values).
+        ValueError: from a schema's ``__post_init__`` (naming the key and valid values);
+            a renamed key (:data:`RENAMED_KEYS`) set in a config file, naming the new key.
     """
     plain = OmegaConf.to_container(dcfg, resolve=True)
+    check_renamed_config(plain)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
 
 
@@ -66,6 +77,56 @@ def check_renamed_keys(overrides: Sequence[str]) -> None:
                              f"{new}={value if sep else '<value>'} instead of {override!r}")
 
 
+def check_renamed_config(plain: dict) -> None:
+    """Refuse a composed config (a plain dict) that sets a renamed key, e.g. from a user's
+    YAML file, which the command-line check does not see.
+
+    Raises:
+        ValueError: naming the old key and the new one.
+    """
+    for old, new in RENAMED_KEYS.items():
+        node = plain
+        *parents, leaf = old.split(".")
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            raise ValueError(f"{old} was renamed {new} (the same setting): the config sets "
+                             f"{old}={node[leaf]!r}; write {new} instead")
+
+
+def _flag(argv: Sequence[str], *names: str):
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def check_renamed_config_file(argv: Sequence[str]) -> None:
+    """Refuse a renamed key in the config file a command line names (``--config-dir`` /
+    ``--config-name``): Hydra's own error while composing would name the old key only.
+
+    Raises:
+        ValueError: naming the file, the old key and the new one.
+    """
+    from pathlib import Path
+
+    import yaml
+
+    cdir, name = _flag(argv, "--config-dir", "-cd"), _flag(argv, "--config-name", "-cn")
+    if cdir is None or name is None:
+        return
+    path = Path(cdir) / (name if name.endswith(".yaml") else f"{name}.yaml")
+    if not path.is_file():
+        return
+    try:
+        check_renamed_config(yaml.safe_load(path.read_text()) or {})
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
 def run_console_entry(hydra_main) -> None:
     """A training job's console entry: refuse a renamed key (:data:`RENAMED_KEYS`) naming
     the new one, then run the Hydra job ``hydra_main``.
@@ -77,6 +138,7 @@ def run_console_entry(hydra_main) -> None:
 
     try:
         check_renamed_keys(sys.argv[1:])
+        check_renamed_config_file(sys.argv[1:])
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     hydra_main()

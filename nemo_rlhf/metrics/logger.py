@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from nemo_rlhf.metrics.trackers import open_trackers
 
-PPO_CONSOLE_KEYS = ("reward_raw_mean", "reward_mean", "kl_mean", "kl_per_token", "beta",
+PPO_CONSOLE_KEYS = ("reward_raw_mean", "reward_mean", "kl_mean", "kl_per_token", "kl_coef",
                     "response_length", "truncated_fraction", "entropy", "policy_loss", "value_loss",
                     "explained_variance", "clip_fraction", "approx_kl", "grad_norm",
                     "eval/accuracy", "eval/reward", "timing/step_s")

@@ -36,9 +36,9 @@ RUNS = {
     "logits_path": ("ppo.logprob_chunk_size=0",),
     "chunk3": ("ppo.logprob_chunk_size=3",),
     "unscaled_kl_chunk3": ("rollout.temperature=0.7", "kl.temperature=unscaled", "ppo.logprob_chunk_size=3",
-                           "ppo.entropy_bonus=0.01"),
+                           "ppo.entropy_coef=0.01"),
     "unscaled_kl_logits": ("rollout.temperature=0.7", "kl.temperature=unscaled", "ppo.logprob_chunk_size=0",
-                           "ppo.entropy_bonus=0.01"),
+                           "ppo.entropy_coef=0.01"),
     # the rollout-mismatch correction on: truncated IS (cap 1.0: every weight <= 1), then
     # row masking at a threshold nothing passes (every row masked: no policy gradient)
     # token-budget micro-batches with their padding cut vs fixed rows of the full width

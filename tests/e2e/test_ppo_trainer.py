@@ -107,7 +107,7 @@ def test_offload_and_colocated_reference_give_same_logprobs(results):
 
 def test_step_reports_the_metrics_users_read(results):
     for key in ("reward_mean", "kl_mean", "response_length", "entropy", "value_loss",
-                "clip_fraction", "approx_kl", "grad_norm", "beta", "explained_variance",
+                "clip_fraction", "approx_kl", "grad_norm", "kl_coef", "explained_variance",
                 "policy_loss", "lr", "rollout_train_logprob_diff_max", "timing/rollout_s",
                 "generated_tokens_per_s", "truncated_fraction", "ratio_max"):
         assert key in results["metric_keys"], key

@@ -34,7 +34,7 @@ def _objective(**kw):
 
 
 def test_hand_computed_total_with_every_term():
-    o = _objective(value_loss_coef=0.5, entropy_coef=0.1, kl_coef=0.2, kl_estimator="k1")
+    o = _objective(value_loss_coef=0.5, entropy_coef=0.1, kl_loss_coef=0.2, kl_estimator="k1")
     loss, stats = ppo_loss(o, LP, ENT, MASK, T, S, old_logprobs=LP, advantages=ADV,
                            values=VALUES, old_values=VALUES, returns=RETURNS,
                            kl_logprobs=LP, ref_logprobs=REF)
@@ -54,7 +54,7 @@ def test_total_equals_the_sum_of_the_tested_terms_in_every_mode():
     lp, old = torch.randn(2, 3) - 1, torch.randn(2, 3) - 1
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                  "seq-mean-token-sum-norm"):
-        o = PPOObjective(value_loss_coef=0.3, entropy_coef=0.01, kl_coef=0.05,
+        o = PPOObjective(value_loss_coef=0.3, entropy_coef=0.01, kl_loss_coef=0.05,
                          loss_agg_mode=mode, norm_length=4)
         agg = dict(loss_agg_mode=mode, global_sequences=S, norm_length=4)
         loss, _ = ppo_loss(o, lp, ENT, MASK, T, S, old_logprobs=old, advantages=ADV,
@@ -69,7 +69,7 @@ def test_total_equals_the_sum_of_the_tested_terms_in_every_mode():
 
 
 def test_warmup_keeps_only_the_value_term_and_still_reports_the_policy():
-    o = _objective(value_loss_coef=0.5, entropy_coef=0.1, kl_coef=0.2)
+    o = _objective(value_loss_coef=0.5, entropy_coef=0.1, kl_loss_coef=0.2)
     loss, stats = ppo_loss(o, LP, ENT, MASK, T, S, old_logprobs=LP, advantages=ADV,
                            values=VALUES, old_values=VALUES, returns=RETURNS, policy=False)
     assert float(loss) == pytest.approx(0.5 * float(stats["value_loss_sum"]) / T, abs=1e-7)
@@ -92,8 +92,8 @@ def test_the_gradient_flows_to_the_log_probs_and_values():
 
 
 def test_missing_inputs_are_named():
-    with pytest.raises(ValueError, match="kl_coef > 0 needs kl_logprobs and ref_logprobs"):
-        ppo_loss(_objective(kl_coef=0.1), LP, ENT, MASK, T, S, old_logprobs=LP, advantages=ADV)
+    with pytest.raises(ValueError, match="kl_loss_coef > 0 needs kl_logprobs and ref_logprobs"):
+        ppo_loss(_objective(kl_loss_coef=0.1), LP, ENT, MASK, T, S, old_logprobs=LP, advantages=ADV)
     with pytest.raises(ValueError, match="value term needs old_values and returns"):
         ppo_loss(_objective(), LP, ENT, MASK, T, S, old_logprobs=LP, advantages=ADV, values=VALUES)
 
@@ -117,7 +117,7 @@ def test_logged_entropy_and_kl_loss_are_nats_per_token_in_every_agg_mode():
     lp = torch.full((2, 8), -1.0)
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                  "seq-mean-token-sum-norm"):
-        o = PPOObjective(kl_coef=0.1, kl_estimator="k1", loss_agg_mode=mode, norm_length=64)
+        o = PPOObjective(kl_loss_coef=0.1, kl_estimator="k1", loss_agg_mode=mode, norm_length=64)
         _, stats = ppo_loss(o, lp, torch.ones(2, 8), mask, 9, 2, old_logprobs=lp,
                             advantages=torch.zeros(2, 8), kl_logprobs=lp, ref_logprobs=lp - 0.5)
         out = finalize_token_stats(stats)
@@ -134,7 +134,7 @@ def test_kl_term_far_from_the_reference_is_finite_and_clamped():
     lp = torch.tensor([[-101.0, -1.0]]).requires_grad_()
     ref = torch.tensor([[-1.0, -1.5]])
     mask = torch.tensor([[True, True]])
-    o = _objective(kl_coef=1.0, kl_estimator="k3")
+    o = _objective(kl_loss_coef=1.0, kl_estimator="k3")
     loss, stats = ppo_loss(o, lp, torch.zeros(1, 2), mask, 2, 1, old_logprobs=lp.detach(),
                            advantages=torch.zeros(1, 2), kl_logprobs=lp, ref_logprobs=ref)
     loss.backward()
@@ -147,7 +147,7 @@ def test_kl_term_far_from_the_reference_is_finite_and_clamped():
     assert float(lp.grad[0, 1]) == pytest.approx((1 - math.exp(-0.5)) / 2, abs=1e-6)
     # off (kl_clamp=None): still finite, k3's log-ratio bound (20) keeps exp finite
     lp.grad = None
-    loss, _ = ppo_loss(_objective(kl_coef=1.0, kl_estimator="k3", kl_clamp=None), lp,
+    loss, _ = ppo_loss(_objective(kl_loss_coef=1.0, kl_estimator="k3", kl_clamp=None), lp,
                        torch.zeros(1, 2), mask, 2, 1, old_logprobs=lp.detach(),
                        advantages=torch.zeros(1, 2), kl_logprobs=lp, ref_logprobs=ref)
     loss.backward()

@@ -454,8 +454,8 @@ def _keyword_params(fn: Callable) -> List[str]:
 @dataclass
 class AdvantageConfig:
     """Which advantage estimator runs and its parameters: the one place their defaults live
-    (the PPO trainer's ``ppo.advantage_estimator``, ``ppo.discount_factor``,
-    ``ppo.gae_lambda`` and ``ppo.grpo_norm_by_std`` take theirs from here and build it);
+    (the PPO trainer's ``ppo.advantage_estimator``, ``ppo.gamma``,
+    ``ppo.lam`` and ``ppo.grpo_norm_by_std`` take theirs from here and build it);
     ``compute_advantages`` passes each estimator exactly the fields it reads.
     """
 

@@ -1,6 +1,6 @@
 """The PPO objective of one micro-batch: the losses of :mod:`.losses` assembled into one.
 
-``loss = vf_coef * value_loss + policy_loss - entropy_coef * entropy + kl_coef * kl_loss``
+``loss = vf_coef * value_loss + policy_loss - entropy_coef * entropy + kl_loss_coef * kl_loss``
 (Schulman et al. 2017, eq. 9, plus the KL-in-the-loss term GRPO recipes use, Shao et al.
 2024), every term aggregated by ``loss_agg_mode`` over the *global* counts of the
 mini-batch (all micro-batches and DP ranks), so summing the micro-batch losses gives the
@@ -9,7 +9,7 @@ mini-batch loss whatever the split. Pure tensor math in fp32, no distributed cal
 Which terms are present: the value term when ``values`` are given (a critic on the
 actor's backbone; a separate critic's loss is :func:`critic_loss`); the policy, entropy
 and KL terms unless ``policy=False`` (a critic warm-up on a shared backbone), the KL term
-when ``kl_coef > 0``. The policy and entropy statistics are reported either way.
+when ``kl_loss_coef > 0``. The policy and entropy statistics are reported either way.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class PPOObjective:
     """Coefficients and rules of the objective (from ``ppo.*`` and ``kl.*``)."""
 
     clip_eps: float = 0.2
-    """Policy ratio clip (``ppo.ratio_eps``)."""
+    """Policy ratio clip (``ppo.clip_eps``)."""
     clip_eps_low: Optional[float] = None
     """Asymmetric lower clip (None: ``clip_eps``)."""
     clip_eps_high: Optional[float] = None
@@ -50,7 +50,7 @@ class PPOObjective:
     """``vf_coef`` of the value term on a shared backbone."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (subtracted)."""
-    kl_coef: float = 0.0
+    kl_loss_coef: float = 0.0
     """Weight of the KL(actor || reference) term (0: off)."""
     kl_estimator: str = "k3"
     """Estimator of the KL term (``k1``, ``k2``, ``k3``)."""
@@ -92,7 +92,7 @@ def ppo_loss(
         values, old_values, returns: ``[B, R]`` of a critic on the actor's backbone (None:
             no value term).
         kl_logprobs, ref_logprobs: ``[B, R]`` actor and reference log-probs at the KL's
-            temperature; needed when ``objective.kl_coef > 0`` and ``policy``.
+            temperature; needed when ``objective.kl_loss_coef > 0`` and ``policy``.
         policy: include the policy, entropy and KL terms (False: a critic warm-up).
         rollout_weights: ``[B, R]`` constant weights of the policy term's tokens (the
             rollout-mismatch correction,
@@ -134,12 +134,12 @@ def ppo_loss(
         stats["value_loss_sum"] = vl.detach() * scale
     if policy:
         loss = loss + pl - o.entropy_coef * ent
-        if o.kl_coef > 0:
+        if o.kl_loss_coef > 0:
             if kl_logprobs is None or ref_logprobs is None:
-                raise ValueError("ppo_loss: kl_coef > 0 needs kl_logprobs and ref_logprobs")
+                raise ValueError("ppo_loss: kl_loss_coef > 0 needs kl_logprobs and ref_logprobs")
             kll, kstats = kl_loss(kl_logprobs, ref_logprobs, response_mask, global_valid_tokens,
                                   estimator=o.kl_estimator, clamp=o.kl_clamp, **agg)
-            loss = loss + o.kl_coef * kll
+            loss = loss + o.kl_loss_coef * kll
             stats["kl_loss_sum"] = kstats["ref_kl_sum"]
     stats["policy_loss_sum"] = pl.detach() * scale
     with torch.no_grad():

@@ -80,24 +80,24 @@ class PPOAlgoConfig:
     """Samples per forward-only pass (old log-probs, values, reference)."""
     ppo_epochs: int = 2
     """Passes over the rollout per step."""
-    ratio_eps: float = PPOObjective.clip_eps
+    clip_eps: float = PPOObjective.clip_eps
     """Policy clip range epsilon (``PPOObjective.clip_eps``)."""
-    ratio_eps_low: Optional[float] = None
-    """Asymmetric lower clip (None: ratio_eps)."""
-    ratio_eps_high: Optional[float] = None
-    """Asymmetric upper clip (None: ratio_eps)."""
+    clip_eps_low: Optional[float] = None
+    """Asymmetric lower clip (None: clip_eps)."""
+    clip_eps_high: Optional[float] = None
+    """Asymmetric upper clip (None: clip_eps)."""
     dual_clip: Optional[float] = None
     """Dual-clip constant c > 1 for negative advantages (None: off)."""
     value_clip: Optional[float] = PPOObjective.value_clip
     """Value clip range around the old values (None: off)."""
     value_loss_coef: float = PPOObjective.value_loss_coef
-    """vf_coef in loss = policy + vf_coef * value - entropy_bonus * entropy (small: with the
+    """vf_coef in loss = policy + value_loss_coef * value - entropy_coef * entropy (small: with the
     shared backbone of ``critic.mode=shared`` it keeps the critic's gradient from dominating)."""
-    entropy_bonus: float = PPOObjective.entropy_coef
+    entropy_coef: float = PPOObjective.entropy_coef
     """Entropy coefficient (``PPOObjective.entropy_coef``)."""
-    discount_factor: float = AdvantageConfig.gamma
+    gamma: float = AdvantageConfig.gamma
     """Discount gamma (``AdvantageConfig.gamma``: ``gae``, ``reinforce_plus_plus``)."""
-    gae_lambda: float = AdvantageConfig.lam
+    lam: float = AdvantageConfig.lam
     """GAE lambda (``AdvantageConfig.lam``)."""
     normalize_advantages: bool = True
     """Whiten ``gae`` advantages over valid tokens (statistics all-reduced over DP); the
@@ -199,10 +199,10 @@ class PPOAlgoConfig:
         if self.logprob_chunk_size < 0:
             raise ValueError(f"ppo.logprob_chunk_size={self.logprob_chunk_size}: must be >= 0 "
                              f"(0: materialise the logits)")
-        if not 0 < self.ratio_eps < 1:
-            raise ValueError(f"ppo.ratio_eps={self.ratio_eps}: must be in (0, 1)")
-        if not 0 <= self.discount_factor <= 1 or not 0 <= self.gae_lambda <= 1:
-            raise ValueError("ppo.discount_factor and ppo.gae_lambda must be in [0, 1]")
+        if not 0 < self.clip_eps < 1:
+            raise ValueError(f"ppo.clip_eps={self.clip_eps}: must be in (0, 1)")
+        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
+            raise ValueError("ppo.gamma and ppo.lam must be in [0, 1]")
         check_choice("ppo.advantage_estimator", self.advantage_estimator, sorted(ADVANTAGE_ESTIMATORS))
         check_choice("ppo.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
@@ -213,7 +213,7 @@ class KLConfig:
 
     type: str = "adaptive"
     """``fixed`` or ``adaptive`` (Ziegler et al. 2019)."""
-    initial_policy_kl_penalty: float = 0.05
+    init_kl_coef: float = 0.05
     """Initial beta."""
     target: float = 6.0
     """Adaptive: target KL per sequence (nats, summed over the response)."""

@@ -10,7 +10,7 @@ is exactly 1 on the first mini-batch), token rewards
 ``-beta*KL`` (both log-probs at ``kl.temperature``'s temperature) plus the score at the
 last response token, GAE; (6) ``ppo_epochs`` over
 mini-batches through megatron's pipeline schedule, one optimizer step per mini-batch,
-loss = policy + vf_coef * value - entropy_bonus * entropy; then the KL controller update.
+loss = policy + value_loss_coef * value - entropy_coef * entropy; then the KL controller update.
 
 Layout: every rank generates (TP/PP ranks of a DP group cooperate), scores are fetched
 once per model-parallel group and broadcast; PPO math runs on the last pipeline stage,
@@ -94,21 +94,21 @@ class PPOTrainer:
         self.guard = RewardHackingGuard(g.window, g.max_length_growth, g.max_repetition,
                                         g.kl_ceiling, g.gold_metric, g.proxy_metric,
                                         g.gold_window, g.gold_min_drop)
-        self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.initial_policy_kl_penalty,
+        self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.init_kl_coef,
                                             cfg.kl.target, cfg.kl.horizon)
         self.sampler = ResumableSampler(len(prompts), cfg.trainer.seed, cfg.ppo.shuffle)
         self.advantage_cfg = P.AdvantageConfig(
-            estimator=cfg.ppo.advantage_estimator, gamma=cfg.ppo.discount_factor,
-            lam=cfg.ppo.gae_lambda, norm_by_std=cfg.ppo.grpo_norm_by_std)
+            estimator=cfg.ppo.advantage_estimator, gamma=cfg.ppo.gamma,
+            lam=cfg.ppo.lam, norm_by_std=cfg.ppo.grpo_norm_by_std)
         self.needs_values = self.advantage_cfg.needs_values
         """Whether the critic is used (``gae``); critic-free estimators compute no values."""
         self.actor_values = self.needs_values and self.critic_model is None
         """Whether the actor's forward gives the values (a value head on its backbone)."""
         self.objective = P.PPOObjective(
-            clip_eps=cfg.ppo.ratio_eps, clip_eps_low=cfg.ppo.ratio_eps_low,
-            clip_eps_high=cfg.ppo.ratio_eps_high, dual_clip=cfg.ppo.dual_clip,
+            clip_eps=cfg.ppo.clip_eps, clip_eps_low=cfg.ppo.clip_eps_low,
+            clip_eps_high=cfg.ppo.clip_eps_high, dual_clip=cfg.ppo.dual_clip,
             value_clip=cfg.ppo.value_clip, value_loss_coef=cfg.ppo.value_loss_coef,
-            entropy_coef=cfg.ppo.entropy_bonus, kl_coef=cfg.kl.loss_coef,
+            entropy_coef=cfg.ppo.entropy_coef, kl_loss_coef=cfg.kl.loss_coef,
             kl_estimator=cfg.kl.loss_estimator,
             kl_clamp=P.DEFAULT_KL_LOSS_CLAMP if cfg.kl.clamp is None else cfg.kl.clamp,
             loss_agg_mode=cfg.ppo.loss_agg_mode, norm_length=cfg.rollout.max_new_tokens)
@@ -489,7 +489,7 @@ class PPOTrainer:
             "advantages_mean": float(sums["advantage"] / n_tok),
             "returns_mean": float(ret_mean),
             "returns_std": float((sums["return_sq"] / n_tok - ret_mean ** 2).clamp_min(0).sqrt()),
-            "beta": float(self.kl_ctl.value),
+            "kl_coef": float(self.kl_ctl.value),
         }
         return Advantages(advantages=adv, returns=ret, kl=kl), metrics
 
@@ -508,7 +508,7 @@ class PPOTrainer:
         over the global ``n_tokens`` / ``n_seqs`` (scalar tensors, all micro-batches and DP
         ranks); ``value_only``: a critic warm-up on the shared backbone."""
         temp, kl_temp = self.cfg.rollout.logprob_temperature, self._kl_temperature()
-        with_kl = self.objective.kl_coef > 0 and not value_only
+        with_kl = self.objective.kl_loss_coef > 0 and not value_only
 
         def fn(output, mb):
             logits, values = output if isinstance(output, tuple) else (output, None)
