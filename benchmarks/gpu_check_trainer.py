@@ -94,8 +94,9 @@ class PhaseProbe:
     def install(self) -> "PhaseProbe":
         t = self.trainer
         step = t.train_step
-        generate, forward, update = (getattr(t, n, None) for n in
-                                     ("_generate", "_forward_logprobs", "update"))
+        actor = getattr(t, "actor", None)
+        generate, update = getattr(t, "generate", None), getattr(t, "update", None)
+        forward = getattr(actor, "logprobs", None)
 
         def train_step():
             self.record = {"phases": {}, "shapes": {}}
@@ -116,10 +117,10 @@ class PhaseProbe:
                     generated_tokens=int(batch.response_mask.sum()))
             return batch
 
-        def _forward_logprobs(model, batch, *args, **kwargs):
+        def _logprobs(batch, *args, **kwargs):
             # inside reference.swapped_in(): the reference forward; otherwise the actor's
             with self.measure("reference_forward" if self.in_reference else "old_logprobs_values"):
-                return forward(model, batch, *args, **kwargs)
+                return forward(batch, *args, **kwargs)
 
         def _update(batch, fwd, adv):
             if self.record is not None:
@@ -131,20 +132,22 @@ class PhaseProbe:
         t.train_step = train_step
         # a phase method the trainer no longer has is left out (and named in each record)
         # rather than failing the run
-        self.unwrapped = [name for name, fn in (("_generate", _generate),
-                                                ("_forward_logprobs", _forward_logprobs),
-                                                ("update", _update))
-                          if not self._replace(name, fn)]
+        self.unwrapped = [name for owner, name, fn in ((t, "generate", _generate),
+                                                       (actor, "actor.logprobs", _logprobs),
+                                                       (t, "update", _update))
+                          if not self._replace(owner, name, fn)]
         if callable(getattr(getattr(t, "reference", None), "swapped_in", None)):
             self._wrap_reference(t.reference)
         else:
             self.unwrapped.append("reference.swapped_in")
         return self
 
-    def _replace(self, name: str, fn) -> bool:
-        if not callable(getattr(self.trainer, name, None)):
+    @staticmethod
+    def _replace(owner, name: str, fn) -> bool:
+        attr = name.rsplit(".", 1)[-1]
+        if owner is None or not callable(getattr(owner, attr, None)):
             return False
-        setattr(self.trainer, name, fn)
+        setattr(owner, attr, fn)
         return True
 
     def _wrap_reference(self, reference) -> None:

@@ -65,14 +65,13 @@ from nemo_rlhf.distributed.parallel import ParallelConfig, validate_parallel_lay
 from nemo_rlhf.metrics.steps_table import markdown_table, plot_metrics, require_matplotlib, table_columns
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import PRECISIONS, ModelConfig, agree_on_precision
-from nemo_rlhf.models.engine import forward_backward
-from nemo_rlhf.models.logprobs import response_logprobs
 from nemo_rlhf.reward.batching import ScoreItem
 from nemo_rlhf.reward.functions import check_reward_function_spec, get_reward_function
 from nemo_rlhf.reward.rm_scorer import RMScorerConfig, RewardModelScorer, read_rm_checkpoint
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.common import chunks, dp_shard, setup_run
 from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
+from nemo_rlhf.trainers.ppo.roles import ForwardPasses, PolicyRole
 
 
 @dataclass
@@ -234,7 +233,7 @@ def steps_report_paths(out: str | Path) -> tuple[Path, Path]:
 def repetition_rates(response_ids: list[list[int]], response_mask: list[list[bool]]) -> list[float]:
     """Per-response n-gram repetition rate of the generated tokens (mask True: EOS included,
     pads excluded): :func:`nemo_rlhf.trainers.ppo.guards.ngram_repetition_rate` with its
-    default ``n=3``, exactly as the PPO trainer's ``_repetition`` (``eval/repetition`` is
+    default ``n=3``, exactly as the PPO trainer's (:func:`~nemo_rlhf.trainers.ppo.step_metrics.response_repetition`) (``eval/repetition`` is
     their mean).
 
     Args:
@@ -250,16 +249,13 @@ def repetition_rates(response_ids: list[list[int]], response_mask: list[list[boo
 
 def forward_response_logprobs(model, batch, dims, temperature: float, vocab_size: int,
                               micro_batch_size: int) -> Optional[torch.Tensor]:
-    """Log-probs of a rollout's response tokens from a forward-only pass of ``model``.
-
-    The trainer's ``_forward_logprobs`` without values: micro-batches of
-    ``micro_batch_size`` rows (the last topped up with copies of the last row, dropped
-    again) through :func:`nemo_rlhf.models.engine.forward_backward`, log-probs by
-    :func:`nemo_rlhf.models.logprobs.response_logprobs` (TP-sharded, padded vocabulary rows
-    excluded).
+    """Log-probs of a rollout's response tokens from a forward-only pass of ``model``: the
+    PPO trainer's own pass (:meth:`nemo_rlhf.trainers.ppo.roles.PolicyRole.logprobs`,
+    micro-batches of ``micro_batch_size`` rows, the last topped up with copies of its last
+    row and dropped again; the logits path).
 
     Args:
-        model: this rank's stage of an actor(-critic) model, in eval mode.
+        model: this rank's stage of an actor(-critic) model.
         batch: a :class:`~nemo_rlhf.rollout.RolloutBatch` (``input_ids [B, P+R]``).
         dims: this process's ``ParallelDims``.
         temperature: > 0, the logits' temperature (the rollout's ``logprob_temperature``).
@@ -270,27 +266,11 @@ def forward_response_logprobs(model, batch, dims, temperature: float, vocab_size
         ``[B, R]`` float32 on the last pipeline stage (0 where ``response_mask`` is False);
         None on the other stages.
     """
-    B, P = batch.batch_size, batch.prompt_length
-    mbs = min(micro_batch_size, B)
-    ids, att = batch.input_ids, batch.attention_mask
-    filler = (-B) % mbs
-    if filler:
-        ids = torch.cat([ids, ids[-1:].expand(filler, -1)])
-        att = torch.cat([att, att[-1:].expand(filler, -1)])
-    micro = [{"input_ids": ids[s:s + mbs], "attention_mask": att[s:s + mbs]}
-             for s in range(0, ids.shape[0], mbs)]
-
-    def loss_fn(logits, mb):
-        lp, _ = response_logprobs(logits, (mb["input_ids"], P), dims, temperature,
-                                  vocab_size=vocab_size, compute_entropy=False)
-        return torch.zeros((), device=lp.device), {"logprobs": lp}
-
-    with torch.no_grad():
-        res = forward_backward(model, micro, loss_fn, forward_only=True, with_values=False,
-                               device=dims.device)
-    if not res:
+    passes = ForwardPasses(dims, vocab_size, micro_batch_size)
+    out = PolicyRole(model, None, passes, dims, temperature, temperature, with_values=False).logprobs(batch)
+    if out is None:
         return None
-    lp = torch.cat([r["logprobs"] for r in res])[:B]
+    lp = out["logprobs"]
     return torch.where(batch.response_mask, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
 
 

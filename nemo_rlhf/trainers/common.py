@@ -4,8 +4,8 @@
 * :func:`setup_run`: distributed init + seeds + the model config's vocabulary from the
   tokenizer, in one call at the start of a run;
 * batching: :func:`dp_shard` (this DP rank's contiguous slice), :func:`chunks`;
-* :func:`reduce_from_last_stage`: sums metrics computed on the last pipeline stage over DP
-  and hands the result to every rank (global rank 0, which logs, is a first stage);
+* the collectives (:func:`~nemo_rlhf.trainers.collectives.reduce_from_last_stage` among
+  them) are :mod:`nemo_rlhf.trainers.collectives`';
 * :func:`to_plain`: a config as a plain dict (``config.yaml``, checkpoints).
 """
 
@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import asdict, is_dataclass, replace
 from typing import Sequence
 
-import torch
-import torch.distributed as dist
 
 from nemo_rlhf.distributed import initialize_distributed
 
@@ -60,26 +58,3 @@ def dp_shard(items: Sequence, dp_rank: int, dp_size: int) -> list:
 def chunks(items: Sequence, size: int) -> list[list]:
     """Consecutive slices of ``size`` (the last may be shorter)."""
     return [list(items[i:i + size]) for i in range(0, len(items), size)]
-
-
-def reduce_from_last_stage(values: dict[str, float], dims, keys: Sequence[str]) -> dict[str, float]:
-    """Sum ``values`` over the DP ranks' last pipeline stages; return them on every rank.
-
-    Args:
-        values: this rank's partial sums (read on the last stage only; ignored elsewhere).
-        keys: the metric names, the same list on every rank.
-
-    Returns:
-        ``{key: global sum}`` on every rank.
-    """
-    # host metadata: reduced by the gloo part of the backend map
-    t = torch.tensor([float(values.get(k, 0.0)) if dims.is_last_stage else 0.0 for k in keys],
-                     dtype=torch.float64, device="cpu")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dims.dp > 1:
-            dist.all_reduce(t, group=dims.dp_group)
-        if dims.pp > 1:
-            dist.all_reduce(t, group=dims.pp_group)
-    return dict(zip(keys, t.tolist()))
-
-

@@ -40,7 +40,8 @@ from nemo_rlhf.metrics.trackers import LoggerConfig
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.trainers.optim import OptimizerConfig
-from nemo_rlhf.trainers.common import chunks, dp_shard, reduce_from_last_stage
+from nemo_rlhf.trainers.collectives import reduce_from_last_stage
+from nemo_rlhf.trainers.common import chunks, dp_shard
 from nemo_rlhf.trainers.supervised import (
     SupervisedExpManagerConfig,
     SupervisedTrainer,

@@ -174,7 +174,7 @@ def _reference(rank: int, tmp: str, name: str):
     data = make_demo_data(tmp / "data")
     trainer = build(compose_ppo(data, tmp / f"ref_{name}", *BASE, *{**PARITY, **PADDED}[name]))
     # a separate critic's initial weights too (the layouts' critics start from them)
-    critic = None if trainer.critic_model is None else (trainer.critic_model, None)
+    critic = None if trainer.critic.checkpoint is None else (trainer.critic.checkpoint[0], None)
     save_checkpoint(tmp / f"init_{name}", 0, trainer.model, dims=trainer.dims, critic=critic)
     return [trainer.train_step()]
 
@@ -372,7 +372,7 @@ def test_first_step_metrics_match_tp1(parity, name, layout):
 
 def test_groups_stay_whole_and_on_one_dp_rank():
     from nemo_rlhf.trainers.ppo.config import PPOAlgoConfig, validate_batch_sizes
-    from nemo_rlhf.trainers.ppo.trainer import dp_group_slice
+    from nemo_rlhf.trainers.ppo.state import dp_group_slice
 
     prompts = [10, 11, 12, 13]
     ranks = [dp_group_slice(prompts, r, 2, 3) for r in range(2)]

@@ -16,7 +16,7 @@ def _outputs(trainer, ids, mask):
     """Log-probs and values of the trainer's model for a fixed batch, on every rank."""
     import torch.distributed as dist
 
-    res = trainer._forward_logprobs(trainer.model, _Batch(ids, mask), with_values=True)
+    res = trainer.actor.logprobs(_Batch(ids, mask), with_values=True)
     box = [None]
     if res is not None:
         box = [{"logprobs": res["logprobs"], "values": res["values"]}]

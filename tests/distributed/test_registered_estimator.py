@@ -44,7 +44,7 @@ def _worker(rank: int, tmp: str) -> dict:
                       "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]")
     trainer = build(cfg)
     metrics = trainer.train_step()
-    out = {"needs_values": trainer.needs_values,
+    out = {"needs_values": trainer.critic.needs_values,
            "metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))}}
     trainer.close()
     return out

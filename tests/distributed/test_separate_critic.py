@@ -67,10 +67,10 @@ def _worker(rank: int, tmp: str) -> dict:
     # one critic warm-up step: the actor must not move
     cfg = compose_ppo(data, tmp / "warmup", *BASE, "trainer.critic_warmup_steps=1")
     trainer = build(cfg)
-    actor0, critic0 = _weights(trainer.model), _weights(trainer.critic_model)
+    actor0, critic0 = _weights(trainer.model), _weights(trainer.critic.model)
     warm = trainer.train_step()
     trainer.step += 1
-    actor1, critic1 = _weights(trainer.model), _weights(trainer.critic_model)
+    actor1, critic1 = _weights(trainer.model), _weights(trainer.critic.model)
     out["warmup"] = {
         "actor_changed": [n for n in actor0 if not torch.equal(actor0[n], actor1[n])],
         "critic_changed": [n for n in critic0 if not torch.equal(critic0[n], critic1[n])],
@@ -89,7 +89,7 @@ def _worker(rank: int, tmp: str) -> dict:
         rm.reward_head.bias.fill_(0.25)
     save_checkpoint(tmp / "rm", 0, rm, dims=trainer.dims)
     cfg = compose_ppo(data, tmp / "from_rm", *BASE, f"critic.init_from={tmp}/rm/step_0")
-    critic = _weights(build(cfg).critic_model)
+    critic = _weights(build(cfg).critic.model)
     rm_w = _weights(rm)
     out["from_rm"] = {
         "value_head_is_reward_head": torch.equal(critic["value_head.weight"], rm_w["reward_head.weight"])

@@ -32,7 +32,7 @@ def _worker(rank: int, tmp: str):
                       "rollout.temperature=0.7", "rollout.top_p=0.9", "optim.lr=1e-3")
     trainer = build(cfg)
     out = {}
-    batch = trainer._generate([trainer.encoded[i] for i in range(8)])
+    batch = trainer.generate([trainer.encoded[i] for i in range(8)])
     ref0 = trainer.compute_old_and_reference(batch).ref_logprobs
     out["rollout_vs_train"] = (trainer.compute_old_and_reference(batch).old_logprobs
                                - batch.logprobs).abs()[batch.response_mask].max().item()

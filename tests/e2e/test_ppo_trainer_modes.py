@@ -48,7 +48,7 @@ def _warmup_worker(rank: int, tmp: str):
     cfg = compose_ppo(data, tmp / "exp", *COMMON, "trainer.critic_warmup_steps=2",
                       "optim.weight_decay=0.1", "ppo.value_loss_coef=1.0")
     trainer = build(cfg)
-    batch = trainer._generate([trainer.encoded[i] for i in range(8)])
+    batch = trainer.generate([trainer.encoded[i] for i in range(8)])
 
     def snapshot():
         return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -107,7 +107,7 @@ def _dropout_worker(rank: int, tmp: str):
                       "model.attention_dropout=0.1", "rollout.temperature=0.7")
     trainer = build(cfg)
     out = {}
-    batch = trainer._generate([trainer.encoded[i] for i in range(8)])
+    batch = trainer.generate([trainer.encoded[i] for i in range(8)])
     first = trainer.compute_old_and_reference(batch)
     again = trainer.compute_old_and_reference(batch)
     out["old_deterministic"] = torch.equal(first.old_logprobs, again.old_logprobs)
@@ -182,7 +182,7 @@ def _kl_temperature_worker(rank: int, tmp: str):
         cfg = compose_ppo(data, tmp / mode, *COMMON, "rollout.temperature=0.7",
                           f"kl.temperature={mode}")
         trainer = build(cfg)
-        batch = trainer._generate([trainer.encoded[i] for i in range(8)])
+        batch = trainer.generate([trainer.encoded[i] for i in range(8)])
         fwd = trainer.compute_old_and_reference(batch)
         kl_temp = 0.7 if mode == "sampling" else 1.0
         direct_t = _direct_logprobs(trainer, trainer.model, batch, kl_temp)  # actor == reference

@@ -17,7 +17,7 @@ from nemo_rlhf.data.datasets import (DataConfig, load_preference_dataset, load_p
 from nemo_rlhf.data.jsonl import DataError  # noqa: E402
 from nemo_rlhf.data.tables import dataset_format, read_rows  # noqa: E402
 from nemo_rlhf.data.tokenizer import Tokenizer  # noqa: E402
-from nemo_rlhf.trainers.ppo.trainer import _file_hash  # noqa: E402
+from nemo_rlhf.trainers.ppo.state import file_hash as _file_hash  # noqa: E402
 from tests.unit.test_chat_template_model import _tokenizer_dir  # noqa: E402
 
 SFT = [{"prompt": "What is 26+28?", "response": "54"}, {"prompt": "What is 3+4?", "response": "7"},

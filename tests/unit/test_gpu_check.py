@@ -189,9 +189,20 @@ class _FakeReference:
         return cm()
 
 
+class _FakeActor:
+    """The actor role's forward (:meth:`PolicyRole.logprobs`): ``model`` None is the actor."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def logprobs(self, batch, model=None, *, with_values=False, **kwargs):
+        self.log.append(f"forward:{model or 'actor'}:{with_values}")
+        return {}
+
+
 class _FakeTrainer:
     """The call structure of PPOTrainer.train_step: rollout, old forward, reference forward
-    inside the swap, update."""
+    inside the swap (both by the actor role), update."""
 
     def __init__(self):
         import torch
@@ -199,9 +210,10 @@ class _FakeTrainer:
         self.log, self.step = [], 0
         self.dims = SimpleNamespace(device=torch.device("cpu"), rank=0)
         self.reference = _FakeReference(self.log)
+        self.actor = _FakeActor(self.log)
         self.torch = torch
 
-    def _generate(self, prompt_ids, greedy=False):
+    def generate(self, prompt_ids, greedy=False):
         torch = self.torch
         B, P, R = len(prompt_ids), 5, 3
         self.log.append("rollout")
@@ -209,19 +221,15 @@ class _FakeTrainer:
                                response_ids=torch.zeros(B, R),
                                response_mask=torch.tensor([[1, 1, 0]] * B, dtype=torch.bool))
 
-    def _forward_logprobs(self, model, batch, with_values):
-        self.log.append(f"forward:{model}:{with_values}")
-        return {}
-
     def update(self, batch, fwd, adv):
         self.log.append("update")
         return {"policy_loss": 0.0}
 
     def train_step(self):
-        batch = self._generate([[1]] * 4)
-        self._forward_logprobs("actor", batch, with_values=True)
+        batch = self.generate([[1]] * 4)
+        self.actor.logprobs(batch, with_values=True)
         with self.reference.swapped_in() as ref:
-            self._forward_logprobs(ref, batch, with_values=False)
+            self.actor.logprobs(batch, ref, with_values=False)
         return {**self.update(batch, None, None), "memory/train_peak_allocated_gib": 1.5}
 
 
@@ -239,7 +247,7 @@ def test_probe_times_each_phase_and_computes_the_step_flops(tmp_path):
     assert metrics["policy_loss"] == 0.0  # the step's own result passes through
     assert trainer.log == ["rollout", "forward:actor:True", "swap_in", "forward:ref-model:False",
                            "swap_out", "update"]
-    trainer._generate([[1]])  # outside a step (evaluation): runs, not recorded
+    trainer.generate([[1]])  # outside a step (evaluation): runs, not recorded
     (record,) = [json.loads(line) for line in path.read_text().splitlines()]
     assert record == probe.records[0]
     assert record["step"] == 1 and record["probe_unwrapped"] == []
@@ -257,7 +265,7 @@ def test_probe_times_each_phase_and_computes_the_step_flops(tmp_path):
 def test_probe_leaves_out_a_phase_the_trainer_no_longer_has(tmp_path):
     probe_mod = _load_probe()
     trainer = _FakeTrainer()
-    trainer._forward_logprobs = None  # e.g. renamed by a refactor
+    trainer.actor.logprobs = None  # e.g. renamed by a refactor
     cfg = SimpleNamespace(model=None, ppo=SimpleNamespace(ppo_epochs=1))
     probe = probe_mod.PhaseProbe(trainer, cfg, None).install()
-    assert probe.unwrapped == ["_forward_logprobs"]
+    assert probe.unwrapped == ["actor.logprobs"]

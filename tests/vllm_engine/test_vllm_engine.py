@@ -97,7 +97,7 @@ def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = (
     out["tis_metrics"] = {k: float(v) for k, v in metrics.items() if k.startswith("rollout_correction/")}
     out["step_mismatch"] = float(metrics["rollout_train_logprob_diff_max"])
 
-    batch = trainer._generate(prompts)  # sampled at T=1 by the refit engine
+    batch = trainer.generate(prompts)  # sampled at T=1 by the refit engine
     out["refits_after_step"] = vllm.refits
     fwd = trainer.compute_old_and_reference(batch)
     mask = batch.response_mask

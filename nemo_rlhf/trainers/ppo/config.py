@@ -430,6 +430,35 @@ class PPOConfig:
         if not traits.needs_values and self.trainer.critic_warmup_steps:
             raise ValueError(f"trainer.critic_warmup_steps={self.trainer.critic_warmup_steps} with "
                              f"the critic-free ppo.advantage_estimator={est}: set it to 0")
+        if self.ppo.old_logprobs_from_rollout:
+            self._check_rollout_logprobs()
+
+    @property
+    def kl_temperature(self) -> float:
+        """Temperature of the two log-probs the KL penalty compares (``kl.temperature``):
+        the rollout's ``logprob_temperature`` (``sampling``) or 1.0 (``unscaled``)."""
+        return self.rollout.logprob_temperature if self.kl.temperature == "sampling" else 1.0
+
+    def _check_rollout_logprobs(self) -> None:
+        """``ppo.old_logprobs_from_rollout``: the rollout's log-probs must be the ones the
+        KL and the ratio compare (their temperature, before any sampling processor)."""
+        r = self.rollout
+        if self.kl_temperature != r.logprob_temperature:
+            raise ValueError(
+                f"ppo.old_logprobs_from_rollout=true: the KL compares log-probs at temperature "
+                f"{self.kl_temperature} (kl.temperature={self.kl.temperature}) but the rollout records "
+                f"them at {r.logprob_temperature}: set kl.temperature=sampling")
+        if r.engine == "vllm" and (r.top_k or r.top_p < 1.0) and not r.greedy:
+            raise ValueError(
+                f"ppo.old_logprobs_from_rollout=true with rollout.engine=vllm: vLLM records log-probs "
+                f"after top-k/top-p (rollout.top_k={r.top_k}, rollout.top_p={r.top_p}), "
+                f"not of the policy the update trains: set rollout.top_k=0 and rollout.top_p=1.0")
+        if r.engine == "vllm" and r.min_new_tokens > 0:
+            raise ValueError(
+                f"ppo.old_logprobs_from_rollout=true with rollout.engine=vllm: vLLM records log-probs "
+                f"after its min-tokens processor has removed EOS and the stop tokens from the first "
+                f"rollout.min_new_tokens={r.min_new_tokens} positions, not the policy's own: "
+                f"set rollout.min_new_tokens=0 or ppo.old_logprobs_from_rollout=false")
 
 
 def validate_batch_sizes(ppo: PPOAlgoConfig, dp: int, n_samples_per_prompt: int = 1, pp: int = 1) -> None:

@@ -10,13 +10,57 @@ hacks the RM wins by it), ``eval/judge_win_rate_vs_initial`` is judged by
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch.distributed as dist
 
 from nemo_rlhf.reward.client import RewardModelClient
 from nemo_rlhf.reward.functions import get_reward_function
+from nemo_rlhf.trainers.ppo.step_metrics import response_repetition
+
+log = logging.getLogger("nemo_rlhf.ppo")
+
+
+class HeldOutEvaluation:
+    """The held-out evaluation's state across a run.
+
+    Attributes:
+        initial: the initial policy's per-prompt results (``text``, ``score``, ...), kept
+            for the win rates and saved in checkpoints (None before the first evaluation).
+        rescore_initial: the next evaluation re-scores ``initial``'s responses with the
+            current reward (set when the reward changed on resume).
+    """
+
+    def __init__(self, cfg, has_prompts: bool) -> None:
+        self.cfg = cfg
+        self.initial: Optional[list[dict]] = None
+        self.rescore_initial = False
+        self._judge = None
+        if has_prompts and cfg.trainer.val_check_interval:
+            judge = cfg.trainer.eval_judge
+            log.info("held-out win rate: eval/win_rate_vs_initial is self-judged (by the reward being "
+                     "optimised); %s", f"eval/judge_win_rate_vs_initial by trainer.eval_judge={judge}"
+                     if judge else "set trainer.eval_judge (a second RM's URL or a reward function) "
+                                   "for an independent one")
+
+    def judge(self):
+        """``trainer.eval_judge`` as ``fn(prompts, responses, extras) -> scores`` (built
+        once), or None when no judge is set."""
+        spec = self.cfg.trainer.eval_judge
+        if spec is None:
+            return None
+        if self._judge is None:
+            if str(spec).startswith(("http://", "https://")):
+                r = self.cfg.reward
+                client = RewardModelClient(spec, timeout_s=r.timeout_s, max_retries=r.max_retries,
+                                           max_wait_s=r.max_wait_s)
+                self._judge = lambda prompts, responses, extras: client.score_texts(prompts, responses)
+            else:
+                self._judge = get_reward_function(spec)
+        return self._judge
 
 
 def evaluate_policy(trainer) -> dict:
@@ -35,9 +79,10 @@ def evaluate_policy(trainer) -> dict:
         return {}
     n = min(len(trainer.eval_prompts), trainer.cfg.trainer.max_eval_samples)
     mine = list(range(trainer.dims.dp_rank, n, trainer.dims.dp))
-    batch = trainer._generate([trainer.eval_encoded[i] for i in mine], greedy=True)
-    texts = trainer._response_texts(batch)
-    reps = trainer._repetition(batch)
+    batch = trainer.generate([trainer.eval_encoded[i] for i in mine], greedy=True)
+    texts = trainer.response_texts(batch)
+    reps = response_repetition(batch)
+    state = trainer.evaluation
     result, failure = None, None
     if trainer.is_mp_src:
         try:
@@ -52,14 +97,14 @@ def evaluate_policy(trainer) -> dict:
             for name in trainer.cfg.trainer.eval_extra_checkers:
                 extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
                                                              [r.extras for r in rows]))
-            judge = _judge(trainer)
+            judge = state.judge()
             judged = None if judge is None else [float(x) for x in judge(
                 [r.prompt for r in rows], texts, [r.extras for r in rows])]
             initial_scores = None
-            if trainer.rescore_initial and trainer.initial_eval is not None:
+            if state.rescore_initial and state.initial is not None:
                 # the initial policy's responses, judged again by the new reward
                 initial = trainer.reward.score([r.prompt for r in rows],
-                                               [trainer.initial_eval[i]["text"] for i in mine],
+                                               [state.initial[i]["text"] for i in mine],
                                                [r.extras for r in rows], update_stats=False,
                                                normalize=False)
                 initial_scores = initial.scores.tolist()
@@ -70,7 +115,7 @@ def evaluate_policy(trainer) -> dict:
                       "lengths": batch.response_lengths.tolist(), "rep": reps}
         except Exception as exc:  # noqa: BLE001 - every rank raises it below
             failure = exc
-    trainer._raise_if_scoring_failed(failure)
+    trainer.raise_if_scoring_failed(failure)
     gathered = [None] * trainer.dims.world_size
     dist.all_gather_object(gathered, result)
     rows = [g for g in gathered if g is not None]
@@ -92,8 +137,8 @@ def evaluate_policy(trainer) -> dict:
     for r in rows:  # re-scored initial responses (after a reward change), the same on every rank
         if r.get("initial_scores") is not None:
             for j, i in enumerate(r["idx"]):
-                trainer.initial_eval[i]["score"] = r["initial_scores"][j]
-    trainer.rescore_initial = False
+                state.initial[i]["score"] = r["initial_scores"][j]
+    state.rescore_initial = False
     metrics = {
         "eval/reward": sum(x["score"] for x in items) / len(items),
         "eval/response_length": sum(x["len"] for x in items) / len(items),
@@ -107,12 +152,12 @@ def evaluate_policy(trainer) -> dict:
         metrics[f"eval/{name}"] = sum(x["src"][name] for x in items) / len(items)
     if "judge" in items[0]:
         metrics["eval/judge_score"] = sum(x["judge"] for x in items) / len(items)
-    if trainer.initial_eval is None:
-        trainer.initial_eval = items
+    if state.initial is None:
+        state.initial = items
     else:
-        metrics["eval/win_rate_vs_initial"] = win_rate(items, trainer.initial_eval, "score")
-        if "judge" in items[0] and "judge" in trainer.initial_eval[0]:
-            metrics["eval/judge_win_rate_vs_initial"] = win_rate(items, trainer.initial_eval, "judge")
+        metrics["eval/win_rate_vs_initial"] = win_rate(items, state.initial, "score")
+        if "judge" in items[0] and "judge" in state.initial[0]:
+            metrics["eval/judge_win_rate_vs_initial"] = win_rate(items, state.initial, "judge")
     return metrics
 
 
@@ -121,23 +166,6 @@ def win_rate(items: list[dict], initial: list[dict], key: str) -> float:
     response to the same prompt (a tie counts 1/2)."""
     wins = [1.0 if a[key] > b[key] else 0.5 if a[key] == b[key] else 0.0 for a, b in zip(items, initial)]
     return sum(wins) / len(wins)
-
-
-def _judge(trainer):
-    """``trainer.eval_judge`` as ``fn(prompts, responses, extras) -> scores`` (built once),
-    or None when no judge is set."""
-    spec = trainer.cfg.trainer.eval_judge
-    if spec is None:
-        return None
-    if getattr(trainer, "_eval_judge", None) is None:
-        if str(spec).startswith(("http://", "https://")):
-            client = RewardModelClient(spec, timeout_s=trainer.cfg.reward.timeout_s,
-                                       max_retries=trainer.cfg.reward.max_retries,
-                                       max_wait_s=trainer.cfg.reward.max_wait_s)
-            trainer._eval_judge = lambda prompts, responses, extras: client.score_texts(prompts, responses)
-        else:
-            trainer._eval_judge = get_reward_function(spec)
-    return trainer._eval_judge
 
 
 def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict]) -> Path:
@@ -174,4 +202,4 @@ def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict
     return out
 
 
-__all__ = ["evaluate_policy", "win_rate", "write_eval_samples"]
+__all__ = ["HeldOutEvaluation", "evaluate_policy", "win_rate", "write_eval_samples"]

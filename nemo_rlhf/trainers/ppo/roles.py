@@ -1,0 +1,383 @@
+"""The PPO job's roles: the policy (actor) and the critic, each behind one interface.
+
+* :class:`PolicyRole` -- the actor's stage and optimizer: the log-probs (and, with the
+  value head on its backbone, the values) of a rollout in forward-only micro-batches, the
+  same pass for the reference (its weights swapped into the backbone), one training
+  mini-batch (forward/backward through megatron's schedule, the optimizer step).
+* :class:`CriticRole` -- where the values come from and how they are trained, chosen once
+  where the job is assembled (:func:`build_critic_role`):
+  :class:`SharedValueHead` (``critic.mode=shared`` / ``shared_detached``: a value head on
+  the actor's backbone, trained by the actor's loss), :class:`SeparateCritic`
+  (``critic.mode=separate``: its own backbone, head and optimizer) and :class:`NoCritic`
+  (critic-free estimators: no values). The trainer's step reads no critic-mode flag: it
+  asks the role.
+
+The split follows verl's actor/critic workers and NeMo-RL's policy interface, without
+their worker groups: the roles live in the trainer's processes.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Optional
+
+import torch
+
+from nemo_rlhf.algorithms import ppo as P
+from nemo_rlhf.models.engine import finalize_grads, forward_backward
+from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs, response_values
+from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, scatter_rows, take
+
+
+def chunk_slices(n: int, size: int) -> list[slice]:
+    """``[0, n)`` in consecutive slices of ``size`` (the last may be shorter)."""
+    return [slice(i, i + size) for i in range(0, n, size)]
+
+
+@contextmanager
+def eval_mode(model):
+    """Forward-only passes run in eval mode (no dropout); the previous mode is restored."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def is_value_head(name: str) -> bool:
+    """Whether a parameter name belongs to the value head."""
+    return "value_head" in name.split(".")
+
+
+class ForwardPasses:
+    """How a rollout is cut into forward-only micro-batches and put back together.
+
+    Args:
+        dims: ``ParallelDims`` (its ``device``: where micro-batches are built).
+        vocab_size: the model's real vocabulary size.
+        forward_micro_batch_size: rows per forward-only pass; a batch it does not divide
+            has its last micro-batch topped up with copies of its last row (dropped again).
+        max_tokens_per_micro_batch / sequence_packing / packed_row_length: the token
+            budget (``ppo.*``; 0: fixed row counts).
+        logprob_chunk_size: the fused output layer's chunk (0: the logits path).
+    """
+
+    def __init__(self, dims, vocab_size: int, forward_micro_batch_size: int,
+                 max_tokens_per_micro_batch: int = 0, sequence_packing: bool = False,
+                 packed_row_length: int = 0, logprob_chunk_size: int = 0) -> None:
+        self.dims, self.vocab_size, self.forward_micro_batch_size = dims, vocab_size, forward_micro_batch_size
+        self.max_tokens_per_micro_batch, self.sequence_packing = max_tokens_per_micro_batch, sequence_packing
+        self.packed_row_length, self.logprob_chunk_size = packed_row_length, logprob_chunk_size
+
+    @classmethod
+    def from_config(cls, ppo, vocab_size: int, dims) -> "ForwardPasses":
+        """The PPO job's: its ``ppo`` section's sizes."""
+        return cls(dims, vocab_size, ppo.forward_micro_batch_size, ppo.max_tokens_per_micro_batch,
+                   ppo.sequence_packing, ppo.packed_row_length, ppo.logprob_chunk_size)
+
+    def micro_batches(self, batch) -> tuple[list[dict], Optional[list]]:
+        """``forward_micro_batch_size`` rows of the full width, or, with
+        ``max_tokens_per_micro_batch``, grouped by the token budget with their padding
+        cut, rows concatenated with ``sequence_packing`` (and the plans, to put the rows
+        back; None for fixed row counts)."""
+        P_len, B = batch.prompt_length, batch.input_ids.shape[0]
+        tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        budget = self.max_tokens_per_micro_batch
+        if budget == 0:
+            mbs = min(self.forward_micro_batch_size, B)
+            filler = (-B) % mbs
+            if filler:  # the last micro-batch topped up (megatron's schedule: one shape)
+                tensors = {k: torch.cat([v, v[-1:].expand(filler, -1)]) for k, v in tensors.items()}
+            return [{k: v[s] for k, v in tensors.items()} for s in chunk_slices(B + filler, mbs)], None
+        starts, lengths = row_extents(batch.attention_mask, batch.response_mask, P_len)
+        plans = plan_micro_batches(starts, lengths, P_len, list(range(B)), B, budget,
+                                   pack=self.sequence_packing, row_length=self.packed_row_length)
+        return [take(p, tensors, P_len, self.dims.device) for p in plans], plans
+
+    @staticmethod
+    def gather(res: list[dict], plans: Optional[list], batch) -> Optional[dict]:
+        """Per-micro-batch results as ``[B, R]`` tensors in row order (None: no results,
+        off the last pipeline stage)."""
+        if not res:
+            return None
+        B, R = batch.response_mask.shape
+        if plans is None:  # (a topped-up last micro-batch's copies dropped)
+            return {k: torch.cat([r[k] for r in res])[:B] for k in res[0]}
+        return {k: scatter_rows(plans, [r[k] for r in res], B, R) for k in res[0]}
+
+    def logprob_request(self, prompt_length: int, temperatures: tuple, entropy: bool
+                        ) -> Optional[LogprobRequest]:
+        """The fused, chunked output layer's request (``logprob_chunk_size``; None: off,
+        the forward returns logits)."""
+        chunk = self.logprob_chunk_size
+        if chunk == 0:
+            return None
+        return LogprobRequest(prompt_length, tuple(dict.fromkeys(temperatures)), self.vocab_size,
+                              compute_entropy=entropy, chunk_size=chunk)
+
+
+class PolicyRole:
+    """The actor: its DDP-wrapped stage, optimizer and forward passes.
+
+    Args:
+        model: this rank's DDP-wrapped actor(-critic) stage.
+        optimizer: its :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer` (None:
+            forward passes only, e.g. the evaluator).
+        passes: the job's :class:`ForwardPasses`.
+        dims: ``ParallelDims``.
+        temperature: the rollout's ``logprob_temperature`` (the training log-probs').
+        kl_temperature: the KL's (``kl.temperature``): both log-probs of the penalty.
+        with_values: the actor's forward also returns the value head's values.
+    """
+
+    def __init__(self, model, optimizer, passes: ForwardPasses, dims, temperature: float,
+                 kl_temperature: float, with_values: bool) -> None:
+        self.model, self.optimizer, self.passes, self.dims = model, optimizer, passes, dims
+        self.temperature, self.kl_temperature, self.with_values = temperature, kl_temperature, with_values
+        self.weights_version = 0
+        """Changes whenever the weights do (an optimizer step, a checkpoint load): a rollout
+        engine with its own copy of the weights refits when it differs."""
+
+    def logprobs(self, batch, model=None, *, temperature: Optional[float] = None,
+                 kl_temperature: Optional[float] = None, with_values: bool = False) -> Optional[dict]:
+        """Forward-only over a rollout in micro-batches, in eval mode.
+
+        Args:
+            batch: a ``RolloutBatch`` (``input_ids [B, P+R]``, ``response_mask [B, R]``).
+            model: the stage to run (None: the actor's; the reference passes the model its
+                weights are swapped into).
+            temperature: of ``logprobs`` (None: the rollout's).
+            kl_temperature: also ``kl_logprobs`` at this temperature, when it differs.
+            with_values: also the value head's ``values``.
+
+        Returns:
+            ``{"logprobs": [B, R] float32, "values"?, "kl_logprobs"?}`` on the last pipeline
+            stage; None on the others.
+        """
+        model = self.model if model is None else model
+        P_len, vocab, dims = batch.prompt_length, self.passes.vocab_size, self.dims
+        temp = self.temperature if temperature is None else temperature
+
+        def loss_fn(output, mb):
+            logits, values = output if isinstance(output, tuple) else (output, None)
+            p = mb.get("prompt_length", P_len)
+            lp, _ = response_logprobs(logits, (mb["input_ids"], p), dims, temp,
+                                      vocab_size=vocab, compute_entropy=False)
+            out = {"logprobs": lp}
+            if kl_temperature is not None and kl_temperature != temp:
+                out["kl_logprobs"], _ = response_logprobs(
+                    logits, (mb["input_ids"], p), dims, kl_temperature, vocab_size=vocab,
+                    compute_entropy=False)
+            if with_values and values is not None:
+                out["values"] = response_values(values, p, lp.shape[1])
+            return torch.zeros((), device=lp.device), out
+
+        micro, plans = self.passes.micro_batches(batch)
+        temps = (temp,) if kl_temperature is None or kl_temperature == temp else (temp, kl_temperature)
+        with torch.no_grad(), eval_mode(model):
+            res = forward_backward(model, micro, loss_fn, forward_only=True, with_values=with_values,
+                                   variable_shapes=plans is not None, device=dims.device,
+                                   logprob_request=self.passes.logprob_request(P_len, temps, entropy=False))
+        return self.passes.gather(res, plans, batch)
+
+    def loss_fn(self, objective: P.PPOObjective, n_tokens: torch.Tensor, n_seqs: torch.Tensor,
+                P_len: int, value_only: bool) -> Callable:
+        """The training micro-batches' loss function: the current log-probs, entropy (and
+        values with a value head on this backbone) into :func:`~nemo_rlhf.algorithms.ppo.ppo_loss`
+        over the global ``n_tokens`` / ``n_seqs`` (scalar tensors: all micro-batches and DP
+        ranks); ``value_only``: the value loss alone (a critic warm-up on this backbone)."""
+        temp, kl_temp, dims, vocab = self.temperature, self.kl_temperature, self.dims, self.passes.vocab_size
+        with_kl = objective.kl_loss_coef > 0 and not value_only
+        with_values = self.with_values
+
+        def fn(output, mb):
+            logits, values = output if isinstance(output, tuple) else (output, None)
+            p = mb.get("prompt_length", P_len)  # a token-budget micro-batch has its own
+            lp, ent = response_logprobs(logits, (mb["input_ids"], p), dims, temp, vocab_size=vocab)
+            lp_kl = None
+            if with_kl:
+                lp_kl = lp if kl_temp == temp else response_logprobs(
+                    logits, (mb["input_ids"], p), dims, kl_temp, vocab_size=vocab,
+                    compute_entropy=False)[0]
+            return P.ppo_loss(
+                objective, lp, ent, mb["response_mask"], n_tokens, n_seqs,
+                old_logprobs=mb["old_logprobs"], advantages=mb["advantages"],
+                values=response_values(values, p, lp.shape[1]) if with_values else None,
+                old_values=mb.get("old_values"), returns=mb.get("returns"),
+                kl_logprobs=lp_kl, ref_logprobs=mb.get("ref_logprobs"), policy=not value_only,
+                rollout_weights=mb.get("rollout_weights"))
+
+        return fn
+
+    def train_minibatch(self, micro: list[dict], loss_fn: Callable, P_len: int,
+                        variable_shapes: bool, value_head_only: bool = False
+                        ) -> tuple[list[dict], bool, float]:
+        """One mini-batch: forward/backward over ``micro``, the gradients finalised (DP
+        all-reduce), one optimizer step (``value_head_only``: the value head's parameters
+        only, so the policy does not move: no update, Adam state or weight decay).
+
+        Returns:
+            ``(per-micro-batch statistics, stepped, grad norm)``; ``stepped`` is False for
+            a skipped (non-finite) step.
+        """
+        self.optimizer.zero_grad()
+        res = forward_backward(
+            self.model, micro, loss_fn, with_values=self.with_values, variable_shapes=variable_shapes,
+            logprob_request=self.passes.logprob_request(P_len, (self.temperature, self.kl_temperature),
+                                                        entropy=True))
+        finalize_grads(self.model)
+        if value_head_only:
+            stepped, norm = self.optimizer.step(only=is_value_head)
+        else:
+            stepped, norm = self.optimizer.step()
+            if stepped:
+                self.weights_version += 1
+        return res, stepped, norm
+
+
+class CriticRole:
+    """Where the values ``V(s_t)`` come from and how they are trained (one interface for
+    every ``critic.mode`` and for none).
+
+    Attributes:
+        needs_values: the advantage estimator reads values (False: :class:`NoCritic`).
+        on_actor_backbone: the actor's forward gives the values (a value head on it).
+        warmup_trains_actor_head: during ``trainer.critic_warmup_steps`` the actor's
+            optimizer steps its value head only (True), or the actor is left alone (False).
+    """
+
+    needs_values = True
+    on_actor_backbone = False
+    warmup_trains_actor_head = False
+
+    def values(self, batch, actor_out: Optional[dict], timers) -> Optional[torch.Tensor]:
+        """The rollout's old values ``[B, R]`` float32 (None: no critic, or off the last
+        pipeline stage); ``actor_out``: the actor's forward results (or the rollout's)."""
+        raise NotImplementedError
+
+    def train(self) -> None:
+        """Training mode (dropout on) for the update."""
+
+    def train_minibatch(self, micro: list[dict], objective, n_tokens, n_seqs, P_len: int,
+                        variable_shapes: bool) -> Optional[tuple[list[dict], bool, float]]:
+        """The critic's own step on one mini-batch (None: trained by the actor's loss, or
+        not at all)."""
+        return None
+
+    def training_tensors(self, fwd, adv) -> dict:
+        """What the value loss reads, by name: ``old_values`` and ``returns`` ``[B, R]``."""
+        return {"old_values": fwd.values, "returns": adv.returns}
+
+    def explained_variance_sums(self, fwd, adv, mask: torch.Tensor) -> Optional[torch.Tensor]:
+        """The explained variance's five sums (float64, on ``mask.device``), None without
+        a critic."""
+        return P.explained_variance_sums(fwd.values, adv.returns, mask)
+
+    @property
+    def checkpoint(self) -> Optional[tuple]:
+        """``(stage, optimizer)`` saved beside the actor (``critic.`` tensors), or None."""
+        return None
+
+
+class SharedValueHead(CriticRole):
+    """``critic.mode=shared`` / ``shared_detached``: a value head on the actor's backbone,
+    trained by the actor's loss (``value_loss_coef * value_loss``); detached, its input has
+    the gradient stopped (set on the model when it is built)."""
+
+    on_actor_backbone = True
+    warmup_trains_actor_head = True
+
+    def values(self, batch, actor_out, timers):
+        return None if actor_out is None else actor_out.get("values")
+
+
+class SeparateCritic(CriticRole):
+    """``critic.mode=separate``: its own backbone + value head and optimizer.
+
+    Args:
+        model: the critic's DDP-wrapped stage; optimizer: its optimizer.
+        passes: the job's :class:`ForwardPasses`.
+    """
+
+    def __init__(self, model, optimizer, passes: ForwardPasses) -> None:
+        self.model, self.optimizer, self.passes = model, optimizer, passes
+
+    def values(self, batch, actor_out, timers):
+        """Forward-only over the rollout (eval mode, the forward micro-batches)."""
+        P_len = batch.prompt_length
+
+        def loss_fn(values, mb):
+            p = mb.get("prompt_length", P_len)
+            v = response_values(values, p, mb["input_ids"].shape[1] - p)
+            return torch.zeros((), device=v.device), {"values": v}
+
+        with timers("critic_values"):
+            micro, plans = self.passes.micro_batches(batch)
+            with torch.no_grad(), eval_mode(self.model):
+                res = forward_backward(self.model, micro, loss_fn, forward_only=True,
+                                       variable_shapes=plans is not None)
+            out = self.passes.gather(res, plans, batch)
+        return None if out is None else out["values"]
+
+    def train(self) -> None:
+        self.model.train()
+
+    def train_minibatch(self, micro, objective, n_tokens, n_seqs, P_len, variable_shapes):
+        """:func:`~nemo_rlhf.algorithms.ppo.critic_loss` over the global counts, one step."""
+
+        def fn(values, mb):
+            m = mb["response_mask"]
+            return P.critic_loss(objective, response_values(values, mb.get("prompt_length", P_len), m.shape[1]),
+                                 mb["old_values"], mb["returns"], m, n_tokens, n_seqs)
+
+        self.optimizer.zero_grad()
+        res = forward_backward(self.model, micro, fn, variable_shapes=variable_shapes)
+        finalize_grads(self.model)
+        stepped, norm = self.optimizer.step()
+        return res, stepped, norm
+
+    @property
+    def checkpoint(self):
+        return self.model, self.optimizer
+
+
+class NoCritic(CriticRole):
+    """Critic-free estimators (``grpo``, ``rloo``, ``reinforce_plus_plus``, ...): no values
+    are computed, none trained."""
+
+    needs_values = False
+
+    def values(self, batch, actor_out, timers):
+        return None
+
+    def training_tensors(self, fwd, adv) -> dict:
+        return {}
+
+    def explained_variance_sums(self, fwd, adv, mask):
+        return None
+
+
+def build_critic_role(needs_values: bool, separate: Optional[tuple], passes: ForwardPasses) -> CriticRole:
+    """The job's critic role, chosen once.
+
+    Args:
+        needs_values: the estimator's :attr:`~nemo_rlhf.algorithms.ppo.EstimatorTraits.needs_values`.
+        separate: ``(stage, optimizer)`` of ``critic.mode=separate``, or None (the value
+            head on the actor's backbone).
+        passes: the job's :class:`ForwardPasses`.
+    """
+    if not needs_values:
+        return NoCritic()
+    if separate is not None:
+        return SeparateCritic(*separate, passes)
+    return SharedValueHead()
+
+
+def no_timers(_name: str):
+    """A stand-in for :class:`~nemo_rlhf.metrics.timers.Timers` that times nothing."""
+    return nullcontext()
+
+
+__all__ = ["CriticRole", "ForwardPasses", "NoCritic", "PolicyRole", "SeparateCritic",
+           "SharedValueHead", "build_critic_role", "chunk_slices", "eval_mode", "is_value_head"]

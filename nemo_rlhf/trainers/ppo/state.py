@@ -1,0 +1,105 @@
+"""What the PPO job keeps of a run besides the weights: the resume fingerprint, the prompt
+log, how a prompt batch splits over DP, and the trainer state's JSON form."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from nemo_rlhf.checkpoint import read_metadata
+from nemo_rlhf.trainers.ppo.config import PPOConfig
+
+
+def file_hash(path) -> str:
+    """The first 16 hex digits of the SHA-256 of a file, or of a dataset folder's files
+    (parquet shards, a ``save_to_disk`` folder): their relative names and contents in name
+    order."""
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    h = hashlib.sha256()
+    for file in files:
+        if path.is_dir():
+            h.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def ppo_fingerprint(cfg: PPOConfig) -> dict:
+    """What a resume must match: the model shape, the tokenizer and prompt files (hashes),
+    and the reference (initial) weights -- the checksums of the ``init_from`` checkpoint's
+    shards (independent of the layout), or the seed of a random initialisation."""
+    ref = f"random-init:seed={cfg.trainer.seed}"
+    if cfg.exp_manager.init_from:
+        files = read_metadata(cfg.exp_manager.init_from).get("files") or {}
+        ref = hashlib.sha256(json.dumps(sorted((k, v[1]) for k, v in files.items())).encode())
+        ref = ref.hexdigest()[:16]
+    return {"model": cfg.model.fingerprint(),
+            "tokenizer": file_hash(Path(cfg.data.tokenizer_dir) / "tokenizer.json"),
+            "train_prompts": file_hash(cfg.data.train_file), "reference": ref}
+
+
+def log_prompt_ids(exp_dir, step: int, dp_rank: int, idx: list[int]) -> None:
+    """Append a step's prompt ids to ``<exp_dir>/prompt_log.jsonl`` (one line per DP rank
+    and attempt), so recovery can be audited: no prompt twice, none skipped."""
+    path = Path(exp_dir) / "prompt_log.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "dp_rank": dp_rank, "prompt_ids": idx}) + "\n")
+
+
+def dp_group_slice(global_idx: list[int], dp_rank: int, dp: int, n_samples_per_prompt: int
+                   ) -> list[int]:
+    """This DP rank's share of a global prompt batch, each prompt repeated
+    ``n_samples_per_prompt`` times in a row: groups stay contiguous and on one rank.
+
+    Args:
+        global_idx: the step's prompt indices (all DP ranks), a multiple of ``dp`` long.
+
+    Returns:
+        ``len(global_idx) // dp * n_samples_per_prompt`` prompt indices.
+
+    Raises:
+        ValueError: if ``dp`` does not divide ``len(global_idx)``.
+    """
+    if len(global_idx) % dp:
+        raise ValueError(f"{len(global_idx)} prompts do not split over {dp} data-parallel ranks")
+    per = len(global_idx) // dp
+    mine = global_idx[dp_rank * per:(dp_rank + 1) * per]
+    return [i for i in mine for _ in range(n_samples_per_prompt)]
+
+
+def reward_change_message(changed: dict) -> Optional[str]:
+    """The warning for reward sources that differ from the checkpoint's (``{name: (before,
+    now)}``), or None."""
+    return "; ".join(
+        f"reward source {name!r} changed since the checkpoint ({_identity_text(before)} -> "
+        f"{_identity_text(now)}): its normalisation statistics start over, the "
+        f"reward-hacking guard's history is cleared and the initial policy's evaluation "
+        f"is re-scored" for name, (before, now) in changed.items()) or None
+
+
+def _identity_text(identity) -> str:
+    if not identity:
+        return "none recorded"
+    return ", ".join(f"{k}={v}" for k, v in identity.items())
+
+
+def jsonable(obj):
+    """Tensors (and containers of them) as lists, for the JSON trainer state."""
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, dict):
+        return {k: jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    return obj
+
+
+__all__ = ["dp_group_slice", "file_hash", "jsonable", "log_prompt_ids", "ppo_fingerprint",
+           "reward_change_message"]
