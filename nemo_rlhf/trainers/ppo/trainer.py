@@ -48,7 +48,7 @@ from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.evaluation import evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard, ngram_repetition_rate
 from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, scatter_rows, take
-from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
+from nemo_rlhf.trainers.ppo.rewards import check_samples_left, step_scores
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
 
 log = logging.getLogger("nemo_rlhf.ppo")
@@ -259,17 +259,12 @@ class PPOTrainer:
         result = None
         if self.is_mp_src:
             out = self.reward.combine(raw)  # running normalisation: a scoring-rank collective
-            result = (out.scores, {**out.metrics(prefix="reward/"),
-                                   "reward_raw_mean": self._raw_mean(out.raw_scores)})
+            # NaN marks a sample reward.invalid_scores=skip leaves out (rewards.step_scores)
+            result = step_scores(self.dims, out, self.step + 1, self.cfg.rollout.n_samples_per_prompt,
+                                 self.advantage_cfg.traits.needs_groups)
         scores, metrics = self._mp_broadcast(result)
+        check_samples_left(metrics, self.step + 1)  # the same metrics on every rank
         return to_device(scores, self.dims.device), metrics
-
-    def _raw_mean(self, raw_scores: torch.Tensor) -> float:
-        """Mean of the raw weighted scores over every DP rank (scoring ranks only)."""
-        local = torch.tensor([float(raw_scores.sum()), raw_scores.numel()],  # host
-                             dtype=torch.float64, device="cpu")
-        total = gather_over_scoring_ranks(self.dims, local).sum(0)
-        return float(total[0] / total[1])
 
     def _raise_if_scoring_failed(self, failure: Optional[BaseException]) -> None:
         """Every rank learns whether a scoring rank's reward call failed; all raise.
@@ -455,14 +450,20 @@ class PPOTrainer:
         mask = batch.response_mask
         c = self.cfg
         beta = self.kl_ctl.value if c.kl.in_reward else 0.0
+        keep = torch.isfinite(scores)  # [B]: False on rows reward.invalid_scores=skip leaves out
         rewards, kl = P.compute_token_rewards(
-            fwd.kl_logprobs, fwd.ref_logprobs, scores, mask, beta,
+            fwd.kl_logprobs, fwd.ref_logprobs, torch.where(keep, scores, 0.0), mask, beta,
             kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
             missing_eos_penalty=c.ppo.missing_eos_penalty)
+        full_mask, mask = mask, mask & keep[:, None]  # from here on: the rows that train
         group_ids = P.group_ids_from_samples(mask.shape[0], c.rollout.n_samples_per_prompt,
                                              device=mask.device)
-        adv, ret = P.compute_advantages(self.advantage_cfg, rewards, fwd.values, mask,
-                                        group_ids, reduce_fn=self._whiten_reduce)
+        adv, ret = P.compute_advantages(  # group estimators: whole groups left out, see step_scores
+            self.advantage_cfg, rewards, fwd.values,
+            full_mask if self.advantage_cfg.traits.needs_groups else mask,
+            group_ids, reduce_fn=self._whiten_reduce)
+        adv, ret = torch.where(mask, adv, 0.0), torch.where(mask, ret, 0.0)
+        scores = torch.where(keep, scores, 0.0)
         raw_adv = adv
         if c.ppo.normalize_advantages and self.advantage_cfg.traits.batch_whitening:
             adv = P.masked_whiten(adv, mask, reduce_fn=self._whiten_reduce)
@@ -471,8 +472,8 @@ class PPOTrainer:
         sums = self._dp_sum_named({  # one all-reduce of the rollout's sums
             "kl": seq_kl.sum(), "score": scores.sum(),
             "token_reward": torch.where(mask, rewards, 0.0).sum(), "tokens": mask.sum().float(),
-            "truncated": batch.truncated.float().sum(),
-            "sequences": torch.tensor(float(mask.shape[0]), device=mask.device),
+            "truncated": (batch.truncated & keep).float().sum(),
+            "sequences": keep.float().sum(),
             "advantage": torch.where(mask, raw_adv, 0.0).sum(), "return": ret_masked.sum(),
             "return_sq": ret_masked.pow(2).sum(), "score_sq": (scores ** 2).sum()})
         n_tok, n_seq = sums["tokens"], sums["sequences"]
@@ -491,7 +492,7 @@ class PPOTrainer:
             "returns_std": float((sums["return_sq"] / n_tok - ret_mean ** 2).clamp_min(0).sqrt()),
             "beta": float(self.kl_ctl.value),
         }
-        return Advantages(advantages=adv, returns=ret, kl=kl), metrics
+        return Advantages(advantages=adv, returns=ret, kl=kl, loss_mask=mask), metrics
 
     def _dp_sum_named(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Scalars summed over DP in one all-reduce (stacked in the dict's order)."""
@@ -547,8 +548,9 @@ class PPOTrainer:
         c = self.cfg.ppo
         B = batch.input_ids.shape[0]
         per_rank = c.global_batch_size // self.dims.dp
+        loss_mask = batch.response_mask if adv is None else adv.loss_mask  # [B, R]: rows that train
         tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-                   "response_mask": batch.response_mask}
+                   "response_mask": loss_mask}
         correction = {}
         if fwd is not None:
             tensors.update(old_logprobs=fwd.old_logprobs, advantages=adv.advantages)
@@ -578,8 +580,7 @@ class PPOTrainer:
             order = order_host.to(self.dims.device)
             for mb_slice in _chunks(B, per_rank):
                 idx = order[mb_slice]
-                counts = torch.stack([batch.response_mask[idx].sum().float(),
-                                      torch.tensor(float(len(idx)), device=self.dims.device)])
+                counts = torch.stack([loss_mask[idx].sum().float(), loss_mask[idx].any(-1).sum().float()])
                 n_tokens, n_seqs = self._dp_sum(counts)
                 if extents is None:
                     micro = [{k: v[idx[s]] for k, v in tensors.items()}
