@@ -1,9 +1,19 @@
 """Deterministic fault injection for recovery and verification tests.
 
 ``NEMO_RLHF_CRASH_AT=<point>:<step>`` makes the process ``SIGKILL`` itself when it reaches
-``point`` during step ``step`` (points: ``rollout``, ``update``, ``save_written`` -- after
+``point`` during step ``step`` (points: ``rollout``, ``update``, ``save_shards`` -- before
+this rank writes its shards, the others writing theirs --, ``save_written`` -- after
 the shards are written, before publication -- and ``save_published`` -- after the rename,
 before ``latest`` is updated).
+
+Both take an optional third field, ``rank<r>`` (e.g. ``save_written:2:rank1``): only global
+rank ``r`` acts (a multi-rank run where one rank of several is killed); without it every
+rank does.
+
+``NEMO_RLHF_FAULT=hang_<phase>:<step>[:rank<r>]`` makes the rank sleep forever when it
+enters ``phase`` (:mod:`nemo_rlhf.distributed.phase`: ``rollout``, ``reward``, ``forward``,
+``advantages``, ``update``, ``metrics``, ``save``, ``eval``) of step ``step``: a hung rank,
+which the others' collectives must report within ``parallel.timeout_minutes``.
 
 ``NEMO_RLHF_FAULT=<fault>:<step>`` plants a silent fault in the save of step ``step``
 (:func:`fault_requested`): ``change_after_digest`` changes one saved tensor in memory after
@@ -24,11 +34,27 @@ FAULT_ENV = "NEMO_RLHF_FAULT"
 FAULTS = ("change_after_digest", "overwrite_shard", "enospc", "enospc_publish")
 
 
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
 def _matches(spec: str | None, point: str, step: int) -> bool:
+    """Whether ``spec`` (``<point>:<step>[:rank<r>]``) names this point, step and rank."""
     if not spec:
         return False
-    want_point, _, want_step = spec.partition(":")
-    return want_point == point and int(want_step) == int(step)
+    want_point, _, rest = spec.partition(":")
+    want_step, _, want_rank = rest.partition(":")
+    if want_point != point or int(want_step) != int(step):
+        return False
+    if want_rank:
+        if not want_rank.startswith("rank") or not want_rank[4:].isdigit():
+            raise ValueError(f"{spec!r}: the optional third field is rank<r>, e.g. {point}:{step}:rank1")
+        return int(want_rank[4:]) == _rank()
+    return True
 
 
 def maybe_crash(point: str, step: int) -> None:
@@ -40,3 +66,16 @@ def maybe_crash(point: str, step: int) -> None:
 def fault_requested(fault: str, step: int) -> bool:
     """Whether ``NEMO_RLHF_FAULT`` asks for ``fault`` (one of :data:`FAULTS`) at this step."""
     return _matches(os.environ.get(FAULT_ENV), fault, step)
+
+
+def maybe_hang(phase: str, step: int) -> None:
+    """Sleep forever if ``NEMO_RLHF_FAULT=hang_<phase>:<step>[:rank<r>]`` names this phase,
+    step and rank (a rank that hangs; the process stays alive, its peers wait on it)."""
+    if _matches(os.environ.get(FAULT_ENV), f"hang_{phase}", step):
+        import logging
+        import time
+
+        logging.getLogger("nemo_rlhf").warning(
+            "rank %d hangs in phase %r of step %d (injected: %s)", _rank(), phase, step, FAULT_ENV)
+        while True:
+            time.sleep(3600)

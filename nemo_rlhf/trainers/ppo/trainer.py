@@ -38,6 +38,7 @@ from nemo_rlhf.checkpoint.faults import maybe_crash
 from nemo_rlhf.checkpoint.policy import prune, resume_run
 from nemo_rlhf.data.sampler import ResumableSampler
 from nemo_rlhf.distributed.device import to_device
+from nemo_rlhf.distributed.phase import in_phase
 from nemo_rlhf.metrics.logger import MetricsLogger
 from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap
@@ -226,6 +227,7 @@ class PPOTrainer:
         self._log_prompt_ids(mine[::n])
         return mine
 
+    @in_phase("rollout")
     def rollout(self, idx: list[int]):
         """Step 2: the actor generates for this DP rank's prompts (a ``RolloutBatch``)."""
         with self.timers("rollout"):
@@ -233,6 +235,7 @@ class PPOTrainer:
         maybe_crash("rollout", self.step + 1)
         return batch
 
+    @in_phase("reward")
     def score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
         """Step 3: scores ``[B]`` float32 on ``dims.device`` from the reward sources (computed
         on the host by MP rank 0, broadcast as an object, moved to the device here), and
@@ -364,6 +367,7 @@ class PPOTrainer:
         out = self._gather_forward(res, plans, batch)
         return None if out is None else out["values"]
 
+    @in_phase("forward")
     def compute_old_and_reference(self, batch) -> Optional[ForwardResults]:
         """Steps 4-5a: old log-probs and values (actor, or the separate critic; the
         rollout's with ``ppo.old_logprobs_from_rollout``), reference log-probs (weights
@@ -405,6 +409,7 @@ class PPOTrainer:
             return self.cfg.rollout.logprob_temperature
         return 1.0
 
+    @in_phase("advantages")
     def compute_advantages(self, batch, scores, fwd: Optional[ForwardResults]
                            ) -> tuple[Optional[Advantages], dict]:
         """Step 5: token rewards (``-beta*KL`` when ``kl.in_reward``), the advantage
@@ -542,6 +547,7 @@ class PPOTrainer:
 
         return fn
 
+    @in_phase("update")
     def update(self, batch, fwd: Optional[ForwardResults], adv: Optional[Advantages]) -> dict:
         """Step 6: ``ppo_epochs`` x mini-batches, one optimizer step each (and one of the
         separate critic's); ``fwd`` / ``adv`` are None off the last pipeline stage."""
@@ -673,6 +679,7 @@ class PPOTrainer:
         self._last_batch = (idx, batch, scores)
         return self._step_metrics(t0, batch, metrics, reward_metrics, fwd is not None)
 
+    @in_phase("metrics")
     def _step_metrics(self, t0: float, batch, metrics: dict, reward_metrics: dict,
                       last_stage: bool) -> dict:
         """The step's metrics on the reporter; the KL controller's update (every rank)."""
@@ -715,6 +722,7 @@ class PPOTrainer:
                 for ids, mk in zip(batch.response_ids.tolist(), batch.response_mask.tolist())]
 
     # --- evaluation ----------------------------------------------------------------------
+    @in_phase("eval", step_offset=0)
     def evaluate(self) -> dict:
         """The held-out evaluation (:func:`~nemo_rlhf.trainers.ppo.evaluation.evaluate_policy`)."""
         return evaluate_policy(self)
@@ -796,6 +804,7 @@ class PPOTrainer:
             log.warning("reward-hacking guard: %s", message)
         return f"reward-hacking guard ({message})" if message and action == "stop" else None
 
+    @in_phase("save", step_offset=0)
     def save(self) -> Path:
         """Checkpoint every model, optimizer and the trainer state (all ranks); prune to
         ``exp_manager.keep_last`` (0: keep all)."""
