@@ -29,32 +29,11 @@ from __future__ import annotations
 import os
 import signal
 
+from nemo_rlhf.distributed.fault_spec import FAULT_ENV, spec_matches as _matches
+
 ENV = "NEMO_RLHF_CRASH_AT"
-FAULT_ENV = "NEMO_RLHF_FAULT"
-FAULTS = ("change_after_digest", "overwrite_shard", "enospc", "enospc_publish")
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
-def _matches(spec: str | None, point: str, step: int) -> bool:
-    """Whether ``spec`` (``<point>:<step>[:rank<r>]``) names this point, step and rank."""
-    if not spec:
-        return False
-    want_point, _, rest = spec.partition(":")
-    want_step, _, want_rank = rest.partition(":")
-    if want_point != point or int(want_step) != int(step):
-        return False
-    if want_rank:
-        if not want_rank.startswith("rank") or not want_rank[4:].isdigit():
-            raise ValueError(f"{spec!r}: the optional third field is rank<r>, e.g. {point}:{step}:rank1")
-        return int(want_rank[4:]) == _rank()
-    return True
+FAULTS = (  # and hang_<phase> (maybe_hang, in nemo_rlhf.distributed.fault_spec)
+    "change_after_digest", "overwrite_shard", "enospc", "enospc_publish")
 
 
 def maybe_crash(point: str, step: int) -> None:
@@ -67,15 +46,3 @@ def fault_requested(fault: str, step: int) -> bool:
     """Whether ``NEMO_RLHF_FAULT`` asks for ``fault`` (one of :data:`FAULTS`) at this step."""
     return _matches(os.environ.get(FAULT_ENV), fault, step)
 
-
-def maybe_hang(phase: str, step: int) -> None:
-    """Sleep forever if ``NEMO_RLHF_FAULT=hang_<phase>:<step>[:rank<r>]`` names this phase,
-    step and rank (a rank that hangs; the process stays alive, its peers wait on it)."""
-    if _matches(os.environ.get(FAULT_ENV), f"hang_{phase}", step):
-        import logging
-        import time
-
-        logging.getLogger("nemo_rlhf").warning(
-            "rank %d hangs in phase %r of step %d (injected: %s)", _rank(), phase, step, FAULT_ENV)
-        while True:
-            time.sleep(3600)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nemo_rlhf.distributed import cpu_compat, device_guard
+from nemo_rlhf.distributed import cpu_compat, device_guard, phase
 from nemo_rlhf.distributed.launch_env import LaunchEnv, read_launch_env
 
 
@@ -267,8 +267,6 @@ def initialize_distributed(
     else:  # NEMO_RLHF_DEVICE_GUARD=1: check against the backend a CUDA machine would get
         device_guard.activate_if_requested(resolve_backend(parallel.backend, cuda=True))
     backend = resolve_backend(parallel.backend, cuda)
-    from nemo_rlhf.distributed import phase
-
     phase.set_timeout_minutes(parallel.timeout_minutes)
     if not dist.is_initialized():
         if env.launcher == "single" and env.master_port == 0:

@@ -18,7 +18,7 @@ outside any phase (the loop's signal flag, the guard's broadcast), naming the la
 Not covered: NCCL's watchdog, when it tears a process down after the timeout (the default
 without ``TORCH_NCCL_BLOCKING_WAIT``), prints its own message; no Python code runs then.
 The fault hook ``NEMO_RLHF_FAULT=hang_<phase>:<step>[:rank<r>]``
-(:func:`nemo_rlhf.checkpoint.faults.maybe_hang`) hangs a rank on entering a phase.
+(:func:`nemo_rlhf.distributed.fault_spec.maybe_hang`) hangs a rank on entering a phase.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import functools
 from contextlib import contextmanager
 from typing import Callable, Optional
 
-from nemo_rlhf.checkpoint.faults import maybe_hang
+from nemo_rlhf.distributed.fault_spec import maybe_hang
 
 PHASES = ("rollout", "reward", "forward", "advantages", "update", "metrics", "save", "eval")
 
