@@ -24,6 +24,7 @@ from nemo_rlhf.config import configure_job_logging, run_console_entry, to_typed
 from nemo_rlhf.data.datasets import load_prompt_dataset
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
+from nemo_rlhf.distributed.phase import collective_errors
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import agree_on_precision
 from nemo_rlhf.models.engine import wrap_ddp
@@ -111,7 +112,8 @@ def hydra_main(dcfg: DictConfig) -> None:
     configure_job_logging()
     for note in notes:
         logging.getLogger("nemo_rlhf").info(note)
-    code = build(cfg, signals).fit()
+    with collective_errors():  # a timed-out collective names this rank and the phase
+        code = build(cfg, signals).fit()
     destroy_distributed()
     if code:
         sys.exit(code)

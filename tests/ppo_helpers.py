@@ -39,3 +39,22 @@ def compose_ppo(data: Path, exp_dir: Path, *overrides: str):
 def length_reward(prompts, responses, extras):
     """Test reward with spread: the response's length in characters / 4."""
     return [len(r) / 4.0 for r in responses]
+
+
+INVALID_AT = {0: float("nan"), 3: float("inf"), 6: 1.0e30}
+"""Positions of each call where :func:`invalid_some_reward` plants an invalid score."""
+
+
+def invalid_some_reward(prompts, responses, extras):
+    """:func:`length_reward`, but NaN at position 0, +Inf at 3 and 1e30 (past the default
+    ``reward.max_abs_score``) at 6 of every call: three invalid scores per call of 8."""
+    out = length_reward(prompts, responses, extras)
+    for i, v in INVALID_AT.items():
+        if i < len(out):
+            out[i] = v
+    return out
+
+
+def all_invalid_reward(prompts, responses, extras):
+    """NaN for every sample."""
+    return [float("nan")] * len(responses)

@@ -1,9 +1,19 @@
 """Deterministic fault injection for recovery and verification tests.
 
 ``NEMO_RLHF_CRASH_AT=<point>:<step>`` makes the process ``SIGKILL`` itself when it reaches
-``point`` during step ``step`` (points: ``rollout``, ``update``, ``save_written`` -- after
+``point`` during step ``step`` (points: ``rollout``, ``update``, ``save_shards`` -- before
+this rank writes its shards, the others writing theirs --, ``save_written`` -- after
 the shards are written, before publication -- and ``save_published`` -- after the rename,
 before ``latest`` is updated).
+
+Both take an optional third field, ``rank<r>`` (e.g. ``save_written:2:rank1``): only global
+rank ``r`` acts (a multi-rank run where one rank of several is killed); without it every
+rank does.
+
+``NEMO_RLHF_FAULT=hang_<phase>:<step>[:rank<r>]`` makes the rank sleep forever when it
+enters ``phase`` (:mod:`nemo_rlhf.distributed.phase`: ``rollout``, ``reward``, ``forward``,
+``advantages``, ``update``, ``metrics``, ``save``, ``eval``) of step ``step``: a hung rank,
+which the others' collectives must report within ``parallel.timeout_minutes``.
 
 ``NEMO_RLHF_FAULT=<fault>:<step>`` plants a silent fault in the save of step ``step``
 (:func:`fault_requested`): ``change_after_digest`` changes one saved tensor in memory after
@@ -19,16 +29,11 @@ from __future__ import annotations
 import os
 import signal
 
+from nemo_rlhf.distributed.fault_spec import FAULT_ENV, spec_matches as _matches
+
 ENV = "NEMO_RLHF_CRASH_AT"
-FAULT_ENV = "NEMO_RLHF_FAULT"
-FAULTS = ("change_after_digest", "overwrite_shard", "enospc", "enospc_publish")
-
-
-def _matches(spec: str | None, point: str, step: int) -> bool:
-    if not spec:
-        return False
-    want_point, _, want_step = spec.partition(":")
-    return want_point == point and int(want_step) == int(step)
+FAULTS = (  # and hang_<phase> (maybe_hang, in nemo_rlhf.distributed.fault_spec)
+    "change_after_digest", "overwrite_shard", "enospc", "enospc_publish")
 
 
 def maybe_crash(point: str, step: int) -> None:
@@ -40,3 +45,4 @@ def maybe_crash(point: str, step: int) -> None:
 def fault_requested(fault: str, step: int) -> bool:
     """Whether ``NEMO_RLHF_FAULT`` asks for ``fault`` (one of :data:`FAULTS`) at this step."""
     return _matches(os.environ.get(FAULT_ENV), fault, step)
+

@@ -368,6 +368,7 @@ def save_checkpoint(
     if fault_requested("change_after_digest", step):
         _plant_change(tensors)
     failure = None
+    maybe_crash("save_shards", step)
     try:
         dist_checkpointing.save(sharded, str(tmp / "dist"))
         if fault_requested("enospc", step):
@@ -386,6 +387,9 @@ def save_checkpoint(
     if verify:
         _verify_or_discard(tmp, digests, dims, step)
     maybe_crash("save_written", step)
+    # every rank is still there before anything is published: a rank killed after its
+    # shards (or a peer lost) fails this agreement on the others, nothing is published
+    _fail_together(None, tmp, dims, step)
     failure = None
     if _rank() == 0:
         try:

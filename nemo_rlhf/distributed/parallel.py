@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nemo_rlhf.distributed import cpu_compat, device_guard
+from nemo_rlhf.distributed import cpu_compat, device_guard, phase
 from nemo_rlhf.distributed.launch_env import LaunchEnv, read_launch_env
 
 
@@ -37,14 +37,20 @@ class ParallelConfig:
     """``auto`` (NCCL for CUDA tensors plus gloo for host tensors with CUDA, gloo
     without), ``gloo``, or ``nccl`` (the same map as ``auto``: host-side flags and object
     collectives always take gloo). See :func:`resolve_backend`."""
-    timeout_minutes: int = 30
-    """Collective timeout."""
+    timeout_minutes: float = 30.0
+    """Collective timeout of every process group, in minutes (fractions allowed: 0.1 is
+    6 s). A collective that waits longer on a hung peer fails; the trainer's error names
+    this rank, the phase and the step (:mod:`nemo_rlhf.distributed.phase`)."""
 
     def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "timeout_minutes"):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{key}={value!r}: must be an integer >= 1")
+        value = self.timeout_minutes
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"parallel.timeout_minutes={value!r}: must be a number of minutes > 0 "
+                             f"(e.g. 30, or 0.5 for 30 s)")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(
                 f"parallel.backend={self.backend!r}: valid choices are 'auto', 'gloo', 'nccl'"
@@ -261,6 +267,7 @@ def initialize_distributed(
     else:  # NEMO_RLHF_DEVICE_GUARD=1: check against the backend a CUDA machine would get
         device_guard.activate_if_requested(resolve_backend(parallel.backend, cuda=True))
     backend = resolve_backend(parallel.backend, cuda)
+    phase.set_timeout_minutes(parallel.timeout_minutes)
     if not dist.is_initialized():
         if env.launcher == "single" and env.master_port == 0:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

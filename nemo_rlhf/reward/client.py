@@ -19,6 +19,14 @@ busy, and the client asks again with the same id without spending a retry, for a
 ``max_wait_s`` seconds in all; a server that does not answer (dead, unreachable) spends a
 retry, so a dead server is reported after the retries, as before.
 
+A server that refuses connections (killed, being restarted, still binding its port) may
+be coming back: with ``restart_wait_s > 0`` a refused connection does not spend a retry
+while it lasts less than ``restart_wait_s`` seconds (polled with the backoff, at most 1 s
+apart); the request is then sent again with the same id (a restarted server scores it
+afresh: scoring is pure). Past ``restart_wait_s`` the error names the URL and how long the
+connection was refused. A connection broken mid-reply (the server killed while it scores)
+spends a retry, then the restart wait applies to the reconnection.
+
 Simplified on purpose: synchronous (the PPO trainer calls it between phases); chunks of a
 large request are sent one after another, not concurrently.
 """
@@ -73,6 +81,11 @@ class RewardModelClient:
             ``max_items_per_request`` must then allow it).
         max_wait_s: the longest one ``/score`` request may wait on a server that is alive
             and busy (answers ``/health``), in seconds, over all its attempts.
+        restart_wait_s: how long a refused connection (a server down or restarting) is
+            retried without spending a retry, in seconds, counted from the first refusal in
+            a row; 0: a refused connection spends a retry like any connection error.
+        allow_nonfinite: return NaN / Inf scores from the server as they are (the caller,
+            ``reward.invalid_scores=skip``, counts and skips them); False: a malformed reply.
         transport: an ``httpx`` transport, for tests only.
 
     Thread-safe: one client may be shared by threads.
@@ -88,6 +101,8 @@ class RewardModelClient:
         chunk_size: int | None = None,
         transport: httpx.BaseTransport | None = None,
         max_wait_s: float = 3600.0,
+        restart_wait_s: float = 0.0,
+        allow_nonfinite: bool = False,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"RewardModelClient: url={url!r}; valid: http://host:port")
@@ -99,6 +114,8 @@ class RewardModelClient:
             raise ValueError(f"RewardModelClient: backoff_s={backoff_s}; valid: a number of seconds >= 0")
         if not max_wait_s > 0:
             raise ValueError(f"RewardModelClient: max_wait_s={max_wait_s}; valid: a number of seconds > 0")
+        if not restart_wait_s >= 0:
+            raise ValueError(f"RewardModelClient: restart_wait_s={restart_wait_s}; valid: a number of seconds >= 0")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"RewardModelClient: chunk_size={chunk_size}; valid: None or an int >= 1")
         self.url = url.rstrip("/")
@@ -107,6 +124,10 @@ class RewardModelClient:
         self.backoff_s = float(backoff_s)
         self.chunk_size = chunk_size
         self.max_wait_s = float(max_wait_s)
+        self.restart_wait_s = float(restart_wait_s)
+        self.allow_nonfinite = bool(allow_nonfinite)
+        self.refused_waits = 0
+        """Refused connections waited out within ``restart_wait_s`` (counted)."""
         self.busy_waits = 0
         """Attempts that timed out on a server that answered ``/health`` ready (counted)."""
         headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
@@ -168,15 +189,31 @@ class RewardModelClient:
         last = "no attempt made"
         start = time.monotonic()
         failed = 0
+        refused_since = None  # the first refused connection of the current run of them
         while failed < attempts:
             try:
                 resp = self._http.request(method, path, content=content, headers=headers or None)
             except httpx.ConnectError as exc:
                 last = f"connection failed ({exc})"
+                now = time.monotonic()
+                refused_since = now if refused_since is None else refused_since
+                down = now - refused_since
+                if self.restart_wait_s > 0:
+                    if down < self.restart_wait_s:
+                        self.refused_waits += 1
+                        pause = min(self.backoff_s * 2 ** min(self.refused_waits - 1, 10), 1.0,
+                                    self.restart_wait_s - down)
+                        time.sleep(max(pause, 0.01))
+                        continue  # not a retry spent: the server may be restarting
+                    raise RewardServiceError(
+                        f"reward service {self.url}{path}: connection refused for {down:.1f} s "
+                        f"(waited {now - start:.1f} s in all): the server did not come back within "
+                        f"reward.restart_wait_s={self.restart_wait_s:g} ({exc})")
                 failed += 1
                 self._backoff(failed, attempts)
                 continue
             except httpx.TimeoutException as exc:
+                refused_since = None
                 last = f"timed out after {self.timeout_s} s ({type(exc).__name__})"
                 if request_id is not None and isinstance(exc, httpx.ReadTimeout):
                     waited = time.monotonic() - start
@@ -193,10 +230,12 @@ class RewardModelClient:
                 self._backoff(failed, attempts)
                 continue
             except httpx.TransportError as exc:  # server died mid-reply, connection reset, ...
+                refused_since = None
                 last = f"connection broken ({type(exc).__name__}: {exc})"
                 failed += 1
                 self._backoff(failed, attempts)
                 continue
+            refused_since = None
             if resp.status_code >= 500:
                 last = f"HTTP {resp.status_code}: {_server_message(resp)}"
                 failed += 1
@@ -207,7 +246,9 @@ class RewardModelClient:
                     f"reward service {self.url}{path}: HTTP {resp.status_code}: {_server_message(resp)}"
                 )
             return resp
-        raise RewardServiceError(f"reward service {self.url}{path}: {last} (gave up after {failed} attempt(s))")
+        waited = time.monotonic() - start
+        raise RewardServiceError(f"reward service {self.url}{path}: {last} (gave up after {failed} attempt(s), "
+                                 f"{waited:.1f} s after the first)")
 
     def _backoff(self, failed: int, attempts: int) -> None:
         if failed < attempts:
@@ -263,7 +304,8 @@ class RewardModelClient:
         if len(scores) != len(wire):
             raise RewardServiceError(f"{where}: wrong number of scores: got {len(scores)} for {len(wire)} items")
         for i, s in enumerate(scores):
-            if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s):
+            if isinstance(s, bool) or not isinstance(s, numbers.Real) or (
+                    not self.allow_nonfinite and not math.isfinite(s)):
                 raise RewardServiceError(f"{where}: malformed reply (score {i} is {s!r}, not a finite float)")
         return [float(s) for s in scores]
 

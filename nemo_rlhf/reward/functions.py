@@ -129,30 +129,40 @@ class RewardSource(Protocol):
         ...
 
 
-def _check_source_output(values: Any, n: int, who: str) -> list[float]:
+def _check_source_output(values: Any, n: int, who: str, allow_nonfinite: bool = False) -> list[float]:
     values = list(values.tolist() if hasattr(values, "tolist") else values)
     if len(values) != n:
         raise ValueError(f"{who} returned {len(values)} rewards for {n} samples")
     for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise ValueError(f"{who} returned {v!r} at position {i}; expected a finite float")
+        if not allow_nonfinite and not math.isfinite(v):
+            raise ValueError(f"{who} returned {v!r} at position {i}; expected a finite float "
+                             f"(reward.invalid_scores=error; 'skip' leaves such samples out of the step)")
     return [float(v) for v in values]
+
+
+INVALID_SCORE_ACTIONS = ("error", "skip")
+"""``reward.invalid_scores``: what a NaN / Inf / too large score does (:class:`CombinedReward`)."""
 
 
 class RewardFunctionScorer:
     """Adapts a reward function (callable, registered name or dotted path) to :class:`RewardSource`.
 
-    ``score`` checks the function returned one finite float per sample and raises
+    ``score`` checks the function returned one float per sample (finite, unless
+    ``allow_nonfinite``: :class:`CombinedReward` judges NaN / Inf) and raises
     ``ValueError`` naming the function otherwise.
     """
 
     def __init__(self, fn: RewardFn | str) -> None:
         self.fn = get_reward_function(fn) if isinstance(fn, str) else fn
         self.name = fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
+        self.allow_nonfinite = False
 
     def score(self, prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
         """``[batch]`` floats from the wrapped function."""
-        return _check_source_output(self.fn(prompts, responses, extras), len(prompts), f"reward function {self.name!r}")
+        return _check_source_output(self.fn(prompts, responses, extras), len(prompts),
+                                    f"reward function {self.name!r}", self.allow_nonfinite)
 
 
 class RemoteRewardModel:
@@ -203,14 +213,23 @@ class RewardOutput:
     per_source: dict[str, torch.Tensor] = field(default_factory=dict)
     per_source_normalized: dict[str, torch.Tensor] = field(default_factory=dict)
     raw_scores: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    """``[batch]`` bool (host): False where a source's score was invalid (NaN, Inf, past
+    ``max_abs_score``) under ``invalid_scores="skip"``; ``scores`` and ``raw_scores`` are
+    NaN there. None: every score valid (``"error"`` raises instead)."""
+    invalid: list[tuple[str, int, float]] = field(default_factory=list)
+    """``(source name, position, value)`` of every invalid score (``"skip"``)."""
+    skipping: bool = False
+    """Whether invalid scores were judged and skipped (``invalid_scores="skip"``)."""
 
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
-        """Batch means: ``{prefix}total`` and, per source, ``{prefix}{name}`` (raw) and
-        ``{prefix}{name}_normalized``."""
-        out = {f"{prefix}total": self.scores.mean().item()}
+        """Batch means over the valid samples: ``{prefix}total`` and, per source,
+        ``{prefix}{name}`` (raw) and ``{prefix}{name}_normalized``."""
+        keep = self.valid if self.valid is not None else torch.ones(len(self.scores), dtype=torch.bool)
+        out = {f"{prefix}total": self.scores[keep].mean().item()}
         for name, values in self.per_source.items():
-            out[f"{prefix}{name}"] = values.mean().item()
-            out[f"{prefix}{name}_normalized"] = self.per_source_normalized[name].mean().item()
+            out[f"{prefix}{name}"] = values[keep].mean().item()
+            out[f"{prefix}{name}_normalized"] = self.per_source_normalized[name][keep].mean().item()
         return out
 
 
@@ -230,11 +249,18 @@ class CombinedReward:
 
     def __init__(self, sources: Sequence[WeightedSource],
                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 max_abs_score: float | None = None) -> None:
+                 max_abs_score: float | None = None, invalid_scores: str = "error") -> None:
         if max_abs_score is not None and not max_abs_score > 0:
             raise ValueError(f"reward.max_abs_score={max_abs_score}: must be > 0 (or null: off)")
+        if invalid_scores not in INVALID_SCORE_ACTIONS:
+            raise ValueError(f"reward.invalid_scores={invalid_scores!r}: valid choices are "
+                             f"{list(INVALID_SCORE_ACTIONS)}")
         self.max_abs_score = max_abs_score
-        """Refuse a raw source value with ``|value| > max_abs_score`` (None: off)."""
+        """A raw source value with ``|value| > max_abs_score`` is invalid (None: no limit)."""
+        self.invalid_scores = invalid_scores
+        """``error``: an invalid value (NaN, Inf, past ``max_abs_score``) raises in
+        :meth:`fetch`; ``skip``: :meth:`combine` marks its sample invalid
+        (:attr:`RewardOutput.valid`) and leaves it out of the sums and the statistics."""
         if not sources:
             raise ValueError("CombinedReward needs at least one source")
         names = [s.name for s in sources]
@@ -242,6 +268,9 @@ class CombinedReward:
             raise ValueError(f"CombinedReward: duplicate source names in {names}")
         self.sources = list(sources)
         self.gather = gather
+        for src in self.sources:
+            if invalid_scores == "skip" and hasattr(src.source, "allow_nonfinite"):
+                src.source.allow_nonfinite = True  # judged here, counted, not raised
 
     def score(self, prompts: Sequence[str], responses: Sequence[str], extras: Sequence[dict] | None = None,
               update_stats: bool = True, normalize: bool = True) -> RewardOutput:
@@ -258,23 +287,27 @@ class CombinedReward:
 
         Raises:
             ValueError: mismatched lengths, or a source returned a wrong count, a
-                non-finite value or one past ``max_abs_score`` (named with its position);
-                any source's own error (e.g. ``RewardServiceError``).
+                non-number, or (``invalid_scores="error"``) a non-finite value or one past
+                ``max_abs_score`` (named with its position); any source's own error (e.g.
+                ``RewardServiceError``).
         """
         prompts, responses = list(prompts), list(responses)
         extras = [{} for _ in prompts] if extras is None else list(extras)
         check_lengths(prompts, responses, extras, "CombinedReward.score")
         raw = {}
+        skip = self.invalid_scores == "skip"
         for src in self.sources:
             values = src.source.score(prompts, responses, extras)
-            values = _check_source_output(values, len(prompts), f"reward source {src.name!r}")
-            if self.max_abs_score is not None:
+            values = _check_source_output(values, len(prompts), f"reward source {src.name!r}",
+                                          allow_nonfinite=skip)
+            if self.max_abs_score is not None and not skip:
                 for i, v in enumerate(values):
                     if abs(v) > self.max_abs_score:
                         raise ValueError(
                             f"reward source {src.name!r} returned {v!r} at position {i}: past "
                             f"reward.max_abs_score={self.max_abs_score:g} (a broken reward model or "
-                            f"function?); raise reward.max_abs_score if such scores are meant")
+                            f"function?); raise reward.max_abs_score if such scores are meant, or set "
+                            f"reward.invalid_scores=skip to leave such samples out of the step")
             raw[src.name] = torch.tensor(values, dtype=torch.float32, device="cpu")  # host
         return raw
 
@@ -289,14 +322,40 @@ class CombinedReward:
         total = torch.zeros(n, dtype=torch.float32, device="cpu")  # host
         raw_total = torch.zeros(n, dtype=torch.float32, device="cpu")  # host
         out = RewardOutput(scores=total, raw_scores=raw_total)
+        valid = torch.ones(n, dtype=torch.bool, device="cpu")  # host
+        out.skipping = self.invalid_scores == "skip"
+        if out.skipping:
+            for src in self.sources:
+                values = raw[src.name]
+                bad = ~torch.isfinite(values)
+                if self.max_abs_score is not None:
+                    bad |= values.abs() > self.max_abs_score
+                out.invalid += [(src.name, i, float(values[i])) for i in bad.nonzero().flatten().tolist()]
+                valid &= ~bad
         for src in self.sources:
             values = raw[src.name]
-            normed = (src.normalizer(values, update=update_stats, gather=self.gather)
-                      if src.normalizer is not None and normalize else values)
+            norm = src.normalizer if normalize else None
+            if norm is not None and bool(valid.all()):
+                normed = norm(values, update=update_stats, gather=self.gather)
+            elif norm is not None:
+                # only the valid samples enter the statistics; an empty set still joins the
+                # scoring ranks' gather, and nothing raises here (a step with no valid
+                # sample on any rank is stopped by the caller, on every rank)
+                if update_stats and norm.mode == "running":
+                    norm.update(values[valid], gather=self.gather)
+                normed = torch.zeros(n, dtype=torch.float32, device="cpu")  # host
+                if bool(valid.any()) and (norm.mode != "running" or norm.count > 0):
+                    normed[valid] = norm(values[valid], update=False)
+            else:
+                normed = torch.where(valid, values, 0.0)
             out.per_source[src.name] = values
             out.per_source_normalized[src.name] = normed
             total += src.weight * normed
-            raw_total += src.weight * values
+            raw_total += src.weight * torch.where(valid, values, 0.0)
+        if not bool(valid.all()):
+            out.valid = valid
+            total[~valid] = float("nan")
+            raw_total[~valid] = float("nan")
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -53,7 +53,9 @@ def _start_ranks(data: Path, exp: Path, url: str, layout: str) -> list[tuple[sub
             "ppo.num_rollout_samples=8", "ppo.global_batch_size=4", "ppo.micro_batch_size=2",
             "ppo.forward_micro_batch_size=4", "rollout.max_new_tokens=4",
             f"reward.rm_url={url}", "reward.functions=[]", "reward.normalization=none",
-            "reward.max_retries=1", "reward.timeout_s=5", layout]
+            "reward.max_retries=1", "reward.timeout_s=5",
+            "reward.restart_wait_s=3",  # a killed RM not restarted: reported 3 s after it went down
+            layout]
     exp.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(WORLD):

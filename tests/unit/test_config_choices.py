@@ -26,6 +26,7 @@ CHOICES = [  # (job, override, the message names: key=value, and the valid value
     ("ppo", "reference.mode=shared", "reference.mode='shared': valid choices are ['offload', 'colocated']"),
     ("ppo", "critic.mode=own", "critic.mode='own': valid choices are ['shared', 'shared_detached', 'separate']"),
     ("ppo", "guards.action=halt", "guards.action='halt': valid choices are ['off', 'warn', 'stop']"),
+    ("ppo", "reward.invalid_scores=drop", "reward.invalid_scores='drop': valid choices are ['error', 'skip']"),
     ("rm", "trainer.precision=64", "trainer.precision='64': valid choices are ['32'"),
     ("sft", "data.overlong_policy=cut", "data.overlong_policy='cut': valid choices are ['truncate', 'drop']"),
     ("rm", "data.chat_template=llama", "data.chat_template='llama': valid choices are [None, 'chatml', 'model']"),

@@ -32,10 +32,10 @@ def test_a_judge_url_scores_through_the_rm_client(monkeypatch):
     monkeypatch.setattr(evaluation, "RewardModelClient", FakeClient)
     cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(eval_judge="http://judge:5555"),
                                 reward=RewardConfig(timeout_s=7.0, max_retries=2, max_wait_s=60.0))
-    trainer = types.SimpleNamespace(cfg=cfg)
-    judge = evaluation._judge(trainer)
+    state = evaluation.HeldOutEvaluation(cfg, has_prompts=False)
+    judge = state.judge()
     assert judge(["p", "q"], ["abc", "de"], [{}, {}]) == [3.0, 2.0]
-    assert evaluation._judge(trainer) is judge  # built once
+    assert state.judge() is judge  # built once
     assert seen["init"] == ("http://judge:5555", 7.0, 2, 60.0) and seen["calls"] == [(["p", "q"], ["abc", "de"])]
 
 

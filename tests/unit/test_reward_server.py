@@ -283,6 +283,60 @@ def test_a_server_killed_while_the_client_waits_on_it_busy_is_reported_promptly(
     assert outcome["at"] - killed < 5.0  # the retries' timeouts and backoff, not max_wait_s (1 h)
 
 
+def test_a_server_killed_mid_request_and_restarted_on_its_port_completes_the_request(tmp_path):
+    """The server is killed while it scores (a SLOW item: 5 s) and started again on the same
+    port 2 s later; the client, waiting on the refused connection (reward.restart_wait_s),
+    sends the request again: it completes with every item's score, each scored once by the
+    new server."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    items = [ScoreItem(prompt=f"q{i}", response="r" * i) for i in range(3)]
+    items.append(ScoreItem(prompt="q", response="SLOW"))
+    with RewardModelClient(url, max_retries=1, backoff_s=0.05, timeout_s=10, restart_wait_s=30) as c:
+        with running_server(tmp_path, "first", "--port", str(port)) as (proc, _addr, _log):
+            c.wait_until_healthy(30)
+            outcome: dict = {}
+
+            def in_flight() -> None:
+                try:
+                    outcome["scores"] = c.score(items)
+                except RewardServiceError as exc:
+                    outcome["error"] = exc
+
+            t = threading.Thread(target=in_flight)
+            t.start()
+            time.sleep(0.5)  # the request is now inside the 5 s scorer call
+            proc.kill()
+            proc.wait(5)
+        time.sleep(2.0)  # down: the client's reconnections are refused
+        assert t.is_alive() and "error" not in outcome, outcome
+        with running_server(tmp_path, "second", "--port", str(port)) as (_proc, _addr, log):
+            t.join(60)
+            assert not t.is_alive()
+            stats = c.stats()
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome["scores"] == [fake.expected_score(it) for it in items]
+    assert c.refused_waits >= 1  # it waited on the refused connection, no retry spent
+    assert stats["requests"] == 1 and stats["items_scored"] == len(items), (stats, log.read_text()[-2000:])
+
+
+def test_a_killed_server_that_does_not_come_back_is_reported_after_restart_wait_s(tmp_path):
+    with running_server(tmp_path, "gone") as (proc, addr, _log):
+        with RewardModelClient.from_address_file(str(addr), wait_s=30, max_retries=3, backoff_s=0.05,
+                                                 timeout_s=10, restart_wait_s=2.0) as c:
+            c.wait_until_healthy(30)
+            proc.kill()
+            proc.wait(5)
+            t0 = time.monotonic()
+            with pytest.raises(RewardServiceError) as info:
+                c.score([ScoreItem(prompt="a", response="b")])
+            took = time.monotonic() - t0
+    message = str(info.value)
+    assert c.url in message and "connection refused for 2." in message, message
+    assert "reward.restart_wait_s=2" in message and "waited 2." in message, message
+    assert 2.0 <= took < 4.0, took  # the configured wait, not the retries' backoff nor an hour
+
+
 def test_a_repeated_request_id_with_another_body_is_refused(server):
     headers = {"Authorization": f"Bearer {TOKEN}", "X-Request-ID": "same-id"}
     with httpx.Client(base_url=server.url, timeout=10) as h:

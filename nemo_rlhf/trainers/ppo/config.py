@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from nemo_rlhf.algorithms.ppo.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, estimator_traits
-from nemo_rlhf.algorithms.ppo.losses import DEFAULT_LOSS_AGG_MODE
+from nemo_rlhf.algorithms.ppo.losses import DEFAULT_KL_LOSS_CLAMP, DEFAULT_LOSS_AGG_MODE
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective
 from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS
 from nemo_rlhf.algorithms.ppo.losses import LOSS_AGG_MODES
@@ -28,6 +28,7 @@ from nemo_rlhf.metrics.trackers import LoggerConfig
 KL_TEMPERATURES = ("sampling", "unscaled")
 REFERENCE_MODES = ("offload", "colocated")
 GUARD_ACTIONS = ("off", "warn", "stop")
+INVALID_SCORE_ACTIONS = ("error", "skip")
 
 
 @dataclass
@@ -279,9 +280,26 @@ class RewardConfig:
     max_wait_s: float = 3600.0
     """The longest one scoring request may wait on a server that is alive but busy
     (seconds); past it the step fails naming the server."""
+    restart_wait_s: float = 60.0
+    """How long a refused connection to the RM server (killed, being restarted) is waited
+    on before the step fails, in seconds, counted from the first refusal in a row (polled
+    at most 1 s apart; no retry spent meanwhile): a server restarted on the same address
+    within it completes the request, each item scored. 0: a refused connection spends a
+    retry (``max_retries``) like any connection error. The error past it names the URL
+    and how long it waited."""
     max_abs_score: Optional[float] = 1.0e6
-    """A raw score of any source past this magnitude stops the step with an error naming
-    the source, the value and its position (NaN / Inf always do); null: off."""
+    """A raw score of any source past this magnitude is invalid, like NaN / Inf
+    (``invalid_scores`` says what happens); null: no magnitude limit."""
+    invalid_scores: str = "error"
+    """What an invalid score (NaN, +-Inf, ``|x| > max_abs_score``; per sample and source)
+    does: ``error`` stops the step with an error naming the source, the value and its
+    position; ``skip`` excludes the sample from the PPO step (no advantage, no loss
+    token, not in the reward means or the running normalisation; with a group estimator,
+    e.g. ``grpo``, its whole group, whose baseline it would enter), counts it in
+    ``reward/invalid_scores`` (samples, summed over DP) and ``reward/invalid_fraction``
+    (of ``ppo.num_rollout_samples``), ``reward/excluded_samples`` (rows left out), and
+    warns once per step naming the source and value. A step with no sample left stops
+    with an error. A wrong number of scores or a non-number is always an error."""
     wait_for_server_s: float = 300.0
     """Deadline for the RM server's /health at start-up."""
     normalization: str = "running"
@@ -291,6 +309,9 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         check_choice("reward.normalization", self.normalization, NORMALIZATION_MODES)
+        check_choice("reward.invalid_scores", self.invalid_scores, INVALID_SCORE_ACTIONS)
+        if not self.restart_wait_s >= 0:
+            raise ValueError(f"reward.restart_wait_s={self.restart_wait_s}: must be >= 0 (seconds; 0: no wait)")
         if not self.timeout_s > 0 or not self.max_wait_s > 0 or self.max_retries < 0:
             raise ValueError(f"reward.timeout_s={self.timeout_s}, reward.max_wait_s={self.max_wait_s}, "
                              f"reward.max_retries={self.max_retries}: the seconds must be > 0, the retries >= 0")
@@ -432,6 +453,25 @@ class PPOConfig:
                              f"the critic-free ppo.advantage_estimator={est}: set it to 0")
         if self.ppo.old_logprobs_from_rollout:
             self._check_rollout_logprobs()
+
+    def advantage_config(self) -> AdvantageConfig:
+        """The advantage estimator's settings (``ppo.advantage_estimator``, ``gamma``,
+        ``lam``, ``grpo_norm_by_std``) as the math takes them."""
+        p = self.ppo
+        return AdvantageConfig(estimator=p.advantage_estimator, gamma=p.gamma, lam=p.lam,
+                               norm_by_std=p.grpo_norm_by_std)
+
+    def objective(self) -> PPOObjective:
+        """The PPO loss's settings (``ppo.clip_eps*``, ``dual_clip``, ``value_clip``,
+        ``value_loss_coef``, ``entropy_coef``, ``loss_agg_mode``; ``kl.loss_*``, ``kl.clamp``
+        (None: ``DEFAULT_KL_LOSS_CLAMP``); the horizon ``rollout.max_new_tokens``)."""
+        p = self.ppo
+        return PPOObjective(
+            clip_eps=p.clip_eps, clip_eps_low=p.clip_eps_low, clip_eps_high=p.clip_eps_high,
+            dual_clip=p.dual_clip, value_clip=p.value_clip, value_loss_coef=p.value_loss_coef,
+            entropy_coef=p.entropy_coef, kl_loss_coef=self.kl.loss_coef, kl_estimator=self.kl.loss_estimator,
+            kl_clamp=DEFAULT_KL_LOSS_CLAMP if self.kl.clamp is None else self.kl.clamp,
+            loss_agg_mode=p.loss_agg_mode, norm_length=self.rollout.max_new_tokens)
 
     @property
     def kl_temperature(self) -> float:

@@ -10,6 +10,7 @@ all of them: :func:`gather_over_scoring_ranks` is the one place that does it.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,11 @@ from nemo_rlhf.reward.functions import (
     WeightedSource,
 )
 from nemo_rlhf.reward.normalization import RewardNormalizer
+from nemo_rlhf.trainers.collectives import RankFailure
 from nemo_rlhf.trainers.ppo.config import RewardConfig
 
+
+log = logging.getLogger("nemo_rlhf.ppo")
 
 RM_IDENTITY_KEYS = ("checkpoint_path", "checkpoint_step")
 """The served RM's ``/metadata`` -> ``scorer`` keys that say which RM it is (recorded in
@@ -68,7 +72,9 @@ def build_reward(cfg: RewardConfig, dims=None):
     """
     sources = []
     if cfg.rm_url or cfg.rm_address_file:
-        kw = dict(timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, max_wait_s=cfg.max_wait_s)
+        kw = dict(timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, max_wait_s=cfg.max_wait_s,
+                  restart_wait_s=cfg.restart_wait_s,
+                  allow_nonfinite=cfg.invalid_scores == "skip")  # CombinedReward judges them
         client = (RewardModelClient(cfg.rm_url, **kw) if cfg.rm_url else
                   RewardModelClient.from_address_file(cfg.rm_address_file,
                                                       wait_s=cfg.wait_for_server_s, **kw))
@@ -96,4 +102,116 @@ def build_reward(cfg: RewardConfig, dims=None):
                          "reward.functions")
     gather = (functools.partial(gather_over_scoring_ranks, dims)
               if dims is not None and dims.dp > 1 else None)
-    return CombinedReward(sources, gather=gather, max_abs_score=cfg.max_abs_score)
+    return CombinedReward(sources, gather=gather, max_abs_score=cfg.max_abs_score,
+                          invalid_scores=cfg.invalid_scores)
+
+
+class InvalidScoresError(RuntimeError):
+    """``reward.invalid_scores=skip`` left no sample of a step to train on (every rank)."""
+
+
+def step_scores(dims, out, step: int, n_samples_per_prompt: int = 1,
+                whole_groups: bool = False) -> tuple[torch.Tensor, dict]:
+    """A scoring rank's step scores and reward metrics from :meth:`CombinedReward.combine`.
+
+    Call on every scoring rank together (one host all-gather over them).
+
+    Args:
+        dims: :class:`~nemo_rlhf.distributed.ParallelDims` of this (scoring) rank.
+        out: the :class:`~nemo_rlhf.reward.functions.RewardOutput` of this rank's ``[B]``
+            samples.
+        step: the step being scored (1-based), for the warning.
+        n_samples_per_prompt: the group size (``rollout.n_samples_per_prompt``).
+        whole_groups: exclude a whole group when one of its samples is invalid (a group
+            estimator: its baseline would include the invalid score).
+
+    Returns:
+        ``(scores, metrics)``: ``[B]`` float32 host scores, NaN on the rows excluded from
+        the step (the trainer's mark: no advantage, no loss token); the ``reward/*``
+        means (over valid samples), ``reward_raw_mean`` (raw weighted score over every DP
+        rank's valid samples) and, when ``out`` judged scores (``reward.invalid_scores=
+        skip``), ``reward/invalid_scores`` (samples with an invalid score, summed over DP),
+        ``reward/invalid_fraction`` (of all samples) and ``reward/excluded_samples``
+        (rows left out, summed over DP).
+    """
+    scores = out.scores
+    valid = out.valid
+    keep = None
+    if valid is not None:
+        keep = valid
+        if whole_groups and n_samples_per_prompt > 1:
+            keep = valid.reshape(-1, n_samples_per_prompt).all(-1).repeat_interleave(n_samples_per_prompt)
+        scores = torch.where(keep, scores, float("nan"))
+        shown = ", ".join(f"source {name!r} returned {value!r} at position {i}"
+                          for name, i, value in out.invalid[:5])
+        more = f" and {len(out.invalid) - 5} more" if len(out.invalid) > 5 else ""
+        log.warning("step %d: reward.invalid_scores=skip: %d of %d sample(s) on DP rank %d left out "
+                    "of the step (%d row(s) with their groups): %s%s", step, int((~valid).sum()),
+                    len(valid), dims.dp_rank, int((~keep).sum()), shown, more)
+    raw = out.raw_scores if valid is None else out.raw_scores[valid]
+    local = torch.tensor([float(raw.sum()), raw.numel(),  # host
+                          0.0 if valid is None else float((~valid).sum()),
+                          0.0 if keep is None else float((~keep).sum()), len(scores)],
+                         dtype=torch.float64, device="cpu")
+    total = gather_over_scoring_ranks(dims, local).sum(0)
+    metrics = {**out.metrics(prefix="reward/"),
+               "reward_raw_mean": float(total[0] / total[1]) if total[1] else float("nan")}
+    if out.skipping:
+        metrics["reward/invalid_scores"] = float(total[2])
+        metrics["reward/invalid_fraction"] = float(total[2] / total[4])
+        metrics["reward/excluded_samples"] = float(total[3])
+        metrics["reward/trained_samples"] = float(total[4] - total[3])
+    return scores, metrics
+
+
+def check_samples_left(metrics: dict, step: int) -> None:
+    """Raise :class:`InvalidScoresError` when ``reward.invalid_scores=skip`` excluded every
+    sample of the step (``metrics`` from :func:`step_scores`, the same on every rank)."""
+    if metrics.get("reward/trained_samples", 1.0) == 0:
+        raise InvalidScoresError(
+            f"step {step}: every one of the {int(metrics['reward/excluded_samples'])} samples had an "
+            f"invalid score (NaN, Inf or past reward.max_abs_score) or shares a group with one "
+            f"(reward.invalid_scores=skip): nothing left to train on; stopping (the warnings above "
+            f"name the sources and values)")
+
+
+def score_rollout(reward, collectives, rows: list, texts: list[str], step: int,
+                  n_samples_per_prompt: int, whole_groups: bool) -> tuple[torch.Tensor, dict]:
+    """Step 3 on every rank: model-parallel rank 0 of each DP group fetches and combines the
+    scores of its rows, the result is broadcast to its TP x PP group.
+
+    Args:
+        reward: the ``CombinedReward`` (used on the scoring ranks only).
+        collectives: the job's :class:`~nemo_rlhf.trainers.collectives.JobCollectives`.
+        rows / texts: this DP rank's prompt rows (``.prompt``, ``.extras``) and responses.
+        step: the step being scored (1-based).
+        n_samples_per_prompt / whole_groups: as :func:`step_scores`.
+
+    Returns:
+        ``([B] float32 host scores, NaN on excluded rows; reward metrics)``, the same on the
+        TP x PP group.
+
+    Raises:
+        the reward source's error on the rank where it failed and ``RewardScoringError``
+        (:mod:`nemo_rlhf.trainers.ppo.trainer`'s, naming that rank) on the others;
+        :class:`InvalidScoresError` when every sample was left out.
+    """
+    from_rank = None
+    raw, failure = None, None
+    if collectives.is_mp_src:
+        try:
+            raw = reward.fetch([r.prompt for r in rows], texts, [r.extras for r in rows])
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            failure = exc
+    collectives.raise_together(failure, "reward scoring", RewardScoringError)
+    if collectives.is_mp_src:
+        out = reward.combine(raw)  # running normalisation: a scoring-rank collective
+        from_rank = step_scores(collectives.dims, out, step, n_samples_per_prompt, whole_groups)
+    scores, metrics = collectives.mp_broadcast(from_rank)
+    check_samples_left(metrics, step)  # the same metrics on every rank
+    return scores, metrics
+
+
+class RewardScoringError(RankFailure):
+    """Scoring failed on another rank; the message is that rank's error."""
+

@@ -101,9 +101,10 @@ class ForwardPasses:
         off the last pipeline stage)."""
         if not res:
             return None
-        B, R = batch.response_mask.shape
+        B = batch.input_ids.shape[0]
         if plans is None:  # (a topped-up last micro-batch's copies dropped)
             return {k: torch.cat([r[k] for r in res])[:B] for k in res[0]}
+        R = batch.response_mask.shape[1]
         return {k: scatter_rows(plans, [r[k] for r in res], B, R) for k in res[0]}
 
     def logprob_request(self, prompt_length: int, temperatures: tuple, entropy: bool

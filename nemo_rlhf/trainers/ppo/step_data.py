@@ -41,6 +41,9 @@ class Advantages:
     """``[B, R]`` float32 value targets."""
     kl: torch.Tensor
     """``[B, R]`` float32 per-token KL estimate (``kl.estimator``) actor vs reference."""
+    loss_mask: torch.Tensor
+    """``[B, R]`` bool: the response tokens that train (the response mask, with the rows
+    ``reward.invalid_scores=skip`` left out all False)."""
 
 
 __all__ = ["Advantages", "ForwardResults"]

@@ -38,28 +38,27 @@ from nemo_rlhf.checkpoint.faults import maybe_crash
 from nemo_rlhf.checkpoint.policy import prune, resume_run
 from nemo_rlhf.data.sampler import ResumableSampler
 from nemo_rlhf.distributed.device import to_device
+from nemo_rlhf.distributed.phase import in_phase
 from nemo_rlhf.metrics.logger import MetricsLogger
 from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.rollout.engines import build_rollout_engine
-from nemo_rlhf.trainers.collectives import JobCollectives, RankFailure, bcast_text
+from nemo_rlhf.trainers.collectives import JobCollectives, bcast_text
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.evaluation import HeldOutEvaluation, evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, take
+from nemo_rlhf.trainers.ppo.rewards import RewardScoringError, score_rollout
 from nemo_rlhf.trainers.ppo.roles import (CriticRole, ForwardPasses, PolicyRole, build_critic_role,
                                           chunk_slices)
 from nemo_rlhf.trainers.ppo.state import (dp_group_slice, jsonable, log_prompt_ids, ppo_fingerprint,
                                           reward_change_message)
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
-from nemo_rlhf.trainers.ppo.step_metrics import raw_score_mean, rollout_quality, update_metrics
+from nemo_rlhf.trainers.ppo.step_metrics import rollout_quality, update_metrics
+from nemo_rlhf.trainers.ppo.step_tensors import step_advantages, training_tensors
 
 log = logging.getLogger("nemo_rlhf.ppo")
-
-
-class RewardScoringError(RankFailure):
-    """Scoring failed on another rank; the message is that rank's error."""
 
 
 class PPOTrainer:
@@ -102,17 +101,7 @@ class PPOTrainer:
                                         g.gold_window, g.gold_min_drop)
         self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)
         self.sampler = ResumableSampler(len(prompts), cfg.trainer.seed, cfg.ppo.shuffle)
-        self.advantage_cfg = P.AdvantageConfig(
-            estimator=cfg.ppo.advantage_estimator, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam,
-            norm_by_std=cfg.ppo.grpo_norm_by_std)
-        self.objective = P.PPOObjective(
-            clip_eps=cfg.ppo.clip_eps, clip_eps_low=cfg.ppo.clip_eps_low,
-            clip_eps_high=cfg.ppo.clip_eps_high, dual_clip=cfg.ppo.dual_clip,
-            value_clip=cfg.ppo.value_clip, value_loss_coef=cfg.ppo.value_loss_coef,
-            entropy_coef=cfg.ppo.entropy_coef, kl_loss_coef=cfg.kl.loss_coef,
-            kl_estimator=cfg.kl.loss_estimator,
-            kl_clamp=P.DEFAULT_KL_LOSS_CLAMP if cfg.kl.clamp is None else cfg.kl.clamp,
-            loss_agg_mode=cfg.ppo.loss_agg_mode, norm_length=cfg.rollout.max_new_tokens)
+        self.advantage_cfg, self.objective = cfg.advantage_config(), cfg.objective()
         passes = ForwardPasses.from_config(cfg.ppo, cfg.model.vocab_size, dims)
         self.critic: CriticRole = build_critic_role(self.advantage_cfg.needs_values, critic, passes)
         self.actor = PolicyRole(model, optimizer, passes, dims, cfg.rollout.logprob_temperature,
@@ -189,6 +178,7 @@ class PPOTrainer:
             log_prompt_ids(self.cfg.exp_manager.exp_dir, self.step + 1, self.dims.dp_rank, mine[::n])
         return mine
 
+    @in_phase("rollout")
     def rollout(self, idx: list[int]):
         """Step 2: the actor generates for this DP rank's prompts (a ``RolloutBatch``)."""
         with self.timers("rollout"):
@@ -196,10 +186,13 @@ class PPOTrainer:
         maybe_crash("rollout", self.step + 1)
         return batch
 
+    @in_phase("reward")
     def score(self, idx: list[int], batch) -> tuple[torch.Tensor, dict]:
         """Step 3: scores ``[B]`` float32 on ``dims.device`` from the reward sources (computed
-        on the host by MP rank 0, broadcast as an object, moved to the device here), and
-        reward metrics, ``reward_raw_mean`` (raw weighted score mean over DP) included.
+        on the host by MP rank 0, broadcast as an object, moved to the device here; NaN on
+        a row ``reward.invalid_scores=skip`` leaves out), and reward metrics,
+        ``reward_raw_mean`` (raw weighted score mean over DP) included
+        (:func:`~nemo_rlhf.trainers.ppo.rewards.score_rollout`).
 
         Raises:
             the reward source's error on the rank where it failed and
@@ -207,21 +200,9 @@ class PPOTrainer:
             same step: no rank is left waiting in a collective.
         """
         with self.timers("reward"):
-            raw, failure = None, None
-            if self.is_mp_src:
-                rows = [self.prompts[i] for i in idx]
-                try:
-                    raw = self.reward.fetch([r.prompt for r in rows], self.response_texts(batch),
-                                            [r.extras for r in rows])
-                except Exception as exc:  # noqa: BLE001 - every rank raises it below
-                    failure = exc
-            self.raise_if_scoring_failed(failure)
-            result = None
-            if self.is_mp_src:
-                out = self.reward.combine(raw)  # running normalisation: a scoring-rank collective
-                result = (out.scores, {**out.metrics(prefix="reward/"),
-                                       "reward_raw_mean": raw_score_mean(self.dims, out.raw_scores)})
-            scores, metrics = self.collectives.mp_broadcast(result)
+            scores, metrics = score_rollout(
+                self.reward, self.collectives, [self.prompts[i] for i in idx], self.response_texts(batch),
+                self.step + 1, self.cfg.rollout.n_samples_per_prompt, self.advantage_cfg.traits.needs_groups)
         return to_device(scores, self.dims.device), metrics
 
     def raise_if_scoring_failed(self, failure: Optional[BaseException]) -> None:
@@ -229,6 +210,7 @@ class PPOTrainer:
         (:meth:`~nemo_rlhf.trainers.collectives.JobCollectives.raise_together`)."""
         self.collectives.raise_together(failure, "reward scoring", RewardScoringError)
 
+    @in_phase("forward")
     def compute_old_and_reference(self, batch) -> Optional[ForwardResults]:
         """Steps 4-5a: old log-probs (the actor's forward, or the rollout's with
         ``ppo.old_logprobs_from_rollout``), values (the critic role's), reference log-probs
@@ -249,6 +231,7 @@ class PPOTrainer:
         return ForwardResults(old_logprobs=old["logprobs"], ref_logprobs=ref["logprobs"],
                               kl_logprobs=old.get("kl_logprobs", old["logprobs"]), values=values)
 
+    @in_phase("advantages")
     def compute_advantages(self, batch, scores, fwd: Optional[ForwardResults]
                            ) -> tuple[Optional[Advantages], dict]:
         """Step 5: token rewards (``-beta*KL`` when ``kl.in_reward``), the advantage
@@ -257,82 +240,22 @@ class PPOTrainer:
         if fwd is None:
             return None, {}
         with self.timers("advantages"):
-            adv, metrics = self._advantages(batch, scores, fwd)
+            adv, metrics = step_advantages(self.cfg, self.advantage_cfg, self.kl_ctl.value, self.collectives,
+                                           batch, scores, fwd)
             metrics.update(rollout_quality(self.collectives, batch, fwd.old_logprobs,
-                                           self.critic.explained_variance_sums(fwd, adv, batch.response_mask)))
+                                           self.critic.explained_variance_sums(fwd, adv, adv.loss_mask)))
         self._step_kl = metrics["kl_mean"]
         return adv, metrics
 
-    def _advantages(self, batch, scores, fwd: ForwardResults) -> tuple[Advantages, dict]:
-        mask, c = batch.response_mask, self.cfg
-        beta = self.kl_ctl.value if c.kl.in_reward else 0.0
-        rewards, kl = P.compute_token_rewards(
-            fwd.kl_logprobs, fwd.ref_logprobs, scores, mask, beta,
-            kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
-            missing_eos_penalty=c.ppo.missing_eos_penalty)
-        group_ids = P.group_ids_from_samples(mask.shape[0], c.rollout.n_samples_per_prompt,
-                                             device=mask.device)
-        adv, ret = P.compute_advantages(self.advantage_cfg, rewards, fwd.values, mask,
-                                        group_ids, reduce_fn=self.collectives.whiten_reduce)
-        raw_adv = adv
-        if c.ppo.normalize_advantages and self.advantage_cfg.traits.batch_whitening:
-            adv = P.masked_whiten(adv, mask, reduce_fn=self.collectives.whiten_reduce)
-        seq_kl = torch.where(mask, kl, 0.0).sum(-1)
-        ret_masked = torch.where(mask, ret, 0.0)
-        sums = self.collectives.dp_sum_named({  # one all-reduce of the rollout's sums
-            "kl": seq_kl.sum(), "score": scores.sum(),
-            "token_reward": torch.where(mask, rewards, 0.0).sum(), "tokens": mask.sum().float(),
-            "truncated": batch.truncated.float().sum(),
-            "sequences": torch.tensor(float(mask.shape[0]), device=mask.device),
-            "advantage": torch.where(mask, raw_adv, 0.0).sum(), "return": ret_masked.sum(),
-            "return_sq": ret_masked.pow(2).sum(), "score_sq": (scores ** 2).sum()})
-        n_tok, n_seq = sums["tokens"], sums["sequences"]
-        ret_mean, score_mean = sums["return"] / n_tok, sums["score"] / n_seq
-        metrics = {
-            "kl_mean": float(sums["kl"] / n_seq),  # nats per sequence (summed over its tokens)
-            "kl_per_token": float(sums["kl"] / n_tok),
-            "reward_mean": float(score_mean),
-            "reward_std": float((sums["score_sq"] / n_seq - score_mean ** 2).clamp_min(0).sqrt()),
-            "token_reward_sum_mean": float(sums["token_reward"] / n_seq),
-            "response_length": float(n_tok / n_seq),
-            "truncated_fraction": float(sums["truncated"] / n_seq),
-            "advantages_mean": float(sums["advantage"] / n_tok),
-            "returns_mean": float(ret_mean),
-            "returns_std": float((sums["return_sq"] / n_tok - ret_mean ** 2).clamp_min(0).sqrt()),
-            "kl_coef": float(self.kl_ctl.value),
-        }
-        return Advantages(advantages=adv, returns=ret, kl=kl), metrics
-
-    def _training_tensors(self, batch, fwd: Optional[ForwardResults], adv: Optional[Advantages]
-                          ) -> tuple[dict, dict]:
-        """What the mini-batches read, by name (``[B, ...]``), and the rollout correction's
-        metrics (``ppo.rollout_is_cap`` / ``ppo.rollout_mask_threshold``)."""
-        c = self.cfg.ppo
-        tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-                   "response_mask": batch.response_mask}
-        correction = {}
-        if fwd is None:  # off the last pipeline stage: the inputs only
-            return tensors, correction
-        tensors.update(old_logprobs=fwd.old_logprobs, advantages=adv.advantages)
-        if c.rollout_is_cap is not None or c.rollout_mask_threshold is not None:
-            tensors["rollout_weights"], rc = P.rollout_correction_weights(
-                fwd.old_logprobs, batch.logprobs, batch.response_mask,
-                tis_cap=c.rollout_is_cap, mask_threshold=c.rollout_mask_threshold)
-            correction = {f"rollout_correction/{k}": v for k, v in
-                          P.finalize_token_stats(self.collectives.dp_reduce_stats(rc)).items()
-                          if k != "valid_tokens"}
-        tensors.update(self.critic.training_tensors(fwd, adv))
-        if self.cfg.kl.loss_coef > 0:
-            tensors.update(ref_logprobs=fwd.ref_logprobs)
-        return tensors, correction
-
+    @in_phase("update")
     def update(self, batch, fwd: Optional[ForwardResults], adv: Optional[Advantages]) -> dict:
         """Step 6: ``ppo_epochs`` x mini-batches, one optimizer step each for the actor and
         for a critic with its own (during ``trainer.critic_warmup_steps`` only the critic
         trains); ``fwd`` / ``adv`` are None off the last pipeline stage."""
         c, B, P_len = self.cfg.ppo, batch.input_ids.shape[0], batch.prompt_length
         per_rank = c.global_batch_size // self.dims.dp
-        tensors, correction = self._training_tensors(batch, fwd, adv)
+        tensors, correction = training_tensors(self.cfg, self.critic, self.collectives, batch, fwd, adv)
+        loss_mask = tensors["response_mask"]  # [B, R]: the rows that train
         warmup = self.step < self.cfg.trainer.critic_warmup_steps
         actor_trains = not warmup or self.critic.warmup_trains_actor_head
         self.model.train()  # training passes: dropout on (forward-only passes run in eval)
@@ -349,8 +272,7 @@ class PPOTrainer:
             order = order_host.to(self.dims.device)
             for mb_slice in chunk_slices(B, per_rank):
                 idx = order[mb_slice]
-                counts = torch.stack([batch.response_mask[idx].sum().float(),
-                                      torch.tensor(float(len(idx)), device=self.dims.device)])
+                counts = torch.stack([loss_mask[idx].sum().float(), loss_mask[idx].any(-1).sum().float()])
                 n_tokens, n_seqs = self.collectives.dp_sum(counts)
                 if extents is None:
                     micro = [{k: v[idx[s]] for k, v in tensors.items()}
@@ -404,6 +326,7 @@ class PPOTrainer:
         self._last_batch = (idx, batch, scores)
         return self._step_metrics(t0, batch, metrics, reward_metrics, fwd is not None)
 
+    @in_phase("metrics")
     def _step_metrics(self, t0: float, batch, metrics: dict, reward_metrics: dict,
                       last_stage: bool) -> dict:
         """The step's metrics on the reporter; the KL controller's update (every rank, from
@@ -424,6 +347,7 @@ class PPOTrainer:
         return metrics
 
     # --- evaluation ----------------------------------------------------------------------
+    @in_phase("eval", step_offset=0)
     def evaluate(self) -> dict:
         """The held-out evaluation (:func:`~nemo_rlhf.trainers.ppo.evaluation.evaluate_policy`)."""
         return evaluate_policy(self)
@@ -505,6 +429,7 @@ class PPOTrainer:
             log.warning("reward-hacking guard: %s", message)
         return f"reward-hacking guard ({message})" if message and action == "stop" else None
 
+    @in_phase("save", step_offset=0)
     def save(self) -> Path:
         """Checkpoint every model, optimizer and the trainer state (all ranks); prune to
         ``exp_manager.keep_last`` (0: keep all)."""

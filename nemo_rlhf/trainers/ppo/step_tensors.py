@@ -1,0 +1,108 @@
+"""The PPO step's tensors: token rewards and advantages (step 5), and what the update's
+mini-batches read (step 6). Pure functions of the step's data plus the job's collectives
+(the DP reductions of the whitening and of the rollout's sums)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nemo_rlhf.algorithms import ppo as P
+from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
+
+
+def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, collectives, batch,
+                    scores: torch.Tensor, fwd: ForwardResults) -> tuple[Advantages, dict]:
+    """Token rewards, advantages and returns of the rollout, and its metrics over DP.
+
+    Token rewards are ``-beta * KL_t`` (``beta``: ``kl_coef``, the KL controller's value;
+    0 without ``kl.in_reward``) plus the score at the last response token; the advantage estimator
+    is ``advantage_cfg``'s; ``gae`` advantages are whitened over every DP rank's valid
+    tokens. Rows whose score is NaN (``reward.invalid_scores=skip``, marked by
+    :func:`~nemo_rlhf.trainers.ppo.rewards.step_scores`) are left out: no advantage, no
+    return, no loss token (group estimators see their whole group, already excluded).
+
+    Args:
+        cfg: the :class:`~nemo_rlhf.trainers.ppo.config.PPOConfig`.
+        batch: the ``RolloutBatch`` (``response_mask [B, R]``, ``ended``, ``truncated``).
+        scores: ``[B]`` float32 on the batch's device.
+        fwd: the step's :class:`ForwardResults` (``[B, R]`` float32 log-probs, values).
+
+    Returns:
+        ``(Advantages, metrics)``: ``kl_mean`` in nats per sequence, ``kl_per_token``,
+        ``reward_mean/std``, ``response_length``, ``advantages_mean``, ``returns_mean/std``,
+        ``kl_coef`` (the controller's value), each over every DP rank's kept rows.
+    """
+    mask, c = batch.response_mask, cfg
+    beta = kl_coef if c.kl.in_reward else 0.0
+    keep = torch.isfinite(scores)  # [B]: False on rows reward.invalid_scores=skip leaves out
+    rewards, kl = P.compute_token_rewards(
+        fwd.kl_logprobs, fwd.ref_logprobs, torch.where(keep, scores, 0.0), mask, beta,
+        kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
+        missing_eos_penalty=c.ppo.missing_eos_penalty)
+    full_mask, mask = mask, mask & keep[:, None]  # from here on: the rows that train
+    group_ids = P.group_ids_from_samples(mask.shape[0], c.rollout.n_samples_per_prompt, device=mask.device)
+    adv, ret = P.compute_advantages(  # group estimators: whole groups left out, see step_scores
+        advantage_cfg, rewards, fwd.values, full_mask if advantage_cfg.traits.needs_groups else mask,
+        group_ids, reduce_fn=collectives.whiten_reduce)
+    adv, ret = torch.where(mask, adv, 0.0), torch.where(mask, ret, 0.0)
+    scores = torch.where(keep, scores, 0.0)
+    raw_adv = adv
+    if c.ppo.normalize_advantages and advantage_cfg.traits.batch_whitening:
+        adv = P.masked_whiten(adv, mask, reduce_fn=collectives.whiten_reduce)
+    seq_kl = torch.where(mask, kl, 0.0).sum(-1)
+    ret_masked = torch.where(mask, ret, 0.0)
+    sums = collectives.dp_sum_named({  # one all-reduce of the rollout's sums
+        "kl": seq_kl.sum(), "score": scores.sum(),
+        "token_reward": torch.where(mask, rewards, 0.0).sum(), "tokens": mask.sum().float(),
+        "truncated": (batch.truncated & keep).float().sum(), "sequences": keep.float().sum(),
+        "advantage": torch.where(mask, raw_adv, 0.0).sum(), "return": ret_masked.sum(),
+        "return_sq": ret_masked.pow(2).sum(), "score_sq": (scores ** 2).sum()})
+    n_tok, n_seq = sums["tokens"], sums["sequences"]
+    ret_mean, score_mean = sums["return"] / n_tok, sums["score"] / n_seq
+    metrics = {
+        "kl_mean": float(sums["kl"] / n_seq),  # nats per sequence (summed over its tokens)
+        "kl_per_token": float(sums["kl"] / n_tok),
+        "reward_mean": float(score_mean),
+        "reward_std": float((sums["score_sq"] / n_seq - score_mean ** 2).clamp_min(0).sqrt()),
+        "token_reward_sum_mean": float(sums["token_reward"] / n_seq),
+        "response_length": float(n_tok / n_seq),
+        "truncated_fraction": float(sums["truncated"] / n_seq),
+        "advantages_mean": float(sums["advantage"] / n_tok),
+        "returns_mean": float(ret_mean),
+        "returns_std": float((sums["return_sq"] / n_tok - ret_mean ** 2).clamp_min(0).sqrt()),
+        "kl_coef": float(kl_coef),
+    }
+    return Advantages(advantages=adv, returns=ret, kl=kl, loss_mask=mask), metrics
+
+
+def training_tensors(cfg, critic, collectives, batch, fwd: Optional[ForwardResults],
+                     adv: Optional[Advantages]) -> tuple[dict, dict]:
+    """What the update's mini-batches read, by name (``[B, ...]`` rows), and the rollout
+    correction's metrics (``ppo.rollout_is_cap`` / ``ppo.rollout_mask_threshold``).
+
+    ``response_mask`` is the loss mask (:attr:`Advantages.loss_mask`); the critic role adds
+    what its value loss reads (:meth:`~nemo_rlhf.trainers.ppo.roles.CriticRole.training_tensors`).
+    Off the last pipeline stage (``fwd`` None) only the inputs.
+    """
+    c = cfg.ppo
+    tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+               "response_mask": batch.response_mask if adv is None else adv.loss_mask}
+    correction = {}
+    if fwd is None:
+        return tensors, correction
+    tensors.update(old_logprobs=fwd.old_logprobs, advantages=adv.advantages)
+    if c.rollout_is_cap is not None or c.rollout_mask_threshold is not None:
+        tensors["rollout_weights"], rc = P.rollout_correction_weights(
+            fwd.old_logprobs, batch.logprobs, batch.response_mask,
+            tis_cap=c.rollout_is_cap, mask_threshold=c.rollout_mask_threshold)
+        correction = {f"rollout_correction/{k}": v for k, v in
+                      P.finalize_token_stats(collectives.dp_reduce_stats(rc)).items() if k != "valid_tokens"}
+    tensors.update(critic.training_tensors(fwd, adv))
+    if cfg.kl.loss_coef > 0:
+        tensors.update(ref_logprobs=fwd.ref_logprobs)
+    return tensors, correction
+
+
+__all__ = ["step_advantages", "training_tensors"]
