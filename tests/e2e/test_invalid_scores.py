@@ -92,6 +92,14 @@ def _rows(obj, keep: list[int]):
         if isinstance(getattr(obj, f.name), torch.Tensor)})
 
 
+def _advantages(trainer, batch, scores, fwd):
+    """Step 5's tensors and metrics (:func:`~nemo_rlhf.trainers.ppo.step_tensors.step_advantages`)."""
+    from nemo_rlhf.trainers.ppo.step_tensors import step_advantages
+
+    return step_advantages(trainer.cfg, trainer.advantage_cfg, trainer.kl_ctl.value, trainer.collectives,
+                           batch, scores, fwd)
+
+
 def _left_out_worker(rank: int, tmp: str):
     from nemo_rlhf.train_ppo import build
 
@@ -100,16 +108,16 @@ def _left_out_worker(rank: int, tmp: str):
     cfg = compose_ppo(data, tmp / "exp", "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]",
                       "reward.invalid_scores=skip", "ppo.normalize_advantages=true")
     trainer = build(cfg)
-    batch = trainer._generate([trainer.encoded[i] for i in range(8)])
+    batch = trainer.generate([trainer.encoded[i] for i in range(8)])
     fwd = trainer.compute_old_and_reference(batch)
     scores = torch.arange(8, dtype=torch.float32) / 4 + 0.5
     out = {}
     left_out = [1, 5]
     marked = scores.clone()
     marked[left_out] = float("nan")  # what rewards.step_scores hands over for left-out rows
-    adv, metrics = trainer._advantages(batch, marked, fwd)
+    adv, metrics = _advantages(trainer, batch, marked, fwd)
     kept = [i for i in range(8) if i not in left_out]
-    sub_adv, sub_metrics = trainer._advantages(_rows(batch, kept), scores[kept], _rows(fwd, kept))
+    sub_adv, sub_metrics = _advantages(trainer, _rows(batch, kept), scores[kept], _rows(fwd, kept))
     out["left_out_advantages"] = adv.advantages[left_out].abs().max().item()
     out["left_out_returns"] = adv.returns[left_out].abs().max().item()
     out["left_out_loss_tokens"] = int(adv.loss_mask[left_out].sum())
