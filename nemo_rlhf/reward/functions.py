@@ -225,7 +225,7 @@ class RewardOutput:
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
         """Batch means over the valid samples: ``{prefix}total`` and, per source,
         ``{prefix}{name}`` (raw) and ``{prefix}{name}_normalized``."""
-        keep = self.valid if self.valid is not None else torch.ones(len(self.scores), dtype=torch.bool)
+        keep = self.valid if self.valid is not None else torch.ones(len(self.scores), dtype=torch.bool)  # host, as the scores
         out = {f"{prefix}total": self.scores[keep].mean().item()}
         for name, values in self.per_source.items():
             out[f"{prefix}{name}"] = values[keep].mean().item()
