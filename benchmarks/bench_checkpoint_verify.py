@@ -40,7 +40,7 @@ def main() -> None:
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
     from nemo_rlhf.models.engine import wrap_ddp
-    from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
+    from nemo_rlhf.trainers.mixed_precision import MixedPrecisionOptimizer, OptimizerConfig
 
     out = Path(a.out or tempfile.mkdtemp(prefix="bench_ckpt_"))
     cfg = load_model_preset(a.model)

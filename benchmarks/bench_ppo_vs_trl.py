@@ -228,7 +228,7 @@ def run_ours(a: argparse.Namespace, work: Path) -> dict:
     from nemo_rlhf.models.config import load_model_preset
     from nemo_rlhf.tools.hf_convert import hf_config, megatron_to_hf, model_full_tensors
     from nemo_rlhf.models.engine import model_forward, unwrap, wrap_ddp
-    from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer
+    from nemo_rlhf.trainers.mixed_precision import MixedPrecisionOptimizer
     from nemo_rlhf.trainers.ppo.config import PPOConfig, validate_batch_sizes
     from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
     from nemo_rlhf.trainers.ppo.trainer import PPOTrainer

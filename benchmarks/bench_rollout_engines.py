@@ -95,7 +95,7 @@ def _hf_server(conn, path: str, threads: int, new: int, device: str, dtype: str)
 def _ppo_step_seconds(engine: str, steps: int, tmp: Path, ckpt: Path, dtype: str) -> dict:
     """``timing/step_s`` and ``timing/rollout_s`` medians (steps after the first) of a
     ``conf/ppo_smollm2.yaml`` run with ``rollout.engine=engine``."""
-    from nemo_rlhf.data.addition_task import AdditionTaskConfig, make_addition_dataset
+    from nemo_rlhf.tasks.addition import AdditionTaskConfig, make_addition_dataset
 
     data = tmp / "addition"
     make_addition_dataset(data, AdditionTaskConfig(n_eval=16, n_rm=16, n_rm_val=16, n_ppo=512))

@@ -273,7 +273,7 @@ class GPUCheck:
 
     def make_data(self) -> Optional[Path]:
         data = self.work / "data"
-        code = ("import sys; from nemo_rlhf.data.demo_task import DemoTaskConfig, "
+        code = ("import sys; from nemo_rlhf.tasks.precedence import DemoTaskConfig, "
                 "make_demo_dataset; make_demo_dataset(sys.argv[1], DemoTaskConfig(n_sft=64, "
                 "n_pref=64, n_ppo=512, n_eval=16, n_val=16), force=True)")
         step, rc = self.run("data", [self.python, "-c", code, str(data)], 120)

@@ -9,7 +9,7 @@ the reward is a learned RM served as its own process; the rule-based checker onl
 the RM's preference pairs and scores the held-out set (the "gold" metric):
 
 1. model set-up (package -> GGUF -> Hugging Face folder -> checkpoint; skipped when done);
-2. prompt files (``nemo_rlhf/data/addition_task.py``): fixed held-out 200, RM and PPO sets;
+2. prompt files (``nemo_rlhf/tasks/addition.py``): fixed held-out 200, RM and PPO sets;
 3. RM data: several sampled answers per RM prompt from the model itself, labelled by the
    checker; a right answer against a wrong one of the same prompt is a pair, and
    ``--rm-edit-pairs`` per prompt are a sample against itself with only the stated number
@@ -28,7 +28,7 @@ the RM's preference pairs and scores the held-out set (the "gold" metric):
    length), and a table of samples (:func:`_ppo_evaluation`).
 
 ``--task tiny`` (about 5 minutes): number reversal taught by a sloppy demonstrator
-(``nemo_rlhf/data/reversal_task.py``: the SFT rows copy the number 60% of the time, the
+(``nemo_rlhf/tasks/reversal.py``: the SFT rows copy the number 60% of the time, the
 preference pairs always prefer the reversal) on a tiny model trained from scratch: data ->
 SFT -> RM (started from the SFT model) -> served RM + PPO -> evaluation. SFT imitates the copy; PPO against the RM
 learns the reversal (docs/demo.md, "The tiny demo": 29.5% -> 94.0% held-out on an AVX2 CPU).
@@ -121,7 +121,7 @@ def run_tiny(a) -> int:
     times: dict[str, float] = {}
     t = time.time()
 
-    from nemo_rlhf.data.reversal_task import ReversalTaskConfig, make_reversal_dataset
+    from nemo_rlhf.tasks.reversal import ReversalTaskConfig, make_reversal_dataset
 
     try:
         make_reversal_dataset(data, ReversalTaskConfig())
@@ -249,7 +249,7 @@ def _pairs_from_samples(samples: Path, out: Path, max_pairs_per_prompt: int, edi
     """Write the preference pairs of a samples file: up to ``max_pairs_per_prompt`` natural
     pairs (a right sample against a wrong one of the same prompt) and ``edit_pairs`` minimal
     edit pairs per prompt; return the pair count."""
-    from nemo_rlhf.data.addition_task import answer_edit_pairs, build_preference_pairs
+    from nemo_rlhf.tasks.addition import answer_edit_pairs, build_preference_pairs
 
     if not out.exists():
         rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
@@ -281,7 +281,7 @@ def _check_stage_settings(path: Path, settings: dict) -> None:
 
 def run_smollm2(a) -> int:
     """The real-model pipeline (``--task smollm2``, the default)."""
-    from nemo_rlhf.data.addition_task import AdditionTaskConfig, make_addition_dataset
+    from nemo_rlhf.tasks.addition import AdditionTaskConfig, make_addition_dataset
     from nemo_rlhf.tools.real_model import SetupError, setup
 
     out, data = REPO / (a.out or "experiments/smollm2"), REPO / (a.data or "data/addition")
@@ -534,7 +534,7 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
     pairs added, the RM's held-out numbers before and after, and the PPO held-out accuracy
     at the round's last step.
     """
-    from nemo_rlhf.data.addition_task import answer_edit_pairs
+    from nemo_rlhf.tasks.addition import answer_edit_pairs
     from nemo_rlhf.data.bad_cases import disagreement_pairs
 
     py, rm, pairs_file = sys.executable, first_rm, base_pairs
@@ -636,7 +636,7 @@ def _metric_by_step(exp: Path, key: str) -> dict[int, float]:
 
 
 def _system_prompt() -> str:
-    from nemo_rlhf.data.addition_task import SMOLLM2_SYSTEM_PROMPT
+    from nemo_rlhf.tasks.addition import SMOLLM2_SYSTEM_PROMPT
 
     return SMOLLM2_SYSTEM_PROMPT
 
@@ -666,7 +666,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rm-lr", type=float, default=1.0e-4, help="smollm2: peak learning rate of the RM")
     ap.add_argument("--rm-edit-pairs", type=int, default=4,
                     help="smollm2: minimal pairs per RM prompt that differ only in the stated number "
-                         "(data.addition_task.answer_edit_pairs); 0 = only natural pairs")
+                         "(tasks.addition.answer_edit_pairs); 0 = only natural pairs")
     ap.add_argument("--rm-freeze-layers", type=int, default=10,
                     help="smollm2: lower transformer layers of the RM kept at the pretrained weights")
     ap.add_argument("--refresh-rounds", type=int, default=0,

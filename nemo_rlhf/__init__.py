@@ -4,17 +4,18 @@ reference, served reward model), tensor-, pipeline- and data-parallel.
 Layers, top to bottom (:data:`LAYERS`). A module imports only from its own package and
 from packages of the layers below its own; packages of one layer do not import each
 other; nothing imports upwards and there are no import cycles. Imports of ``nemo_rlhf``
-modules sit at the top of the file. ``tests/unit/test_layers.py`` checks all of it.
+modules sit at the top of the file. ``tests/unit/project/test_layers.py`` checks all of it.
 
 ==================  =====================================================================
 entry points        ``train_ppo``, ``train_sft``, ``train_rm``, ``serve_rm``, ``evaluate``
                     (Hydra jobs) and ``tools`` (``nemo-rlhf-ckpt``, HF conversion,
                     model set-up)
+tasks               the demo tasks (each task's data and checker in one module); importing
+                    the package registers the checkers as reward functions
 trainers            the loops: SFT, RM and PPO, their configs, optimizers, run skeleton
 rollout, reward     engines and services the trainers compose: generation; reward
                     functions, RM scoring, the RM server and its client
-checkpoint, data    distributed checkpoints and resume; datasets, tokenizer, templates,
-                    the demo tasks (each task's data and checker in one module)
+checkpoint, data    distributed checkpoints and resume; datasets, tokenizer, templates
 models              GPT + heads, model plumbing (DDP, forward/backward through megatron's
                     schedules, masks), log-probs, KV-cache decode layers
 foundations         ``algorithms`` (pure PPO math), ``distributed`` (process groups,
@@ -22,11 +23,12 @@ foundations         ``algorithms`` (pure PPO math), ``distributed`` (process gro
 ==================  =====================================================================
 
 Outside the package and above it: ``launchers/`` (local and SLURM), ``benchmarks/``,
-``tools/`` (thin scripts), ``tests/``; the package never imports them.
+``tests/``; the package never imports them.
 """
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("entry points", ("train_ppo", "train_sft", "train_rm", "serve_rm", "evaluate", "tools")),
+    ("tasks", ("tasks",)),
     ("trainers", ("trainers",)),
     ("engines and services", ("rollout", "reward")),
     ("state and data", ("checkpoint", "data")),

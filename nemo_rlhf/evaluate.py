@@ -68,6 +68,7 @@ from nemo_rlhf.models.config import PRECISIONS, ModelConfig, agree_on_precision
 from nemo_rlhf.reward.batching import ScoreItem
 from nemo_rlhf.reward.functions import check_reward_function_spec, get_reward_function
 from nemo_rlhf.reward.rm_scorer import RMScorerConfig, RewardModelScorer, read_rm_checkpoint
+from nemo_rlhf.tasks import TASK_CHECKERS  # noqa: F401  (registers the demo tasks' checkers by name)
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.common import chunks, dp_shard, setup_run
 from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
@@ -98,8 +99,9 @@ class EvalConfig:
     """Reference (initial policy) checkpoint folder (or root: its newest): ``kl_to_reference``."""
     forward_micro_batch_size: int = 8
     """Rows per forward micro-batch of the log-prob passes (``reference``) and the RM."""
-    checker: str = "arithmetic_exact_match"
-    """Registered reward function name or ``package.module:function`` scoring each response."""
+    checker: str = ""
+    """Registered reward function name or ``package.module:function`` scoring each response
+    (required; ``conf/eval.yaml`` names the tiny demo's ``arithmetic_exact_match``)."""
     max_new_tokens: int = 8
     """Longest response in tokens."""
     batch_size: int = 64

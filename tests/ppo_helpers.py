@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import nemo_rlhf.tasks  # noqa: F401  (the demo tasks' checkers, named by the configs)
+
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -9,7 +11,7 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 def make_demo_data(out: Path) -> Path:
     """Small demo dataset (prompts, eval, tokenizer) written once into ``out``."""
-    from nemo_rlhf.data.demo_task import DemoTaskConfig, make_demo_dataset
+    from nemo_rlhf.tasks.precedence import DemoTaskConfig, make_demo_dataset
 
     if not (out / "ppo_prompts.jsonl").exists():
         make_demo_dataset(out, DemoTaskConfig(n_sft=64, n_pref=64, n_ppo=64, n_eval=16, n_val=16))

@@ -10,7 +10,7 @@ def tiny_rm_config(data: str, exp: str, val_check_interval: int, checkpoints: bo
     from nemo_rlhf.data.datasets import DataConfig
     from nemo_rlhf.distributed import ParallelConfig
     from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.optim import OptimizerConfig
+    from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
     from nemo_rlhf.trainers.rm import RMConfig, RMRunConfig
     from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig, SupervisedTrainerConfig
 

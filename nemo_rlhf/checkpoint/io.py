@@ -154,7 +154,7 @@ def set_rng_state(state: dict) -> None:
 # --- sharded state --------------------------------------------------------------------
 
 ADAMW_FORMAT = "adamw"
-"""``optimizer_format`` of :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer`'s
+"""``optimizer_format`` of :class:`~nemo_rlhf.trainers.mixed_precision.MixedPrecisionOptimizer`'s
 state (Adam moments and fp32 masters keyed like the model params); megatron's
 DistributedOptimizer writes ``megatron_distributed``."""
 
@@ -308,7 +308,7 @@ def save_checkpoint(
         root: checkpoint folder (``<exp_dir>/checkpoints``), shared by all ranks.
         step: the step counter stored in the name.
         model: this rank's model stage (DDP-wrapped or bare).
-        optimizer: a :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer` or None.
+        optimizer: a :class:`~nemo_rlhf.trainers.mixed_precision.MixedPrecisionOptimizer` or None.
         trainer_state: JSON-able dict (counters, sampler position, KL state, ...).
         config: the resolved run config (a plain dict), written as ``config.yaml``.
         dims: :class:`ParallelDims` (the layout is recorded in ``metadata.json``).

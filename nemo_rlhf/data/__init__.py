@@ -1,10 +1,9 @@
-"""Datasets (SFT, preference, prompts), the tokenizer wrapper, the prompt template and the
-arithmetic demo task.
+"""Datasets (SFT, preference, prompts), the tokenizer wrapper and the prompt template.
 
 ``jsonl`` reads and validates rows (:class:`DataError` names file, line and field);
 ``datasets`` tokenizes them and pads batches; ``templates`` holds :func:`format_prompt`,
 the one formatter SFT, RM and PPO share; ``tokenizer`` wraps a Hugging Face
-``tokenizer.json`` with explicit BOS/EOS/PAD ids; ``demo_task`` generates the demo data.
+``tokenizer.json`` with explicit BOS/EOS/PAD ids. The demo tasks' data: :mod:`nemo_rlhf.tasks`.
 """
 
 from nemo_rlhf.data.datasets import (

@@ -4,7 +4,8 @@ A reward function is a plain callable
 ``fn(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]``
 (one float per sample; ``extras[i]`` is the dataset row's extra fields, e.g. ``answer``).
 They live in a small registry and are selected by registered name or by a dotted path
-``"package.module:function"``.
+``"package.module:function"``. The library registers none: the demo tasks register their
+checkers when :mod:`nemo_rlhf.tasks` is imported (the entry points import it).
 
 :class:`CombinedReward` sums weighted *sources* -- the remote reward model
 (:class:`RemoteRewardModel`) and/or reward functions (:class:`RewardFunctionScorer`) --
@@ -12,7 +13,7 @@ each optionally normalised first, and returns the total ``[batch]`` tensor plus 
 per-source values for metrics.
 
 Simplified on purpose: sources are called one after another (the remote RM is the slow
-one and batches on its side); the checkers parse decimal integers only.
+one and batches on its side).
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from nemo_rlhf.data.addition_task import addition_answer, just_the_number, two_digit_addition
-from nemo_rlhf.data.answers import check_lengths, first_integer
-from nemo_rlhf.data.demo_task import arithmetic_exact_match
+from nemo_rlhf.data.answers import check_lengths
 from nemo_rlhf.reward.normalization import RewardNormalizer
 
 __all__ = [
@@ -38,15 +37,10 @@ __all__ = [
     "RewardOutput",
     "RewardSource",
     "WeightedSource",
-    "arithmetic_exact_match",
     "check_reward_function_spec",
-    "first_integer",
     "get_reward_function",
     "register_reward_function",
     "registered_reward_functions",
-    "addition_answer",
-    "just_the_number",
-    "two_digit_addition",
 ]
 
 RewardFn = Callable[[list[str], list[str], list[dict]], list[float]]
@@ -112,12 +106,6 @@ def get_reward_function(spec: str) -> RewardFn:
         raise TypeError(f"reward function {spec!r} is a {type(fn).__name__}, not a callable")
     return fn
 
-
-# --------------------------------------------------------------------------- checkers
-# Each task's checker lives with its data (nemo_rlhf/data/<task>.py); registered here.
-register_reward_function("arithmetic_exact_match")(arithmetic_exact_match)
-register_reward_function("two_digit_addition")(two_digit_addition)
-register_reward_function("just_the_number")(just_the_number)
 
 
 # --------------------------------------------------------------------------- sources

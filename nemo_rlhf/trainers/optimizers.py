@@ -2,7 +2,7 @@
 ``DistributedOptimizer`` (ZeRO-1) behind the trainers' optimizer interface.
 
 ``optim.use_distributed_optimizer=true`` (CUDA only) replaces
-:class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer` by
+:class:`~nemo_rlhf.trainers.mixed_precision.MixedPrecisionOptimizer` by
 :class:`MegatronDistributedOptimizer`: the model is wrapped in megatron DDP with
 ``use_distributed_optimizer=True`` (gradients reduce-scattered into per-rank shards of
 the grad buffer, parameters all-gathered after the step), and megatron's optimizer keeps
@@ -10,7 +10,7 @@ the fp32 main params and Adam moments of this rank's 1/DP shard only. The interf
 trainers, checkpoints and tools use is the same: ``zero_grad()``, ``step(only=...) ->
 (stepped, grad_norm)``, ``lr``, ``scheduler``, ``params``, ``names``, ``model``.
 
-What stays this project's: the LR schedule (:func:`~nemo_rlhf.trainers.optim.lr_lambda`,
+What stays this project's: the LR schedule (:func:`~nemo_rlhf.trainers.mixed_precision.lr_lambda`,
 written into the param groups before every step), the skip on a non-finite gradient norm
 (the norm is computed before the step, as the AdamW path does; megatron's own ``step()``
 would step a bf16 model on a NaN norm), and ``only=`` for the critic warm-up.
@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 
 from nemo_rlhf.models.engine import unwrap
-from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig, lr_lambda
+from nemo_rlhf.trainers.mixed_precision import MixedPrecisionOptimizer, OptimizerConfig, lr_lambda
 
 CHECKPOINT_FORMAT = "megatron_distributed"
 SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
@@ -89,7 +89,7 @@ class MegatronDistributedOptimizer:
     Args:
         model: the stage wrapped by :func:`~nemo_rlhf.models.engine.wrap_ddp` with
             ``use_distributed_optimizer=True``.
-        cfg: :class:`~nemo_rlhf.trainers.optim.OptimizerConfig`.
+        cfg: :class:`~nemo_rlhf.trainers.mixed_precision.OptimizerConfig`.
         precision: ``trainer.precision`` (``32``, ``bf16-mixed``, ``fp16-mixed``).
         megatron_optimizer: an already built megatron optimizer (tests pass a stand-in);
             None builds one with ``get_megatron_optimizer``.
@@ -206,7 +206,7 @@ def validate_optimizer(cfg: OptimizerConfig, dims) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, dims, precision: str):
-    """The optimizer of a DDP-wrapped stage: :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer`, or with
+    """The optimizer of a DDP-wrapped stage: :class:`~nemo_rlhf.trainers.mixed_precision.MixedPrecisionOptimizer`, or with
     ``optim.use_distributed_optimizer`` megatron's ZeRO-1 optimizer
     (:class:`MegatronDistributedOptimizer`; the stage
     must be wrapped with ``wrap_ddp(..., use_distributed_optimizer=True)``).

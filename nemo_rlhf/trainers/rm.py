@@ -39,7 +39,7 @@ from nemo_rlhf.models.actor_critic import gather_last_token
 from nemo_rlhf.metrics.trackers import LoggerConfig
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
-from nemo_rlhf.trainers.optim import OptimizerConfig
+from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
 from nemo_rlhf.trainers.collectives import reduce_from_last_stage
 from nemo_rlhf.trainers.common import chunks, dp_shard
 from nemo_rlhf.trainers.supervised import (

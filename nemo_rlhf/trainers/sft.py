@@ -32,7 +32,7 @@ from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
 from nemo_rlhf.rollout import RolloutConfig, generate
-from nemo_rlhf.trainers.optim import OptimizerConfig
+from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
 from nemo_rlhf.trainers.collectives import reduce_from_last_stage
 from nemo_rlhf.trainers.common import chunks, dp_shard
 from nemo_rlhf.trainers.supervised import (

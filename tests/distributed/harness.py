@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from pathlib import Path
@@ -22,11 +21,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_port
 
 
 def _entry(rank: int, fn, world_size: int, port: int, outdir: str, kwargs: dict) -> None:
@@ -85,7 +80,7 @@ def _run_ranks_once(fn, world_size: int, **kwargs) -> list:
         try:
             if hide_gpus:  # spawned children inherit the environment as it is at start
                 os.environ["CUDA_VISIBLE_DEVICES"] = ""
-            mp.start_processes(_entry, args=(fn, world_size, _free_port(), outdir, kwargs),
+            mp.start_processes(_entry, args=(fn, world_size, free_port(), outdir, kwargs),
                                nprocs=world_size, join=True, start_method="spawn")
         except Exception as exc:  # noqa: BLE001
             errors = []

@@ -23,7 +23,7 @@ def _worker(rank: int, tmp: str) -> dict:
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
     from nemo_rlhf.models.engine import finalize_grads, forward_backward, wrap_ddp
-    from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
+    from nemo_rlhf.trainers.mixed_precision import MixedPrecisionOptimizer, OptimizerConfig
 
     cfg = load_model_preset("tiny", vocab_size=64, value_head_init_std=0.1)
     ids = torch.randint(3, 64, (2, 8), generator=torch.Generator().manual_seed(0))

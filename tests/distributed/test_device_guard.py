@@ -84,7 +84,7 @@ def _worker(rank: int, tmp: str):
     out["ops"] = _ops(device_guard.EMULATED_DEVICE)
 
     # SFT and RM steps (validation included) at TP=2 and PP=2
-    from nemo_rlhf.data.demo_task import DemoTaskConfig, make_demo_dataset
+    from nemo_rlhf.tasks.precedence import DemoTaskConfig, make_demo_dataset
     from nemo_rlhf.trainers.rm import RMTrainer
     from nemo_rlhf.trainers.sft import SFTTrainer
     from tests.distributed.test_sft_rm_parallel import _configs

@@ -176,7 +176,7 @@ def _worker(rank: int):
     from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap, wrap_ddp
-    from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
+    from nemo_rlhf.trainers.mixed_precision import MixedPrecisionOptimizer, OptimizerConfig
 
     cfg = _cfg()
     ids, mask = _batch()

@@ -101,7 +101,7 @@ def _dp2(rank: int, tmp: str, url: str):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rnorm")
     addr = tmp / "rm_address"
-    server = subprocess.Popen([sys.executable, str(REPO / "tests/unit/_rm_server_proc.py"),
+    server = subprocess.Popen([sys.executable, str(REPO / "tests/rm_server_proc.py"),
                                "--address-file", str(addr)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:

@@ -29,7 +29,7 @@ def _configs(kind: str, data: Path, exp: Path, tp: int, pp: int, **extra):
     from nemo_rlhf.distributed import ParallelConfig
     from nemo_rlhf.models.config import load_model_preset
     from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig, SupervisedTrainerConfig
-    from nemo_rlhf.trainers.optim import OptimizerConfig
+    from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
 
     files = {"sft": ("sft.jsonl", "sft_val.jsonl"), "rm": ("preference.jsonl", "preference_val.jsonl")}
     common = dict(
@@ -132,7 +132,7 @@ def _worker(rank: int, data: str, exp: str):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from nemo_rlhf.data.demo_task import DemoTaskConfig, make_demo_dataset
+    from nemo_rlhf.tasks.precedence import DemoTaskConfig, make_demo_dataset
 
     data = tmp_path_factory.mktemp("data")
     make_demo_dataset(data, DemoTaskConfig(seed=0, n_sft=32, n_pref=32, n_ppo=8, n_eval=8, n_val=6))

@@ -148,7 +148,7 @@ def _rm_dies_worker(rank: int, tmp: str, url: str, pid: int):
 
 def test_rm_service_dying_mid_run_stops_training_with_clear_error_and_no_partial_checkpoint(tmp_path):
     addr = tmp_path / "rm_address"
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests/unit/_rm_server_proc.py"),
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/rm_server_proc.py"),
                              "--address-file", str(addr)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:

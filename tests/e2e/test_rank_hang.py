@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ from pathlib import Path
 import pytest
 
 from tests.ppo_helpers import make_demo_data
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 TIMEOUT_MIN = 0.2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +35,7 @@ def data(tmp_path_factory):
 def test_a_rank_hanging_in_the_update_is_reported_by_the_other_naming_rank_and_phase(data, tmp_path):
     exp = tmp_path / "exp"
     exp.mkdir()
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "nemo_rlhf.train_ppo", "--config-name", "ppo_tiny",
             f"data.train_file={data}/ppo_prompts.jsonl", f"data.val_file={data}/eval.jsonl",
             f"data.tokenizer_dir={data}/tokenizer", f"exp_manager.exp_dir={exp}",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from tests.ppo_helpers import make_demo_data
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -33,15 +33,9 @@ STEPS = 3
 VOLATILE = ("timing/", "_per_s")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(data: Path, exp: Path, crash: str | None = None, timeout: float = 240) -> list[tuple[int, float, str]]:
     """Both ranks of the job; per rank (exit code, seconds after the first rank's exit, log)."""
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "nemo_rlhf.train_ppo", "--config-name", "ppo_tiny",
             f"data.train_file={data}/ppo_prompts.jsonl", f"data.val_file={data}/eval.jsonl",
             f"data.tokenizer_dir={data}/tokenizer", f"exp_manager.exp_dir={exp}",

@@ -27,7 +27,7 @@ def _run(args: list[str]) -> str:
 
 def test_a_moved_checkpoint_verifies_evaluates_and_starts_ppo_without_its_original_tokenizer(tmp_path):
     from nemo_rlhf.checkpoint import read_metadata, verify_checkpoint
-    from nemo_rlhf.data.reversal_task import ReversalTaskConfig, make_reversal_dataset
+    from nemo_rlhf.tasks.reversal import ReversalTaskConfig, make_reversal_dataset
 
     data = tmp_path / "data"
     make_reversal_dataset(data, ReversalTaskConfig(n_sft=64, n_pref=8, n_ppo=16, n_eval=8, n_val=8))

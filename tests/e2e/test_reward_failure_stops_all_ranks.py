@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,20 +20,15 @@ from pathlib import Path
 import pytest
 
 from tests.ppo_helpers import make_demo_data
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
     addr = tmp / "rm_address"
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests/unit/_rm_server_proc.py"),
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests/rm_server_proc.py"),
                              "--address-file", str(addr)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
@@ -44,7 +38,7 @@ def _start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
 
 
 def _start_ranks(data: Path, exp: Path, url: str, layout: str) -> list[tuple[subprocess.Popen, Path]]:
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "nemo_rlhf.train_ppo", "--config-name", "ppo_tiny",
             f"data.train_file={data}/ppo_prompts.jsonl", f"data.val_file={data}/eval.jsonl",
             f"data.tokenizer_dir={data}/tokenizer", f"exp_manager.exp_dir={exp}",

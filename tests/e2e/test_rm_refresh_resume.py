@@ -41,7 +41,7 @@ class _Server:
     def __init__(self, tmp: Path, name: str, scale: float):
         addr = tmp / f"addr_{name}"
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "tests/unit/_rm_server_proc.py"), "--address-file", str(addr),
+            [sys.executable, str(REPO / "tests/rm_server_proc.py"), "--address-file", str(addr),
              "--checkpoint-path", f"/fake/{name}", "--scale", str(scale)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.time() + 60

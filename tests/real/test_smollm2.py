@@ -126,7 +126,7 @@ def env(real):
 def _collect(real) -> dict:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from nemo_rlhf.data.addition_task import PROMPT
+    from nemo_rlhf.tasks.addition import PROMPT
     from nemo_rlhf.data.datasets import encode_prompt
     from nemo_rlhf.data.tokenizer import Tokenizer
     from nemo_rlhf.rollout.generate import left_pad

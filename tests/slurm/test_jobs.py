@@ -237,7 +237,7 @@ def test_the_readmes_multi_node_commands_pass_sbatch_test_only(slurm, tmp_path):
     cluster's never-started partition of 8-GPU nodes (tests/slurm/cluster.sh); /shared
     holds an 8B-shaped checkpoint's config only."""
     from tests.e2e.test_walkthrough import SHARED, _fake_llama3_8b
-    from tests.unit.test_readme_commands import readme_commands
+    from tests.unit.project.test_readme_commands import readme_commands
 
     _fake_llama3_8b(tmp_path)
     cmds = [c for c in readme_commands() if c[:3] == ["python", "-m", "launchers.slurm"]]

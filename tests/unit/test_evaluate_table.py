@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.single_rank import single_rank
-from tests.unit.test_rm_scorer import _make_tokenizer
+from tests.unit.reward.test_rm_scorer import _make_tokenizer
 
 RM_SYSTEM = "Be brief."
 PROMPTS = [("3+4=", "7"), ("9-2=", "7"), ("2*3=", "6"), ("8+1=", "9"), ("5-5=", "0"), ("7*1=", "7")]
@@ -31,6 +31,8 @@ except ImportError:
     HAVE_MPL = False
 NEEDS_MPL = pytest.mark.skipif(
     not HAVE_MPL, reason="matplotlib is not installed (nor listed in pyproject.toml): pip install matplotlib")
+
+CHECKER = "arithmetic_exact_match"  # nemo_rlhf.tasks (imported by nemo_rlhf.evaluate)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,7 @@ def _evaluate(ck, out: Path, **kw) -> dict:
     from nemo_rlhf.evaluate import EvalConfig, evaluate
 
     kw.setdefault("checkpoint", str(ck["step2"]))
-    cfg = EvalConfig(data=str(ck["data"]), out=str(out), max_new_tokens=MAX_NEW, batch_size=4,
+    cfg = EvalConfig(data=str(ck["data"]), out=str(out), max_new_tokens=MAX_NEW, batch_size=4, checker=CHECKER,
                      forward_micro_batch_size=4, **kw)
     try:
         return evaluate(cfg)
@@ -144,9 +146,9 @@ def test_checkpoints_are_listed_once_in_step_order(ckpts):
     from nemo_rlhf.evaluate import EvalConfig, checkpoint_paths
 
     cfg = EvalConfig(checkpoints=[str(ckpts["step2"]), str(ckpts["step1"]), str(ckpts["root"])],
-                     data="d.jsonl", out="o.json")
+                     data="d.jsonl", out="o.json", checker=CHECKER)
     assert checkpoint_paths(cfg) == [ckpts["step1"], ckpts["step2"]]  # the root is its newest: step_2
-    cfg = EvalConfig(checkpoint=str(ckpts["root"]), all_steps=True, data="d.jsonl", out="o.json")
+    cfg = EvalConfig(checkpoint=str(ckpts["root"]), all_steps=True, data="d.jsonl", out="o.json", checker=CHECKER)
     assert checkpoint_paths(cfg) == [ckpts["step1"], ckpts["step2"]]
 
 
@@ -191,9 +193,9 @@ def test_bad_checkpoint_keys_fail_naming_the_key(ckpts, tmp_path):
     from nemo_rlhf.evaluate import EvalConfig
 
     with pytest.raises(ValueError, match="all_steps=true needs checkpoint"):
-        EvalConfig(checkpoints=[str(ckpts["step1"])], all_steps=True, data="d", out="o")
+        EvalConfig(checkpoints=[str(ckpts["step1"])], all_steps=True, data="d", out="o", checker=CHECKER)
     with pytest.raises(ValueError, match="checkpoint is missing"):
-        EvalConfig(data="d", out="o")
+        EvalConfig(data="d", out="o", checker=CHECKER)
     with pytest.raises(ValueError, match=r"all_steps=true: checkpoint=.*one checkpoint folder"):
         _evaluate(ckpts, tmp_path / "e.json", checkpoint=str(ckpts["step1"]), all_steps=True)
     with pytest.raises(FileNotFoundError, match=r"checkpoints\[1\]="):
@@ -217,7 +219,7 @@ def test_repetition_is_the_trainers_3gram_rate_over_the_generated_tokens_only():
 def test_sequence_kl_is_the_ppo_trainers_kl_mean_estimator():
     import torch
 
-    from nemo_rlhf.algorithms.ppo.rewards import compute_token_rewards
+    from nemo_rlhf.algorithms.ppo.token_rewards import compute_token_rewards
     from nemo_rlhf.evaluate import sequence_kl
 
     g = torch.Generator().manual_seed(0)

@@ -64,7 +64,7 @@ from nemo_rlhf.algorithms.ppo.losses import (
     value_loss,
 )
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective, critic_loss, ppo_loss
-from nemo_rlhf.algorithms.ppo.rewards import compute_token_rewards, drop_empty_responses
+from nemo_rlhf.algorithms.ppo.token_rewards import compute_token_rewards, drop_empty_responses
 from nemo_rlhf.algorithms.ppo.rollout_correction import rollout_correction_weights
 
 __all__ = [

@@ -21,7 +21,7 @@ from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initializ
 from nemo_rlhf.distributed.parallel import free_port
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.tools.ckpt._common import CLIError, first_line, full_tensors, quiet
-from nemo_rlhf.trainers.optim import MixedPrecisionOptimizer, OptimizerConfig
+from nemo_rlhf.trainers.mixed_precision import MixedPrecisionOptimizer, OptimizerConfig
 
 
 def check_layout(model, tp: int, pp: int) -> None:

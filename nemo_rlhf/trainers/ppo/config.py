@@ -22,7 +22,7 @@ from nemo_rlhf.reward.functions import check_reward_function_spec
 from nemo_rlhf.reward.normalization import NORMALIZATION_MODES
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.trainers.config import ExpManagerConfig, TrainerConfig
-from nemo_rlhf.trainers.optim import OptimizerConfig
+from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
 from nemo_rlhf.metrics.trackers import LoggerConfig
 
 KL_TEMPERATURES = ("sampling", "unscaled")
@@ -44,8 +44,9 @@ class PPOTrainerConfig(TrainerConfig):
     """Stop after this many consecutive skipped (NaN/Inf) updates."""
     max_eval_samples: int = 200
     """Cap on evaluated held-out prompts."""
-    eval_checker: Optional[str] = "arithmetic_exact_match"
-    """Task checker for ``eval/accuracy`` (registered name or ``module:function``; null: off)."""
+    eval_checker: Optional[str] = None
+    """Task checker for ``eval/accuracy`` (registered name or ``module:function``; null: off;
+    the demo tasks' checkers are in :mod:`nemo_rlhf.tasks`)."""
     eval_extra_checkers: list[str] = field(default_factory=list)
     """More checkers averaged on the held-out set, each logged as ``eval/<name>``
     (e.g. ``just_the_number``, answer-format compliance)."""
@@ -252,8 +253,8 @@ class KLConfig:
 class RewardFunctionSpec:
     """One rule-based reward source."""
 
-    name: str = "arithmetic_exact_match"
-    """Registered name or ``module:function``."""
+    name: str = ""
+    """Registered name or ``module:function`` (required)."""
     weight: float = 1.0
     """Weight in the sum of sources."""
 

@@ -123,7 +123,7 @@ class PolicyRole:
 
     Args:
         model: this rank's DDP-wrapped actor(-critic) stage.
-        optimizer: its :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer` (None:
+        optimizer: its :class:`~nemo_rlhf.trainers.mixed_precision.MixedPrecisionOptimizer` (None:
             forward passes only, e.g. the evaluator).
         passes: the job's :class:`ForwardPasses`.
         dims: ``ParallelDims``.

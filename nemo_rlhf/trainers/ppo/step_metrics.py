@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from nemo_rlhf.algorithms import ppo as P
 from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
-from nemo_rlhf.trainers.ppo.rewards import gather_over_scoring_ranks
+from nemo_rlhf.trainers.ppo.scoring import gather_over_scoring_ranks
 
 
 def response_repetition(batch) -> list[float]:

@@ -20,7 +20,7 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
     0 without ``kl.in_reward``) plus the score at the last response token; the advantage estimator
     is ``advantage_cfg``'s; ``gae`` advantages are whitened over every DP rank's valid
     tokens. Rows whose score is NaN (``reward.invalid_scores=skip``, marked by
-    :func:`~nemo_rlhf.trainers.ppo.rewards.step_scores`) are left out: no advantage, no
+    :func:`~nemo_rlhf.trainers.ppo.scoring.step_scores`) are left out: no advantage, no
     return, no loss token (group estimators see their whole group, already excluded).
 
     Args:

@@ -49,7 +49,7 @@ from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.evaluation import HeldOutEvaluation, evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, take
-from nemo_rlhf.trainers.ppo.rewards import RewardScoringError, score_rollout
+from nemo_rlhf.trainers.ppo.scoring import RewardScoringError, score_rollout
 from nemo_rlhf.trainers.ppo.roles import (CriticRole, ForwardPasses, PolicyRole, build_critic_role,
                                           chunk_slices)
 from nemo_rlhf.trainers.ppo.state import (dp_group_slice, jsonable, log_prompt_ids, ppo_fingerprint,
@@ -69,7 +69,7 @@ class PPOTrainer:
         cfg: the validated :class:`PPOConfig`.
         dims: :class:`~nemo_rlhf.distributed.ParallelDims`.
         model: DDP-wrapped actor(-critic) stage holding the initial policy's weights.
-        optimizer: :class:`~nemo_rlhf.trainers.optim.MixedPrecisionOptimizer` over it.
+        optimizer: :class:`~nemo_rlhf.trainers.mixed_precision.MixedPrecisionOptimizer` over it.
         reference: :class:`~nemo_rlhf.trainers.ppo.reference.ReferencePolicy`.
         reward: a ``CombinedReward`` (called on model-parallel rank 0 of each DP group).
         tokenizer: encode/decode and the special token ids.
@@ -192,7 +192,7 @@ class PPOTrainer:
         on the host by MP rank 0, broadcast as an object, moved to the device here; NaN on
         a row ``reward.invalid_scores=skip`` leaves out), and reward metrics,
         ``reward_raw_mean`` (raw weighted score mean over DP) included
-        (:func:`~nemo_rlhf.trainers.ppo.rewards.score_rollout`).
+        (:func:`~nemo_rlhf.trainers.ppo.scoring.score_rollout`).
 
         Raises:
             the reward source's error on the rank where it failed and

@@ -1,0 +1,64 @@
+"""SFT/RM loop logging: a validation step is written to metrics.jsonl even when it is not
+a ``log_every_n_steps`` step (it used to be computed and then dropped); the RM's extra
+held-out files (``rm.extra_val_files``) are evaluated and logged under their own names."""
+
+from __future__ import annotations
+
+import json
+
+from tests.distributed.harness import run_ranks
+from tests.rm_helpers import tiny_rm_config
+
+
+def _worker(rank: int, data: str, exp: str, extra: dict | None = None):
+    from nemo_rlhf.trainers.rm import RMTrainer
+
+    RMTrainer(tiny_rm_config(data, exp, val_check_interval=2, checkpoints=False,
+                             extra_val_files=extra or {})).fit()
+
+
+def test_validation_steps_are_logged_whatever_the_log_interval(tmp_path):
+    from nemo_rlhf.tasks.precedence import DemoTaskConfig, make_demo_dataset
+
+    data = tmp_path / "data"
+    make_demo_dataset(data, DemoTaskConfig(n_sft=8, n_pref=16, n_ppo=4, n_eval=4, n_val=8))
+    run_ranks(_worker, world_size=1, data=str(data), exp=str(tmp_path / "exp"))
+    rows = [json.loads(line) for line in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()]
+    by_step = {}
+    for r in rows:
+        by_step.setdefault(r["step"], {}).update(r)
+    assert "val/accuracy" in by_step[2]  # step 2: validation, not a log step (5)
+    assert "val/accuracy" in by_step[3]  # the final validation
+    assert 1 not in by_step
+
+
+def test_rm_extra_validation_files_are_evaluated_under_their_names(tmp_path):
+    """The extra file holds the validation pairs with chosen and rejected swapped: its
+    accuracy must be exactly 1 - the validation accuracy and its margin the negated margin."""
+    import pytest
+
+    from nemo_rlhf.tasks.precedence import DemoTaskConfig, make_demo_dataset
+
+    data = tmp_path / "data"
+    make_demo_dataset(data, DemoTaskConfig(n_sft=8, n_pref=16, n_ppo=4, n_eval=4, n_val=8))
+    rows = [json.loads(line) for line in (data / "preference_val.jsonl").read_text().splitlines()]
+    swapped = [{**r, "chosen": r["rejected"], "rejected": r["chosen"]} for r in rows]
+    (data / "swapped.jsonl").write_text("".join(json.dumps(r) + "\n" for r in swapped))
+    run_ranks(_worker, world_size=1, data=str(data), exp=str(tmp_path / "exp"),
+              extra={"swapped": str(data / "swapped.jsonl")})
+    rows = [json.loads(line) for line in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()]
+    last = {}
+    for r in rows:
+        if r["step"] == 3:
+            last.update(r)
+    assert last["val_swapped/accuracy"] == pytest.approx(1 - last["val/accuracy"])
+    assert last["val_swapped/margin"] == pytest.approx(-last["val/margin"], abs=1e-6)
+
+
+def test_rm_extra_validation_names_must_be_identifiers():
+    import pytest
+
+    from nemo_rlhf.trainers.rm import RMConfig
+
+    with pytest.raises(ValueError, match="rm.extra_val_files: name 'same form'"):
+        RMConfig(extra_val_files={"same form": "x.jsonl"})
