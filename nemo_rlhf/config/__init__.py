@@ -23,6 +23,7 @@ RENAMED_KEYS: dict[str, str] = {
     "ppo.gae_lambda": "ppo.lam",
     "ppo.entropy_bonus": "ppo.entropy_coef",
     "kl.initial_policy_kl_penalty": "kl.init_kl_coef",
+    "ppo.grpo_norm_by_std": "ppo.norm_by_std",
 }
 """Training-job keys that moved, old -> new: one ``trainer`` / ``exp_manager`` vocabulary
 for PPO, SFT and RM (SFT/RM had ``trainer.save_interval``), and the PPO knobs under the

@@ -24,7 +24,7 @@ VARIED = ("rollout.max_new_tokens=8", "rollout.stop_token_ids=[3,4,5]")
 PACKED = ("ppo.max_tokens_per_micro_batch=40", "ppo.sequence_packing=true", "ppo.packed_row_length=40")
 RUNS = {
     "grpo": ("ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"),
-    "dr_grpo": ("ppo.advantage_estimator=grpo", "ppo.grpo_norm_by_std=false",
+    "dr_grpo": ("ppo.advantage_estimator=grpo", "ppo.norm_by_std=false",
                 "rollout.n_samples_per_prompt=4", "ppo.loss_agg_mode=seq-mean-token-sum-norm"),
     "rloo": ("ppo.advantage_estimator=rloo", "rollout.n_samples_per_prompt=2"),
     "reinforce_plus_plus": ("ppo.advantage_estimator=reinforce_plus_plus",),
@@ -76,7 +76,7 @@ PARITY = {
     "rloo": ("ppo.shuffle=false", "ppo.advantage_estimator=rloo", "rollout.n_samples_per_prompt=2"),
     "reinforce_plus_plus": ("rollout.greedy=true", "ppo.shuffle=false",
                             "ppo.advantage_estimator=reinforce_plus_plus"),
-    "dr_grpo": ("ppo.shuffle=false", "ppo.advantage_estimator=grpo", "ppo.grpo_norm_by_std=false",
+    "dr_grpo": ("ppo.shuffle=false", "ppo.advantage_estimator=grpo", "ppo.norm_by_std=false",
                 "rollout.n_samples_per_prompt=2", "ppo.loss_agg_mode=seq-mean-token-sum-norm"),
     # token-budget micro-batches of varied shapes (padding cut; sampled responses of varied
     # lengths): at PP=2 the stages send each activation's shape ahead of it

@@ -455,7 +455,7 @@ def _keyword_params(fn: Callable) -> List[str]:
 class AdvantageConfig:
     """Which advantage estimator runs and its parameters: the one place their defaults live
     (the PPO trainer's ``ppo.advantage_estimator``, ``ppo.gamma``,
-    ``ppo.lam`` and ``ppo.grpo_norm_by_std`` take theirs from here and build it);
+    ``ppo.lam`` and ``ppo.norm_by_std`` take theirs from here and build it);
     ``compute_advantages`` passes each estimator exactly the fields it reads.
     """
 

@@ -112,7 +112,7 @@ class PPOAlgoConfig:
     ``rollout.n_samples_per_prompt >= 2``. Also any name registered with
     :func:`~nemo_rlhf.algorithms.ppo.advantages.register_advantage_estimator`: what it needs
     is read from its :class:`~nemo_rlhf.algorithms.ppo.advantages.EstimatorTraits`."""
-    grpo_norm_by_std: bool = AdvantageConfig.norm_by_std
+    norm_by_std: bool = AdvantageConfig.norm_by_std
     """``grpo``: divide by the group's std (GRPO); false: Dr. GRPO (Liu et al. 2025)."""
     loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE
     """How token losses become one loss, always over global (all micro-batches, all DP
@@ -457,10 +457,10 @@ class PPOConfig:
 
     def advantage_config(self) -> AdvantageConfig:
         """The advantage estimator's settings (``ppo.advantage_estimator``, ``gamma``,
-        ``lam``, ``grpo_norm_by_std``) as the math takes them."""
+        ``lam``, ``norm_by_std``) as the math takes them."""
         p = self.ppo
         return AdvantageConfig(estimator=p.advantage_estimator, gamma=p.gamma, lam=p.lam,
-                               norm_by_std=p.grpo_norm_by_std)
+                               norm_by_std=p.norm_by_std)
 
     def objective(self) -> PPOObjective:
         """The PPO loss's settings (``ppo.clip_eps*``, ``dual_clip``, ``value_clip``,

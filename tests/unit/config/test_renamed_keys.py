@@ -70,22 +70,26 @@ def test_the_sft_entry_point_refuses_a_renamed_key_naming_the_new_one(tmp_path):
 
 
 PPO_RENAMES = {k: v for k, v in RENAMED_KEYS.items() if k.startswith(("ppo.", "kl."))}
+VALUES = {"ppo.norm_by_std": ("false", False)}
+"""A value of the key's type, as typed and as held, for the keys that are not floats."""
 
 
 @pytest.mark.parametrize("old,new", sorted(PPO_RENAMES.items()))
 def test_a_renamed_ppo_knob_is_refused_on_the_command_line_and_in_a_config(old, new):
     """The PPO knobs carry the math's names (clip_eps, gamma, lam, entropy_coef,
-    init_kl_coef): the old spelling is refused naming the new one, the new one is what the
+    init_kl_coef, norm_by_std): the old spelling is refused naming the new one, the new one is what the
     typed config holds."""
-    with pytest.raises(ValueError, match=rf"{old} was renamed {new} \(the same setting\): pass {new}=0.3"):
-        check_renamed_keys([f"{old}=0.3"])
+    text, value = VALUES.get(new, ("0.3", 0.3))
+    with pytest.raises(ValueError, match=rf"{old} was renamed {new} \(the same setting\): pass {new}={text}"):
+        check_renamed_keys([f"{old}={text}"])
     from nemo_rlhf.config import check_renamed_config
 
     section, leaf = old.split(".")
-    with pytest.raises(ValueError, match=rf"{old} was renamed {new}.*sets {old}=0.3; write {new} instead"):
-        check_renamed_config({section: {leaf: 0.3, "other": 1}})
-    cfg = typed_job("ppo", [f"{new}=0.3"])
-    assert getattr(getattr(cfg, new.split(".")[0]), new.split(".")[1]) == 0.3
+    with pytest.raises(ValueError, match=rf"{old} was renamed {new}.*sets {old}={value}; write {new} instead"):
+        check_renamed_config({section: {leaf: value, "other": 1}})
+    cfg = typed_job("ppo", [f"{new}={text}"])
+    assert getattr(getattr(cfg, new.split(".")[0]), new.split(".")[1]) == value
+    assert value != getattr(type(getattr(cfg, section))(), new.split(".")[1])  # not the default
     assert not hasattr(getattr(cfg, section), leaf)
 
 
