@@ -24,15 +24,25 @@ sequence) and the last stage hands the loss ``[rows, columns]`` outputs as witho
 
 Under pipeline parallelism the stages send each activation's shape ahead of it
 (megatron's ``variable_seq_lengths``).
+
+:func:`training_minibatches` is the update's schedule over one rollout: ``ppo_epochs``
+passes, each a permutation cut into mini-batches of ``global_batch_size / DP`` rows, each
+mini-batch cut into micro-batches (by ``micro_batch_size`` rows, or by the token budget).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 
 from nemo_rlhf.models.packing import first_fit_decreasing, pack_rows
+
+
+def chunk_slices(n: int, size: int) -> list[slice]:
+    """``[0, n)`` in consecutive slices of ``size`` (the last may be shorter)."""
+    return [slice(i, i + size) for i in range(0, n, size)]
 
 
 @dataclass(frozen=True)
@@ -200,3 +210,57 @@ def scatter_rows(plans: list[MicroBatchPlan], parts: list[torch.Tensor], batch_s
 
 
 __all__ = ["MicroBatchPlan", "plan_micro_batches", "row_extents", "scatter_rows", "take"]
+
+
+def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_length: int,
+                         attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                         device: torch.device, dp_sum: Callable[[torch.Tensor], torch.Tensor],
+                         seed: int) -> Iterator[tuple[list[dict], torch.Tensor, torch.Tensor, int]]:
+    """The update's mini-batches of one rollout on this DP rank, in training order.
+
+    Args:
+        c: the ``ppo`` section (``ppo_epochs``, ``shuffle``, ``micro_batch_size``,
+            ``max_tokens_per_micro_batch``, ``sequence_packing``, ``packed_row_length``).
+        tensors: ``name -> [B, ...]`` on ``device``, what the loss reads; its
+            ``response_mask [B, R]`` holds the tokens that train (rows left out: all 0).
+        rows_per_minibatch: ``global_batch_size / DP``.
+        prompt_length: ``P``, the prompt columns of the ``[B, P+R]`` block.
+        attention_mask / response_mask: ``[B, P+R]`` / ``[B, R]``, the rollout's (the
+            token budget's row extents: host metadata, read once).
+        device: ``dims.device``.
+        dp_sum: the sum over the DP group of a ``[2]`` float tensor on ``device``.
+        seed: the permutations' seed (a host ``torch.Generator``: the same order on every
+            device type).
+
+    Yields:
+        ``(micro-batches, n_tokens, n_seqs, computed)`` per mini-batch: the micro-batches'
+        tensors (packed ones carry ``"packed"``); the mini-batch's training tokens and its
+        rows with a training token, summed over DP (float tensors on ``device``: the
+        losses' global denominators); the ``rows x columns`` its micro-batches compute (a
+        host int).
+    """
+    loss_mask = tensors["response_mask"]
+    B = loss_mask.shape[0]
+    extents = (row_extents(attention_mask, response_mask, prompt_length)
+               if c.max_tokens_per_micro_batch else None)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    for _ in range(c.ppo_epochs):
+        order_host = (torch.randperm(B, generator=g, device="cpu") if c.shuffle
+                      else torch.arange(B, device="cpu"))
+        order = order_host.to(device)
+        for mb_slice in chunk_slices(B, rows_per_minibatch):
+            idx = order[mb_slice]
+            counts = torch.stack([loss_mask[idx].sum().float(), loss_mask[idx].any(-1).sum().float()])
+            n_tokens, n_seqs = dp_sum(counts)
+            if extents is None:
+                micro = [{k: v[idx[s]] for k, v in tensors.items()}
+                         for s in chunk_slices(len(idx), c.micro_batch_size)]
+            else:  # the token budget: rows packed, padding cut
+                rows = order_host[mb_slice].tolist()
+                micro = [take(p, tensors, prompt_length, device) for p in
+                         plan_micro_batches(*extents, prompt_length, rows, len(rows),
+                                            c.max_tokens_per_micro_batch, pack=c.sequence_packing,
+                                            row_length=c.packed_row_length)]
+            computed = sum(mb["packed"].tokens() if "packed" in mb else mb["input_ids"].numel()
+                           for mb in micro)
+            yield micro, n_tokens, n_seqs, computed

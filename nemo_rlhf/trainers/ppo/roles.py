@@ -26,12 +26,8 @@ import torch
 from nemo_rlhf.algorithms import ppo as P
 from nemo_rlhf.models.engine import finalize_grads, forward_backward
 from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs, response_values
-from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, scatter_rows, take
-
-
-def chunk_slices(n: int, size: int) -> list[slice]:
-    """``[0, n)`` in consecutive slices of ``size`` (the last may be shorter)."""
-    return [slice(i, i + size) for i in range(0, n, size)]
+from nemo_rlhf.trainers.ppo.micro_batches import (chunk_slices, plan_micro_batches, row_extents, scatter_rows,
+                                                  take)
 
 
 @contextmanager
@@ -381,4 +377,4 @@ def no_timers(_name: str):
 
 
 __all__ = ["CriticRole", "ForwardPasses", "NoCritic", "PolicyRole", "SeparateCritic",
-           "SharedValueHead", "build_critic_role", "chunk_slices", "eval_mode", "is_value_head"]
+           "SharedValueHead", "build_critic_role", "eval_mode", "is_value_head"]

@@ -48,10 +48,9 @@ from nemo_rlhf.trainers.loop import Experiment, Signals, fit
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.evaluation import HeldOutEvaluation, evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
-from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, take
+from nemo_rlhf.trainers.ppo.micro_batches import training_minibatches
 from nemo_rlhf.trainers.ppo.scoring import RewardScoringError, score_rollout
-from nemo_rlhf.trainers.ppo.roles import (CriticRole, ForwardPasses, PolicyRole, build_critic_role,
-                                          chunk_slices)
+from nemo_rlhf.trainers.ppo.roles import CriticRole, ForwardPasses, PolicyRole, build_critic_role
 from nemo_rlhf.trainers.ppo.state import (dp_group_slice, jsonable, log_prompt_ids, ppo_fingerprint,
                                           reward_change_message)
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
@@ -252,57 +251,38 @@ class PPOTrainer:
         """Step 6: ``ppo_epochs`` x mini-batches, one optimizer step each for the actor and
         for a critic with its own (during ``trainer.critic_warmup_steps`` only the critic
         trains); ``fwd`` / ``adv`` are None off the last pipeline stage."""
-        c, B, P_len = self.cfg.ppo, batch.input_ids.shape[0], batch.prompt_length
-        per_rank = c.global_batch_size // self.dims.dp
+        c, P_len = self.cfg.ppo, batch.prompt_length
         tensors, correction = training_tensors(self.cfg, self.critic, self.collectives, batch, fwd, adv)
-        loss_mask = tensors["response_mask"]  # [B, R]: the rows that train
         warmup = self.step < self.cfg.trainer.critic_warmup_steps
         actor_trains = not warmup or self.critic.warmup_trains_actor_head
+        variable_shapes = bool(c.max_tokens_per_micro_batch)  # the token budget's micro-batches
         self.model.train()  # training passes: dropout on (forward-only passes run in eval)
         self.critic.train()
         all_stats, norms, critic_norms, skipped = [], [], [], 0
         computed_tokens = 0  # rows x columns of every training micro-batch (shapes: host ints)
-        extents = (row_extents(batch.attention_mask, batch.response_mask, P_len)
-                   if c.max_tokens_per_micro_batch else None)  # host metadata, once per step
-        # host permutation (the same order on every device type), moved to the device
-        g = torch.Generator(device="cpu").manual_seed(self.cfg.trainer.seed + self.step)
-        for _ in range(c.ppo_epochs):
-            order_host = (torch.randperm(B, generator=g, device="cpu") if c.shuffle
-                          else torch.arange(B, device="cpu"))
-            order = order_host.to(self.dims.device)
-            for mb_slice in chunk_slices(B, per_rank):
-                idx = order[mb_slice]
-                counts = torch.stack([loss_mask[idx].sum().float(), loss_mask[idx].any(-1).sum().float()])
-                n_tokens, n_seqs = self.collectives.dp_sum(counts)
-                if extents is None:
-                    micro = [{k: v[idx[s]] for k, v in tensors.items()}
-                             for s in chunk_slices(len(idx), c.micro_batch_size)]
-                else:  # the token budget: rows packed, padding cut
-                    rows = order_host[mb_slice].tolist()
-                    micro = [take(p, tensors, P_len, self.dims.device) for p in
-                             plan_micro_batches(*extents, P_len, rows, len(rows),
-                                                c.max_tokens_per_micro_batch, pack=c.sequence_packing,
-                                                row_length=c.packed_row_length)]
-                computed_tokens += sum(mb["packed"].tokens() if "packed" in mb else mb["input_ids"].numel()
-                                       for mb in micro)
-                res, stepped = [], True
-                if actor_trains:
-                    res, stepped, norm = self.actor.train_minibatch(
-                        micro, self.actor.loss_fn(self.objective, n_tokens, n_seqs, P_len, value_only=warmup),
-                        P_len, variable_shapes=extents is not None, value_head_only=warmup)
-                    norms.append(norm)
-                critic_out = self.critic.train_minibatch(micro, self.objective, n_tokens, n_seqs, P_len,
-                                                         variable_shapes=extents is not None)
-                if critic_out is not None:
-                    critic_res, critic_stepped, critic_norm = critic_out
-                    critic_norms.append(critic_norm)
-                    stepped = stepped and critic_stepped
-                    res = [{**c_, **a} for c_, a in zip(critic_res, res)] if res else critic_res
-                maybe_crash("update", self.step + 1)
-                skipped += int(not stepped)
-                self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
-                if res:
-                    all_stats.append(self.collectives.dp_reduce_stats(P.merge_token_stats(res)))
+        for micro, n_tokens, n_seqs, computed in training_minibatches(
+                c, tensors, c.global_batch_size // self.dims.dp, P_len, batch.attention_mask,
+                batch.response_mask, self.dims.device, self.collectives.dp_sum,
+                seed=self.cfg.trainer.seed + self.step):
+            computed_tokens += computed
+            res, stepped = [], True
+            if actor_trains:
+                res, stepped, norm = self.actor.train_minibatch(
+                    micro, self.actor.loss_fn(self.objective, n_tokens, n_seqs, P_len, value_only=warmup),
+                    P_len, variable_shapes=variable_shapes, value_head_only=warmup)
+                norms.append(norm)
+            critic_out = self.critic.train_minibatch(micro, self.objective, n_tokens, n_seqs, P_len,
+                                                     variable_shapes=variable_shapes)
+            if critic_out is not None:
+                critic_res, critic_stepped, critic_norm = critic_out
+                critic_norms.append(critic_norm)
+                stepped = stepped and critic_stepped
+                res = [{**c_, **a} for c_, a in zip(critic_res, res)] if res else critic_res
+            maybe_crash("update", self.step + 1)
+            skipped += int(not stepped)
+            self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
+            if res:
+                all_stats.append(self.collectives.dp_reduce_stats(P.merge_token_stats(res)))
         out = update_metrics(all_stats, norms, critic_norms)
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
