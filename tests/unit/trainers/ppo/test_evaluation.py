@@ -7,15 +7,22 @@ import types
 
 import pytest
 
+from nemo_rlhf.reward.functions import register_reward_function
 from nemo_rlhf.trainers.ppo import evaluation
 from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig, RewardConfig
 
 
+@register_reward_function("test_evaluation_judge")
+def _judge(prompts, responses, extras):
+    return [0.0] * len(responses)
+
+
 def test_the_judge_is_checked_when_the_config_is_built():
-    with pytest.raises(ValueError, match=r"trainer.eval_judge='nope': valid choices are \["):
+    with pytest.raises(ValueError, match=r"trainer.eval_judge='nope': valid choices are \[.*'test_evaluation_judge'"):
         PPOTrainerConfig(eval_judge="nope")
     PPOTrainerConfig(eval_judge="http://judge:5555")
-    PPOTrainerConfig(eval_judge="two_digit_addition")
+    PPOTrainerConfig(eval_judge="test_evaluation_judge")
+    PPOTrainerConfig(eval_judge="mypkg.judges:not_imported_yet")
 
 
 def test_a_judge_url_scores_through_the_rm_client(monkeypatch):
