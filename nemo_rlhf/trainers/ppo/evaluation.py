@@ -100,7 +100,7 @@ def evaluate_policy(trainer) -> dict:
             judge = state.judge()
             judged = None if judge is None else [float(x) for x in judge(
                 [r.prompt for r in rows], texts, [r.extras for r in rows])]
-            initial_scores = None
+            initial_scores = initial_valid = None
             if state.rescore_initial and state.initial is not None:
                 # the initial policy's responses, judged again by the new reward
                 initial = trainer.reward.score([r.prompt for r in rows],
@@ -108,8 +108,12 @@ def evaluate_policy(trainer) -> dict:
                                                [r.extras for r in rows], update_stats=False,
                                                normalize=False)
                 initial_scores = initial.scores.tolist()
-            result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(),
-                      "initial_scores": initial_scores, "judge": judged,
+                initial_valid = (initial.valid.tolist() if initial.valid is not None
+                                 else [True] * len(rows))
+            valid = out.valid.tolist() if out.valid is not None else [True] * len(rows)
+            result = {"idx": mine, "texts": texts, "scores": out.scores.tolist(), "valid": valid,
+                      "skipping": out.skipping,
+                      "initial_scores": initial_scores, "initial_valid": initial_valid, "judge": judged,
                       "correct": list(correct), "extra": extra,
                       "per_source": {k: v.tolist() for k, v in out.per_source.items()},
                       "lengths": batch.response_lengths.tolist(), "rep": reps}
@@ -123,7 +127,7 @@ def evaluate_policy(trainer) -> dict:
     merged = {}
     for r in rows:
         for j, i in enumerate(r["idx"]):
-            merged[i] = {"text": r["texts"][j], "score": r["scores"][j],
+            merged[i] = {"text": r["texts"][j], "score": r["scores"][j], "valid": r["valid"][j],
                          "correct": r["correct"][j],
                          "extra": {k: v[j] for k, v in r["extra"].items()},
                          "src": {k: v[j] for k, v in r["per_source"].items()},
@@ -138,9 +142,11 @@ def evaluate_policy(trainer) -> dict:
         if r.get("initial_scores") is not None:
             for j, i in enumerate(r["idx"]):
                 state.initial[i]["score"] = r["initial_scores"][j]
+                state.initial[i]["valid"] = r["initial_valid"][j]
     state.rescore_initial = False
+    scored = [x for x in items if x["valid"]]  # reward.invalid_scores=skip: the valid scores
     metrics = {
-        "eval/reward": sum(x["score"] for x in items) / len(items),
+        "eval/reward": _mean([x["score"] for x in scored]),
         "eval/response_length": sum(x["len"] for x in items) / len(items),
         "eval/repetition": sum(x["rep"] for x in items) / len(items),
     }
@@ -148,8 +154,10 @@ def evaluate_policy(trainer) -> dict:
         metrics["eval/accuracy"] = sum(x["correct"] for x in items) / len(items)
     for name in items[0]["extra"]:
         metrics[f"eval/{name}"] = sum(x["extra"][name] for x in items) / len(items)
+    if rows[0]["skipping"]:
+        metrics["eval/invalid_scores"] = float(len(items) - len(scored))
     for name in items[0]["src"]:
-        metrics[f"eval/{name}"] = sum(x["src"][name] for x in items) / len(items)
+        metrics[f"eval/{name}"] = _mean([x["src"][name] for x in scored])
     if "judge" in items[0]:
         metrics["eval/judge_score"] = sum(x["judge"] for x in items) / len(items)
     if state.initial is None:
@@ -161,11 +169,17 @@ def evaluate_policy(trainer) -> dict:
     return metrics
 
 
+def _mean(values: list[float]) -> float:
+    """The mean, NaN for no values (every held-out score invalid)."""
+    return sum(values) / len(values) if values else float("nan")
+
+
 def win_rate(items: list[dict], initial: list[dict], key: str) -> float:
     """Share of prompts whose response scores higher by ``key`` than the initial policy's
-    response to the same prompt (a tie counts 1/2)."""
-    wins = [1.0 if a[key] > b[key] else 0.5 if a[key] == b[key] else 0.0 for a, b in zip(items, initial)]
-    return sum(wins) / len(wins)
+    response to the same prompt (a tie counts 1/2), over the prompts where both scores are
+    valid (``"valid"``, default True; NaN when there is none)."""
+    pairs = [(a[key], b[key]) for a, b in zip(items, initial) if a.get("valid", True) and b.get("valid", True)]
+    return _mean([1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs])
 
 
 def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict]) -> Path:

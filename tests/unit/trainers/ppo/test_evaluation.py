@@ -3,6 +3,7 @@ time; the URL form scores through the RM client."""
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -50,3 +51,45 @@ def test_win_rate_counts_ties_as_half():
     now = [{"s": 2.0}, {"s": 1.0}, {"s": 0.0}]
     before = [{"s": 1.0}, {"s": 1.0}, {"s": 1.0}]
     assert evaluation.win_rate(now, before, "s") == pytest.approx(0.5)
+
+
+def test_win_rate_leaves_out_prompts_whose_score_is_invalid():
+    now = [{"s": 2.0}, {"s": float("nan"), "valid": False}, {"s": 0.0}]
+    before = [{"s": 1.0}, {"s": 1.0}, {"s": 1.0, "valid": False}]
+    assert evaluation.win_rate(now, before, "s") == 1.0  # only the first pair counts
+    assert math.isnan(evaluation.win_rate(now[1:], before[1:], "s"))
+
+
+def test_heldout_metrics_leave_out_invalid_scores_under_skip(tmp_path):
+    """``reward.invalid_scores=skip``: a held-out response whose score is NaN is left out of
+    ``eval/reward``, the per-source means and the win rate, and counted in
+    ``eval/invalid_scores`` (the metrics were NaN before)."""
+    import torch
+
+    from nemo_rlhf.reward.functions import CombinedReward, RewardFunctionScorer, WeightedSource
+    from tests.single_rank import single_rank
+
+    def scores(prompts, responses, extras):
+        return [float("nan") if r == "bad" else float(len(r)) for r in responses]
+
+    texts = ["ab", "bad", "abcd"]
+    batch = types.SimpleNamespace(response_ids=torch.ones(3, 2, dtype=torch.long),
+                                  response_mask=torch.ones(3, 2, dtype=torch.bool),
+                                  response_lengths=torch.tensor([2, 3, 4]))
+    reward = CombinedReward([WeightedSource("f", RewardFunctionScorer(scores))], invalid_scores="skip")
+    cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(max_eval_samples=3), reward=RewardConfig(),
+                                exp_manager=types.SimpleNamespace(exp_dir=str(tmp_path)))
+    with single_rank() as dims:
+        trainer = types.SimpleNamespace(
+            cfg=cfg, dims=dims, reward=reward, is_mp_src=True, step=0,
+            eval_prompts=[types.SimpleNamespace(prompt=f"p{i}", extras={}) for i in range(3)],
+            eval_encoded=[[1], [2], [3]], evaluation=evaluation.HeldOutEvaluation(cfg, has_prompts=True),
+            generate=lambda prompts, greedy: batch, response_texts=lambda b: texts,
+            raise_if_scoring_failed=lambda failure: None)
+        first = evaluation.evaluate_policy(trainer)
+        texts[:] = ["abc", "bad", "a"]
+        second = evaluation.evaluate_policy(trainer)
+    assert first["eval/reward"] == 3.0 and first["eval/f"] == 3.0  # (2 + 4) / 2
+    assert first["eval/invalid_scores"] == 1.0
+    assert second["eval/reward"] == 2.0  # (3 + 1) / 2
+    assert second["eval/win_rate_vs_initial"] == 0.5  # 3 > 2, 1 < 4; the invalid pair left out
