@@ -38,8 +38,9 @@ RECOMPUTE_MODULES = ("core_attn", "mlp")
 recompute needs transformer-engine)."""
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "auto")
 """``trainer.precision`` choices; ``auto`` is resolved once at start-up (:func:`resolve_precision`)."""
-AUTO_BF16_MIN_SPEEDUP = 1.2
-"""``auto`` picks bf16-mixed on the host only when a bf16 GEMM is at least this much faster."""
+HOST_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+"""CPU flags (``/proc/cpuinfo``) of the bf16 dot-product instructions that make a host bf16
+GEMM faster than fp32 (AMX; AVX-512 BF16); without them bf16 is emulated and slower."""
 
 
 @dataclass
@@ -228,18 +229,64 @@ def host_gemm_gflops(n: int = 256, reps: int = 3) -> dict[str, float]:
     return out
 
 
-def resolve_precision(precision: str, device: torch.device, probe=host_gemm_gflops) -> tuple[str, str]:
+def cpu_flags(path: str = "/proc/cpuinfo") -> Optional[set]:
+    """The CPU's feature flags (the first ``flags`` line of ``path``), None where unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return None
+
+
+def host_bf16(flags: Optional[set] = None, capability: Optional[str] = None,
+              env: Optional[dict] = None) -> tuple[bool, str]:
+    """Whether host bf16 GEMMs run on bf16 instructions, from what the machine *is*, not how
+    busy it is: a bf16 dot-product flag (:data:`HOST_BF16_FLAGS`), torch's kernels at the
+    AVX-512 level (``torch.backends.cpu.get_cpu_capability()``, which honours
+    ``ATEN_CPU_CAPABILITY``), and oneDNN not capped below it (``ONEDNN_MAX_CPU_ISA``).
+
+    Args:
+        flags / capability / env: the CPU flags, torch's capability and the environment
+            (None: this machine's; tests pass their own).
+
+    Returns:
+        ``(fast, reason)``.
+    """
+    import os
+
+    flags = cpu_flags() if flags is None else flags
+    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    env = os.environ if env is None else env
+    if flags is None:
+        return False, "CPU flags unreadable (no /proc/cpuinfo)"
+    have = [f for f in HOST_BF16_FLAGS if f in flags]
+    if not have:
+        return False, f"the CPU has none of {list(HOST_BF16_FLAGS)}: bf16 GEMMs are emulated"
+    if not capability.upper().startswith("AVX512"):
+        return False, f"torch's CPU kernels are {capability} (ATEN_CPU_CAPABILITY?), below AVX-512"
+    isa = env.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if isa and isa != "ALL" and "BF16" not in isa and "AMX" not in isa:
+        return False, f"ONEDNN_MAX_CPU_ISA={isa} caps oneDNN below its bf16 kernels"
+    return True, f"the CPU has {', '.join(have)} and torch's kernels are {capability}"
+
+
+def resolve_precision(precision: str, device: torch.device, host_bf16=host_bf16) -> tuple[str, str]:
     """The concrete ``trainer.precision`` for ``auto`` (others are returned as they are).
 
-    On CUDA: ``bf16-mixed`` where the GPU supports bf16, else ``32``. On the host: a short
-    GEMM probe; ``bf16-mixed`` only if bf16 is at least :data:`AUTO_BF16_MIN_SPEEDUP` times
-    faster than fp32 (log-probs, KL, advantages and losses stay fp32 either way). Call it
-    on one rank and broadcast the choice (timings differ between processes).
+    On CUDA: ``bf16-mixed`` where the GPU supports bf16, else ``32``. On the host:
+    ``bf16-mixed`` where the CPU has bf16 instructions that torch uses (:func:`host_bf16`),
+    else ``32``; log-probs, KL, advantages and losses stay fp32 either way. The choice
+    depends on the machine only, never on its load (a timing probe, used before, read bf16
+    slower than fp32 while other jobs shared the cores). Called on one rank
+    and broadcast (:func:`agree_on_precision`).
 
     Args:
         precision: ``trainer.precision``.
         device: ``dims.device``.
-        probe: ``() -> {"fp32": GFLOP/s, "bf16": GFLOP/s}`` (tests pass a fake).
+        host_bf16: ``() -> (fast, reason)`` (tests pass a fake).
 
     Returns:
         ``(precision, reason)``: the concrete choice and a sentence saying why.
@@ -251,11 +298,8 @@ def resolve_precision(precision: str, device: torch.device, probe=host_gemm_gflo
     if device.type == "cuda":
         ok = torch.cuda.is_bf16_supported()
         return ("bf16-mixed" if ok else "32"), f"CUDA device {'supports' if ok else 'lacks'} bf16"
-    rates = probe()
-    fast = rates["bf16"] >= AUTO_BF16_MIN_SPEEDUP * rates["fp32"]
-    return ("bf16-mixed" if fast else "32"), (
-        f"host GEMM probe: bf16 {rates['bf16']:.1f} vs fp32 {rates['fp32']:.1f} GFLOP/s "
-        f"(bf16 needs >= {AUTO_BF16_MIN_SPEEDUP}x)")
+    fast, reason = host_bf16()
+    return ("bf16-mixed" if fast else "32"), reason
 
 
 def agree_on_precision(precision: str, dims) -> str:

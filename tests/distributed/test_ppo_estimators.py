@@ -230,14 +230,11 @@ def test_kl_in_the_loss_instead_of_the_reward(single):
 
 
 def test_precision_auto_is_resolved_to_a_concrete_choice_before_the_build(single):
-    from nemo_rlhf.models.config import host_gemm_gflops
+    from nemo_rlhf.models.config import host_bf16
 
-    rates = host_gemm_gflops()
-    expected = "bf16-mixed" if rates["bf16"] >= 1.2 * rates["fp32"] else "32"
+    expected = "bf16-mixed" if host_bf16()[0] else "32"  # the machine's, whatever its load
     run = single["precision_auto"]
-    assert run["precision"] in ("32", "bf16-mixed")
-    if max(rates.values()) > 3 * min(rates.values()):  # a clear case: the probe must agree
-        assert run["precision"] == expected
+    assert run["precision"] == expected
     assert all(torch.isfinite(torch.tensor(m["grad_norm"])) for m in run["metrics"])
 
 

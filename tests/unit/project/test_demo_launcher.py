@@ -132,9 +132,7 @@ def test_the_smollm2_recipe_follows_the_precision_auto_resolves_to(monkeypatch, 
     import launchers.demo as demo
     import nemo_rlhf.models.config as mc
 
-    rates = {"fp32": 50.0, "bf16": 250.0 if bf16_fast else 1.0}
-    monkeypatch.setattr(mc, "host_gemm_gflops", lambda: rates)
-    monkeypatch.setattr(mc.resolve_precision, "__defaults__", (lambda: rates,))
+    monkeypatch.setattr(mc.resolve_precision, "__defaults__", (lambda: (bf16_fast, "fake"),))
     seen = {}
     monkeypatch.setattr(demo, "run_smollm2", lambda a: seen.update(vars(a)) or 0)
     assert demo.main([]) == 0
