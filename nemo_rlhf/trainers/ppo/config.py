@@ -401,6 +401,16 @@ class GuardConfig:
     """Evaluations between the two compared ones (>= 1)."""
     gold_min_drop: float = 0.0
     """How far (absolute) the gold metric must fall to trigger (>= 0)."""
+    gold_min_gain: Optional[float] = None
+    """"Reward up, quality flat": trigger when ``proxy_metric`` rose by more than
+    ``proxy_min_rise`` while ``gold_metric`` rose by less than this (absolute) between the
+    compared evaluations (null: off)."""
+    proxy_min_rise: float = 0.0
+    """With ``gold_min_gain``: the proxy's rise (absolute) that counts as a rise (>= 0)."""
+    kl_over_target: Optional[float] = None
+    """With ``kl.type=adaptive``: trigger when ``kl_mean`` exceeds this multiple of
+    ``kl.target`` at every step of a whole window (``window + 1`` steps): the controller
+    is not holding its target (null: off)."""
 
     def __post_init__(self) -> None:
         check_choice("guards.action", self.action, GUARD_ACTIONS)
@@ -410,6 +420,10 @@ class GuardConfig:
             raise ValueError(f"guards.gold_window={self.gold_window}: must be >= 1")
         if self.gold_min_drop < 0:
             raise ValueError(f"guards.gold_min_drop={self.gold_min_drop}: must be >= 0")
+        if self.proxy_min_rise < 0:
+            raise ValueError(f"guards.proxy_min_rise={self.proxy_min_rise}: must be >= 0")
+        if self.kl_over_target is not None and self.kl_over_target <= 0:
+            raise ValueError(f"guards.kl_over_target={self.kl_over_target}: must be > 0 (null: off)")
 
 
 @dataclass

@@ -2,9 +2,11 @@
 
 The guard watches the signs the PPO-RLHF literature lists for reward hacking (the seed
 chapter's failure table): over a window of steps the reward rises while responses get
-much longer or more repetitive, or the KL to the reference exceeds a ceiling; and, over the
-held-out evaluations, the reward rises while a trusted ("gold") metric falls (the chapter's
-check that the reward and the metric it stands for move together). It either warns or asks
+much longer or more repetitive, the KL to the reference exceeds a ceiling, or (adaptive KL)
+stays above a multiple of its target over a whole window; and, over the held-out
+evaluations, the reward rises while a trusted ("gold") metric falls, or rises clearly while
+the gold metric does not (the chapter's check that the reward and the metric it stands for
+move together: "reward up, KL up" and "reward up, quality flat" are its danger rows). It either warns or asks
 the trainer to save and stop, with a message naming the metrics and values.
 """
 
@@ -49,27 +51,44 @@ class RewardHackingGuard:
             evaluation compares it with the one ``gold_window`` evaluations earlier.
         gold_min_drop: how far (absolute) the gold metric must fall, with the proxy rising,
             to trigger (``>= 0``; e.g. 0.02 ignores one problem in 100 of noise).
+        proxy_min_rise: with ``gold_min_gain``: how far (absolute) the proxy must rise
+            between the compared evaluations for the "quality flat" check (``>= 0``).
+        gold_min_gain: trigger when the proxy rose by more than ``proxy_min_rise`` while
+            the gold metric rose by less than this (absolute; None: off).
+        kl_target: the adaptive KL controller's target (``kl.target``; None: a fixed
+            coefficient, no target).
+        kl_over_target: trigger when ``kl_mean`` exceeds ``kl_over_target * kl_target`` at
+            every step of a whole window (``window + 1`` steps; None: off).
 
     Raises:
-        ValueError: ``window < 1``, ``gold_window < 1`` or ``gold_min_drop < 0``.
+        ValueError: ``window < 1``, ``gold_window < 1``, ``gold_min_drop < 0``,
+        ``proxy_min_rise < 0`` or ``kl_over_target <= 0``.
     """
 
     def __init__(self, window: int, max_length_growth: float, max_repetition: float,
                  kl_ceiling: float, gold_metric: Optional[str] = None,
                  proxy_metric: str = "eval/reward", gold_window: int = 2,
-                 gold_min_drop: float = 0.0):
+                 gold_min_drop: float = 0.0, proxy_min_rise: float = 0.0,
+                 gold_min_gain: Optional[float] = None, kl_target: Optional[float] = None,
+                 kl_over_target: Optional[float] = None):
         if window < 1:
             raise ValueError(f"guards.window={window}: must be >= 1")
         if gold_window < 1:
             raise ValueError(f"guards.gold_window={gold_window}: must be >= 1")
         if gold_min_drop < 0:
             raise ValueError(f"guards.gold_min_drop={gold_min_drop}: must be >= 0")
+        if proxy_min_rise < 0:
+            raise ValueError(f"guards.proxy_min_rise={proxy_min_rise}: must be >= 0")
+        if kl_over_target is not None and kl_over_target <= 0:
+            raise ValueError(f"guards.kl_over_target={kl_over_target}: must be > 0 (null: off)")
         self.window = window
         self.max_length_growth = max_length_growth
         self.max_repetition = max_repetition
         self.kl_ceiling = kl_ceiling
         self.gold_metric, self.proxy_metric = gold_metric, proxy_metric
         self.gold_min_drop = gold_min_drop
+        self.proxy_min_rise, self.gold_min_gain = proxy_min_rise, gold_min_gain
+        self.kl_target, self.kl_over_target = kl_target, kl_over_target
         self.history: deque = deque(maxlen=window + 1)
         self.evals: deque = deque(maxlen=gold_window + 1)
 
@@ -90,6 +109,14 @@ class RewardHackingGuard:
         if len(self.history) < self.history.maxlen:
             return None
         first, last = self.history[0], self.history[-1]
+        if self.kl_over_target is not None and self.kl_target is not None:
+            bound = self.kl_over_target * self.kl_target
+            if all(h["kl_mean"] > bound for h in self.history):
+                return (f"kl_mean stayed above guards.kl_over_target={self.kl_over_target} x "
+                        f"kl.target={self.kl_target} = {bound:.3f} at every step "
+                        f"{first['step']}-{last['step']} (last {last['kl_mean']:.3f}): the adaptive "
+                        f"KL controller is not holding its target (raise kl.init_kl_coef, lower "
+                        f"kl.horizon or optim.lr)")
         key = "reward_raw_mean" if "reward_raw_mean" in first and "reward_raw_mean" in last \
             else "reward_mean"
         if last[key] <= first[key]:
@@ -122,6 +149,14 @@ class RewardHackingGuard:
                     f"guards.gold_min_drop={self.gold_min_drop}) between the evaluations at "
                     f"steps {first['step']} and {last['step']}: the reward no longer tracks the "
                     f"metric it stands for (reward hacking / RM over-optimisation)")
+        if (self.gold_min_gain is not None and last["proxy"] - first["proxy"] > self.proxy_min_rise
+                and last["gold"] - first["gold"] < self.gold_min_gain):
+            return (f"{p} rose {first['proxy']:.4f}->{last['proxy']:.4f} (more than "
+                    f"guards.proxy_min_rise={self.proxy_min_rise}) while the gold metric {g} went "
+                    f"{first['gold']:.4f}->{last['gold']:.4f} (less than guards.gold_min_gain="
+                    f"{self.gold_min_gain}) between the evaluations at steps {first['step']} and "
+                    f"{last['step']}: the reward rises without the quality it stands for (RM "
+                    f"over-optimisation, or a reward that does not measure the task)")
         return None
 
     def reset(self) -> None:

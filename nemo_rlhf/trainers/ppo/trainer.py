@@ -95,9 +95,10 @@ class PPOTrainer:
         self.signals = signals or Signals()
         self.logger: Optional[MetricsLogger] = None
         g = cfg.guards
-        self.guard = RewardHackingGuard(g.window, g.max_length_growth, g.max_repetition,
-                                        g.kl_ceiling, g.gold_metric, g.proxy_metric,
-                                        g.gold_window, g.gold_min_drop)
+        self.guard = RewardHackingGuard(
+            g.window, g.max_length_growth, g.max_repetition, g.kl_ceiling, g.gold_metric, g.proxy_metric,
+            g.gold_window, g.gold_min_drop, g.proxy_min_rise, g.gold_min_gain,
+            kl_target=cfg.kl.target if cfg.kl.type == "adaptive" else None, kl_over_target=g.kl_over_target)
         self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)
         self.sampler = ResumableSampler(len(prompts), cfg.trainer.seed, cfg.ppo.shuffle)
         self.advantage_cfg, self.objective = cfg.advantage_config(), cfg.objective()

@@ -284,3 +284,35 @@ def test_gold_settings_are_validated():
         GuardConfig(gold_min_drop=-0.1)
     with pytest.raises(ValueError, match="guards.gold_window=0"):
         _gold(gold_window=0)
+
+
+# --- "reward up, quality flat" and "KL over its target" (issue 40) -------------------------
+
+def test_reward_up_with_the_gold_metric_flat_fires_only_when_asked():
+    """The run of issue 40: the held-out RM reward rose 1.39 -> 6.11 while accuracy stayed
+    at 0 (it did not *fall*, so the divergence check was silent)."""
+    rows = _evals([(1.39, 0.0), (6.11, 0.0)])
+    assert _feed(_gold(), rows) == {}  # off by default
+    flat = lambda **kw: RewardHackingGuard(4, 10.0, 1.0, 1e9, "eval/accuracy", "eval/reward", 1,  # noqa: E731
+                                           0.0, **kw)
+    fired = _feed(flat(proxy_min_rise=1.0, gold_min_gain=0.01), rows)
+    assert list(fired) == [10]
+    assert "eval/reward rose 1.3900->6.1100" in fired[10] and "less than guards.gold_min_gain=0.01" in fired[10]
+    assert _feed(flat(proxy_min_rise=5.0, gold_min_gain=0.01), rows) == {}  # the rise is too small
+    assert _feed(flat(proxy_min_rise=1.0, gold_min_gain=0.01), _evals([(1.39, 0.0), (6.11, 0.2)])) == {}
+
+
+def test_kl_held_above_its_target_over_a_window_fires_and_a_passing_excursion_does_not():
+    """Seed 3 of issue 40: kl_mean 9.23 against an adaptive target of 6."""
+    make = lambda: RewardHackingGuard(3, 10.0, 1.0, 1e9, kl_target=6.0, kl_over_target=1.25)  # noqa: E731
+    high = [{"reward_mean": 0.0, "response_length": 10.0, "kl_mean": 9.23}] * 6
+    fired = _feed(make(), high)
+    assert list(fired)[0] == 4  # the first whole window: steps 1-4
+    assert "kl.target=6.0 = 7.500 at every step 1-4" in fired[4]
+    spike = [{"reward_mean": 0.0, "response_length": 10.0, "kl_mean": k} for k in (5, 9, 9, 6, 9, 9, 5)]
+    assert _feed(make(), spike) == {}  # never above 7.5 for 4 steps in a row
+    assert _feed(RewardHackingGuard(3, 10.0, 1.0, 1e9, kl_target=None, kl_over_target=1.25), high) == {}
+    with pytest.raises(ValueError, match="guards.kl_over_target=0"):
+        GuardConfig(kl_over_target=0)
+    with pytest.raises(ValueError, match="guards.proxy_min_rise=-1"):
+        GuardConfig(proxy_min_rise=-1)
