@@ -94,7 +94,7 @@ def _ppo_evaluation(exp: Path, step: int, num_examples: int = 8) -> dict | None:
     ``<exp>/eval_samples/step_<step>.jsonl``) in the form of ``nemo_rlhf.evaluate``'s
     output: ``accuracy`` (the ``correct`` column: ``trainer.eval_checker``),
     ``just_the_number`` when that checker ran, ``mean_response_length`` (tokens) and the
-    first ``num_examples`` rows as ``examples`` (``score``: the checker's). ``None`` when
+    first ``num_examples`` rows as ``examples`` (``correct``: the checker's). ``None`` when
     the run did not evaluate that step (``trainer.val_check_interval=0``): the caller then
     runs ``nemo_rlhf.evaluate`` itself. The demo measured both on the same checkpoints:
     14.0% / 14.385 tokens at step 0 and 53.5% / 11.815 at step 10 from each."""
@@ -107,7 +107,7 @@ def _ppo_evaluation(exp: Path, step: int, num_examples: int = 8) -> dict | None:
     out = {"checkpoint": f"{exp} step {step}", "source": str(path), "num_responses": len(rows),
            "accuracy": sum(r["correct"] for r in rows) / len(rows),
            "mean_response_length": sum(r["length"] for r in rows) / len(rows),
-           "examples": [{"prompt": r["prompt"], "response": r["response"], "score": r["correct"]}
+           "examples": [{"prompt": r["prompt"], "response": r["response"], "correct": r["correct"]}
                         for r in rows[:num_examples]]}
     if all("just_the_number" in r for r in rows):
         out["just_the_number"] = sum(r["just_the_number"] for r in rows) / len(rows)
@@ -407,8 +407,8 @@ def run_smollm2(a) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n=== before / after PPO (held-out, greedy) ===")
     for before, after in zip(baseline["examples"], final["examples"]):
-        print(f"{before['prompt']!r}\n   before: {before['response']!r} ({before['score']:.0f})"
-              f"\n   after : {after['response']!r} ({after['score']:.0f})")
+        print(f"{before['prompt']!r}\n   before: {before['response']!r} ({before['correct']:.0f})"
+              f"\n   after : {after['response']!r} ({after['correct']:.0f})")
     print("\n=== demo summary (SmolLM2-135M-Instruct, two-digit addition) ===")
     print(f"baseline held-out accuracy : {100 * baseline['accuracy']:.1f}% "
           f"(format: just the number {100 * baseline.get('just_the_number', 0):.1f}%)")

@@ -119,7 +119,8 @@ class EvalConfig:
     num_samples: int = 1
     """Responses per prompt (> 1 needs ``temperature > 0``)."""
     samples_out: Optional[str] = None
-    """Also write every response as JSONL ``{"prompt", "response", "score", ...extras}`` (plus
+    """Also write every response as JSONL ``{"prompt", "response", "correct", ...extras}``
+    (``correct``: the checker's score, the name the trainer's ``eval_samples`` use; plus
     ``rm_score`` / ``kl_to_reference`` when measured; ``step`` and ``checkpoint`` when more
     than one checkpoint is evaluated: one file, rows in checkpoint order)."""
     extra_checkers: list[str] = field(default_factory=list)
@@ -504,7 +505,7 @@ def _evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, 
         "load_report": {"rows_read": ds.report.rows_read, "rows_kept": ds.report.rows_kept,
                         "invalid": ds.report.invalid, "dropped_overlong": ds.report.dropped_overlong},
         "time_s": time.perf_counter() - start,
-        "examples": [{"prompt": samples[i].prompt, "response": r, "score": scores[j], **samples[i].extras,
+        "examples": [{"prompt": samples[i].prompt, "response": r, "correct": scores[j], **samples[i].extras,
                       **({"rm_score": rm_out[j]} if rm is not None else {})}
                      for j, ((i, _), r, *_) in enumerate(results[:cfg.num_examples])],
     }
@@ -512,7 +513,7 @@ def _evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, 
     if cfg.samples_out:
         for j, ((i, k), r, length, ended, _rep, _kl) in enumerate(results):
             sample_rows.append({
-                "prompt": samples[i].prompt, "response": r, "score": scores[j], "sample": k,
+                "prompt": samples[i].prompt, "response": r, "correct": scores[j], "sample": k,
                 "response_length": length, "ended": ended,
                 **{name: v[j] for name, v in extra_scores.items()},
                 **({"rm_score": float(rm_out[j])} if rm is not None else {}),
@@ -521,7 +522,7 @@ def _evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, 
     if dims.rank == 0:
         for ex in out["examples"]:
             rm_part = f"  rm={ex['rm_score']:.4f}" if "rm_score" in ex else ""
-            print(f"  {ex['prompt']!r} -> {ex['response']!r}  score={ex['score']}{rm_part}")
+            print(f"  {ex['prompt']!r} -> {ex['response']!r}  correct={ex['correct']}{rm_part}")
         extra = "".join(f", {name} {out[name]:.4f}" for name in [*extra_scores, *measured, "repetition"])
         prefix, suffix = (f"step {out['step']} ({path}): ", "") if multi else ("", f" -> {cfg.out}")
         print(f"{prefix}{cfg.checker}: accuracy {out['accuracy']:.4f}{extra} on {n} responses, mean response "

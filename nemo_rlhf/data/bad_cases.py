@@ -4,7 +4,7 @@ disagree, as new preference pairs for the next round of RM training.
 The RLHF loop of the textbook chapter (and of InstructGPT's later rounds): when the RM's
 reward and a trusted metric diverge, collect the policy's current outputs, have them
 labelled, keep the cases the RM gets wrong and train the RM on them. Here the labeller is
-whatever scored the samples (``score``: a rule checker in the demo, human or judge labels
+whatever scored the samples (``correct``: a rule checker in the demo, human or judge labels
 in general) and the RM's opinion is ``rm_score``; both come from one JSONL written by
 ``python -m nemo_rlhf.evaluate ... rm_checkpoint=<rm> samples_out=<file>``.
 """
@@ -46,13 +46,14 @@ def disagreement_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int = 4
                        ) -> tuple[list[dict], DisagreementStats]:
     """Preference pairs from the samples on which the RM contradicts the labeller.
 
-    For every prompt, each response the labeller scores higher (``score``) is compared with
+    For every prompt, each response the labeller scores higher (``correct``) is compared with
     each one it scores lower; the RM disagrees when ``rm_score(preferred) <=
     rm_score(dispreferred)`` (a tie counts as a disagreement, as in the RM's own accuracy).
     Identical response texts of one prompt are merged first (the first row's scores kept).
 
     Args:
-        samples: rows ``{"prompt", "response", "score", "rm_score", ...}``.
+        samples: rows ``{"prompt", "response", "correct", "rm_score", ...}`` (``correct``:
+            the labeller's score, as :mod:`nemo_rlhf.evaluate` writes it).
         max_pairs_per_prompt: at most this many disagreeing pairs per prompt (shuffled by
             ``seed``), so that one prompt's many samples do not dominate the new data.
         extra_keys: fields of the prompt (e.g. ``answer``) copied from its first row into
@@ -65,7 +66,7 @@ def disagreement_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int = 4
         ``stats`` a :class:`DisagreementStats`.
 
     Raises:
-        KeyError: a row without ``prompt``, ``response``, ``score`` or ``rm_score``, naming
+        KeyError: a row without ``prompt``, ``response``, ``correct`` or ``rm_score``, naming
             the row index and the keys it has.
         ValueError: ``max_pairs_per_prompt < 1``.
     """
@@ -73,7 +74,7 @@ def disagreement_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int = 4
         raise ValueError(f"max_pairs_per_prompt={max_pairs_per_prompt}: must be >= 1")
     by_prompt: dict[str, dict[str, Mapping]] = {}
     for i, row in enumerate(samples):
-        missing = [k for k in ("prompt", "response", "score", "rm_score") if k not in row]
+        missing = [k for k in ("prompt", "response", "correct", "rm_score") if k not in row]
         if missing:
             raise KeyError(f"samples[{i}]: missing {missing} (keys: {sorted(row)}); write the file "
                            f"with nemo_rlhf.evaluate rm_checkpoint=<rm> samples_out=<file>")
@@ -86,12 +87,12 @@ def disagreement_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int = 4
         found = []
         for better in rows:
             for worse in rows:
-                if float(better["score"]) <= float(worse["score"]):
+                if float(better["correct"]) <= float(worse["correct"]):
                     continue
                 candidates += 1
                 if float(better["rm_score"]) <= float(worse["rm_score"]):
                     found.append((better, worse))
-        if any(float(a["score"]) != float(b["score"]) for a in rows for b in rows):
+        if any(float(a["correct"]) != float(b["correct"]) for a in rows for b in rows):
             comparable += 1
         disagreements += len(found)
         rng.shuffle(found)

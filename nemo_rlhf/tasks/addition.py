@@ -109,9 +109,9 @@ def build_preference_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int
     """Chosen/rejected pairs from scored samples of the model itself.
 
     Args:
-        samples: rows ``{"prompt", "response", "score", ...}`` (several per prompt), as
-            :mod:`nemo_rlhf.evaluate` writes with ``samples_out``; ``score`` is the
-            checker's 1.0 (correct) or 0.0.
+        samples: rows ``{"prompt", "response", "correct", ...}`` (several per prompt), as
+            :mod:`nemo_rlhf.evaluate` writes with ``samples_out``; ``correct`` is the
+            checker's 1.0 or 0.0.
         max_pairs_per_prompt: cap on pairs per prompt, so that easy prompts with many
             distinct answers do not dominate.
         seed: seed of the pairing shuffle.
@@ -124,7 +124,7 @@ def build_preference_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int
     by_prompt: dict[str, dict] = {}
     for row in samples:
         entry = by_prompt.setdefault(row["prompt"], {"good": [], "bad": [], "answer": row.get("answer")})
-        bucket = entry["good"] if float(row["score"]) > 0.5 else entry["bad"]
+        bucket = entry["good"] if float(row["correct"]) > 0.5 else entry["bad"]
         if row["response"] not in bucket:
             bucket.append(row["response"])
     rng = random.Random(seed)
@@ -173,7 +173,7 @@ def answer_edit_pairs(samples: Sequence[Mapping], per_prompt: int = 1, seed: int
     (``two_digit_addition``) and kept only if its score flipped.
 
     Args:
-        samples: rows ``{"prompt", "response", "score", "answer"}`` as for
+        samples: rows ``{"prompt", "response", "correct", "answer"}`` as for
             :func:`build_preference_pairs`.
         per_prompt: pairs per prompt at most (distinct samples, shuffled by ``seed``).
         seed: seed of the sample shuffle and of the near-miss choice.
@@ -200,7 +200,7 @@ def answer_edit_pairs(samples: Sequence[Mapping], per_prompt: int = 1, seed: int
                 break
             answer = int(row["answer"])
             text = row["response"]
-            right = float(row["score"]) > 0.5
+            right = float(row["correct"]) > 0.5
             span = _answer_span(text, answer)
             if span is None:
                 continue

@@ -8,7 +8,7 @@ from nemo_rlhf.data.bad_cases import disagreement_pairs
 
 
 def _row(prompt, response, score, rm, **extra):
-    return {"prompt": prompt, "response": response, "score": score, "rm_score": rm, **extra}
+    return {"prompt": prompt, "response": response, "correct": score, "rm_score": rm, **extra}
 
 
 def test_disagreements_are_the_pairs_the_rm_ranks_against_the_labeller():
@@ -44,6 +44,6 @@ def test_graded_labels_compare_every_ordered_pair_and_the_cap_applies():
 
 def test_a_row_without_an_rm_score_is_named():
     with pytest.raises(KeyError, match=r"samples\[1\]: missing \['rm_score'\]"):
-        disagreement_pairs([_row("p", "a", 1.0, 0.0), {"prompt": "p", "response": "b", "score": 0.0}])
+        disagreement_pairs([_row("p", "a", 1.0, 0.0), {"prompt": "p", "response": "b", "correct": 0.0}])
     with pytest.raises(ValueError, match="max_pairs_per_prompt=0"):
         disagreement_pairs([], max_pairs_per_prompt=0)

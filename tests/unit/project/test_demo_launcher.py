@@ -114,9 +114,9 @@ def test_before_and_after_come_from_the_ppo_runs_own_evaluation_files(tmp_path):
     got = _ppo_evaluation(tmp_path, 10, num_examples=3)
     assert got["accuracy"] == 0.5 and got["mean_response_length"] == 11.5
     assert got["just_the_number"] == 0.25 and got["num_responses"] == 4
-    assert got["examples"] == [{"prompt": "p0", "response": "r0", "score": 0.0},
-                               {"prompt": "p1", "response": "r1", "score": 1.0},
-                               {"prompt": "p2", "response": "r2", "score": 0.0}]
+    assert got["examples"] == [{"prompt": "p0", "response": "r0", "correct": 0.0},
+                               {"prompt": "p1", "response": "r1", "correct": 1.0},
+                               {"prompt": "p2", "response": "r2", "correct": 0.0}]
     assert _ppo_evaluation(tmp_path, 5) is None
     for r in rows:
         del r["just_the_number"]

@@ -56,16 +56,16 @@ def test_too_many_prompts_is_a_clear_error():
 
 
 def test_pairs_are_correct_vs_wrong_of_the_same_prompt_deduplicated_and_capped():
-    s = [{"prompt": "p1", "response": "5", "score": 1.0, "answer": "5"},
-         {"prompt": "p1", "response": "5", "score": 1.0, "answer": "5"},  # duplicate text
-         {"prompt": "p1", "response": "6", "score": 0.0, "answer": "5"},
-         {"prompt": "p1", "response": "7", "score": 0.0, "answer": "5"},
-         {"prompt": "p2", "response": "1", "score": 0.0, "answer": "2"},  # no correct sample
-         {"prompt": "p3", "response": "a", "score": 1.0},
-         {"prompt": "p3", "response": "b", "score": 1.0},
-         {"prompt": "p3", "response": "c", "score": 0.0},
-         {"prompt": "p3", "response": "d", "score": 0.0},
-         {"prompt": "p3", "response": "e", "score": 0.0}]
+    s = [{"prompt": "p1", "response": "5", "correct": 1.0, "answer": "5"},
+         {"prompt": "p1", "response": "5", "correct": 1.0, "answer": "5"},  # duplicate text
+         {"prompt": "p1", "response": "6", "correct": 0.0, "answer": "5"},
+         {"prompt": "p1", "response": "7", "correct": 0.0, "answer": "5"},
+         {"prompt": "p2", "response": "1", "correct": 0.0, "answer": "2"},  # no correct sample
+         {"prompt": "p3", "response": "a", "correct": 1.0},
+         {"prompt": "p3", "response": "b", "correct": 1.0},
+         {"prompt": "p3", "response": "c", "correct": 0.0},
+         {"prompt": "p3", "response": "d", "correct": 0.0},
+         {"prompt": "p3", "response": "e", "correct": 0.0}]
     pairs = build_preference_pairs(s, max_pairs_per_prompt=3)
     p1 = [(p["chosen"], p["rejected"]) for p in pairs if p["prompt"] == "p1"]
     assert sorted(p1) == [("5", "6"), ("5", "7")]
@@ -77,10 +77,10 @@ def test_pairs_are_correct_vs_wrong_of_the_same_prompt_deduplicated_and_capped()
 
 def test_answer_edit_pairs_change_only_the_number_the_checker_reads():
     q = "What is 26+28? Answer with just the number."
-    s = [{"prompt": q, "response": "26 + 28 = 54", "score": 1.0, "answer": "54"},
-         {"prompt": q, "response": "26+28 is 64, I think.", "score": 0.0, "answer": "54"},
-         {"prompt": q, "response": "Twenty-six plus twenty-eight.", "score": 0.0, "answer": "54"},
-         {"prompt": q, "response": "26 + 28", "score": 0.0, "answer": "54"}]
+    s = [{"prompt": q, "response": "26 + 28 = 54", "correct": 1.0, "answer": "54"},
+         {"prompt": q, "response": "26+28 is 64, I think.", "correct": 0.0, "answer": "54"},
+         {"prompt": q, "response": "Twenty-six plus twenty-eight.", "correct": 0.0, "answer": "54"},
+         {"prompt": q, "response": "26 + 28", "correct": 0.0, "answer": "54"}]
     pairs = answer_edit_pairs(s, per_prompt=4, seed=3)
     by_edit = {p["edit"]: p for p in pairs}
     assert len(pairs) == 2 and set(by_edit) == {"wrong_sum", "right_sum"}  # no number: no pair
