@@ -414,18 +414,22 @@ class KVCacheTransformerLayer(TransformerLayer):
         return _linear(mlp.linear_fc2, y, self._plain_fc2)
 
 
-def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = False):
+def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
+                     num_experts: Optional[int] = None):
     """megatron's local GPT layer spec with :class:`KVCacheTransformerLayer` and
     :class:`KVCacheSelfAttention` swapped in.
 
     Same submodules, parameters and state-dict keys as
-    ``get_gpt_layer_local_spec(normalization=..., qk_layernorm=...)``; only the two classes
-    differ (with ``qk_layernorm`` the decode takes the per-tensor route, which applies the
-    query / key norms as megatron's ``get_query_key_value_tensors`` does).
+    ``get_gpt_layer_local_spec(normalization=..., qk_layernorm=..., num_experts=...)``; only
+    the two classes differ (with ``qk_layernorm`` the decode takes the per-tensor route, which
+    applies the query / key norms as megatron's ``get_query_key_value_tensors`` does). With
+    ``num_experts`` the MLP is megatron's ``MoELayer`` with ``SequentialMLP`` experts (no
+    grouped GEMM: that needs CUDA kernels).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm,
+                                    num_experts=num_experts, moe_grouped_gemm=False)
     if spec.module is TransformerLayer:
         spec.module = KVCacheTransformerLayer
     attn = spec.submodules.self_attention
