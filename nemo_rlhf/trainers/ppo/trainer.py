@@ -55,6 +55,7 @@ from nemo_rlhf.trainers.ppo.roles import (CriticRole, ForwardPasses, PolicyRole,
 from nemo_rlhf.trainers.ppo.state import (dp_group_slice, jsonable, log_prompt_ids, ppo_fingerprint,
                                           reward_change_message)
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
+from nemo_rlhf.models.moe import RouterLoad, router_load_metrics
 from nemo_rlhf.trainers.ppo.step_metrics import rollout_quality, update_metrics
 from nemo_rlhf.trainers.ppo.step_tensors import step_advantages, training_tensors
 
@@ -266,44 +267,48 @@ class PPOTrainer:
                    if c.max_tokens_per_micro_batch else None)  # host metadata, once per step
         # host permutation (the same order on every device type), moved to the device
         g = torch.Generator(device="cpu").manual_seed(self.cfg.trainer.seed + self.step)
-        for _ in range(c.ppo_epochs):
-            order_host = (torch.randperm(B, generator=g, device="cpu") if c.shuffle
-                          else torch.arange(B, device="cpu"))
-            order = order_host.to(self.dims.device)
-            for mb_slice in chunk_slices(B, per_rank):
-                idx = order[mb_slice]
-                counts = torch.stack([loss_mask[idx].sum().float(), loss_mask[idx].any(-1).sum().float()])
-                n_tokens, n_seqs = self.collectives.dp_sum(counts)
-                if extents is None:
-                    micro = [{k: v[idx[s]] for k, v in tensors.items()}
-                             for s in chunk_slices(len(idx), c.micro_batch_size)]
-                else:  # the token budget: rows packed, padding cut
-                    rows = order_host[mb_slice].tolist()
-                    micro = [take(p, tensors, P_len, self.dims.device) for p in
-                             plan_micro_batches(*extents, P_len, rows, len(rows),
-                                                c.max_tokens_per_micro_batch, pack=c.sequence_packing,
-                                                row_length=c.packed_row_length)]
-                computed_tokens += sum(mb["packed"].tokens() if "packed" in mb else mb["input_ids"].numel()
-                                       for mb in micro)
-                res, stepped = [], True
-                if actor_trains:
-                    res, stepped, norm = self.actor.train_minibatch(
-                        micro, self.actor.loss_fn(self.objective, n_tokens, n_seqs, P_len, value_only=warmup),
-                        P_len, variable_shapes=extents is not None, value_head_only=warmup)
-                    norms.append(norm)
-                critic_out = self.critic.train_minibatch(micro, self.objective, n_tokens, n_seqs, P_len,
-                                                         variable_shapes=extents is not None)
-                if critic_out is not None:
-                    critic_res, critic_stepped, critic_norm = critic_out
-                    critic_norms.append(critic_norm)
-                    stepped = stepped and critic_stepped
-                    res = [{**c_, **a} for c_, a in zip(critic_res, res)] if res else critic_res
-                maybe_crash("update", self.step + 1)
-                skipped += int(not stepped)
-                self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
-                if res:
-                    all_stats.append(self.collectives.dp_reduce_stats(P.merge_token_stats(res)))
+        load = RouterLoad(self.model)  # MoE: tokens per expert in these passes
+        with load:
+            for _ in range(c.ppo_epochs):
+                order_host = (torch.randperm(B, generator=g, device="cpu") if c.shuffle
+                              else torch.arange(B, device="cpu"))
+                order = order_host.to(self.dims.device)
+                for mb_slice in chunk_slices(B, per_rank):
+                    idx = order[mb_slice]
+                    counts = torch.stack([loss_mask[idx].sum().float(), loss_mask[idx].any(-1).sum().float()])
+                    n_tokens, n_seqs = self.collectives.dp_sum(counts)
+                    if extents is None:
+                        micro = [{k: v[idx[s]] for k, v in tensors.items()}
+                                 for s in chunk_slices(len(idx), c.micro_batch_size)]
+                    else:  # the token budget: rows packed, padding cut
+                        rows = order_host[mb_slice].tolist()
+                        micro = [take(p, tensors, P_len, self.dims.device) for p in
+                                 plan_micro_batches(*extents, P_len, rows, len(rows),
+                                                    c.max_tokens_per_micro_batch, pack=c.sequence_packing,
+                                                    row_length=c.packed_row_length)]
+                    computed_tokens += sum(mb["packed"].tokens() if "packed" in mb else mb["input_ids"].numel()
+                                           for mb in micro)
+                    res, stepped = [], True
+                    if actor_trains:
+                        res, stepped, norm = self.actor.train_minibatch(
+                            micro, self.actor.loss_fn(self.objective, n_tokens, n_seqs, P_len, value_only=warmup),
+                            P_len, variable_shapes=extents is not None, value_head_only=warmup)
+                        norms.append(norm)
+                    critic_out = self.critic.train_minibatch(micro, self.objective, n_tokens, n_seqs, P_len,
+                                                             variable_shapes=extents is not None)
+                    if critic_out is not None:
+                        critic_res, critic_stepped, critic_norm = critic_out
+                        critic_norms.append(critic_norm)
+                        stepped = stepped and critic_stepped
+                        res = [{**c_, **a} for c_, a in zip(critic_res, res)] if res else critic_res
+                    maybe_crash("update", self.step + 1)
+                    skipped += int(not stepped)
+                    self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
+                    if res:
+                        all_stats.append(self.collectives.dp_reduce_stats(P.merge_token_stats(res)))
         out = update_metrics(all_stats, norms, critic_norms)
+        if load.active:
+            out.update(router_load_metrics(self.collectives.dp_pp_sum(load.stage_sums()), self.dims.dp))
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
         out.update(correction)
