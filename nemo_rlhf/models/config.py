@@ -122,10 +122,13 @@ class ModelConfig:
     ``norm_topk_prob=false``). megatron's ``moe_router_pre_softmax``."""
     moe_aux_loss_coeff: float = 0.0
     """MoE: coefficient of megatron's load-balancing loss (``aux_loss``: Switch Transformer's
-    ``E * sum_e f_e p_e``) added in training passes; 0: none. Not part of the architecture."""
+    ``E * sum_e f_e p_e``) in training passes. Only 0 for now: megatron scales the router
+    losses' gradients by the micro-batch's token count (``calculate_per_token_loss``) and
+    this project's losses, already divided by the global token count, do not undo it. Not
+    part of the architecture."""
     moe_z_loss_coeff: float = 0.0
-    """MoE: coefficient of the router z-loss (``mean(logsumexp(logits)^2)``, ST-MoE); 0: none.
-    Not part of the architecture."""
+    """MoE: coefficient of the router z-loss (``mean(logsumexp(logits)^2)``, ST-MoE); only 0
+    for now (as ``moe_aux_loss_coeff``). Not part of the architecture."""
     hidden_dropout: float = 0.0
     """Dropout after attention/MLP (RLHF usually trains with 0)."""
     attention_dropout: float = 0.0
@@ -212,8 +215,16 @@ class ModelConfig:
         if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
             raise ValueError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size}: must be >= 1 or null")
         for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-            if getattr(self, key) < 0:
-                raise ValueError(f"model.{key}={getattr(self, key)}: must be >= 0")
+            if getattr(self, key) != 0:
+                # megatron multiplies the router losses by the micro-batch's token count under
+                # calculate_per_token_loss, expecting finalize_model_grads to divide every
+                # gradient by the global token count; here the losses arrive already divided
+                # (the PPO / SFT losses), so the router losses' gradients would be that many
+                # times too large
+                raise ValueError(
+                    f"model.{key}={getattr(self, key)}: router losses are not supported yet (megatron "
+                    "scales their gradients by the micro-batch's token count, which this project's "
+                    "token-normalised losses do not undo); valid: 0")
         if self.add_bias_linear:
             raise ValueError("model.add_bias_linear=true with model.num_moe_experts set: megatron's MoE "
                              "experts have no biases (use add_qkv_bias for attention biases)")
