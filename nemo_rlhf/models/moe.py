@@ -123,3 +123,27 @@ def router_load_metrics(sums: torch.Tensor, dp: int) -> dict:
     if s[3] and s[4]:
         out["moe/aux_loss"] = s[3] / s[4]
     return out
+
+
+def check_moe_training_layout(model_cfg, parallel) -> None:
+    """Refuse a training layout megatron's MoE layer cannot train (called by the training
+    entry points before anything is built; forward-only uses, import / export and evaluation,
+    run MoE at TP > 1).
+
+    megatron-core 0.16.1's ``MoELayer.forward`` raises in training mode at TP > 1 without
+    sequence parallelism, which this project does not wire (:mod:`nemo_rlhf.models.actor_critic`).
+
+    Args:
+        model_cfg: :class:`~nemo_rlhf.models.config.ModelConfig`.
+        parallel: :class:`~nemo_rlhf.distributed.ParallelConfig`.
+
+    Raises:
+        ValueError: naming ``parallel.tensor_model_parallel_size`` and ``model.num_moe_experts``.
+    """
+    tp = parallel.tensor_model_parallel_size
+    if model_cfg.num_moe_experts is not None and tp > 1:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size={tp} with model.num_moe_experts={model_cfg.num_moe_experts}: "
+            "megatron's MoE layer does not train at TP > 1 without sequence parallelism, which is not "
+            "supported here; valid for training a MoE model: tensor_model_parallel_size=1 (use DP or "
+            "parallel.pipeline_model_parallel_size)")

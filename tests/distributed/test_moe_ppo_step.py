@@ -1,6 +1,6 @@
 """A PPO step of a mixture-of-experts actor at DP=2 (2 gloo ranks): the step's metrics carry
 the routers' ``moe/`` tokens-per-expert metrics, the same on both ranks' reduction; a dense
-step has none."""
+step has none; the same at PP=2 (the stages' layers summed)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def _worker(rank: int, tmp: str) -> dict:
 
     tmp = Path(tmp)
     out = {}
-    for name, extra in (("moe", MOE), ("dense", ())):
+    for name, extra in (("moe", MOE), ("dense", ()), ("moe_pp2", MOE + ("parallel.pipeline_model_parallel_size=2",))):
         cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / f"exp_{name}", "rollout.max_new_tokens=6",
                           "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", *extra)
         trainer = build(cfg)
@@ -45,6 +45,16 @@ def test_a_moe_ppo_step_reports_the_router_metrics(ranks):
     assert m["grad_norm"] > 0 and m["skipped_updates"] == 0
     moe_keys = {k: v for k, v in m.items() if k.startswith("moe/")}
     assert {k: v for k, v in ranks[1]["moe"].items() if k.startswith("moe/")} == moe_keys  # DP-reduced
+
+
+def test_a_moe_ppo_step_at_pp2_reports_every_stage_s_layers(ranks):
+    """Each stage holds one of the two layers: the metrics are summed over the stages (a
+    stage's own layer alone would give its own ratio, not the mean of both)."""
+    for r in ranks:
+        m = r["moe_pp2"]
+        assert 1.0 <= m["moe/tokens_per_expert_max_over_mean"] <= 2.0
+        assert m["moe/tokens_per_expert_max_over_mean"] == ranks[0]["moe_pp2"]["moe/tokens_per_expert_max_over_mean"]
+        assert m["grad_norm"] > 0
 
 
 def test_a_dense_ppo_step_has_no_router_metrics(ranks):

@@ -114,3 +114,22 @@ def test_moe_layer_routes_as_the_plain_loop(dims, pre_softmax):
     with torch.no_grad():
         logits, values = model_forward(model, ids, torch.ones_like(ids))
     assert logits.shape == (2, 9, 128) and torch.isfinite(logits).all()
+
+
+def test_training_a_moe_model_at_tp2_is_refused_naming_both_keys():
+    from nemo_rlhf.distributed import ParallelConfig
+    from nemo_rlhf.models.moe import check_moe_training_layout
+
+    with pytest.raises(ValueError, match=r"parallel\.tensor_model_parallel_size=2 with model\.num_moe_experts=4"):
+        check_moe_training_layout(ModelConfig(**MOE), ParallelConfig(tensor_model_parallel_size=2))
+    check_moe_training_layout(ModelConfig(**MOE), ParallelConfig(pipeline_model_parallel_size=2))
+    check_moe_training_layout(ModelConfig(vocab_size=100), ParallelConfig(tensor_model_parallel_size=2))
+
+
+def test_megatron_refuses_to_train_its_moe_layer_at_tp2_without_sequence_parallelism():
+    """What the check above stands for: the megatron source it mirrors still raises."""
+    import inspect
+
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    assert "without also enabling sequence parallelism" in inspect.getsource(MoELayer)
