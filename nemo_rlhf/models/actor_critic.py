@@ -30,6 +30,7 @@ from nemo_rlhf.distributed.parallel import reseed_model_parallel
 from nemo_rlhf.models.config import ModelConfig, build_transformer_config
 from nemo_rlhf.models.decode_layers import local_layer_spec
 from nemo_rlhf.models.embedding import use_main_grad_lookup
+from nemo_rlhf.models.moe import patch_router_gemm_without_te
 from nemo_rlhf.models.logprobs import LogprobRequest, fused_response_logprobs
 from nemo_rlhf.models.packing import PackedBatch
 
@@ -231,6 +232,8 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
         )
     if seed is not None:
         reseed_model_parallel(seed)
+    if model_cfg.num_moe_experts is not None:
+        patch_router_gemm_without_te()
     config = build_transformer_config(model_cfg, dims.tp, dims.pp, precision)
     model = classes[kind](config, model_cfg, pre_process=dims.is_first_stage,
                           post_process=dims.is_last_stage, layer_spec=_layer_spec(model_cfg))
@@ -252,4 +255,5 @@ def _layer_spec(model_cfg: ModelConfig):
     ``causal`` mask type TE does not read the attention mask that every forward here passes
     (left-padded prompts, padded keys, packed sequences). megatron's local attention runs on
     CUDA as on the host."""
-    return local_layer_spec(normalization=model_cfg.normalization, qk_layernorm=model_cfg.qk_layernorm)
+    return local_layer_spec(normalization=model_cfg.normalization, qk_layernorm=model_cfg.qk_layernorm,
+                            num_experts=model_cfg.num_moe_experts)

@@ -36,6 +36,12 @@ RECOMPUTE_METHODS = ("uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp")
 """``model.recompute_modules`` choices on the local layer spec (megatron's ``layernorm``
 recompute needs transformer-engine)."""
+MOE_KEYS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
+            "moe_aux_loss_coeff", "moe_z_loss_coeff")
+"""The mixture-of-experts keys; a dense model's fingerprint leaves them out."""
+MOE_TOKEN_DISPATCHER = "allgather"
+"""megatron's token dispatcher for the MoE layers: ``allgather`` (all-gathers the tokens over
+the expert-parallel x TP group, a no-op at EP=1, TP=1), which needs no ``all_to_all``."""
 PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "auto")
 """``trainer.precision`` choices; ``auto`` is resolved once at start-up (:func:`resolve_precision`)."""
 HOST_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
@@ -101,6 +107,29 @@ class ModelConfig:
     / ``k_norm``; megatron's ``qk_layernorm``)."""
     share_embeddings_and_output_weights: bool = False
     """Tie the input embedding and the output layer."""
+    num_moe_experts: Optional[int] = None
+    """Mixture of experts: routed experts per layer (None: a dense MLP). Every layer is a
+    megatron ``MoELayer`` (router ``[experts, hidden]`` and ``SequentialMLP`` experts, each a
+    gated / plain MLP of width ``moe_ffn_hidden_size``); no shared expert."""
+    moe_router_topk: int = 2
+    """MoE: experts per token (HF ``num_experts_per_tok``), 1 .. ``num_moe_experts``."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """MoE: each expert's MLP width (HF ``moe_intermediate_size``; None: ``ffn_hidden_size``)."""
+    moe_router_pre_softmax: bool = False
+    """MoE: how the top-k experts' weights are computed from the router logits ``[tokens,
+    experts]``. False: a softmax over the top-k logits, i.e. the softmax over all experts
+    renormalised over the top k (qwen3_moe with ``norm_topk_prob=true``, Mixtral). True: the
+    softmax over all experts, top-k probabilities taken as they are (qwen3_moe with
+    ``norm_topk_prob=false``). megatron's ``moe_router_pre_softmax``."""
+    moe_aux_loss_coeff: float = 0.0
+    """MoE: coefficient of megatron's load-balancing loss (``aux_loss``: Switch Transformer's
+    ``E * sum_e f_e p_e``) in training passes. Only 0 for now: megatron scales the router
+    losses' gradients by the micro-batch's token count (``calculate_per_token_loss``) and
+    this project's losses, already divided by the global token count, do not undo it. Not
+    part of the architecture."""
+    moe_z_loss_coeff: float = 0.0
+    """MoE: coefficient of the router z-loss (``mean(logsumexp(logits)^2)``, ST-MoE); only 0
+    for now (as ``moe_aux_loss_coeff``). Not part of the architecture."""
     hidden_dropout: float = 0.0
     """Dropout after attention/MLP (RLHF usually trains with 0)."""
     attention_dropout: float = 0.0
@@ -152,6 +181,7 @@ class ModelConfig:
             check_choice("model.recompute_modules", module, RECOMPUTE_MODULES)
         if self.recompute_num_layers < 1:
             raise ValueError(f"model.recompute_num_layers={self.recompute_num_layers}: must be >= 1")
+        self._check_moe()
         for key in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
                     "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
@@ -166,6 +196,48 @@ class ModelConfig:
                 f"model.num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"model.num_query_groups={self.num_query_groups}"
             )
+
+    def _check_moe(self) -> None:
+        """The MoE keys' fixed rules (messages name the key, the value and what works)."""
+        if self.num_moe_experts is None:
+            if self.moe_ffn_hidden_size is not None:
+                raise ValueError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size} is set on a dense "
+                                 "model: set model.num_moe_experts too, or leave it null")
+            for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+                if getattr(self, key):
+                    raise ValueError(f"model.{key}={getattr(self, key)} is set on a dense model "
+                                     "(model.num_moe_experts=null): it must be 0")
+            return
+        if self.num_moe_experts < 1:
+            raise ValueError(f"model.num_moe_experts={self.num_moe_experts}: must be >= 1, or null (dense)")
+        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(f"model.moe_router_topk={self.moe_router_topk}: must be in 1 .. "
+                             f"model.num_moe_experts={self.num_moe_experts}")
+        if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
+            raise ValueError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size}: must be >= 1 or null")
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if getattr(self, key) != 0:
+                # megatron multiplies the router losses by the micro-batch's token count under
+                # calculate_per_token_loss, expecting finalize_model_grads to divide every
+                # gradient by the global token count; here the losses arrive already divided
+                # (the PPO / SFT losses), so the router losses' gradients would be that many
+                # times too large
+                raise ValueError(
+                    f"model.{key}={getattr(self, key)}: router losses are not supported yet (megatron "
+                    "scales their gradients by the micro-batch's token count, which this project's "
+                    "token-normalised losses do not undo); valid: 0")
+        if self.add_bias_linear:
+            raise ValueError("model.add_bias_linear=true with model.num_moe_experts set: megatron's MoE "
+                             "experts have no biases (use add_qkv_bias for attention biases)")
+        if self.recompute_granularity == "selective" and "mlp" in self.recompute_modules:
+            raise ValueError("model.recompute_modules contains 'mlp' with model.num_moe_experts set: "
+                             "megatron's 'mlp' recompute is for dense MLPs; valid with MoE: ['core_attn']")
+
+    @property
+    def moe_expert_ffn_size(self) -> int:
+        """Each expert's MLP width (MoE only): ``moe_ffn_hidden_size`` or ``ffn_hidden_size``
+        (itself None: 4 * hidden_size)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
     def padded_vocab_size(self) -> int:
@@ -191,6 +263,11 @@ class ModelConfig:
                 d.pop(k)
         if not self.qk_layernorm:
             d.pop("qk_layernorm")
+        for k in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):  # training, not architecture
+            d.pop(k)
+        if self.num_moe_experts is None:
+            for k in MOE_KEYS:
+                d.pop(k, None)
         return d
 
 
@@ -349,6 +426,22 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
     elif model.recompute_granularity == "selective":
         recompute = dict(recompute_granularity="selective",
                          recompute_modules=list(model.recompute_modules))
+    moe = {}
+    if model.num_moe_experts is not None:
+        moe = dict(
+            num_moe_experts=model.num_moe_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_expert_ffn_size,
+            moe_router_pre_softmax=model.moe_router_pre_softmax,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+            moe_z_loss_coeff=model.moe_z_loss_coeff or None,
+            moe_token_dispatcher_type=MOE_TOKEN_DISPATCHER,
+            moe_grouped_gemm=False,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
+        )
     swiglu = model.activation == "swiglu"
     act = {"swiglu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh}[model.activation]
     return TransformerConfig(
@@ -388,6 +481,7 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
         # pipeline schedule nor DDP may rescale them by micro-batch or DP counts.
         calculate_per_token_loss=True,
         **recompute,
+        **moe,
     )
 
 

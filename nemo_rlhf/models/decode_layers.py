@@ -49,7 +49,7 @@ in -- same submodules, same parameters and state-dict keys, same training forwar
   all-reduces are needed).
 
 Everything else -- training, forwards without an inference context, dynamic batching,
-flash-decode, packed sequences, cross-attention, MoE, MLA, sliding windows, non-vanilla
+flash-decode, packed sequences, cross-attention, MLA, sliding windows, non-vanilla
 softmax, output gates, fp8, offloading, CUDA graphs -- runs megatron's own code unchanged
 (decided per module at construction and per call; a context whose cache one path filled
 is refused by the other). q/k layernorm, partial or interleaved RoPE and TP>1 keep the
@@ -58,6 +58,11 @@ and ``apply_rotary_pos_emb`` on the new tokens, SDPA). A query row a mask hides 
 would come out as zeros (prefill) or NaN (decode) instead of megatron's uniform average;
 ``models.engine.causal_padding_mask`` never produces such rows (a padded query attends
 to itself) and a decode query always sees its own key.
+
+A mixture-of-experts MLP (megatron ``MoELayer``, ``model.num_moe_experts``) is per-token, so
+the decode layer calls the layer's own ``mlp`` module on the new tokens as it is (router,
+token dispatcher, experts: megatron's code, including its collectives at TP > 1); only the
+dense MLP is written out.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 CACHE_TAG = "bhsd"
@@ -327,8 +333,9 @@ class KVCacheSelfAttention(SelfAttention):
 
 class KVCacheTransformerLayer(TransformerLayer):
     """megatron ``TransformerLayer`` whose static-batching inference forward (eval mode,
-    :class:`KVCacheSelfAttention`, dense MLP) is written out without megatron's per-op
-    machinery. Constructor arguments are those of ``TransformerLayer``."""
+    :class:`KVCacheSelfAttention`, dense or MoE MLP) is written out without megatron's per-op
+    machinery (a MoE MLP is megatron's module, called on the new tokens). Constructor
+    arguments are those of ``TransformerLayer``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -339,7 +346,7 @@ class KVCacheTransformerLayer(TransformerLayer):
             and self.self_attention._fast_inference
             and isinstance(self.cross_attention, IdentityOp)
             and isinstance(self.pre_cross_attn_layernorm, IdentityOp)
-            and type(self.mlp) is MLP
+            and (type(self.mlp) is MLP or type(self.mlp) is MoELayer)
             # (megatron's selective recompute flags are not checked: the incremental path
             # runs only under an inference context, without autograd, where recomputing
             # a module in the backward has nothing to change)
@@ -352,7 +359,8 @@ class KVCacheTransformerLayer(TransformerLayer):
             and not getattr(cfg, "fp8", None)
             and not getattr(cfg, "fp4", None)
         )
-        if self._lean:
+        self._moe = type(self.mlp) is MoELayer
+        if self._lean and not self._moe:
             self._plain_fc1 = _plain_linear(self.mlp.linear_fc1, tp1)
             self._plain_fc2 = _plain_linear(self.mlp.linear_fc2, tp1)
 
@@ -378,7 +386,7 @@ class KVCacheTransformerLayer(TransformerLayer):
             out = out + bias
         hidden_states = out.add_(hidden_states)  # out is this layer's own fresh tensor
         x = self.pre_mlp_layernorm(hidden_states)
-        out, bias = self._mlp(x)
+        out, bias = self.mlp(x) if self._moe else self._mlp(x)
         if bias is not None:
             out = out + bias
         return out.add_(hidden_states)
@@ -414,18 +422,22 @@ class KVCacheTransformerLayer(TransformerLayer):
         return _linear(mlp.linear_fc2, y, self._plain_fc2)
 
 
-def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = False):
+def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
+                     num_experts: Optional[int] = None):
     """megatron's local GPT layer spec with :class:`KVCacheTransformerLayer` and
     :class:`KVCacheSelfAttention` swapped in.
 
     Same submodules, parameters and state-dict keys as
-    ``get_gpt_layer_local_spec(normalization=..., qk_layernorm=...)``; only the two classes
-    differ (with ``qk_layernorm`` the decode takes the per-tensor route, which applies the
-    query / key norms as megatron's ``get_query_key_value_tensors`` does).
+    ``get_gpt_layer_local_spec(normalization=..., qk_layernorm=..., num_experts=...)``; only
+    the two classes differ (with ``qk_layernorm`` the decode takes the per-tensor route, which
+    applies the query / key norms as megatron's ``get_query_key_value_tensors`` does). With
+    ``num_experts`` the MLP is megatron's ``MoELayer`` with ``SequentialMLP`` experts (no
+    grouped GEMM: that needs CUDA kernels).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm,
+                                    num_experts=num_experts, moe_grouped_gemm=False)
     if spec.module is TransformerLayer:
         spec.module = KVCacheTransformerLayer
     attn = spec.submodules.self_attention

@@ -1,4 +1,5 @@
-"""Hugging Face <-> megatron-core tensor mapping for Llama-, Qwen2- and GPT-2-style models.
+"""Hugging Face <-> megatron-core tensor mapping for Llama-, Qwen2/3-, GPT-2-style and
+mixture-of-experts (Qwen3-MoE, Mixtral) models.
 
 Both directions work on **full (unsharded) tensors** keyed like this project's
 distributed checkpoints (``load_full_tensors`` without the ``model.`` prefix): layer
@@ -19,6 +20,11 @@ groups = KV heads, ``V'`` padded vocabulary, ``V`` real vocabulary, ``L`` layers
 * ``decoder.layers.self_attention.linear_proj.weight`` ``[L, h, H d]``;
 * ``decoder.layers.mlp.linear_fc1.weight`` ``[L, 2f, h]`` = ``[gate; up]`` for SwiGLU,
   ``[L, f, h]`` for GELU; ``linear_fc2.weight`` ``[L, h, f]``;
+* mixture of experts (``E`` experts, ``f_e`` expert width), instead of ``linear_fc1/2``:
+  ``decoder.layers.mlp.router.weight`` ``[L, E, h]``,
+  ``decoder.layers.mlp.experts.experts.linear_fc1.weight`` ``[L, E, 2 f_e, h]`` (each
+  expert's ``[gate; up]``) and ``...linear_fc2.weight`` ``[L, E, h, f_e]`` (megatron's
+  ``SequentialMLP`` keys: its local experts stacked on a second axis);
 * norms ``[L, h]`` (``layer_norm_bias`` too for LayerNorm), ``decoder.final_layernorm.*``
   ``[h]``; ``embedding.position_embeddings.weight`` ``[max_pos, h]`` (GPT-2);
 * ``value_head.*`` / ``reward_head.weight`` ``[1, h]`` float32, ``reward_head.bias`` ``[1]``.
@@ -32,6 +38,10 @@ Hugging Face names (transformers 4.57, ``models/<arch>/modeling_<arch>.py``):
   Llama's ``attention_bias`` / ``mlp_bias`` add biases to all four / all three,
   ``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.weight``,
   ``model.norm.weight``, ``lm_head.weight`` (absent when ``tie_word_embeddings``);
+* Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3's attention, then ``mlp.gate.weight``
+  ``[E, h]`` (the router) and ``mlp.experts.<j>.{gate,up,down}_proj.weight``; Mixtral
+  (``MixtralForCausalLM``): Mistral's attention, then ``block_sparse_moe.gate.weight`` and
+  ``block_sparse_moe.experts.<j>.{w1,w3,w2}.weight`` (gate, up, down);
 * GPT-2 (``GPT2LMHeadModel``): ``transformer.wte.weight``, ``transformer.wpe.weight``,
   ``transformer.h.<i>.ln_1.{weight,bias}``, ``attn.c_attn.{weight,bias}`` (``Conv1D``:
   weight ``[in, out]`` = ``[h, 3h]``, output columns ``[q | k | v]``, heads contiguous
@@ -46,7 +56,8 @@ export returns bit-identical tensors (same names as ``save_pretrained`` writes).
 
 Simplified / refused (a clear ``ValueError`` names the key): RoPE scaling other than
 ``llama3`` (Llama 3.1+) and partial
-rotary, sliding-window attention, Llama with ``attention_bias != mlp_bias``, GPT-2 with
+rotary, sliding-window attention, Qwen3-MoE with dense layers (``decoder_sparse_step != 1``
+or ``mlp_only_layers``), Llama with ``attention_bias != mlp_bias``, GPT-2 with
 ``scale_attn_by_inverse_layer_idx`` or unscaled attention. Dropout values of the HF config
 are not imported (this project trains RLHF with dropout 0). Exports write one
 ``model.safetensors`` file (no sharding of very large models).
@@ -82,6 +93,9 @@ FC1_W = L + "mlp.linear_fc1.weight"
 FC1_B = L + "mlp.linear_fc1.bias"
 FC2_W = L + "mlp.linear_fc2.weight"
 FC2_B = L + "mlp.linear_fc2.bias"
+ROUTER_W = L + "mlp.router.weight"
+EXPERT_FC1_W = L + "mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2_W = L + "mlp.experts.experts.linear_fc2.weight"
 FINAL_NORM_W = "decoder.final_layernorm.weight"
 FINAL_NORM_B = "decoder.final_layernorm.bias"
 WORD = "embedding.word_embeddings.weight"
@@ -173,13 +187,25 @@ class Arch:
     """One supported Hugging Face architecture."""
 
     name: str
-    """``llama``, ``mistral``, ``qwen2``, ``qwen3`` or ``gpt2`` (also the HF ``model_type``)."""
+    """``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gpt2``, ``qwen3_moe`` or ``mixtral``
+    (also the HF ``model_type``)."""
     causal_lm: str
     """transformers class of the actor export."""
     seq_cls: str
     """transformers class of the reward-model export."""
     prefix: str
     """Backbone prefix in HF state dicts (``model.`` / ``transformer.``)."""
+    dense: str = ""
+    """A mixture-of-experts architecture's dense counterpart, whose attention, norms and
+    embeddings it shares (``qwen3`` for ``qwen3_moe``); empty for a dense architecture."""
+    moe_names: tuple = ()
+    """MoE: ``(block, gate, up, down)``, the HF names of a layer's MoE block and of an
+    expert's three projections."""
+
+    @property
+    def base(self) -> str:
+        """The dense architecture whose rules apply to everything but the MLP."""
+        return self.dense or self.name
 
 
 ARCHS = {
@@ -188,6 +214,10 @@ ARCHS = {
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "model."),
     "qwen3": Arch("qwen3", "Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "model."),
     "gpt2": Arch("gpt2", "GPT2LMHeadModel", "GPT2ForSequenceClassification", "transformer."),
+    "qwen3_moe": Arch("qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification", "model.",
+                      dense="qwen3", moe_names=("mlp.", "gate_proj", "up_proj", "down_proj")),
+    "mixtral": Arch("mixtral", "MixtralForCausalLM", "MixtralForSequenceClassification", "model.",
+                    dense="mistral", moe_names=("block_sparse_moe.", "w1", "w3", "w2")),
 }
 
 
@@ -204,8 +234,15 @@ def get_arch(name: str) -> Arch:
 
 def arch_problems(cfg: ModelConfig, arch: str) -> list[str]:
     """Why ``cfg`` cannot be written as ``arch`` (empty: it can)."""
-    get_arch(arch)
+    a = get_arch(arch)
     p = []
+    if a.moe_names and cfg.num_moe_experts is None:
+        p.append(f"model.num_moe_experts=null ({arch} is a mixture of experts)")
+    if not a.moe_names and cfg.num_moe_experts is not None:
+        p.append(f"model.num_moe_experts={cfg.num_moe_experts} ({arch} is dense)")
+    if arch == "mixtral" and cfg.moe_router_pre_softmax:
+        p.append("model.moe_router_pre_softmax=true (mixtral renormalises the top-k weights)")
+    arch = a.base
     if arch in ("llama", "mistral", "qwen2", "qwen3"):
         if cfg.qk_layernorm != (arch == "qwen3"):
             p.append(f"model.qk_layernorm={cfg.qk_layernorm} ({arch} {'needs' if arch == 'qwen3' else 'has no'} "
@@ -247,7 +284,8 @@ def arch_problems(cfg: ModelConfig, arch: str) -> list[str]:
 
 
 def infer_arch(cfg: ModelConfig) -> str:
-    """``qwen3`` (RMSNorm + SwiGLU + RoPE + query / key norms), ``qwen2`` (the same with a
+    """``qwen3_moe`` / ``mixtral`` (the next two with MoE layers), ``qwen3`` (RMSNorm + SwiGLU
+    + RoPE + query / key norms), ``qwen2`` (the same with a
     QKV bias and no query / key norms), ``llama`` (neither) or ``gpt2`` (LayerNorm + GELU +
     learned positions + biases). A Mistral-shaped model is ``llama`` (the same tensors and
     math; ``export-hf --arch mistral`` writes it as Mistral).
@@ -255,10 +293,11 @@ def infer_arch(cfg: ModelConfig) -> str:
     Raises:
         ValueError: none fits; says what each would need.
     """
-    for arch in ("qwen3", "qwen2", "llama", "gpt2"):
+    for arch in ("qwen3_moe", "mixtral", "qwen3", "qwen2", "llama", "gpt2"):
         if not arch_problems(cfg, arch):
             return arch
-    why = "; ".join(f"{a}: {', '.join(arch_problems(cfg, a))}" for a in ("llama", "qwen2", "qwen3", "gpt2"))
+    why = "; ".join(f"{a}: {', '.join(arch_problems(cfg, a))}"
+                    for a in ("llama", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral"))
     raise ValueError(f"model {cfg.name!r} matches no supported HF architecture ({why})")
 
 
@@ -284,6 +323,8 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
         raise ValueError(f"model_type {mt!r} is not supported; supported: {sorted(ARCHS)}")
     if mt == "gpt2":
         return _gpt2_config(hf, name), mt
+    moe = _moe_config(hf, mt)
+    base = ARCHS[mt].base
     act = _hf_get(hf, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r}: only 'silu' (SwiGLU) is supported for {mt}")
@@ -294,14 +335,14 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
         theta_value, scaling = params.get("rope_theta", 10000.0), params
         partial = params.get("partial_rotary_factor", _hf_get(hf, "partial_rotary_factor", 1.0))
     else:
-        theta_value, scaling = _hf_get(hf, "rope_theta", 10000.0), hf.get("rope_scaling")
+        theta_value, scaling = _hf_get(hf, "rope_theta", 1e6 if mt == "mixtral" else 10000.0), hf.get("rope_scaling")
         partial = _hf_get(hf, "partial_rotary_factor", 1.0)
     rope = _rope_scaling(scaling)
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial}: only 1 (RoPE on the whole head) is supported")
-    if mt in ("qwen2", "qwen3") and _hf_get(hf, "use_sliding_window", False):
+    if base in ("qwen2", "qwen3") and _hf_get(hf, "use_sliding_window", False):
         raise ValueError("use_sliding_window=true: sliding-window attention is not supported")
-    if mt == "mistral":
+    if base == "mistral":
         window = hf.get("sliding_window")
         positions = _hf_get(hf, "max_position_embeddings", 4096 * 32)
         if window is not None and window < positions:
@@ -323,9 +364,9 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
             raise ValueError(f"attention_bias={attn_bias} with mlp_bias={mlp_bias}: only both or "
                              "neither can be expressed (model.add_bias_linear)")
         bias_linear, qkv_bias = attn_bias, attn_bias
-    elif mt == "mistral":
+    elif base == "mistral":
         bias_linear, qkv_bias = False, False
-    elif mt == "qwen3":
+    elif base == "qwen3":
         if _hf_get(hf, "attention_bias", False):
             raise ValueError("attention_bias=true: qwen3 with biases on q, k, v and o but not the MLP "
                              "cannot be expressed (model.add_bias_linear covers the MLP too)")
@@ -342,20 +383,53 @@ def model_config_from_hf(hf: dict, name: str) -> tuple[ModelConfig, str]:
         kv_channels=None if dim * heads == hidden else dim,
         vocab_size=hf["vocab_size"],
         max_position_embeddings=_hf_get(hf, "max_position_embeddings",
-                                        {"llama": 2048, "mistral": 4096 * 32}.get(mt, 32768)),
+                                        {"llama": 2048, "mistral": 4096 * 32, "mixtral": 4096 * 32}.get(mt, 32768)),
         normalization="RMSNorm",
-        layernorm_epsilon=float(_hf_get(hf, "rms_norm_eps", 1e-6)),
+        layernorm_epsilon=float(_hf_get(hf, "rms_norm_eps", 1e-5 if mt == "mixtral" else 1e-6)),
         activation="swiglu",
         position_embedding_type="rope",
         rotary_base=int(theta),
         add_bias_linear=bias_linear,
         add_qkv_bias=qkv_bias,
-        qk_layernorm=mt == "qwen3",
+        qk_layernorm=base == "qwen3",
         share_embeddings_and_output_weights=bool(_hf_get(hf, "tie_word_embeddings", False)),
         init_method_std=float(_hf_get(hf, "initializer_range", 0.02)),
         **rope,
+        **moe,
     )
     return cfg, mt
+
+
+def _moe_config(hf: dict, mt: str) -> dict:
+    """:class:`ModelConfig` MoE keys of a ``qwen3_moe`` / ``mixtral`` ``config.json`` (empty
+    for a dense ``model_type``). The routers' auxiliary-loss coefficient
+    (``router_aux_loss_coef``) and Mixtral's ``router_jitter_noise`` are training settings,
+    not imported (``model.moe_aux_loss_coeff`` stays 0, as dropout is not imported).
+
+    Raises:
+        ValueError: a Qwen3-MoE with dense layers (``decoder_sparse_step != 1``, a non-empty
+            ``mlp_only_layers``) or no experts, naming the HF key.
+    """
+    if mt == "qwen3_moe":
+        step = _hf_get(hf, "decoder_sparse_step", 1)
+        dense_layers = list(_hf_get(hf, "mlp_only_layers", []))
+        if step != 1 or dense_layers:
+            raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={dense_layers}: only a "
+                             "qwen3_moe whose every layer is MoE (decoder_sparse_step=1, mlp_only_layers=[]) "
+                             "is supported; dense layers between MoE layers are not")
+        experts = _hf_get(hf, "num_experts", 128)
+        if experts < 1:
+            raise ValueError(f"num_experts={experts}: a qwen3_moe without experts is dense; "
+                             "set model_type to qwen3")
+        return {"num_moe_experts": experts, "moe_router_topk": _hf_get(hf, "num_experts_per_tok", 8),
+                "moe_ffn_hidden_size": _hf_get(hf, "moe_intermediate_size", 768),
+                "moe_router_pre_softmax": not _hf_get(hf, "norm_topk_prob", False)}
+    if mt == "mixtral":
+        return {"num_moe_experts": _hf_get(hf, "num_local_experts", 8),
+                "moe_router_topk": _hf_get(hf, "num_experts_per_tok", 2),
+                "moe_ffn_hidden_size": _hf_get(hf, "intermediate_size", 14336),
+                "moe_router_pre_softmax": False}
+    return {}
 
 
 ROPE_TYPES = ("default", "llama3")
@@ -453,6 +527,7 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, reward: bool = Fa
                "resid_pdrop": 0.0, "summary_first_dropout": 0.0, "scale_attn_weights": True,
                "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False}
     else:
+        base = a.base
         out = {"model_type": arch, "hidden_size": cfg.hidden_size,
                "intermediate_size": ffn_size(cfg), "num_hidden_layers": cfg.num_layers,
                "num_attention_heads": cfg.num_attention_heads,
@@ -460,17 +535,26 @@ def hf_config(cfg: ModelConfig, arch: str, dtype: torch.dtype, reward: bool = Fa
                "hidden_act": "silu", "max_position_embeddings": cfg.max_position_embeddings,
                "rms_norm_eps": cfg.layernorm_epsilon, "rope_theta": float(cfg.rotary_base),
                "rope_scaling": hf_rope_scaling(cfg), "attention_dropout": 0.0}
-        if arch == "llama":
+        if base == "llama":
             out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear,
                        pretraining_tp=1)
-        elif arch == "mistral":
+        elif base == "mistral":
             out.update(sliding_window=None)
-        elif arch == "qwen3":
+        elif base == "qwen3":
             out.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
                        max_window_layers=cfg.num_layers)
         else:
             out.update(use_sliding_window=False, sliding_window=None,
                        max_window_layers=cfg.num_layers)
+        if arch == "qwen3_moe":
+            out.update(num_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk,
+                       moe_intermediate_size=cfg.moe_expert_ffn_size, norm_topk_prob=not cfg.moe_router_pre_softmax,
+                       decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=False,
+                       router_aux_loss_coef=cfg.moe_aux_loss_coeff)
+        elif arch == "mixtral":
+            out.update(num_local_experts=cfg.num_moe_experts, num_experts_per_tok=cfg.moe_router_topk,
+                       intermediate_size=cfg.moe_expert_ffn_size, output_router_logits=False,
+                       router_aux_loss_coef=cfg.moe_aux_loss_coeff, router_jitter_noise=0.0)
     out.update(architectures=[a.seq_cls if reward else a.causal_lm], vocab_size=cfg.vocab_size,
                tie_word_embeddings=tied, initializer_range=cfg.init_method_std,
                torch_dtype=dtype_name, use_cache=True)
@@ -505,7 +589,7 @@ def hf_to_megatron(hf: dict, cfg: ModelConfig, arch: str) -> dict:
     src = _Source(hf, ignore)
     per_layer: dict[str, list] = {}
     for i in range(cfg.num_layers):
-        layer = (_gpt2_layer_in if arch == "gpt2" else _llama_layer_in)(src, i, cfg, a.prefix)
+        layer = _gpt2_layer_in(src, i, cfg, a.prefix) if arch == "gpt2" else _llama_layer_in(src, i, cfg, a)
         for k, t in layer.items():
             per_layer.setdefault(k, []).append(t)
     out = {k: torch.stack(v) for k, v in per_layer.items()}
@@ -530,8 +614,8 @@ def hf_to_megatron(hf: dict, cfg: ModelConfig, arch: str) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _llama_layer_in(src: _Source, i: int, cfg: ModelConfig, prefix: str) -> dict:
-    p = f"{prefix}layers.{i}."
+def _llama_layer_in(src: _Source, i: int, cfg: ModelConfig, a: Arch) -> dict:
+    p = f"{a.prefix}layers.{i}."
     g = query_groups(cfg)
     attn = p + "self_attn."
     mlp = p + "mlp."
@@ -541,9 +625,18 @@ def _llama_layer_in(src: _Source, i: int, cfg: ModelConfig, prefix: str) -> dict
                         src.take(attn + "v_proj.weight"), g),
         PROJ_W: src.take(attn + "o_proj.weight"),
         MLP_NORM_W: src.take(p + "post_attention_layernorm.weight"),
-        FC1_W: torch.cat([src.take(mlp + "gate_proj.weight"), src.take(mlp + "up_proj.weight")]),
-        FC2_W: src.take(mlp + "down_proj.weight"),
     }
+    if cfg.num_moe_experts is not None:
+        block, gate, up, down = a.moe_names
+        block = p + block
+        experts = [f"{block}experts.{j}." for j in range(cfg.num_moe_experts)]
+        out[ROUTER_W] = src.take(block + "gate.weight")  # [E, h]
+        out[EXPERT_FC1_W] = torch.stack([torch.cat([src.take(e + gate + ".weight"), src.take(e + up + ".weight")])
+                                         for e in experts])  # [E, 2 f_e, h]
+        out[EXPERT_FC2_W] = torch.stack([src.take(e + down + ".weight") for e in experts])  # [E, h, f_e]
+    else:
+        out[FC1_W] = torch.cat([src.take(mlp + "gate_proj.weight"), src.take(mlp + "up_proj.weight")])
+        out[FC2_W] = src.take(mlp + "down_proj.weight")
     if cfg.qk_layernorm:
         out[Q_NORM_W] = src.take(attn + "q_norm.weight")
         out[K_NORM_W] = src.take(attn + "k_norm.weight")
@@ -599,7 +692,7 @@ def megatron_to_hf(mg: dict, cfg: ModelConfig, arch: str, reward: bool = False) 
     check_shapes(mg, cfg)
     out: dict[str, torch.Tensor] = {}
     for i in range(cfg.num_layers):
-        out.update((_gpt2_layer_out if arch == "gpt2" else _llama_layer_out)(mg, i, cfg, a.prefix))
+        out.update(_gpt2_layer_out(mg, i, cfg, a.prefix) if arch == "gpt2" else _llama_layer_out(mg, i, cfg, a))
     v = cfg.vocab_size
     if arch == "gpt2":
         out["transformer.wte.weight"] = _need(mg, WORD)[:v]
@@ -620,9 +713,17 @@ def check_shapes(mg: dict, cfg: ModelConfig) -> None:
     """Raise ValueError if a tensor (or a shape) of ``mg`` disagrees with ``cfg``."""
     h, n = cfg.hidden_size, cfg.num_layers
     qkv = (cfg.num_attention_heads + 2 * query_groups(cfg)) * head_dim(cfg)
-    fc1 = ffn_size(cfg) * (2 if cfg.activation == "swiglu" else 1)
-    expect = {WORD: (cfg.padded_vocab_size, h), QKV_W: (n, qkv, h), FC1_W: (n, fc1, h),
-              FC2_W: (n, h, ffn_size(cfg))}
+    glu = 2 if cfg.activation == "swiglu" else 1
+    expect = {WORD: (cfg.padded_vocab_size, h), QKV_W: (n, qkv, h)}
+    if cfg.num_moe_experts is None:
+        expect.update({FC1_W: (n, glu * ffn_size(cfg), h), FC2_W: (n, h, ffn_size(cfg))})
+    else:
+        e, fe = cfg.num_moe_experts, cfg.moe_expert_ffn_size
+        expect.update({ROUTER_W: (n, e, h), EXPERT_FC1_W: (n, e, glu * fe, h), EXPERT_FC2_W: (n, e, h, fe)})
+        for key in expect:
+            if key not in mg:
+                raise ValueError(f"checkpoint lacks tensor model.{key} (config.yaml's model section "
+                                 f"has num_moe_experts={e})")
     for key, shape in expect.items():
         found = tuple(getattr(mg[key], "shape", mg[key])) if key in mg else shape
         if found != shape:
@@ -630,20 +731,30 @@ def check_shapes(mg: dict, cfg: ModelConfig) -> None:
                              f"section predicts {shape}")
 
 
-def _llama_layer_out(mg: dict, i: int, cfg: ModelConfig, prefix: str) -> dict:
-    p = f"{prefix}layers.{i}."
+def _llama_layer_out(mg: dict, i: int, cfg: ModelConfig, a: Arch) -> dict:
+    p = f"{a.prefix}layers.{i}."
     attn, mlp = p + "self_attn.", p + "mlp."
     heads, g, d = cfg.num_attention_heads, query_groups(cfg), head_dim(cfg)
     q, k, v = split_qkv(_need(mg, QKV_W)[i], heads, g, d)
-    gate, up = _need(mg, FC1_W)[i].chunk(2, dim=0)
     out = {
         p + "input_layernorm.weight": _need(mg, ATTN_NORM_W)[i],
         attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
         attn + "o_proj.weight": _need(mg, PROJ_W)[i],
         p + "post_attention_layernorm.weight": _need(mg, MLP_NORM_W)[i],
-        mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up,
-        mlp + "down_proj.weight": _need(mg, FC2_W)[i],
     }
+    if cfg.num_moe_experts is not None:
+        block, gate_name, up_name, down_name = a.moe_names
+        block = p + block
+        out[block + "gate.weight"] = _need(mg, ROUTER_W)[i]
+        for j in range(cfg.num_moe_experts):
+            e = f"{block}experts.{j}."
+            gate, up = _need(mg, EXPERT_FC1_W)[i, j].chunk(2, dim=0)
+            out.update({e + gate_name + ".weight": gate, e + up_name + ".weight": up,
+                        e + down_name + ".weight": _need(mg, EXPERT_FC2_W)[i, j]})
+    else:
+        gate, up = _need(mg, FC1_W)[i].chunk(2, dim=0)
+        out.update({mlp + "gate_proj.weight": gate, mlp + "up_proj.weight": up,
+                    mlp + "down_proj.weight": _need(mg, FC2_W)[i]})
     if cfg.qk_layernorm:
         out[attn + "q_norm.weight"] = _need(mg, Q_NORM_W)[i]
         out[attn + "k_norm.weight"] = _need(mg, K_NORM_W)[i]
@@ -675,28 +786,46 @@ def _gpt2_layer_out(mg: dict, i: int, cfg: ModelConfig, prefix: str) -> dict:
 
 
 # --------------------------------------------------------------------------- megatron model
+_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\.(\d+)\.)?")
+
+
+def _stack_index(name: str, key: str) -> tuple:
+    """Where a state-dict entry goes in its full tensor: ``()`` (not stacked), ``(layer,)``
+    or, for a MoE expert's weight, ``(layer, expert)`` (local expert index = global one at
+    expert-parallel size 1)."""
+    m = _LAYER_RE.match(name) if key.startswith(L) else None
+    if m is None:
+        return ()
+    return (int(m.group(1)),) if m.group(2) is None else (int(m.group(1)), int(m.group(2)))
+
+
+def _stacked(parts: dict) -> torch.Tensor:
+    """``{index tuple: tensor}`` -> one tensor, stacked along the index axes in order."""
+    if list(parts) == [()]:
+        return parts[()]
+    heads = sorted({i[0] for i in parts})
+    return torch.stack([_stacked({i[1:]: t for i, t in parts.items() if i[0] == h}) for h in heads])
+
+
 def _model_entries(model):
-    """``(state-dict name, dist key, layer index or None, tensor)`` of a TP=1, PP=1 model,
-    read through its sharded state dict (so whichever layer spec built it, local or TE)."""
+    """``(state-dict name, dist key, stack index, tensor)`` of a TP=1, PP=1 model, read
+    through its sharded state dict (so whichever layer spec built it, local or TE); the
+    index is :func:`_stack_index`'s."""
     for name, sh in model.sharded_state_dict(prefix="").items():
         key, data = getattr(sh, "key", None), getattr(sh, "data", None)
         if key is None or not torch.is_tensor(data) or name.endswith("_extra_state"):
             continue
-        m = re.match(r"decoder\.layers\.(\d+)\.", name) if key.startswith(L) else None
-        yield name, key, int(m.group(1)) if m else None, data
+        yield name, key, _stack_index(name, key), data
 
 
 def model_full_tensors(model) -> dict:
-    """A TP=1, PP=1 model's weights as full tensors keyed like a dist checkpoint (layers
-    stacked): the input of :func:`megatron_to_hf` for a model in memory."""
-    out, layers = {}, {}
-    for _, key, layer, data in _model_entries(model):
-        if layer is None:
-            out[key] = data.detach()
-        else:
-            layers.setdefault(key, {})[layer] = data.detach()
-    out.update({k: torch.stack([v[i] for i in sorted(v)]) for k, v in layers.items()})
-    return out
+    """A TP=1, PP=1 model's weights as full tensors keyed like a dist checkpoint (layers,
+    and a MoE layer's experts, stacked): the input of :func:`megatron_to_hf` for a model in
+    memory."""
+    parts: dict = {}
+    for _, key, index, data in _model_entries(model):
+        parts.setdefault(key, {})[index] = data.detach()
+    return {k: _stacked(v) for k, v in parts.items()}
 
 
 def _tp_gather(data: torch.Tensor, group) -> list[torch.Tensor]:
@@ -727,7 +856,7 @@ def gather_full_tensors(model, tp_group=None, skip: Callable[[str], bool] = lamb
     """
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return {k: v for k, v in model_full_tensors(model).items() if not skip(k)}
-    out, layers = {}, {}
+    parts: dict = {}
     for name, sh in model.sharded_state_dict(prefix="").items():
         key, data = getattr(sh, "key", None), getattr(sh, "data", None)
         if key is None or not torch.is_tensor(data) or name.endswith("_extra_state") or skip(key):
@@ -742,13 +871,8 @@ def gather_full_tensors(model, tp_group=None, skip: Callable[[str], bool] = lamb
             if len(axes) > 1:
                 raise ValueError(f"{key}: fragmented along axes {axes}; only one TP axis is expected")
             full = torch.cat(_tp_gather(data, tp_group), dim=axes[0]) if axes else data
-        m = re.match(r"decoder\.layers\.(\d+)\.", name) if key.startswith(L) else None
-        if m is None:
-            out[key] = full
-        else:
-            layers.setdefault(key, {})[int(m.group(1))] = full
-    out.update({k: torch.stack([v[i] for i in sorted(v)]) for k, v in layers.items()})
-    return out
+        parts.setdefault(key, {})[_stack_index(name, key)] = full
+    return {k: _stacked(v) for k, v in parts.items()}
 
 
 def fill_model(model, tensors: dict) -> None:
@@ -759,10 +883,10 @@ def fill_model(model, tensors: dict) -> None:
         ValueError: a tensor the model needs is missing, has the wrong shape, or is unused.
     """
     state, used = {}, set()
-    for name, key, layer, _ in _model_entries(model):
+    for name, key, index, _ in _model_entries(model):
         if key not in tensors:
             raise ValueError(f"the conversion produced no {key} (needed by the model)")
-        state[name] = tensors[key] if layer is None else tensors[key][layer]
+        state[name] = tensors[key][index] if index else tensors[key]
         used.add(key)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)

@@ -54,6 +54,14 @@ class JobCollectives:
             dist.all_reduce(t, group=self.dims.dp_group)
         return t
 
+    def dp_pp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the DP group and then the pipeline stages, in place (its own
+        device): per-stage sums of every layer (the MoE router metrics)."""
+        self.dp_sum(t)
+        if self.dims.pp > 1:
+            dist.all_reduce(t, group=self.dims.pp_group)
+        return t
+
     def dp_sum_named(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Scalar tensors summed over DP in one all-reduce (stacked in the dict's order)."""
         return dict(zip(sums, self.dp_sum(torch.stack(list(sums.values())))))

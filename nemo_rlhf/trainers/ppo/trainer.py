@@ -42,6 +42,7 @@ from nemo_rlhf.distributed.phase import in_phase
 from nemo_rlhf.metrics.logger import MetricsLogger
 from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.engine import unwrap
+from nemo_rlhf.models.moe import RouterLoad, router_load_metrics
 from nemo_rlhf.rollout.engines import build_rollout_engine
 from nemo_rlhf.trainers.collectives import JobCollectives, bcast_text
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
@@ -49,8 +50,8 @@ from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.evaluation import HeldOutEvaluation, evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.micro_batches import training_minibatches
-from nemo_rlhf.trainers.ppo.scoring import RewardScoringError, score_rollout
 from nemo_rlhf.trainers.ppo.roles import CriticRole, ForwardPasses, PolicyRole, build_critic_role
+from nemo_rlhf.trainers.ppo.scoring import RewardScoringError, score_rollout
 from nemo_rlhf.trainers.ppo.state import (dp_group_slice, jsonable, log_prompt_ids, ppo_fingerprint,
                                           reward_change_message)
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
@@ -261,30 +262,33 @@ class PPOTrainer:
         self.critic.train()
         all_stats, norms, critic_norms, skipped = [], [], [], 0
         computed_tokens = 0  # rows x columns of every training micro-batch (shapes: host ints)
-        for micro, n_tokens, n_seqs, computed in training_minibatches(
-                c, tensors, c.global_batch_size // self.dims.dp, P_len, batch.attention_mask,
-                batch.response_mask, self.dims.device, self.collectives.dp_sum,
-                seed=self.cfg.trainer.seed + self.step):
-            computed_tokens += computed
-            res, stepped = [], True
-            if actor_trains:
-                res, stepped, norm = self.actor.train_minibatch(
-                    micro, self.actor.loss_fn(self.objective, n_tokens, n_seqs, P_len, value_only=warmup),
-                    P_len, variable_shapes=variable_shapes, value_head_only=warmup)
-                norms.append(norm)
-            critic_out = self.critic.train_minibatch(micro, self.objective, n_tokens, n_seqs, P_len,
-                                                     variable_shapes=variable_shapes)
-            if critic_out is not None:
-                critic_res, critic_stepped, critic_norm = critic_out
-                critic_norms.append(critic_norm)
-                stepped = stepped and critic_stepped
-                res = [{**c_, **a} for c_, a in zip(critic_res, res)] if res else critic_res
-            maybe_crash("update", self.step + 1)
-            skipped += int(not stepped)
-            self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
-            if res:
-                all_stats.append(self.collectives.dp_reduce_stats(P.merge_token_stats(res)))
+        with RouterLoad(self.model) as load:  # MoE: tokens per expert in these passes
+            for micro, n_tokens, n_seqs, computed in training_minibatches(
+                    c, tensors, c.global_batch_size // self.dims.dp, P_len, batch.attention_mask,
+                    batch.response_mask, self.dims.device, self.collectives.dp_sum,
+                    seed=self.cfg.trainer.seed + self.step):
+                computed_tokens += computed
+                res, stepped = [], True
+                if actor_trains:
+                    res, stepped, norm = self.actor.train_minibatch(
+                        micro, self.actor.loss_fn(self.objective, n_tokens, n_seqs, P_len, value_only=warmup),
+                        P_len, variable_shapes=variable_shapes, value_head_only=warmup)
+                    norms.append(norm)
+                critic_out = self.critic.train_minibatch(micro, self.objective, n_tokens, n_seqs, P_len,
+                                                         variable_shapes=variable_shapes)
+                if critic_out is not None:
+                    critic_res, critic_stepped, critic_norm = critic_out
+                    critic_norms.append(critic_norm)
+                    stepped = stepped and critic_stepped
+                    res = [{**c_, **a} for c_, a in zip(critic_res, res)] if res else critic_res
+                maybe_crash("update", self.step + 1)
+                skipped += int(not stepped)
+                self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
+                if res:
+                    all_stats.append(self.collectives.dp_reduce_stats(P.merge_token_stats(res)))
         out = update_metrics(all_stats, norms, critic_norms)
+        if load.active:
+            out.update(router_load_metrics(self.collectives.dp_pp_sum(load.stage_sums()), self.dims.dp))
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
         out.update(correction)

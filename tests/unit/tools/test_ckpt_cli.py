@@ -295,9 +295,9 @@ def _bad_cases(exp: Path, scratch: Path) -> dict:
     full = scratch / "full"
     full.mkdir()
     (full / "mine.txt").write_text("keep me")
-    moe = scratch / "qwen3_moe"
+    moe = scratch / "deepseek_v3"
     moe.mkdir()
-    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    (moe / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     noweights = scratch / "noweights"
     noweights.mkdir()
     (noweights / "config.json").write_text(json.dumps({
@@ -332,8 +332,8 @@ def _bad_cases(exp: Path, scratch: Path) -> dict:
         "import-missing": (["import-hf", missing, "--out", new], "no such file"),
         "import-not-hf": (["import-hf", empty, "--out", new], "no config.json"),
         "import-unsupported": (["import-hf", moe, "--out", new],
-                               "'qwen3_moe' is not supported; supported: ['gpt2', 'llama', 'mistral', 'qwen2', "
-                               "'qwen3']"),
+                               "'deepseek_v3' is not supported; supported: ['gpt2', 'llama', 'mistral', "
+                               "'mixtral', 'qwen2', 'qwen3', 'qwen3_moe']"),
         "import-no-weights": (["import-hf", noweights, "--out", new], "no weights"),
     }
 

@@ -1,0 +1,149 @@
+"""Mixture-of-experts support around megatron-core's ``MoELayer`` (``model.num_moe_experts``).
+
+The layers themselves are megatron's (router ``TopKRouter``, ``SequentialMLP`` experts,
+the ``allgather`` token dispatcher; see :func:`nemo_rlhf.models.decode_layers.local_layer_spec`).
+This module holds what megatron-core 0.16.1 lacks to run them here:
+
+* :func:`patch_router_gemm_without_te`: megatron's ``RouterGatingLinearFunction`` reads the
+  module global ``te_general_gemm``, which ``moe_utils`` only defines when
+  transformer-engine imports; without TE (this project's CPU runs, or a GPU without TE) the
+  router's forward raises ``NameError``. Setting it to None selects megatron's own
+  ``torch.mm`` branch, the same arithmetic TE would do.
+
+* :class:`RouterLoad` / :func:`router_load_metrics`: the PPO update's ``moe/`` metrics
+  (tokens per expert, busiest and idlest over the mean, and megatron's aux loss).
+
+Simplified: no shared experts, no grouped GEMM (CUDA kernels), no token dropping
+(capacity factor), no expert bias / sigmoid routing (DeepSeek-V3's).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def patch_router_gemm_without_te() -> None:
+    """Define ``megatron.core.transformer.moe.moe_utils.te_general_gemm = None`` when
+    transformer-engine did not import (idempotent; a no-op where TE defined it)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+AUX_LOSS_NAME = "load_balancing_loss"
+"""megatron's tracker entry of the ``aux_loss`` load-balancing loss (``TopKRouter._apply_aux_loss``)."""
+
+
+class RouterLoad:
+    """Tokens routed to each expert in the forwards run while installed (a context manager).
+
+    Forward hooks on every megatron ``TopKRouter`` of ``model`` (none for a dense model:
+    then :attr:`active` is False and nothing is recorded) add each call's ``routing_map
+    [tokens, experts]`` column sums to :attr:`counts`. Padded positions are routed like real
+    tokens (megatron's MoE layer is given no padding mask here) and are counted too. On
+    exit it also reads (and clears) megatron's aux-loss tracker, which the routers fill in
+    training passes when ``model.moe_aux_loss_coeff > 0``.
+
+    Attributes:
+        counts: ``[routers on this stage, experts]`` float64 on the routers' device.
+        calls: router calls (one per layer and micro-batch forward).
+        aux_loss_sum: the tracker's aux losses summed over layers and calls (0.0 without).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.active = bool(self.routers)
+        self.counts: Optional[torch.Tensor] = None
+        self.calls = 0
+        self.aux_loss_sum = 0.0
+        self._handles: list = []
+
+    def _hook(self, index: int):
+        def hook(_module, _inputs, output):
+            routing_map = output[1]  # [tokens, experts] bool
+            self.counts[index] += routing_map.sum(0).to(self.counts.dtype)
+            self.calls += 1
+        return hook
+
+    def __enter__(self) -> "RouterLoad":
+        if self.active:
+            from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+            clear_aux_losses_tracker()
+            w = self.routers[0].weight
+            self.counts = torch.zeros(len(self.routers), w.shape[0], dtype=torch.float64, device=w.device)
+            self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.active:
+            from megatron.core.transformer.moe.moe_utils import (
+                clear_aux_losses_tracker,
+                get_moe_layer_wise_logging_tracker,
+            )
+
+            entry = get_moe_layer_wise_logging_tracker().get(AUX_LOSS_NAME)
+            if entry is not None:
+                self.aux_loss_sum = float(entry["values"].sum())
+            clear_aux_losses_tracker()
+
+    def stage_sums(self) -> torch.Tensor:
+        """``[5]`` float64 to be summed over DP and PP (:func:`router_load_metrics`): per
+        layer ``max_e / mean_e`` and ``min_e / mean_e`` of its tokens per expert, summed over
+        this stage's layers; the layer count; the aux-loss sum; the router calls."""
+        c = self.counts
+        mean = c.mean(1).clamp_min(1e-12)
+        return torch.stack([(c.max(1).values / mean).sum(), (c.min(1).values / mean).sum(),
+                            c.new_tensor(float(c.shape[0])), c.new_tensor(self.aux_loss_sum),
+                            c.new_tensor(float(self.calls))])
+
+
+def router_load_metrics(sums: torch.Tensor, dp: int) -> dict:
+    """The ``moe/`` metrics of :meth:`RouterLoad.stage_sums` summed over DP and PP.
+
+    Returns:
+        ``moe/tokens_per_expert_max_over_mean`` and ``..._min_over_mean`` (the mean over
+        layers and DP ranks of each layer's busiest / idlest expert's tokens over the
+        mean expert's: 1 = balanced; top-k of E experts at most E / k), and
+        ``moe/aux_loss`` (megatron's load-balancing loss, unscaled by its coefficient,
+        averaged over layer calls; present only when the routers computed it).
+    """
+    s = [float(x) for x in sums]
+    layers = max(s[2], 1.0)  # each DP rank counted its layers: layers = dp x model layers
+    out = {"moe/tokens_per_expert_max_over_mean": s[0] / layers,
+           "moe/tokens_per_expert_min_over_mean": s[1] / layers}
+    if s[3] and s[4]:
+        out["moe/aux_loss"] = s[3] / s[4]
+    return out
+
+
+def check_moe_training_layout(model_cfg, parallel) -> None:
+    """Refuse a training layout megatron's MoE layer cannot train (called by the training
+    entry points before anything is built; forward-only uses, import / export and evaluation,
+    run MoE at TP > 1).
+
+    megatron-core 0.16.1's ``MoELayer.forward`` raises in training mode at TP > 1 without
+    sequence parallelism, which this project does not wire (:mod:`nemo_rlhf.models.actor_critic`).
+
+    Args:
+        model_cfg: :class:`~nemo_rlhf.models.config.ModelConfig`.
+        parallel: :class:`~nemo_rlhf.distributed.ParallelConfig`.
+
+    Raises:
+        ValueError: naming ``parallel.tensor_model_parallel_size`` and ``model.num_moe_experts``.
+    """
+    tp = parallel.tensor_model_parallel_size
+    if model_cfg.num_moe_experts is not None and tp > 1:
+        raise ValueError(
+            f"parallel.tensor_model_parallel_size={tp} with model.num_moe_experts={model_cfg.num_moe_experts}: "
+            "megatron's MoE layer does not train at TP > 1 without sequence parallelism, which is not "
+            "supported here; valid for training a MoE model: tensor_model_parallel_size=1 (use DP or "
+            "parallel.pipeline_model_parallel_size)")
