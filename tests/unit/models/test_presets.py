@@ -39,6 +39,14 @@ QWEN3_0_6B = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "att
               "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
               "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936}
 HF_CONFIGS["qwen3_0_6b"] = QWEN3_0_6B
+for _preset, _h, _ffn, _layers, _heads, _tied in (("qwen3_1_7b", 2048, 6144, 28, 16, True),
+                                                  ("qwen3_4b", 2560, 9728, 36, 32, True),
+                                                  ("qwen3_8b", 4096, 12288, 36, 32, False),
+                                                  ("qwen3_14b", 5120, 17408, 40, 40, False),
+                                                  ("qwen3_32b", 5120, 25600, 64, 64, False)):
+    HF_CONFIGS[_preset] = {**QWEN3_0_6B, "hidden_size": _h, "intermediate_size": _ffn, "num_hidden_layers": _layers,
+                           "max_window_layers": _layers, "num_attention_heads": _heads,
+                           "tie_word_embeddings": _tied}
 LLAMA3_2 = {**LLAMA3, "max_position_embeddings": 131072, "tie_word_embeddings": True, "intermediate_size": 8192,
             "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                              "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
@@ -48,18 +56,18 @@ HF_CONFIGS["llama3_2_3b"] = {**LLAMA3_2, "hidden_size": 3072, "head_dim": 128, "
                              "num_hidden_layers": 28}
 PARAMS_B = {"llama3_8b": 8.03, "llama3_1_8b": 8.03, "llama3_70b": 70.55, "qwen2_5_7b": 7.62, "qwen3_0_6b": 0.60,
             "llama3_2_1b": 1.23, "llama3_2_3b": 3.21}  # the model cards' counts
+QWEN3_CARDS = {"qwen3_0_6b": ("0.6", "0.44"), "qwen3_1_7b": ("1.7", "1.4"), "qwen3_4b": ("4.0", "3.6"),
+               "qwen3_8b": ("8.2", "6.95"), "qwen3_14b": ("14.8", "13.2"), "qwen3_32b": ("32.8", "31.2")}
+"""The Qwen3 model cards' "Number of Parameters" and "Number of Parameters (Non-Embedding)",
+in billions, as printed: to one decimal (6.95 to two), so a count is checked at the printed
+precision (it must round to the printed figure), both of them."""
 
 
-@pytest.mark.parametrize("preset", sorted(HF_CONFIGS))
-def test_preset_equals_the_import_of_the_hf_config(preset):
-    cfg = load_model_preset(preset)
-    derived, _ = model_config_from_hf(HF_CONFIGS[preset], cfg.name)
-    assert asdict(cfg) == asdict(derived)
-
-
-@pytest.mark.parametrize("preset", sorted(HF_CONFIGS))
-def test_preset_parameter_count_matches_the_model_card(preset):
-    c = load_model_preset(preset)
+def _parameter_counts(c) -> tuple[int, int]:
+    """(total, non-embedding) parameters of a decoder preset: per layer the attention
+    (QKV and output projections, QKV biases, q/k norms), the SwiGLU MLP (3 matrices) and two
+    norms; the final norm; the embedding, and the output layer unless tied (non-embedding
+    leaves both out)."""
     d = c.kv_channels or c.hidden_size // c.num_attention_heads
     attn = c.hidden_size * d * (c.num_attention_heads + 2 * c.num_query_groups) \
         + c.num_attention_heads * d * c.hidden_size
@@ -69,8 +77,33 @@ def test_preset_parameter_count_matches_the_model_card(preset):
         attn += 2 * d
     layer = attn + 3 * c.hidden_size * c.ffn_hidden_size + 2 * c.hidden_size
     embeddings = (1 if c.share_embeddings_and_output_weights else 2) * c.vocab_size * c.hidden_size
-    total = c.num_layers * layer + embeddings + c.hidden_size
+    body = c.num_layers * layer + c.hidden_size
+    return body + embeddings, body
+
+
+@pytest.mark.parametrize("preset", sorted(HF_CONFIGS))
+def test_preset_equals_the_import_of_the_hf_config(preset):
+    cfg = load_model_preset(preset)
+    derived, _ = model_config_from_hf(HF_CONFIGS[preset], cfg.name)
+    assert asdict(cfg) == asdict(derived)
+
+
+@pytest.mark.parametrize("preset", sorted(PARAMS_B))
+def test_preset_parameter_count_matches_the_model_card(preset):
+    total, _ = _parameter_counts(load_model_preset(preset))
     assert total / 1e9 == pytest.approx(PARAMS_B[preset], abs=0.01)
+
+
+@pytest.mark.parametrize("preset", sorted(QWEN3_CARDS))
+def test_qwen3_total_and_non_embedding_counts_round_to_the_model_cards(preset):
+    total, body = _parameter_counts(load_model_preset(preset))
+    for count, printed in zip((total, body), QWEN3_CARDS[preset]):
+        decimals = len(printed.split(".")[1])
+        assert f"{count / 1e9:.{decimals}f}" == printed, (preset, count, printed)
+
+
+def test_every_hf_config_has_a_model_card_count():
+    assert set(HF_CONFIGS) <= set(PARAMS_B) | set(QWEN3_CARDS)
 
 
 def test_llama3_8b_on_a_node_of_8_gpus_takes_tp_8():
