@@ -38,12 +38,13 @@ FAMILIES = {  # tokenizer special tokens (bos, eos, pad, others) and chat templa
     "qwen": {"bos": None, "eos": "<|im_end|>", "pad": "<|endoftext|>",
              "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "template": CHATML_TEMPLATE},
 }
-ARCHS = ("llama", "llama31", "mistral", "qwen3")
+ARCHS = ("llama", "llama31", "mistral", "qwen3", "qwen3_moe")
 """What :func:`write_hf_folder` builds: ``llama`` (Llama 3: GQA, untied), ``llama31`` (Llama
 3.1's ``llama3`` RoPE scaling with its original context shrunk to 32 tokens, so that prompts
 of a few dozen tokens reach past it; tied like Llama 3.2), ``mistral`` (no sliding window,
 untied) and ``qwen3`` (dense: q/k norms, a head size of its own, 24 on a hidden size of 64,
-tied; ChatML, no BOS)."""
+tied; ChatML, no BOS) and ``qwen3_moe`` (Qwen3's attention, every layer a mixture of 4
+experts of size 48, top-2, ``norm_topk_prob``, untied)."""
 
 
 def _tokenizer(out: Path, family: dict):
@@ -72,7 +73,7 @@ def write_hf_folder(out: Path, arch: str, seed: int = 0) -> None:
 
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r}: valid choices are {list(ARCHS)}")
-    family = FAMILIES["qwen" if arch == "qwen3" else "mistral" if arch == "mistral" else "llama3"]
+    family = FAMILIES["qwen" if arch.startswith("qwen3") else "mistral" if arch == "mistral" else "llama3"]
     out.mkdir(parents=True)
     tok, vocab = _tokenizer(out, family)
     ids = {"bos_token_id": tok.token_to_id(family["bos"]) if family["bos"] else None,
@@ -88,6 +89,11 @@ def write_hf_folder(out: Path, arch: str, seed: int = 0) -> None:
     elif arch == "mistral":
         config = transformers.MistralConfig(tie_word_embeddings=False, sliding_window=None,
                                             rope_theta=1000000.0, **common)
+    elif arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            tie_word_embeddings=False, head_dim=24, attention_bias=False, use_sliding_window=False,
+            rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **common)
     else:
         config = transformers.Qwen3Config(tie_word_embeddings=True, head_dim=24, attention_bias=False,
                                           use_sliding_window=False, rope_theta=1000000.0, **common)

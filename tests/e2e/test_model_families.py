@@ -1,7 +1,7 @@
 """PPO from an imported Hugging Face model, and its kill-and-resume, per architecture.
 
-For each of Llama with Llama 3.1's ``llama3`` RoPE scaling, Mistral and Qwen3 (dense)
-(:data:`ARCHS`), the module fixture (:func:`runs`) runs, as real subprocesses:
+For each of Llama with Llama 3.1's ``llama3`` RoPE scaling, Mistral, Qwen3 (dense) and
+Qwen3-MoE (4 experts, top-2; TP=1, as MoE training must be) (:data:`ARCHS`), the module fixture (:func:`runs`) runs, as real subprocesses:
 
 1. ``nemo-rlhf-ckpt import-hf`` of a tiny random model written by transformers' own classes
    (:mod:`tests.hf_tiny`: 2 layers, its family's tokenizer special tokens and chat template);
@@ -16,7 +16,7 @@ served RM: what differs between families is the model, and the walkthrough
 resumed run's final weights and optimizer state must be bit-identical to the uninterrupted
 run's (CPU, fp32), its per-step metrics equal, and every step's prompts the same.
 
-Cost: the 12 subprocesses (each mostly torch's and megatron's import) run two at a time,
+Cost: the 16 subprocesses (each mostly torch's and megatron's import) run two at a time,
 each single-threaded, in the order their dependencies allow (:func:`_run_jobs`): the suite
 runs serially on 2 cores, so the second one is otherwise idle.
 """
@@ -40,10 +40,11 @@ from tests.hf_tiny import write_data, write_hf_folder
 pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[2]
-ARCHS = ("llama31", "mistral", "qwen3")
-CRASH = {"llama31": "rollout:2", "mistral": "update:2", "qwen3": "save_written:2"}
-"""Where each architecture's run is killed: before step 2's rollout, in its update, after
-its checkpoint's shards are written (before publication). Each resumes from step 1."""
+ARCHS = ("llama31", "mistral", "qwen3", "qwen3_moe")
+CRASH = {"llama31": "rollout:2", "mistral": "update:2", "qwen3": "save_written:2", "qwen3_moe": "update:2"}
+"""Where each architecture's run is killed: before step 2's rollout, in its update (Mistral
+and the mixture of experts), after its checkpoint's shards are written (before
+publication). Each resumes from step 1."""
 STEPS = 2
 LR = 1e-3
 EPOCHS = 2  # optimizer steps per PPO step: 4 samples, one minibatch of 4, 2 epochs
@@ -210,6 +211,9 @@ def test_the_import_carries_the_architecture(family):
         assert not model["add_bias_linear"] and not model["add_qkv_bias"]
     else:
         assert model["qk_layernorm"] and model["kv_channels"] == 24 and not model["add_qkv_bias"]
+    moe = (4, 2, 48, False) if arch == "qwen3_moe" else (None,)
+    assert (model["num_moe_experts"], *([model["moe_router_topk"], model["moe_ffn_hidden_size"],
+                                        model["moe_router_pre_softmax"]] if moe[0] else [])) == moe
 
 
 def test_ppo_trains_from_the_imported_weights(family):
@@ -230,6 +234,11 @@ def test_ppo_trains_from_the_imported_weights(family):
     for row in metrics.values():  # the reward function scored, the shared critic trained
         assert row["reward/length_reward"] > 0 and row["value_loss"] > 0 and row["grad_norm"] > 0
         assert row["rollout_train_logprob_diff_max"] < 1e-5  # the rollout's model is the trained one
+        routed = {k for k in row if k.startswith("moe/")}  # the router's load, of a MoE actor only
+        assert routed == ({"moe/tokens_per_expert_max_over_mean", "moe/tokens_per_expert_min_over_mean"}
+                          if family["arch"] == "qwen3_moe" else set())
+        if routed:
+            assert row["moe/tokens_per_expert_max_over_mean"] >= 1 >= row["moe/tokens_per_expert_min_over_mean"]
 
 
 def test_killed_in_step_2_and_resumed_is_bit_identical_to_the_uninterrupted_run(family):
