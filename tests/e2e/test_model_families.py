@@ -1,7 +1,8 @@
 """PPO from an imported Hugging Face model, and its kill-and-resume, per architecture.
 
 For each of Llama with Llama 3.1's ``llama3`` RoPE scaling, Mistral, Qwen3 (dense) and
-Qwen3-MoE (4 experts, top-2; TP=1, as MoE training must be) (:data:`ARCHS`), the module fixture (:func:`runs`) runs, as real subprocesses:
+Qwen3-MoE (4 experts, top-2; TP=1, as MoE training must be) (:data:`ARCHS`), the module
+fixture (:func:`runs`) runs, as real subprocesses:
 
 1. ``nemo-rlhf-ckpt import-hf`` of a tiny random model written by transformers' own classes
    (:mod:`tests.hf_tiny`: 2 layers, its family's tokenizer special tokens and chat template);
@@ -18,7 +19,7 @@ run's (CPU, fp32), its per-step metrics equal, and every step's prompts the same
 
 Cost: the 16 subprocesses (each mostly torch's and megatron's import) run two at a time,
 each single-threaded, in the order their dependencies allow (:func:`_run_jobs`): the suite
-runs serially on 2 cores, so the second one is otherwise idle.
+runs serially on 2 cores, so the second one is otherwise idle (about 65 s in all there).
 """
 
 from __future__ import annotations
