@@ -1,11 +1,13 @@
-"""The README's "Your own model" walkthrough, run as written, on a tiny random Llama.
+"""The README's "Your own model" walkthrough, run as written, on a tiny random Llama and a
+tiny random Qwen3 (the module fixture is parametrized over both).
 
 The four commands are read from the README's code block. ``/shared`` becomes a temporary
-folder holding a tiny random Llama written by transformers as an HF folder (byte-level BPE
-tokenizer with a Llama-3-style Jinja chat template), a JSONL of preference pairs and a JSONL
-of prompts. Each Slurm command is first validated and rendered by the launcher
-(``--dry-run``) against a Llama-3-8B-shaped checkpoint (only its ``config.yaml``: TP=8 must
-fit its heads), then run here as the job it launches (``--job rm``: ``nemo_rlhf.train_rm``
+folder holding a tiny random model written by transformers as an HF folder
+(:mod:`tests.hf_tiny`: a byte-level BPE tokenizer with the family's Jinja chat template,
+Llama 3's or Qwen's ChatML without a BOS token), a JSONL of preference pairs and a JSONL of
+prompts. Each Slurm command is first validated and rendered by the launcher (``--dry-run``)
+against an 8B-shaped checkpoint of the same family (only its ``config.yaml``: TP=8 must fit
+its heads; Llama-3-8B, Qwen3-8B), then run here as the job it launches (``--job rm``: ``nemo_rlhf.train_rm``
 with the same overrides; PPO: ``launchers.local`` with the served RM and the same trainer
 overrides), scaled to this machine by :data:`SCALE` and :data:`TINY`. The export is loaded
 back with transformers.
@@ -21,6 +23,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.hf_tiny import write_data, write_hf_folder
 
 pytest.importorskip("transformers")
 
@@ -42,13 +46,10 @@ TINY = {  # keys the walkthrough leaves at the real-model defaults, made small h
             "ppo.micro_batch_size=2", "ppo.forward_micro_batch_size=4", "rollout.max_new_tokens=6",
             "data.max_seq_length=48", "optim.warmup_steps=0", "trainer.sample_table_every=0"],
 }
-LLAMA3_TEMPLATE = (
-    "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + "
-    "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' %}"
-    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
-    "{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-SPECIAL_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+FAKE_8B = {  # the 8B-shaped checkpoint each family's Slurm commands are validated against
+    "llama": ("llama3_8b", "num_layers=32, hidden_size=4096, num_attention_heads=32"),
+    "qwen3": ("qwen3_8b", "num_layers=36, hidden_size=4096, num_attention_heads=32"),
+}
 
 
 def readme_commands() -> list[list[str]]:
@@ -67,45 +68,8 @@ def readme_commands() -> list[list[str]]:
     return commands
 
 
-def _hf_folder(out: Path) -> None:
-    """A 2-layer random Llama (GQA, untied) and its tokenizer, as an HF user has them."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = ["user assistant system", "Say something kind.", "Thanks, that was kind.",
-              "No. Go away.", "What is a cat?", "A cat is a small animal."] * 20
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    out.mkdir(parents=True)
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "pad_token": "<|eot_id|>",
-        "chat_template": LLAMA3_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}))
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        tie_word_embeddings=False, rope_theta=500000.0,
-        bos_token_id=tok.token_to_id("<|begin_of_text|>"), eos_token_id=tok.token_to_id("<|eot_id|>")))
-    model.save_pretrained(out, safe_serialization=True)
-
-
 def _data(folder: Path) -> None:
-    folder.mkdir(parents=True)
-    pairs = [{"prompt": "Say something kind.", "chosen": "Thanks, that was kind.", "rejected": "No. Go away."},
-             {"prompt": [{"role": "user", "content": "What is a cat?"}],
-              "chosen": [{"role": "assistant", "content": "A cat is a small animal."}],
-              "rejected": [{"role": "assistant", "content": "Go away."}]}] * 4
-    prompts = [{"prompt": "Say something kind."},
-               {"messages": [{"role": "system", "content": "Be brief."},
-                             {"role": "user", "content": "What is a cat?"}]}] * 4
-    for name, rows in (("prefs", pairs), ("prefs_val", pairs[:4]), ("prompts", prompts),
-                       ("prompts_val", prompts[:2])):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_data(folder)  # prefs / prompts JSONL
     # SFT conversations (multi-turn; the loss on the last assistant turn) as parquet, beside
     # the walkthrough: chat `messages` and a parquet file through a training job
     import pyarrow as pa
@@ -121,8 +85,9 @@ def _data(folder: Path) -> None:
     pq.write_table(pa.Table.from_pylist(chats), folder / "sft.parquet")
 
 
-def _fake_llama3_8b(shared: Path) -> None:
-    """What the Slurm validation reads of an imported Llama-3-8B: its config.yaml."""
+def _fake_8b(shared: Path, preset: str) -> None:
+    """What the Slurm validation reads of an imported 8B model (``preset``): its config.yaml,
+    where the README's commands look for it."""
     from dataclasses import asdict
 
     from nemo_rlhf.models.config import load_model_preset
@@ -130,7 +95,7 @@ def _fake_llama3_8b(shared: Path) -> None:
     step = shared / "ckpt" / "llama3-8b-sft" / "step_0"
     step.mkdir(parents=True)
     (step.parent / "tokenizer").mkdir()
-    model = asdict(load_model_preset("llama3_8b"))
+    model = asdict(load_model_preset(preset))
     (step / "config.yaml").write_text(yaml.safe_dump({"model": model, "data": {"chat_template": "model"}}))
     (step / "COMPLETE").write_text("")
 
@@ -162,21 +127,17 @@ def _job_overrides(words: list[str]) -> tuple[list[str], dict]:
     return out, opts
 
 
-@pytest.fixture(scope="module")
-def walk(tmp_path_factory):
-    """Every command of the walkthrough, run; returns what the assertions need."""
-    tmp = tmp_path_factory.mktemp("walkthrough")
+def _walk(arch: str, tmp: Path) -> dict:
+    """Every command of the walkthrough, run from the tiny model of ``arch`` already written
+    under ``tmp`` (where the README's commands read the HF folder); returns what the
+    assertions need."""
     shared, fake, logs = tmp / "shared", tmp / "fake", tmp / "logs"
-    logs.mkdir()
-    _hf_folder(shared / "hf" / "llama3-8b-sft")
-    _data(shared / "data")
-    _fake_llama3_8b(fake)
     cmds = readme_commands()
     assert [c[:3] for c in cmds] == [["nemo-rlhf-ckpt", "import-hf", f"{SHARED}/hf/llama3-8b-sft"],
                                      ["python", "-m", "launchers.slurm"], ["python", "-m", "launchers.slurm"],
                                      ["nemo-rlhf-ckpt", "export-hf", f"{SHARED}/exp/ppo"]]
     ckpt = [sys.executable, "-m", "nemo_rlhf.tools.ckpt"]
-    got = {"dry_runs": {}}
+    got = {"dry_runs": {}, "arch": arch}
     got["import"] = _run([*ckpt, *_words(cmds[0], shared)[1:]], logs / "import.log")
     data = shared / "data"
     got["sft"] = _run([sys.executable, "-m", "nemo_rlhf.train_sft", f"sft.init_from={shared}/ckpt/llama3-8b-sft",
@@ -199,10 +160,40 @@ def walk(tmp_path_factory):
     return got
 
 
+@pytest.fixture(scope="module")
+def walks(tmp_path_factory):
+    """The walkthrough of each family of :data:`FAKE_8B`: the HF folders and data written
+    here, then the two walkthroughs' commands run side by side (each walkthrough's commands
+    one after another: their subprocesses use one core each, mostly importing torch);
+    returns family -> :func:`_walk`'s result, or the exception it raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmps = {}
+    for arch in sorted(FAKE_8B):  # in-process and seeded: before the threads
+        tmp = tmps[arch] = tmp_path_factory.mktemp(f"walkthrough_{arch}")
+        (tmp / "logs").mkdir()
+        write_hf_folder(tmp / "shared" / "hf" / "llama3-8b-sft", arch)
+        _data(tmp / "shared" / "data")
+        _fake_8b(tmp / "fake", FAKE_8B[arch][0])
+    with ThreadPoolExecutor(len(tmps)) as pool:
+        futures = {arch: pool.submit(_walk, arch, tmp) for arch, tmp in tmps.items()}
+    return {arch: f.exception() or f.result() for arch, f in futures.items()}
+
+
+@pytest.fixture(params=sorted(FAKE_8B))
+def walk(request, walks):
+    """One family's walkthrough (:func:`walks`); its failure, re-raised, fails each test."""
+    got = walks[request.param]
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
 def test_import_records_the_model_tokenizer_and_its_chat_template(walk):
     root = walk["shared"] / "ckpt" / "llama3-8b-sft"
     cfg = yaml.safe_load((root / "step_0" / "config.yaml").read_text())
     assert cfg["model"]["num_layers"] == 2 and cfg["model"]["num_query_groups"] == 2
+    assert cfg["model"]["qk_layernorm"] == (walk["arch"] == "qwen3")
     assert cfg["data"]["chat_template"] == "model" and (root / "tokenizer" / "tokenizer_config.json").is_file()
     assert f"exp_manager.init_from={root}" in walk["import"]  # the hint: no --config-dir, no model=
 
@@ -211,7 +202,7 @@ def test_the_slurm_commands_validate_and_render_against_an_8b_checkpoint(walk):
     rm, ppo = walk["dry_runs"]["rm"], walk["dry_runs"]["ppo"]
     assert "#SBATCH --nodes=1" in rm and "#SBATCH --job-name=nemo-rlhf-rm" in rm
     assert "#SBATCH --nodes=3" in ppo and "RM_DEDICATED_NODES=1" in ppo
-    assert "model from" in ppo and "num_layers=32, hidden_size=4096, num_attention_heads=32" in ppo  # taken
+    assert "model from" in ppo and FAKE_8B[walk["arch"]][1] in ppo  # taken
 
 
 def test_rm_and_ppo_take_the_model_from_the_checkpoint_and_run(walk):
@@ -251,6 +242,7 @@ def test_the_export_loads_in_transformers_and_generates(walk):
 
     out = walk["shared"] / "hf" / "llama3-8b-ppo"
     model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.model_type == walk["arch"]  # exported as the architecture it was imported as
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is a cat?"}], add_generation_prompt=True,
                                   return_tensors="pt")

@@ -47,6 +47,13 @@ for _preset, _h, _ffn, _layers, _heads, _tied in (("qwen3_1_7b", 2048, 6144, 28,
     HF_CONFIGS[_preset] = {**QWEN3_0_6B, "hidden_size": _h, "intermediate_size": _ffn, "num_hidden_layers": _layers,
                            "max_window_layers": _layers, "num_attention_heads": _heads,
                            "tie_word_embeddings": _tied}
+HF_CONFIGS["qwen3_30b_a3b"] = {**QWEN3_0_6B, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                               "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                               "max_window_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                               "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                               "moe_intermediate_size": 768, "norm_topk_prob": True, "num_experts": 128,
+                               "num_experts_per_tok": 8, "output_router_logits": False,
+                               "router_aux_loss_coef": 0.001}
 LLAMA3_2 = {**LLAMA3, "max_position_embeddings": 131072, "tie_word_embeddings": True, "intermediate_size": 8192,
             "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                              "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
@@ -57,17 +64,24 @@ HF_CONFIGS["llama3_2_3b"] = {**LLAMA3_2, "hidden_size": 3072, "head_dim": 128, "
 PARAMS_B = {"llama3_8b": 8.03, "llama3_1_8b": 8.03, "llama3_70b": 70.55, "qwen2_5_7b": 7.62, "qwen3_0_6b": 0.60,
             "llama3_2_1b": 1.23, "llama3_2_3b": 3.21}  # the model cards' counts
 QWEN3_CARDS = {"qwen3_0_6b": ("0.6", "0.44"), "qwen3_1_7b": ("1.7", "1.4"), "qwen3_4b": ("4.0", "3.6"),
-               "qwen3_8b": ("8.2", "6.95"), "qwen3_14b": ("14.8", "13.2"), "qwen3_32b": ("32.8", "31.2")}
+               "qwen3_8b": ("8.2", "6.95"), "qwen3_14b": ("14.8", "13.2"), "qwen3_32b": ("32.8", "31.2"),
+               "qwen3_30b_a3b": ("30.5", "29.9")}
 """The Qwen3 model cards' "Number of Parameters" and "Number of Parameters (Non-Embedding)",
 in billions, as printed: to one decimal (6.95 to two), so a count is checked at the printed
 precision (it must round to the printed figure), both of them."""
 
 
-def _parameter_counts(c) -> tuple[int, int]:
+QWEN3_MOE_ACTIVATED_B = {"qwen3_30b_a3b": 3.3}
+"""The Qwen3-MoE model cards' activated parameters, in billions, as printed (truncated: the
+count, embeddings included, is 3.353 B for Qwen3-30B-A3B)."""
+
+
+def _parameter_counts(c, activated: bool = False) -> tuple[int, int]:
     """(total, non-embedding) parameters of a decoder preset: per layer the attention
-    (QKV and output projections, QKV biases, q/k norms), the SwiGLU MLP (3 matrices) and two
-    norms; the final norm; the embedding, and the output layer unless tied (non-embedding
-    leaves both out)."""
+    (QKV and output projections, QKV biases, q/k norms), the SwiGLU MLP (3 matrices; a
+    mixture of experts: every expert's, or with ``activated`` the ``moe_router_topk`` a
+    token runs, and the router) and two norms; the final norm; the embedding, and the output
+    layer unless tied (non-embedding leaves both out)."""
     d = c.kv_channels or c.hidden_size // c.num_attention_heads
     attn = c.hidden_size * d * (c.num_attention_heads + 2 * c.num_query_groups) \
         + c.num_attention_heads * d * c.hidden_size
@@ -75,7 +89,12 @@ def _parameter_counts(c) -> tuple[int, int]:
         attn += d * (c.num_attention_heads + 2 * c.num_query_groups)
     if c.qk_layernorm:
         attn += 2 * d
-    layer = attn + 3 * c.hidden_size * c.ffn_hidden_size + 2 * c.hidden_size
+    if c.num_moe_experts:
+        experts = c.moe_router_topk if activated else c.num_moe_experts
+        mlp = experts * 3 * c.hidden_size * c.moe_ffn_hidden_size + c.num_moe_experts * c.hidden_size
+    else:
+        mlp = 3 * c.hidden_size * c.ffn_hidden_size
+    layer = attn + mlp + 2 * c.hidden_size
     embeddings = (1 if c.share_embeddings_and_output_weights else 2) * c.vocab_size * c.hidden_size
     body = c.num_layers * layer + c.hidden_size
     return body + embeddings, body
@@ -100,6 +119,13 @@ def test_qwen3_total_and_non_embedding_counts_round_to_the_model_cards(preset):
     for count, printed in zip((total, body), QWEN3_CARDS[preset]):
         decimals = len(printed.split(".")[1])
         assert f"{count / 1e9:.{decimals}f}" == printed, (preset, count, printed)
+
+
+@pytest.mark.parametrize("preset", sorted(QWEN3_MOE_ACTIVATED_B))
+def test_qwen3_moe_activated_count_is_the_model_cards(preset):
+    activated, _ = _parameter_counts(load_model_preset(preset), activated=True)
+    printed = QWEN3_MOE_ACTIVATED_B[preset]
+    assert printed <= activated / 1e9 < printed + 0.1
 
 
 def test_every_hf_config_has_a_model_card_count():
