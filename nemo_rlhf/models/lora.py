@@ -49,9 +49,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from nemo_rlhf.models.config import LoRAConfig
+from nemo_rlhf.models.lora_keys import ADAPTER_SUFFIX, has_adapters, is_adapter_param
 
-ADAPTER_SUFFIX = "_lora"
-"""A linear ``<name>``'s adapter is the sibling module ``<name>_lora``."""
 HEAD_NAMES = ("value_head", "reward_head")
 """Top-level modules that stay trainable beside the adapters."""
 
@@ -185,6 +184,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, gated_fc1: bool) -> list
     Raises:
         ValueError: a target module found nowhere in the stage.
     """
+    if any(getattr(m, "is_expert", False) for m in model.modules()):
+        raise ValueError("model.lora.enabled=true on a mixture-of-experts model "
+                         "(model.num_moe_experts): adapters on the experts are not built yet")
     targets = set(cfg.target_modules)
     found, names = set(), []
     for name, module in list(model.named_modules()):
@@ -195,6 +197,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, gated_fc1: bool) -> list
         adapter = LoRAAdapter(module, cfg, name, gated=gated_fc1 and leaf == "linear_fc1")
         parent.add_module(leaf + ADAPTER_SUFFIX, adapter)
         module.register_forward_hook(_hook(adapter), with_kwargs=True)
+        # a plain attribute, not a submodule (no second state-dict entry): the decode
+        # layers' matmul fast path reads it and calls the module instead (has_lora)
+        object.__setattr__(module, "_lora_adapter", adapter)
         found.add(leaf)
         names.append(name)
     missing = targets - found
@@ -207,19 +212,29 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, gated_fc1: bool) -> list
     return names
 
 
-def is_adapter_param(name: str) -> bool:
-    """Whether a parameter name belongs to a LoRA adapter."""
-    return any(part.endswith(ADAPTER_SUFFIX) for part in name.split("."))
+def has_lora(linear: torch.nn.Module) -> bool:
+    """Whether a base linear carries an adapter (its forward hook adds the adapter's
+    output, so the linear must be called as a module, not by its weight)."""
+    return linear.__dict__.get("_lora_adapter") is not None
+
+
+@torch.no_grad()
+def merged_weight(linear: torch.nn.Module) -> torch.Tensor:
+    """This rank's shard of ``W + scale * B A`` of an adapted base linear (the base
+    weight itself without an adapter or with it disabled), in the weight's dtype; the
+    product is formed in fp32 (``[out/tp, in]`` column-, ``[out, in/tp]`` row-parallel:
+    the base weight's own shard, since B is sharded by the output and A by the input)."""
+    adapter = linear.__dict__.get("_lora_adapter")
+    w = linear.weight
+    if adapter is None or not adapter.enabled:
+        return w.detach()
+    delta = adapter.lora_b.float() @ adapter.lora_a.float() * adapter.scale
+    return (w.float() + delta).to(w.dtype)
 
 
 def adapters(model: torch.nn.Module) -> Iterator[LoRAAdapter]:
     """The model's adapters (through DDP wrappers)."""
     return (m for m in model.modules() if isinstance(m, LoRAAdapter))
-
-
-def has_adapters(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds any LoRA adapter."""
-    return next(adapters(model), None) is not None
 
 
 @contextlib.contextmanager
@@ -235,3 +250,7 @@ def adapters_disabled(model: torch.nn.Module):
     finally:
         for a, was in zip(found, before):
             a.enabled = was
+
+
+__all__ = ["ADAPTER_SUFFIX", "HEAD_NAMES", "LoRAAdapter", "adapters", "adapters_disabled", "apply_lora",
+           "has_adapters", "has_lora", "is_adapter_param", "merged_weight"]

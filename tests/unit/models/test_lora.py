@@ -154,3 +154,66 @@ def test_gradients_reach_only_adapters_and_value_head_and_the_optimizer_holds_no
             assert not torch.equal(p, before[n]), n
         else:
             assert torch.equal(p, before[n]), n  # the frozen base, bit for bit
+
+
+def test_merged_weight_is_w_plus_scale_b_a_and_the_base_weight_when_disabled(dims):
+    from nemo_rlhf.models.lora import adapters_disabled, merged_weight
+
+    model = _build(dims, True, alpha=8.0)
+    _randomise(model)
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    a = model.decoder.layers[0].self_attention.linear_qkv_lora
+    want = qkv.weight + 2.0 * a.lora_b @ a.lora_a  # alpha 8 / rank 4
+    torch.testing.assert_close(merged_weight(qkv), want, atol=1e-6, rtol=0)
+    with adapters_disabled(model):
+        assert torch.equal(merged_weight(qkv), qkv.weight)
+
+
+def test_a_mixture_of_experts_model_with_lora_is_refused(dims):
+    from nemo_rlhf.models.actor_critic import build_model
+
+    cfg = load_model_preset("tiny", vocab_size=VOCAB, num_moe_experts=2, moe_router_topk=2,
+                            moe_ffn_hidden_size=32, lora={"enabled": True, "rank": 2})
+    with pytest.raises(ValueError, match=r"model\.lora\.enabled=true on a mixture-of-experts model"):
+        build_model(cfg, dims, "32", seed=3)
+
+
+def test_merge_adapters_and_the_peft_split_are_exact_on_full_tensors():
+    """Full (layer-stacked) tensors: the merge adds scale * B A to each adapted weight, and the
+    PEFT split gives q/k/v (gate/up) adapters whose B_x A are exactly those rows of B A."""
+    from nemo_rlhf.models.hf_mapping import split_qkv
+    from nemo_rlhf.models.lora_hf import adapter_keys, merge_adapters, peft_adapter, split_adapters
+
+    cfg = load_model_preset("tiny", vocab_size=VOCAB)
+    heads, groups, h, f = cfg.num_attention_heads, cfg.num_query_groups, cfg.hidden_size, cfg.ffn_hidden_size
+    d = cfg.kv_channels or h // heads
+    g = torch.Generator().manual_seed(0)
+    L, r = cfg.num_layers, 3
+    shapes = {"linear_qkv": ((heads + 2 * groups) * d, h), "linear_proj": (h, h),
+              "linear_fc1": (2 * f, h), "linear_fc2": (h, f)}
+    full = {}
+    for target, (out, inp) in shapes.items():
+        a_key, b_key, w_key = adapter_keys(target)
+        full[w_key] = torch.randn(L, out, inp, generator=g)
+        full[a_key] = torch.randn(L, r, inp, generator=g)
+        full[b_key] = torch.randn(L, out, r, generator=g)
+    base, adapters = split_adapters(full)
+    assert set(adapters) == set(shapes) and not any("_lora" in k for k in base)
+    merged = merge_adapters(base, adapters, 0.5)
+    for target in shapes:
+        a_key, b_key, w_key = adapter_keys(target)
+        torch.testing.assert_close(merged[w_key], full[w_key] + 0.5 * full[b_key] @ full[a_key])
+    tensors, config = peft_adapter(adapters, cfg, "llama", {"rank": r, "alpha": 6.0})
+    assert config["r"] == r and config["lora_alpha"] == 6.0 and config["peft_type"] == "LORA"
+    a_key, b_key, _ = adapter_keys("linear_qkv")
+    delta = full[b_key][1] @ full[a_key][1]
+    for name, rows in zip(("q_proj", "k_proj", "v_proj"), split_qkv(delta, heads, groups, d)):
+        p = f"base_model.model.model.layers.1.self_attn.{name}"
+        torch.testing.assert_close(tensors[p + ".lora_B.weight"] @ tensors[p + ".lora_A.weight"], rows)
+    a_key, b_key, _ = adapter_keys("linear_fc1")
+    gate, up = (full[b_key][0] @ full[a_key][0]).chunk(2)
+    p = "base_model.model.model.layers.0.mlp."
+    torch.testing.assert_close(tensors[p + "gate_proj.lora_B.weight"] @ tensors[p + "gate_proj.lora_A.weight"], gate)
+    torch.testing.assert_close(tensors[p + "up_proj.lora_B.weight"] @ tensors[p + "up_proj.lora_A.weight"], up)
+    with pytest.raises(ValueError, match="PEFT adapter export of 'gpt2'"):
+        peft_adapter(adapters, cfg, "gpt2", {"rank": r, "alpha": 6.0})
