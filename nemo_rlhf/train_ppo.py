@@ -18,7 +18,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from nemo_rlhf.checkpoint import load_model_weights, read_metadata
+from nemo_rlhf.checkpoint import load_model_weights, read_metadata, refuse_adapter_checkpoint_as_lora_base
 from nemo_rlhf.checkpoint.source import adopt_for_hydra_job
 from nemo_rlhf.config import configure_job_logging, run_console_entry, to_typed
 from nemo_rlhf.data.datasets import load_prompt_dataset
@@ -72,6 +72,8 @@ def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
     if separate and hasattr(model, model.head_name):
         delattr(model, model.head_name)  # the actor of a separate critic has no value head
     if cfg.exp_manager.init_from:
+        if cfg.model.lora.enabled:
+            refuse_adapter_checkpoint_as_lora_base(cfg.exp_manager.init_from, "exp_manager.init_from")
         load_model_weights(cfg.exp_manager.init_from, model,
                            init_heads=cfg.exp_manager.init_value_head)
     reference = ReferencePolicy(model, cfg.reference.mode, build_fn=make_stage, device=dims.device)

@@ -26,6 +26,11 @@ replaces ``<root>/latest`` (a one-line text file) by an atomic rename. A crash a
 leaves either the previous checkpoint or the new one; a folder without ``COMPLETE`` is
 never picked (:func:`find_latest_checkpoint`).
 
+LoRA (``model.lora.enabled`` with a base checkpoint): ``dist/`` holds the adapters and the
+heads only, and ``metadata.json``'s ``lora_base`` names the base checkpoint (its resolved
+path and :func:`checkpoint_content_hash`); loading one loads that base first and refuses
+a base whose content changed (:func:`load_model_weights`).
+
 Simplified: one shared filesystem is assumed (every rank sees ``root``); asynchronous
 saving is not used.
 """
@@ -50,6 +55,7 @@ from nemo_rlhf.checkpoint.digests import DIGESTS_SUBDIR, read_back_problems, sha
 from nemo_rlhf.checkpoint.faults import fault_requested, maybe_crash
 from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.models.engine import unwrap
+from nemo_rlhf.models.lora_keys import has_adapters, is_adapter_param
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
@@ -168,8 +174,36 @@ CRITIC = "critic"
 entries (``critic_optimizer``), beside the actor's ``model.`` / ``optimizer``."""
 
 
-def _model_sharded_state_dict(model, prefix: str = "model.") -> dict:
-    return unwrap(model).sharded_state_dict(prefix=prefix)
+def _model_sharded_state_dict(model, prefix: str = "model.", adapters_only: bool = False) -> dict:
+    """The stage's sharded tensors under ``prefix``; ``adapters_only``: only the LoRA
+    adapters' and the heads' (the frozen base is the base checkpoint's)."""
+    sd = unwrap(model).sharded_state_dict(prefix=prefix)
+    if adapters_only:
+        sd = {k: v for k, v in sd.items() if _trainable_key(k[len(prefix):])}
+    return sd
+
+
+def _trainable_key(name: str) -> bool:
+    """A LoRA run's trained tensors: adapters and heads (a state-dict name without prefix)."""
+    return is_adapter_param(name) or name.startswith(HEAD_KEYS)
+
+
+def checkpoint_content_hash(path: Path) -> str:
+    """The first 16 hex digits of a SHA-256 over a checkpoint's recorded file checksums
+    (``metadata.json`` ``files``): the same for a copy anywhere, independent of the layout
+    it is loaded at; another for any changed shard."""
+    files = read_metadata(path).get("files") or {}
+    digest = hashlib.sha256(json.dumps(sorted((k, v[1]) for k, v in files.items())).encode())
+    return digest.hexdigest()[:16]
+
+
+def lora_base_record(model, base: Optional[str]) -> Optional[dict]:
+    """``{"path", "hash"}`` of the base checkpoint a LoRA stage was built on, or None: the
+    model has no adapters, or no base (a random initialisation is saved whole)."""
+    if not base or not has_adapters(unwrap(model)):
+        return None
+    resolved = resolve_checkpoint(base)
+    return {"path": str(resolved.resolve()), "hash": checkpoint_content_hash(resolved)}
 
 
 def _parts(model, optimizer, critic) -> list[tuple[str, object, object]]:
@@ -218,8 +252,8 @@ def _gather_param_steps(steps: dict[str, int]) -> dict[str, int]:
     return dict(sorted(merged.items()))
 
 
-def _optimizer_sharded_state_dict(model_sd: dict, optimizer, name: str = "model"
-                                  ) -> tuple[dict, dict[str, int]]:
+def _optimizer_sharded_state_dict(model_sd: dict, optimizer, name: str = "model",
+                                  adapters_only: bool = False) -> tuple[dict, dict[str, int]]:
     """Adam moments and fp32 masters as ShardedTensors keyed like the model params, and
     this stage's Adam step count per parameter, by :func:`_global_param_names` (0: never
     stepped, e.g. the backbone during a critic warm-up; a critic's names start with
@@ -247,7 +281,8 @@ def _optimizer_sharded_state_dict(model_sd: dict, optimizer, name: str = "model"
     # Frozen parameters (e.g. rm.freeze_layers) have no optimizer state, but megatron stacks
     # the layers of one tensor name into one ShardedTensor that must be covered whole: they
     # get zero moments under ids after the optimizer's own (dropped again on load).
-    frozen = _frozen_params(optimizer, ordered)
+    # (adapters_only: the frozen base is not in model_sd, nothing to cover)
+    frozen = [] if adapters_only else _frozen_params(optimizer, ordered)
     # (no frozen parameters: no map; megatron warns about an empty one on every save)
     frozen_map = get_param_id_to_sharded_param_map(model_sd, frozen) if frozen else {}
     for j, p in enumerate(frozen):
@@ -301,6 +336,7 @@ def save_checkpoint(
     fingerprint: Optional[dict] = None,
     critic: Optional[tuple] = None,
     verify: bool = True,
+    lora_base: Optional[str] = None,
 ) -> Path:
     """Write ``<root>/step_<step>`` on every rank, verify it and publish it atomically.
 
@@ -318,6 +354,8 @@ def save_checkpoint(
         verify: read the written shards back and compare them with the digests taken from
             memory before publishing (``exp_manager.verify_after_save``); the digests are
             written either way (``nemo-rlhf-ckpt validate --deep``).
+        lora_base: the base checkpoint of a LoRA model (its ``init_from``): the adapters
+            and heads are saved, not the frozen base (:func:`lora_base_record`).
 
     Returns:
         The published ``step_<step>`` path.
@@ -343,14 +381,15 @@ def save_checkpoint(
     _barrier()
     sharded, part_meta = {}, {}
     opt_step, opt_steps = 0, None
+    base = lora_base_record(model, lora_base)
     for name, part_model, part_opt in _parts(model, optimizer, critic):
-        model_sd = _model_sharded_state_dict(part_model, f"{name}.")
+        model_sd = _model_sharded_state_dict(part_model, f"{name}.", adapters_only=base is not None)
         sharded.update(model_sd)
         if part_opt is None:
             continue
         key = _opt_key(name)
         if _optimizer_format(part_opt) == ADAMW_FORMAT:
-            opt_sd, steps = _optimizer_sharded_state_dict(model_sd, part_opt, name)
+            opt_sd, steps = _optimizer_sharded_state_dict(model_sd, part_opt, name, base is not None)
             sharded[key] = opt_sd["optimizer"]
             sharded[f"{key}_masters"] = opt_sd["masters"]
             steps = _gather_param_steps(steps)
@@ -403,6 +442,7 @@ def save_checkpoint(
                 "optimizer_format": _optimizer_format(optimizer) if optimizer is not None else None,
                 "optimizer_extra": part_meta.get("optimizer_extra", {}),
                 "has_critic": critic is not None,
+                "lora_base": base,
                 **{k: v for k, v in part_meta.items() if k != "optimizer_extra"},
                 "fingerprint": fingerprint or {},
             })
@@ -669,9 +709,41 @@ def _drop_missing_heads(sharded: dict, available: set[str], init_heads: bool, pa
     return heads
 
 
+def _load_lora_base(path: Path, base: dict, model, override: Optional[str]) -> None:
+    """Load the base of the adapters-only checkpoint ``path`` into ``model`` (see
+    :func:`load_model_weights`)."""
+    where = Path(override) if override else Path(base["path"])
+    if not where.exists():
+        raise CheckpointError(
+            f"{path} holds LoRA adapters on the base checkpoint {where}, which does not exist "
+            f"(moved or on another filesystem?): pass the base's new path (lora_base=..., "
+            f"nemo-rlhf-ckpt --lora-base)")
+    got = checkpoint_content_hash(resolve_checkpoint(where))
+    if got != base["hash"]:
+        raise CheckpointError(
+            f"{path} holds LoRA adapters trained on a base with content hash {base['hash']}; "
+            f"{where} has {got}: the adapters would be applied to other weights")
+    load_model_weights(where, model, init_heads=True)
+
+
+def refuse_adapter_checkpoint_as_lora_base(path, key: str) -> None:
+    """A LoRA run must start from full weights: its reference is the base with the adapters
+    off, so a base that is itself base + adapters would give the wrong reference.
+
+    Raises:
+        CheckpointError: ``path`` holds LoRA adapters only, naming ``key``.
+    """
+    if read_metadata(resolve_checkpoint(path)).get("lora_base"):
+        raise CheckpointError(
+            f"{key}={path} holds LoRA adapters, not full weights: a LoRA run starts from a base "
+            f"(its reference is that base); merge the adapters first (nemo-rlhf-ckpt export-hf "
+            f"--merge-lora, then import-hf), or start the LoRA run from the adapters' base")
+
+
 def load_model_weights(path: Path, model, init_heads: bool = False,
                        skip_heads: bool = False, part: str = "model",
-                       head_aliases: Optional[dict[str, str]] = None) -> list[str]:
+                       head_aliases: Optional[dict[str, str]] = None,
+                       lora_base: Optional[str] = None) -> list[str]:
     """Load model weights (any TP/PP layout) from a checkpoint into this rank's stage.
 
     Args:
@@ -684,21 +756,38 @@ def load_model_weights(path: Path, model, init_heads: bool = False,
         head_aliases: ``{head of this model: head in the checkpoint}`` tried when the
             model's own head is absent, e.g. ``{"value_head": "reward_head"}``: a critic's
             value head starts from an RM's reward head.
+        lora_base: an adapters-only (LoRA) checkpoint's base at another path than the one
+            it recorded (a moved base); its content hash must still match.
+
+    A LoRA checkpoint (adapters and heads only) loads its recorded base first, then the
+    adapters; a full checkpoint loaded into a model with adapters leaves adapters it does
+    not hold at their initialisation (B = 0: the model computes as the checkpoint).
 
     Returns:
         Keys of head tensors that were not loaded.
 
     Raises:
         CheckpointError: incomplete checkpoint, missing non-head tensors, or a missing head
-            without ``init_heads``.
+            without ``init_heads``; a LoRA checkpoint into a model without adapters, or
+            whose base is missing or changed.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     path = Path(path)
-    read_metadata(path)
-    sharded = _model_sharded_state_dict(model, f"{part}.")
+    base = read_metadata(path).get("lora_base")
+    lora_model = has_adapters(unwrap(model))
+    if base and not lora_model:
+        raise CheckpointError(f"{path} holds LoRA adapters: build the model with its "
+                              f"model.lora settings (config.yaml) to load it")
+    if base:
+        _load_lora_base(path, base, model, lora_base)
+    sharded = _model_sharded_state_dict(model, f"{part}.", adapters_only=bool(base))
     available = _checkpoint_keys(path)
+    if lora_model and not base:  # a full checkpoint: adapters it lacks stay initialised
+        for k in [k for k, v in sharded.items() if is_adapter_param(k)
+                  and not (isinstance(v, ShardedTensor) and v.key in available)]:
+            sharded.pop(k)
     for v in sharded.values():
         if isinstance(v, ShardedTensor) and v.key not in available:
             for mine, theirs in (head_aliases or {}).items():
@@ -712,13 +801,17 @@ def load_model_weights(path: Path, model, init_heads: bool = False,
             sharded.pop(k)
     skipped += _drop_missing_heads(sharded, available, init_heads or skip_heads, path)
     loaded = dist_checkpointing.load(sharded, str(path / "dist"))
-    _copy_into_model(model, loaded, f"{part}.")
+    _copy_into_model(model, loaded, f"{part}.", partial=lora_model)
     return skipped
 
 
-def _copy_into_model(model, loaded: dict, prefix: str = "model.") -> None:
+def _copy_into_model(model, loaded: dict, prefix: str = "model.", partial: bool = False) -> None:
+    """``partial``: a LoRA model, which may be loaded as base and adapters separately."""
     state = {k[len(prefix):]: v for k, v in loaded.items() if k.startswith(prefix)}
     missing, unexpected = unwrap(model).load_state_dict(state, strict=False)
+    if partial:  # the base without the adapters, or the adapters without the base
+        loaded_adapters = any(is_adapter_param(k) for k in state)
+        missing = [k for k in missing if is_adapter_param(k) == loaded_adapters]
     missing = [k for k in missing if not k.endswith("_extra_state")
                and not any(k.startswith(h) for h in HEAD_KEYS)]
     if missing or unexpected:
@@ -757,9 +850,12 @@ def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
     parts = _parts(model, optimizer, critic)
     if optimizer is not None and not meta.get("has_optimizer"):
         raise CheckpointError(f"{path}: holds no optimizer state")
+    adapters_only = bool(meta.get("lora_base"))  # the base is the run's init_from, loaded
+    if adapters_only != has_adapters(unwrap(model)) and meta.get("lora_base") is not None:
+        raise CheckpointError(f"{path} holds LoRA adapters: resume it with its model.lora settings")
     sharded, formats = {}, {}
     for name, part_model, part_opt in parts:
-        model_sd = _model_sharded_state_dict(part_model, f"{name}.")
+        model_sd = _model_sharded_state_dict(part_model, f"{name}.", adapters_only=adapters_only)
         _drop_missing_heads(model_sd, available, init_heads, path)
         sharded.update(model_sd)
         if part_opt is None:
@@ -775,14 +871,14 @@ def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
         key = _opt_key(name)
         if fmt == ADAMW_FORMAT:
             _materialize_adam_state(part_opt)
-            opt_sd, _ = _optimizer_sharded_state_dict(model_sd, part_opt, name)
+            opt_sd, _ = _optimizer_sharded_state_dict(model_sd, part_opt, name, adapters_only)
             sharded[key] = opt_sd["optimizer"]
             sharded[f"{key}_masters"] = opt_sd["masters"]
         else:
             sharded[key] = part_opt.sharded_state_dict(dict(model_sd), is_loading=True)
     loaded = dist_checkpointing.load(sharded, str(path / "dist"))
     for name, part_model, part_opt in parts:
-        _copy_into_model(part_model, loaded, f"{name}.")
+        _copy_into_model(part_model, loaded, f"{name}.", partial=adapters_only)
         if part_opt is None:
             continue
         key = _opt_key(name)

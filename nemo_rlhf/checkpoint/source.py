@@ -32,8 +32,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from nemo_rlhf.checkpoint.io import checkpoint_tokenizer_dir, resolve_checkpoint
 
-RUN_SETTINGS = ("hidden_dropout", "attention_dropout", "init_method_std", "value_head_init_std")
-"""Model keys that are the job's own settings, never taken from the checkpoint."""
+RUN_SETTINGS = ("hidden_dropout", "attention_dropout", "init_method_std", "value_head_init_std", "lora")
+"""Model keys that are the job's own settings, never taken from the checkpoint (``lora``:
+whether this job trains adapters on the checkpoint as its base)."""
 
 NOT_ARCHITECTURE = ("name", "max_position_embeddings", *RUN_SETTINGS)
 """Model keys that may differ from the checkpoint's (the rest must match for the weights to

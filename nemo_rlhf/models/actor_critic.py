@@ -32,6 +32,7 @@ from nemo_rlhf.models.decode_layers import local_layer_spec
 from nemo_rlhf.models.embedding import use_main_grad_lookup
 from nemo_rlhf.models.moe import patch_router_gemm_without_te
 from nemo_rlhf.models.logprobs import LogprobRequest, fused_response_logprobs
+from nemo_rlhf.models.lora import apply_lora
 from nemo_rlhf.models.packing import PackedBatch
 
 
@@ -218,6 +219,9 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
         seed: if given, re-seed megatron's TP RNG tracker first, so two builds give the
             same weights (tests; reference copies).
 
+    With ``model.lora.enabled`` the stage gets LoRA adapters and only they and the head
+    stay trainable (:func:`nemo_rlhf.models.lora.apply_lora`).
+
     Raises:
         ValueError: unknown ``kind``, or a padded vocabulary not divisible by TP.
     """
@@ -240,6 +244,8 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
     # the word embedding's weight gradient into DDP's main_grad, without a dense
     # [vocab, hidden] gradient (nemo_rlhf.models.embedding)
     use_main_grad_lookup(model)
+    if model_cfg.lora.enabled:  # adapters added, all but them and the head frozen
+        apply_lora(model, model_cfg.lora, gated_fc1=model_cfg.activation == "swiglu")
     return model.to(dims.device)
 
 

@@ -47,6 +47,48 @@ PRECISIONS = ("32", "bf16-mixed", "fp16-mixed", "auto")
 HOST_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 """CPU flags (``/proc/cpuinfo``) of the bf16 dot-product instructions that make a host bf16
 GEMM faster than fp32 (AMX; AVX-512 BF16); without them bf16 is emulated and slower."""
+LORA_TARGET_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""``model.lora.target_modules`` choices: megatron's names of the attention's QKV and output
+projections and the MLP's two linears (column-, row-, column-, row-parallel)."""
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the transformer's parallel linears (``model.lora``; Hu et al.
+    2021, LoRA: ``y = W x + (alpha / rank) * B A dropout(x)``, B zero at start). With
+    ``enabled`` every other parameter except the value / reward head is frozen
+    (:mod:`nemo_rlhf.models.lora`)."""
+
+    enabled: bool = False
+    """Add adapters and freeze the base model."""
+    rank: int = 8
+    """``r``: inner width of each adapter (``A [r, in]``, ``B [out, r]``); > 0."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter's output is multiplied by ``alpha / rank``; > 0."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1) (training passes only)."""
+    target_modules: list = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    """Adapted linears of every layer, from :data:`LORA_TARGET_MODULES`; not empty."""
+
+    def __post_init__(self) -> None:
+        self.target_modules = list(self.target_modules)
+        for module in self.target_modules:
+            check_choice("model.lora.target_modules", module, LORA_TARGET_MODULES)
+        if not self.target_modules:
+            raise ValueError(f"model.lora.target_modules=[]: name at least one of {list(LORA_TARGET_MODULES)}")
+        if len(set(self.target_modules)) != len(self.target_modules):
+            raise ValueError(f"model.lora.target_modules={self.target_modules}: a module is named twice")
+        if isinstance(self.rank, bool) or int(self.rank) != self.rank or self.rank <= 0:
+            raise ValueError(f"model.lora.rank={self.rank!r}: must be an integer > 0")
+        if not self.alpha > 0:
+            raise ValueError(f"model.lora.alpha={self.alpha!r}: must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.lora.dropout={self.dropout!r}: must be in [0, 1)")
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``, the adapter output's factor."""
+        return self.alpha / self.rank
 
 
 @dataclass
@@ -157,8 +199,12 @@ class ModelConfig:
     """``selective`` only: submodules recomputed in each layer, from ``core_attn`` (the
     attention scores and softmax: ``[batch, heads, seq, seq]``) and ``mlp`` (the MLP's
     ``ffn_hidden_size``-wide activations)."""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """Low-rank adapters (:class:`LoRAConfig`); off by default."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # ModelConfig(**asdict(cfg)), e.g. a job file's
+            self.lora = LoRAConfig(**self.lora)
         check_choice("model.normalization", self.normalization, NORMALIZATIONS)
         check_choice("model.activation", self.activation, ACTIVATIONS)
         check_choice("model.position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
@@ -268,6 +314,9 @@ class ModelConfig:
         if self.num_moe_experts is None:
             for k in MOE_KEYS:
                 d.pop(k, None)
+        lora = d.pop("lora")
+        if self.lora.enabled:  # the adapters' keys and shapes (dropout does not change weights)
+            d["lora"] = {k: lora[k] for k in ("rank", "alpha", "target_modules")}
         return d
 
 

@@ -79,6 +79,8 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from nemo_rlhf.models.lora import has_lora
+
 CACHE_TAG = "bhsd"
 """Second element of this module's ``key_value_memory_dict`` keys: ``(layer_number, tag)``."""
 
@@ -106,7 +108,7 @@ def _linear(mod: torch.nn.Module, x: torch.Tensor, plain: bool):
         x: ``[s, b, in]``.
         plain: :func:`_plain_linear` of ``mod`` (then no autograd wrapper, no collectives).
     """
-    if not plain:
+    if not plain or has_lora(mod):  # the module call runs the adapter's hook
         return mod(x)
     out = torch.matmul(x, mod.weight.t())
     bias = mod.bias
@@ -395,7 +397,7 @@ class KVCacheTransformerLayer(TransformerLayer):
         """megatron ``MLP.forward`` without fusions (``bias_activation_fusion=False``)."""
         mlp, cfg = self.mlp, self.config
         fc1 = mlp.linear_fc1
-        if cfg.gated_linear_unit and self._plain_fc1 and fc1.bias is None:
+        if cfg.gated_linear_unit and self._plain_fc1 and fc1.bias is None and not has_lora(fc1):
             # Two half-width matmuls (gate rows, up rows: views of the fused weight): when
             # the weights stream from memory (decode) they measured a few percent faster
             # on CPU than one, and the activation then runs on contiguous tensors, in place.

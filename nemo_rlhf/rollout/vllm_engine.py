@@ -60,6 +60,7 @@ import torch.distributed as dist
 from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.models.hf_mapping import gather_full_tensors, hf_config, infer_arch, megatron_to_hf
+from nemo_rlhf.models.lora_hf import merge_adapters, split_adapters
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.generate import RolloutBatch, _check_inputs, left_pad
 
@@ -208,6 +209,9 @@ class VLLMRolloutEngine:
         core = unwrap(model)
         full = gather_full_tensors(core, self.dims.tp_group if self.dims.tp > 1 else None,
                                    skip=_is_head)
+        full, adapters = split_adapters(full)
+        if adapters:  # LoRA: the engine serves W + (alpha / r) B A
+            full = merge_adapters(full, adapters, self.model_cfg.lora.scale)
         hf = megatron_to_hf(full, self.model_cfg, self.arch)
         del full
         if self.untie:

@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from nemo_rlhf.checkpoint import checkpoint_heads, load_model_weights, resolve_checkpoint
+from nemo_rlhf.checkpoint import (checkpoint_heads, load_model_weights, refuse_adapter_checkpoint_as_lora_base,
+                                  resolve_checkpoint)
 from nemo_rlhf.data.datasets import (
     DataConfig,
     collate_preference,
@@ -200,10 +201,15 @@ class RMTrainer(SupervisedTrainer):
                         frozen += p.numel()
             self.print(f"rm.freeze_layers={n}: {frozen:,} parameters frozen on this rank")
 
+    def base_checkpoint(self):
+        return self.cfg.rm.init_from
+
     def _load_backbone(self, model) -> None:
         if not self.cfg.rm.init_from:
             return
         path = resolve_checkpoint(self.cfg.rm.init_from)
+        if self.model_cfg.lora.enabled:
+            refuse_adapter_checkpoint_as_lora_base(path, "rm.init_from")
         if "reward_head" in checkpoint_heads(path):
             load_model_weights(path, model)
             self.print(f"RM loaded from the reward model {path}, reward head included: "

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from nemo_rlhf.checkpoint import load_model_weights, resolve_checkpoint
+from nemo_rlhf.checkpoint import load_model_weights, refuse_adapter_checkpoint_as_lora_base, resolve_checkpoint
 from nemo_rlhf.data.datasets import (
     DataConfig,
     collate_sft,
@@ -127,9 +127,14 @@ class SFTTrainer(SupervisedTrainer):
         val = load_sft_dataset(d.val_file, self.tokenizer, d) if d.val_file else None
         return train, val
 
+    def base_checkpoint(self):
+        return self.cfg.sft.init_from
+
     def init_weights(self, model) -> None:
         if self.cfg.sft.init_from:
             path = resolve_checkpoint(self.cfg.sft.init_from)
+            if self.model_cfg.lora.enabled:
+                refuse_adapter_checkpoint_as_lora_base(path, "sft.init_from")
             skipped = load_model_weights(path, model, skip_heads=True)
             self.print(f"initialised from {path} (heads not loaded: {skipped or 'none'})")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
-from nemo_rlhf.checkpoint import load_checkpoint, save_checkpoint
+from nemo_rlhf.checkpoint import checkpoint_content_hash, load_checkpoint, resolve_checkpoint, save_checkpoint
 from nemo_rlhf.checkpoint.policy import prune, resume_run
 from nemo_rlhf.data.sampler import ResumableSampler
 from nemo_rlhf.data.tokenizer import Tokenizer
@@ -184,9 +184,22 @@ class SupervisedTrainer:
         """``<exp_dir>/checkpoints``."""
         return self.exp.checkpoint_dir
 
+    def base_checkpoint(self) -> Optional[str]:
+        """The checkpoint the weights start from (the job's ``init_from``), or None."""
+        return None
+
+    def lora_base(self) -> Optional[str]:
+        """With ``model.lora.enabled``: the base checkpoint the adapters sit on (saved
+        checkpoints hold adapters and heads only), else None."""
+        return self.base_checkpoint() if self.model_cfg.lora.enabled else None
+
     def fingerprint(self) -> dict:
-        """What a resume must match (:func:`nemo_rlhf.checkpoint.policy.check_fingerprint`)."""
-        return {"model": self.model_cfg.fingerprint(), "tokenizer": self.tokenizer.describe()}
+        """What a resume must match (:func:`nemo_rlhf.checkpoint.policy.check_fingerprint`):
+        the model shape, the tokenizer and, with LoRA, the base's content hash."""
+        out = {"model": self.model_cfg.fingerprint(), "tokenizer": self.tokenizer.describe()}
+        if self.lora_base():
+            out["lora_base"] = checkpoint_content_hash(resolve_checkpoint(self.lora_base()))
+        return out
 
     def resume(self) -> None:
         """Load the checkpoint ``exp_manager.resume`` selects, once, by the policy every job
@@ -268,7 +281,8 @@ class SupervisedTrainer:
             return None
         path = save_checkpoint(self.checkpoint_dir, self.step, self.model, self.optimizer,
                                self.trainer_state(), self.run_config, self.dims, self.fingerprint(),
-                               verify=self.cfg.exp_manager.verify_after_save)
+                               verify=self.cfg.exp_manager.verify_after_save,
+                               lora_base=self.lora_base())
         if self.cfg.exp_manager.keep_last and self.dims.rank == 0:
             prune(self.checkpoint_dir, self.cfg.exp_manager.keep_last)
         self.print(f"saved {path}")

@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float32, bfloat16 or float16 (default: the checkpoint's)")
     s.add_argument("--tokenizer-dir", default=None, help="instead of config.yaml's data.tokenizer_dir")
     s.add_argument("--no-tokenizer", action="store_true")
+    s.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA checkpoint: merge the adapters into the base's weights")
+    s.add_argument("--peft", action="store_true",
+                   help="a LoRA checkpoint: write the adapter alone in PEFT's format")
+    s.add_argument("--lora-base", default=None,
+                   help="a LoRA checkpoint's base checkpoint, if it moved (content hash checked)")
     s = add("import-hf", cmd_import_hf, "convert a local Hugging Face model into a step_0 checkpoint")
     s.add_argument("hf_dir")
     s.add_argument("--out", required=True)

@@ -4,13 +4,22 @@ reward model) as a Hugging Face folder: safetensors, ``config.json`` and the tok
 All input checks (architecture, dtype, tokenizer, a reward bias HF cannot hold) run before
 anything is written. Leaves out the tensor mapping itself (:mod:`nemo_rlhf.tools.hf_convert`)
 and the value head (HF has no place for it).
+
+A LoRA checkpoint (``model.lora``; adapters and heads only, on a recorded base) exports with
+``--merge-lora`` (the base with ``(alpha / r) B A`` added: a plain HF model) or ``--peft``
+(the adapter alone in PEFT's format, for ``peft.PeftModel.from_pretrained`` on the base's
+export); ``--lora-base`` names a base that moved (its content hash must match).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from nemo_rlhf.checkpoint import checkpoint_tokenizer_dir
+from safetensors.torch import save_file
+
+from nemo_rlhf.checkpoint import checkpoint_content_hash, checkpoint_tokenizer_dir, read_metadata
+from nemo_rlhf.models.lora_hf import merge_adapters, peft_adapter, split_adapters
 from nemo_rlhf.tools.ckpt._common import (
     EXIT_OK,
     CLIError,
@@ -24,6 +33,54 @@ from nemo_rlhf.tools.ckpt._common import (
     resolve_ckpt,
     verified,
 )
+
+
+def _with_lora_base(args, ckpt: Path, full: dict) -> tuple[dict, dict]:
+    """``(full tensors with the base filled in, adapters)``; checks the LoRA flags."""
+    base = read_metadata(ckpt).get("lora_base")
+    rest, adapters = split_adapters(full)
+    if adapters and not (args.merge_lora or args.peft):
+        raise CLIError(f"{ckpt} holds LoRA adapters: pass --merge-lora (a plain HF model, the "
+                       f"adapters merged into the base) or --peft (the adapter in PEFT's format)")
+    if not adapters and (args.merge_lora or args.peft):
+        raise CLIError(f"{ckpt} holds no LoRA adapters: drop --merge-lora / --peft")
+    if args.merge_lora and args.peft:
+        raise CLIError("--merge-lora and --peft: choose one (run export-hf twice for both)")
+    if not base or args.peft:
+        return rest, adapters
+    where = Path(args.lora_base or base["path"])
+    if not where.exists():
+        raise CLIError(f"{ckpt}: its LoRA base {where} does not exist; pass --lora-base DIR")
+    where = verified(resolve_ckpt(str(where)))
+    if checkpoint_content_hash(where) != base["hash"]:
+        raise CLIError(f"{ckpt}: the adapters were trained on a base with content hash "
+                       f"{base['hash']}; {where} has {checkpoint_content_hash(where)}")
+    base_full = {k[len("model."):]: v for k, v in full_tensors(where).items() if k.startswith("model.")}
+    return {**base_full, **rest}, adapters  # the LoRA checkpoint's heads over the base's
+
+
+def _export_peft(args, ckpt: Path, cfg: dict, model, arch: str, adapters: dict) -> int:
+    """``adapter_config.json`` + ``adapter_model.safetensors`` into ``args.out``."""
+    try:
+        tensors, config = peft_adapter(adapters, model, arch, cfg["model"]["lora"])
+    except ValueError as exc:
+        raise CLIError(f"{ckpt}: {exc}") from None
+    if args.dtype is not None:
+        from nemo_rlhf.tools import hf_convert as hc  # lazy: megatron where needed
+        tensors = {k: v.to(hc.DTYPES[args.dtype]) for k, v in tensors.items()}
+    out, created = empty_out(args.out)
+    try:
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    except BaseException:
+        discard_out(out, created)
+        raise
+    emit(args, {"source": str(ckpt), "output": str(out), "arch": arch, "class": "PEFT LoRA",
+                "tensors": len(tensors), "r": config["r"], "target_modules": config["target_modules"]},
+         [f"exported the LoRA adapter of {ckpt} -> {out} (PEFT, r={config['r']}, "
+          f"{len(tensors)} tensors; load it with peft.PeftModel.from_pretrained on the base's "
+          f"HF export)"])
+    return EXIT_OK
 
 
 def cmd_export_hf(args) -> int:
@@ -49,6 +106,12 @@ def cmd_export_hf(args) -> int:
                            "tokenizer.json; pass --tokenizer-dir DIR or --no-tokenizer")
     check_out(args.out)
     full = {k[len("model."):]: v for k, v in full_tensors(ckpt).items() if k.startswith("model.")}
+    full, adapters = _with_lora_base(args, ckpt, full)
+    if args.peft:
+        return _export_peft(args, ckpt, cfg, model, arch, adapters)
+    if adapters:
+        full = merge_adapters(full, adapters, model.lora.scale if model.lora.enabled else
+                              float(cfg["model"]["lora"]["alpha"]) / int(cfg["model"]["lora"]["rank"]))
     if args.rm:
         if hc.REWARD_W not in full:
             raise CLIError(f"{ckpt}: no reward_head tensors (not a reward model); drop --rm to "

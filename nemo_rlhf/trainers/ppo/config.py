@@ -26,7 +26,7 @@ from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
 from nemo_rlhf.metrics.trackers import LoggerConfig
 
 KL_TEMPERATURES = ("sampling", "unscaled")
-REFERENCE_MODES = ("offload", "colocated")
+REFERENCE_MODES = ("offload", "colocated", "adapters_off")
 GUARD_ACTIONS = ("off", "warn", "stop")
 INVALID_SCORE_ACTIONS = ("error", "skip")
 
@@ -326,11 +326,15 @@ class RewardConfig:
 class ReferenceConfig:
     """The frozen reference policy (group ``reference``)."""
 
-    mode: str = "offload"
-    """``offload`` (host copy swapped into the backbone) or ``colocated`` (resident copy)."""
+    mode: Optional[str] = None
+    """``offload`` (host copy swapped into the backbone), ``colocated`` (resident copy) or
+    ``adapters_off`` (with ``model.lora.enabled``: the reference is the frozen base, the
+    same forward with the adapters switched off; no reference weights kept). None:
+    ``adapters_off`` with LoRA, ``offload`` without (:meth:`PPOConfig.__post_init__`)."""
 
     def __post_init__(self) -> None:
-        check_choice("reference.mode", self.mode, REFERENCE_MODES)
+        if self.mode is not None:
+            check_choice("reference.mode", self.mode, REFERENCE_MODES)
 
 
 CRITIC_MODES = ("shared", "shared_detached", "separate")
@@ -468,6 +472,23 @@ class PPOConfig:
                              f"the critic-free ppo.advantage_estimator={est}: set it to 0")
         if self.ppo.old_logprobs_from_rollout:
             self._check_rollout_logprobs()
+        self._resolve_reference_mode()
+
+    def _resolve_reference_mode(self) -> None:
+        """``reference.mode`` null -> ``adapters_off`` with LoRA, else ``offload``; LoRA
+        refused where it cannot work."""
+        lora = self.model.lora.enabled
+        if self.reference.mode is None:
+            self.reference.mode = "adapters_off" if lora else "offload"
+        if self.reference.mode == "adapters_off" and not lora:
+            raise ValueError("reference.mode=adapters_off needs model.lora.enabled=true (the "
+                             "reference is the base under the adapters); without LoRA use "
+                             "reference.mode=offload or colocated")
+        if lora and self.critic.mode == "separate":
+            raise ValueError("model.lora.enabled=true with critic.mode=separate: a separate LoRA "
+                             "critic (a second adapter set on the same base) is not built yet; use "
+                             "critic.mode=shared or shared_detached (the value head on the adapted "
+                             "backbone)")
 
     def advantage_config(self) -> AdvantageConfig:
         """The advantage estimator's settings (``ppo.advantage_estimator``, ``gamma``,

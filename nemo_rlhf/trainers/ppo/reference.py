@@ -12,6 +12,10 @@ one model's worth of host memory less, and no copy time).
 ``colocated``: a second, frozen model stage holds the reference weights on the device:
 no copies per step, one more model's worth of memory.
 
+``adapters_off`` (LoRA, ``model.lora.enabled``): the base is frozen, so the initial policy
+is the base itself: the reference pass is the actor's own forward with every adapter
+skipped (:func:`nemo_rlhf.models.lora.adapters_disabled`); no weights are kept or copied.
+
 The value head is not part of the reference (its values are never used).
 """
 
@@ -22,6 +26,7 @@ import contextlib
 import torch
 
 from nemo_rlhf.models.engine import unwrap
+from nemo_rlhf.models.lora import adapters_disabled, has_adapters
 
 
 def _host_buffer(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +46,7 @@ class ReferencePolicy:
     Args:
         model: the actor-critic stage whose *current* weights become the reference
             (build it from the initial checkpoint, then create this before any update).
-        mode: ``offload`` or ``colocated``.
+        mode: ``offload``, ``colocated`` or ``adapters_off``.
         build_fn: ``() -> model stage`` used by ``colocated`` to build the resident copy.
         zero_copy: ``offload`` only: swap by exchanging the parameters' storage with the
             reference tensors instead of copying (None: when the model lives in host
@@ -51,16 +56,22 @@ class ReferencePolicy:
 
     Raises:
         ValueError: an unknown ``mode``; ``colocated`` without ``build_fn``; ``zero_copy``
-            with parameters off the host.
+            with parameters off the host; ``adapters_off`` on a model without adapters.
     """
 
     def __init__(self, model, mode: str = "offload", build_fn=None, zero_copy=None, device=None):
-        if mode not in ("offload", "colocated"):
-            raise ValueError(f"reference.mode={mode!r}: valid choices are ['offload', 'colocated']")
+        if mode not in ("offload", "colocated", "adapters_off"):
+            raise ValueError(f"reference.mode={mode!r}: valid choices are ['offload', 'colocated', "
+                             f"'adapters_off']")
         self.mode = mode
         self.model = model
         self.zero_copy = False
-        if mode == "offload":
+        self.resident = None
+        if mode == "adapters_off":
+            if not has_adapters(unwrap(model)):
+                raise ValueError("reference.mode=adapters_off: the model has no LoRA adapters "
+                                 "(set model.lora.enabled=true, or reference.mode=offload)")
+        elif mode == "offload":
             params = _backbone_params(model)
             host = torch.device("cpu")
             if device is not None:  # dims.device: under the device guard cpu:0, "the accelerator"
@@ -91,6 +102,16 @@ class ReferencePolicy:
                     p.requires_grad_(False)
             self.resident.eval()
 
+    def weight_bytes(self) -> int:
+        """Bytes of reference weights this rank keeps anywhere: the host copy (``offload``,
+        without the stash buffer), the resident stage's parameters (``colocated``), 0
+        (``adapters_off``)."""
+        if self.mode == "offload":
+            return sum(t.numel() * t.element_size() for t in self.ref.values())
+        if self.mode == "colocated":
+            return sum(p.numel() * p.element_size() for p in _backbone_params(self.resident).values())
+        return 0
+
     def host_bytes(self) -> int:
         """Host memory held (bytes): reference copy plus the stash buffer (offload; no stash
         with ``zero_copy``)."""
@@ -108,10 +129,15 @@ class ReferencePolicy:
         propagates; an error restoring one tensor does not stop the others from being
         restored, and the first such error is raised afterwards. ``zero_copy``: the same
         with the parameters' storage exchanged (and exchanged back) instead of copied.
-        ``colocated``: the resident copy.
+        ``colocated``: the resident copy. ``adapters_off``: the actor's stage with its
+        adapters skipped (re-enabled on exit, also on an error).
         """
         if self.mode == "colocated":
             yield self.resident
+            return
+        if self.mode == "adapters_off":
+            with adapters_disabled(unwrap(self.model)):
+                yield self.model
             return
         params = _backbone_params(self.model)
         if self.zero_copy:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from nemo_rlhf.checkpoint import read_metadata
+from nemo_rlhf.checkpoint import checkpoint_content_hash, resolve_checkpoint
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 
 
@@ -35,10 +35,8 @@ def ppo_fingerprint(cfg: PPOConfig) -> dict:
     and the reference (initial) weights -- the checksums of the ``init_from`` checkpoint's
     shards (independent of the layout), or the seed of a random initialisation."""
     ref = f"random-init:seed={cfg.trainer.seed}"
-    if cfg.exp_manager.init_from:
-        files = read_metadata(cfg.exp_manager.init_from).get("files") or {}
-        ref = hashlib.sha256(json.dumps(sorted((k, v[1]) for k, v in files.items())).encode())
-        ref = ref.hexdigest()[:16]
+    if cfg.exp_manager.init_from:  # (with LoRA: the base the adapters sit on)
+        ref = checkpoint_content_hash(resolve_checkpoint(cfg.exp_manager.init_from))
     return {"model": cfg.model.fingerprint(),
             "tokenizer": file_hash(Path(cfg.data.tokenizer_dir) / "tokenizer.json"),
             "train_prompts": file_hash(cfg.data.train_file), "reference": ref}

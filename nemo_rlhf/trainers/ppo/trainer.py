@@ -421,6 +421,7 @@ class PPOTrainer:
         root = self.exp.checkpoint_dir
         path = save_checkpoint(root, self.step, self.model, self.optimizer, self.state_dict(),
                                self.run_config, self.dims, self.fingerprint, critic=self.critic.checkpoint,
+                               lora_base=self.cfg.exp_manager.init_from if self.cfg.model.lora.enabled else None,
                                verify=self.cfg.exp_manager.verify_after_save)
         if self.cfg.exp_manager.keep_last and self.dims.rank == 0:
             prune(root, self.cfg.exp_manager.keep_last)

@@ -173,3 +173,35 @@ def test_dims_device_decides_the_swap_an_accelerator_takes_the_copy_path():
     assert not on_accelerator.zero_copy and set(on_accelerator.stash) == {"weight", "bias"}
     with pytest.raises(ValueError, match="not in host memory"):
         ReferencePolicy(model, "offload", zero_copy=True, device=EMULATED_DEVICE)
+
+
+def test_adapters_off_is_the_base_and_keeps_no_weights(dims):
+    """``reference.mode=adapters_off``: the reference pass is the actor's own stage with the
+    adapters skipped (the base's logits exactly), the adapters back on after it (also after
+    an error), no weights kept; refused on a model without adapters."""
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import load_model_preset
+    from nemo_rlhf.models.engine import model_forward
+    from nemo_rlhf.models.lora import adapters
+    from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
+
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    base = build_model(load_model_preset("tiny", vocab_size=VOCAB), dims, seed=3).eval()
+    model = build_model(load_model_preset("tiny", vocab_size=VOCAB, lora={"enabled": True, "rank": 2}),
+                        dims, seed=3).eval()
+    with torch.no_grad():
+        for a in adapters(model):
+            a.lora_b.normal_()
+        want = model_forward(base, ids, mask, with_values=False)
+        ref = ReferencePolicy(model, "adapters_off")
+        assert ref.weight_bytes() == 0 and ref.host_bytes() == 0
+        with ref.swapped_in() as m:
+            assert m is model and torch.equal(model_forward(m, ids, mask, with_values=False), want)
+        assert all(a.enabled for a in adapters(model))
+        assert not torch.equal(model_forward(model, ids, mask, with_values=False), want)
+        with pytest.raises(RuntimeError, match="boom"), ref.swapped_in():
+            raise RuntimeError("boom")
+        assert all(a.enabled for a in adapters(model))
+    with pytest.raises(ValueError, match="reference.mode=adapters_off: the model has no LoRA adapters"):
+        ReferencePolicy(base, "adapters_off")

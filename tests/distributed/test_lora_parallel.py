@@ -1,0 +1,111 @@
+"""LoRA under TP=2 on 2 gloo ranks equals one rank: with the same full (random) adapter
+weights the logits and values agree within 1e-5 (fp32), every adapter's gradient is this
+rank's shard of the TP=1 gradient, and the frozen base has no gradient (one spawn)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+
+VOCAB = 100
+
+
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (3, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, :3] = 0  # left padding
+    return ids, mask
+
+
+def _full_adapters(model) -> dict:
+    """Random full (TP=1) ``(A, B)`` per adapter name, the same on every rank and layout."""
+    from nemo_rlhf.models.lora import adapters
+
+    g = torch.Generator().manual_seed(21)
+    out = {}
+    for name, a in sorted((n, m) for n, m in model.named_modules() if m in set(adapters(model))):
+        out[name] = (torch.randn(a.lora_a.shape[0], a.in_full, generator=g) * 0.3,
+                     torch.randn(a.out_full, a.lora_b.shape[1], generator=g) * 0.3)
+    return out
+
+
+def _run(model, dims, ids, mask):
+    """Forward (full logits, values) and one backward of the tokens' log-probs + values; adapter grads by module name."""
+    from nemo_rlhf.models.engine import model_forward
+    from nemo_rlhf.models.lora import adapters
+    from nemo_rlhf.models.vocab_parallel import gather_vocab_parallel, vocab_parallel_logprobs
+
+    full = _full_adapters(model)
+    mods = dict(model.named_modules())
+    for name, (a, b) in full.items():
+        mods[name].load_full(a, b)
+    logits, values = model_forward(model, ids, mask)
+    logits_full = gather_vocab_parallel(logits, dims.tp_group)
+    lp, _ = vocab_parallel_logprobs(logits[:, :-1], ids[:, 1:], dims.tp_group, dims.tp_rank, 1.0, VOCAB)
+    (lp.sum() + values.sum()).backward()  # (the loss through the TP-aware log-probs)
+    grads = {n: (m.lora_a.grad.clone(), m.lora_b.grad.clone()) for n, m in mods.items()
+             if m in set(adapters(model))}
+    base_grads = [n for n, p in model.named_parameters()
+                  if p.grad is not None and "_lora." not in n and not n.startswith("value_head.")]
+    return {"logits": logits_full.detach(), "values": values.detach(), "grads": grads,
+            "base_grads": base_grads}
+
+
+def _worker(rank: int):
+    from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import load_model_preset
+
+    cfg = load_model_preset("tiny", vocab_size=VOCAB, value_head_init_std=0.05,
+                            lora={"enabled": True, "rank": 4, "alpha": 8.0})
+    ids, mask = _batch()
+    out = {}
+    dims = initialize_distributed(ParallelConfig(), seed=3, num_layers=cfg.num_layers)
+    out["tp1"] = _run(build_model(cfg, dims, seed=11).eval(), dims, ids, mask)
+    dims = initialize_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=3)
+    model = build_model(cfg, dims, seed=11).eval()
+    out["tp2"] = _run(model, dims, ids, mask)
+    mods = dict(model.named_modules())  # this rank's shards of the TP=1 gradients
+    out["tp1_grad_shards"] = {n: mods[n].shard_of(*g) for n, g in out["tp1"]["grads"].items()}
+    out["sharded"] = {n: (tuple(m.lora_a.shape), tuple(m.lora_b.shape), m.column)
+                      for n, m in mods.items() if n in out["tp1"]["grads"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_ranks(_worker, world_size=2)
+
+
+def test_tp2_lora_forward_equals_tp1_with_the_same_full_adapters(results):
+    for r in results:
+        assert (r["tp1"]["logits"] - r["tp1"]["logits"].mean()).abs().max() > 0
+        for key in ("logits", "values"):
+            torch.testing.assert_close(r["tp2"][key], r["tp1"][key], atol=1e-5, rtol=0, msg=key)
+
+
+def test_tp2_adapter_gradients_are_the_shards_of_the_tp1_gradients(results):
+    for r in results:
+        assert r["tp2"]["grads"].keys() == r["tp1_grad_shards"].keys() and r["tp2"]["grads"]
+        for n, (ga, gb) in r["tp2"]["grads"].items():
+            wa, wb = r["tp1_grad_shards"][n]
+            assert wb.abs().sum() > 0, n
+            # fp32 sums in another order: the error is relative to the tensor's scale
+            # (measured <= 5e-6 of its max), not to each (possibly near-zero) element
+            for key, got, want in (("lora_a", ga, wa), ("lora_b", gb, wb)):
+                tol = 2e-5 * want.abs().max().item()
+                torch.testing.assert_close(got, want, atol=tol, rtol=0, msg=f"{n}.{key}")
+
+
+def test_tp2_shards_b_of_column_and_a_of_row_linears_and_the_base_gets_no_grad(results):
+    for r in results:
+        assert r["tp1"]["base_grads"] == [] and r["tp2"]["grads"] and r["tp2"]["base_grads"] == []
+        for n, (a_shape, b_shape, column) in r["sharded"].items():
+            a1, b1 = r["tp1"]["grads"][n]
+            if column:  # A [r, in] replicated, B [out/2, r]
+                assert a_shape == tuple(a1.shape) and b_shape == (b1.shape[0] // 2, b1.shape[1]), n
+            else:  # A [r, in/2], B [out, r] replicated
+                assert a_shape == (a1.shape[0], a1.shape[1] // 2) and b_shape == tuple(b1.shape), n
