@@ -40,7 +40,7 @@ from nemo_rlhf.trainers.ppo.trainer import PPOTrainer
 log = logging.getLogger("nemo_rlhf.ppo")
 
 ConfigStore.instance().store(name="ppo_schema", node=PPOConfig)
-__all__ = ["REQUEUE_EXIT_CODE", "build", "build_separate_critic", "main"]
+__all__ = ["REQUEUE_EXIT_CODE", "build", "build_separate_critic", "main", "share_frozen_base"]
 
 
 def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
@@ -79,25 +79,33 @@ def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
     reference = ReferencePolicy(model, cfg.reference.mode, build_fn=make_stage, device=dims.device)
     ddp = wrap_ddp(model, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optim, dims, cfg.trainer.precision)
-    critic = build_separate_critic(cfg, dims) if separate else None
+    critic = build_separate_critic(cfg, dims, actor=model) if separate else None
     reward = build_reward(cfg.reward, dims) if (dims.tp_rank == 0 and dims.pp_rank == 0) else None
     return PPOTrainer(cfg, dims, ddp, optimizer, reference, reward, tok, prompts, eval_prompts,
                       critic=critic, signals=signals)
 
 
-def build_separate_critic(cfg: PPOConfig, dims) -> tuple:
+def build_separate_critic(cfg: PPOConfig, dims, actor=None) -> tuple:
     """``critic.mode=separate``: the critic's own stage (backbone + value head, DDP-wrapped)
     and optimizer, from ``critic.init_from`` or ``exp_manager.init_from``.
 
     From a separate-critic PPO checkpoint the critic part is loaded; from any other (SFT,
     actor, RM) the backbone, the value head from the checkpoint's value head or an RM's
     reward head, else initialised (``exp_manager.init_value_head``).
+
+    With ``model.lora.enabled`` the critic is a second adapter set and a value head on the
+    actor's frozen base: its base parameters are the bare ``actor``'s own tensors (shared
+    storage, one base in memory for actor, critic and reference), and only its adapters
+    and value head train (:func:`share_frozen_base`).
     """
     from dataclasses import replace
 
     critic = build_model(cfg.model, dims, cfg.trainer.precision, kind="critic",
                          seed=cfg.trainer.seed + 1)
     source = cfg.critic.init_from or cfg.exp_manager.init_from
+    if cfg.model.lora.enabled:
+        share_frozen_base(critic, actor)
+        source = None  # the base is the actor's (loaded); the adapters start at B = 0
     if source:
         part = "critic" if read_metadata(source).get("has_critic") else "model"
         load_model_weights(source, critic, init_heads=cfg.exp_manager.init_value_head, part=part,
@@ -105,6 +113,28 @@ def build_separate_critic(cfg: PPOConfig, dims) -> tuple:
     ddp = wrap_ddp(critic, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
     optim = cfg.optim if cfg.critic.lr is None else replace(cfg.optim, lr=cfg.critic.lr)
     return ddp, build_optimizer(ddp, optim, dims, cfg.trainer.precision)
+
+
+def share_frozen_base(critic, actor) -> int:
+    """Point every frozen parameter of the bare ``critic`` stage at the bare ``actor``'s
+    tensor of the same name (``param.data``: shared storage, no copy). Returns the number
+    of parameters shared.
+
+    Raises:
+        ValueError: a frozen critic parameter with no actor parameter of its name and shape.
+    """
+    mine = dict(actor.named_parameters())
+    shared = 0
+    for name, p in critic.named_parameters():
+        if p.requires_grad:
+            continue
+        theirs = mine.get(name)
+        if theirs is None or theirs.shape != p.shape or theirs.requires_grad:
+            raise ValueError(f"LoRA critic: its frozen {name} has no frozen actor parameter of the "
+                             f"same shape to share")
+        p.data = theirs.data
+        shared += 1
+    return shared
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="ppo")

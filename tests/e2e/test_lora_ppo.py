@@ -3,7 +3,8 @@
 * ``reference.mode`` resolves to ``adapters_off``: no reference weights are kept, and the
   reference log-probs after training are exactly the base model's;
 * the rollout's log-probs (the KV-cache decode) are the adapted model's;
-* only the adapters and the value head train; the base is bit-identical after 2 steps;
+* only the adapters and the value head train; ``critic.mode=separate`` is a second adapter
+  set and value head whose frozen base is the actor's own tensors; the base is bit-identical after 2 steps;
 * the checkpoints hold the adapters and the head only, plus the base's path and content
   hash; a resume restores the adapters and their Adam state bit for bit; a base whose
   content changed is refused (resume and load), a moved one is taken with ``lora_base``;
@@ -153,6 +154,24 @@ def _worker(rank: int, tmp: str):
     load_model_weights(last, fresh, lora_base=str(moved))
     out["moved_logits"] = _logits(fresh, ids, vocab)
 
+    # a separate LoRA critic: a second adapter set + value head on the same base tensors
+    sep = build(compose_ppo(data, tmp / "sep", *COMMON[:-1], *LORA, "critic.mode=separate",
+                            f"exp_manager.init_from={base}", "trainer.max_steps=1"))
+    critic = sep.critic.checkpoint[0]
+    actor_ptrs = {n: p.data_ptr() for n, p in sep.model.named_parameters()}
+    frozen = [(n, p) for n, p in critic.named_parameters() if not p.requires_grad]
+    out["sep_shared"] = bool(frozen) and all(actor_ptrs.get(n) == p.data_ptr() for n, p in frozen)
+    out["sep_trainable"] = sorted(n for n, p in critic.named_parameters() if p.requires_grad)
+    before = {n: p.detach().clone() for n, p in critic.named_parameters() if p.requires_grad}
+    sep.fit()
+    out["sep_moved"] = [n for n, p in critic.named_parameters() if p.requires_grad
+                        and not torch.equal(p, before[n])]
+    out["sep_base_changed"] = [n for n, p in base_params.items()
+                               if not torch.equal(dict(sep.model.named_parameters())[n], p)]
+    out["sep_keys"] = sorted(dist_checkpointing.load_tensors_metadata(
+        str(tmp / "sep" / "checkpoints" / "step_1" / "dist")))
+    sep.close()
+
     # exports
     hf = {k: tmp / f"hf_{k}" for k in ("merged", "base", "peft")}
     out["rc"] = {
@@ -212,6 +231,17 @@ def test_a_changed_base_is_refused_and_a_moved_one_is_taken(result):
     assert "reference" in result["resume_on_changed_base"], result["resume_on_changed_base"]
     assert "content hash" in result["load_on_changed_base"], result["load_on_changed_base"]
     torch.testing.assert_close(result["moved_logits"], result["lora_logits"], atol=0, rtol=0)
+
+
+def test_a_separate_lora_critic_is_a_second_adapter_set_on_the_same_base_tensors(result):
+    assert result["sep_shared"]  # the critic's frozen base is the actor's storage
+    trainable = result["sep_trainable"]
+    assert trainable and all("_lora." in n or n.startswith("module.value_head") or "value_head" in n
+                             for n in trainable) and any("value_head" in n for n in trainable)
+    assert set(result["sep_moved"]) == set(trainable)  # adapters (B from 0) and head trained
+    assert result["sep_base_changed"] == []
+    critic_keys = [k for k in result["sep_keys"] if k.startswith("critic.")]
+    assert critic_keys and all("_lora." in k or "value_head" in k for k in critic_keys), critic_keys
 
 
 def test_merged_and_peft_exports_give_the_lora_models_logits(result):

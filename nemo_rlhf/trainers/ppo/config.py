@@ -351,7 +351,8 @@ class CriticConfig:
     cannot disturb the policy (Stiennon et al. 2020, App. G.1), at the cost of a weaker
     critic; ``separate``: its own backbone + value head and its own optimizer (twice the
     trained model state), checkpointed beside the actor (``critic.`` tensors) and resharded
-    like it; the actor then has no value head."""
+    like it; the actor then has no value head. With ``model.lora.enabled``, ``separate`` is a
+    second adapter set and a value head on the actor's frozen base (shared, not copied)."""
     init_from: Optional[str] = None
     """``separate``: checkpoint the critic starts from (backbone, and value head when it
     has one): an SFT/actor checkpoint, an RM checkpoint (its reward head becomes the value
@@ -484,11 +485,11 @@ class PPOConfig:
             raise ValueError("reference.mode=adapters_off needs model.lora.enabled=true (the "
                              "reference is the base under the adapters); without LoRA use "
                              "reference.mode=offload or colocated")
-        if lora and self.critic.mode == "separate":
-            raise ValueError("model.lora.enabled=true with critic.mode=separate: a separate LoRA "
-                             "critic (a second adapter set on the same base) is not built yet; use "
-                             "critic.mode=shared or shared_detached (the value head on the adapted "
-                             "backbone)")
+        if lora and self.critic.mode == "separate" and self.critic.init_from:
+            raise ValueError(f"model.lora.enabled=true with critic.mode=separate and critic.init_from="
+                             f"{self.critic.init_from}: the LoRA critic is a second adapter set on the "
+                             f"actor's base (exp_manager.init_from), with its own value head; unset "
+                             f"critic.init_from")
 
     def advantage_config(self) -> AdvantageConfig:
         """The advantage estimator's settings (``ppo.advantage_estimator``, ``gamma``,

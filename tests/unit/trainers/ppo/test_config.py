@@ -19,8 +19,8 @@ def test_the_reference_mode_follows_lora_unless_given():
 
 @pytest.mark.parametrize("overrides, needle", [
     (["reference.mode=adapters_off"], "reference.mode=adapters_off needs model.lora.enabled=true"),
-    (["model.lora.enabled=true", "critic.mode=separate"],
-     "model.lora.enabled=true with critic.mode=separate"),
+    (["model.lora.enabled=true", "critic.mode=separate", "critic.init_from=/some/rm"],
+     "model.lora.enabled=true with critic.mode=separate and critic.init_from=/some/rm"),
     (["model.lora.enabled=true", "model.lora.target_modules=[linear_q]"],
      "model.lora.target_modules='linear_q': valid choices are"),
 ])
