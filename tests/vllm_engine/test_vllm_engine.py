@@ -176,6 +176,53 @@ def test_truncated_importance_sampling_runs_in_a_ppo_step_with_vllm_rollouts(lay
     assert weight_keys and all(abs(tis[k] - 1.0) < 1e-3 for k in weight_keys if "mean" in k), tis
 
 
+# --------------------------------------------------------------------------- LoRA
+def _lora_worker(rank: int, tmp: str) -> dict:
+    """LoRA at TP=2 (vLLM TP=1): the refit serves W + (alpha/r) B A; with adapters that
+    change the model, vLLM's greedy tokens and sampled log-probs are the training engine's."""
+    from dataclasses import replace
+
+    from nemo_rlhf.models.engine import unwrap
+    from nemo_rlhf.models.lora import adapters
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / "exp", *TINY,
+                      "parallel.tensor_model_parallel_size=2", "rollout.engine=vllm",
+                      "rollout.vllm.tensor_parallel_size=1", "rollout.temperature=1.0",
+                      "rollout.max_new_tokens=8", "model.lora.enabled=true", "model.lora.rank=4",
+                      "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]")
+    trainer = build(cfg)
+    vllm, megatron = _engines(trainer)
+    prompts = [trainer.encoded[i] for i in range(8)]
+    greedy = replace(cfg.rollout, greedy=True)
+    before = _responses(vllm.generate(trainer.model, prompts, greedy, call_index=0,
+                                      weights_version=trainer.weights_version))
+    g = torch.Generator().manual_seed(7)  # the same full adapters on both TP ranks
+    with torch.no_grad():
+        for a in adapters(unwrap(trainer.model)):
+            a.load_full(torch.randn(a.lora_a.shape[0], a.in_full, generator=g),
+                        torch.randn(a.out_full, a.lora_b.shape[1], generator=g) * 0.5)
+    trainer.weights_version += 1
+    v = vllm.generate(trainer.model, prompts, greedy, call_index=0, weights_version=trainer.weights_version)
+    m = megatron.generate(trainer.model, prompts, greedy, call_index=0, weights_version=trainer.weights_version)
+    batch = trainer.generate(prompts)
+    fwd = trainer.compute_old_and_reference(batch)
+    mask = batch.response_mask
+    out = {"before": before, "vllm": _responses(v), "megatron": _responses(m),
+           "sampled_diff": float((fwd.old_logprobs - batch.logprobs).abs()[mask].max()),
+           "reference_diff": float((fwd.ref_logprobs - batch.logprobs).abs()[mask].max())}
+    trainer.close()
+    return out if rank == 0 else {}
+
+
+def test_lora_refits_the_merged_weights_into_vllm(tmp_path):
+    out = run_ranks(_lora_worker, world_size=2, tmp=str(tmp_path))[0]
+    assert out["vllm"] == out["megatron"] and out["vllm"] != out["before"]
+    assert out["sampled_diff"] < LOGPROB_TOL
+    assert out["reference_diff"] > 1e-2  # the reference (adapters off) is another model
+
+
 # --------------------------------------------------------------------------- resume
 def _fit_worker(rank: int, tmp: str, exp: str, max_steps: int) -> dict:
     from nemo_rlhf.train_ppo import build
