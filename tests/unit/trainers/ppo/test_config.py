@@ -1,6 +1,6 @@
-"""The PPO job's config with LoRA: ``reference.mode`` null resolves to ``adapters_off``
-with ``model.lora.enabled`` and to ``offload`` without; the combinations that cannot work
-are refused naming the keys."""
+"""The PPO job's config: with LoRA, ``reference.mode`` null resolves to ``adapters_off``
+(``offload`` without); the combinations that cannot work (LoRA ones, vLLM rollouts of a
+mixture-of-experts model) are refused naming the keys."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ def test_the_reference_mode_follows_lora_unless_given():
     (["reference.mode=adapters_off"], "reference.mode=adapters_off needs model.lora.enabled=true"),
     (["model.lora.enabled=true", "critic.mode=separate", "critic.init_from=/some/rm"],
      "model.lora.enabled=true with critic.mode=separate and critic.init_from=/some/rm"),
+    (["rollout.engine=vllm", "model.num_moe_experts=4", "model.moe_router_topk=2"],
+     "rollout.engine=vllm with model.num_moe_experts=4"),
     (["model.lora.enabled=true", "model.lora.target_modules=[linear_q]"],
      "model.lora.target_modules='linear_q': valid choices are"),
 ])
