@@ -31,6 +31,7 @@ Phases called outside a PPO step (held-out evaluation) are not recorded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -216,7 +217,7 @@ def main() -> None:
         if trainer.dims.rank == 0:
             with open(path, "a") as f:
                 f.write(json.dumps({"environment": environment(),
-                                    "model": {k: v for k, v in vars(cfg.model).items()},
+                                    "model": dataclasses.asdict(cfg.model),
                                     "precision": cfg.trainer.precision}) + "\n")
         PhaseProbe(trainer, cfg, path).install()
         return trainer

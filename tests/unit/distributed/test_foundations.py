@@ -107,7 +107,7 @@ def test_valid_layout_returns_dp_size():
 
 
 def test_unknown_model_preset_lists_valid_presets():
-    with pytest.raises(ValueError, match=r"model='nope'.*valid presets: \['gpt2', 'llama', 'llama3_1_8b', 'llama3_2_1b', 'llama3_2_3b', 'llama3_70b', 'llama3_8b', 'qwen2', 'qwen2_5_7b', 'qwen3_0_6b', 'qwen3_14b', 'qwen3_1_7b', 'qwen3_32b', 'qwen3_4b', 'qwen3_8b', 'smollm2_135m', 'tiny'\]"):
+    with pytest.raises(ValueError, match=r"model='nope'.*valid presets: \['gpt2', 'llama', 'llama3_1_8b', 'llama3_2_1b', 'llama3_2_3b', 'llama3_70b', 'llama3_8b', 'qwen2', 'qwen2_5_7b', 'qwen3_0_6b', 'qwen3_14b', 'qwen3_1_7b', 'qwen3_30b_a3b', 'qwen3_32b', 'qwen3_4b', 'qwen3_8b', 'smollm2_135m', 'tiny'\]"):
         load_model_preset("nope")
 
 
