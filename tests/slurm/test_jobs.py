@@ -236,10 +236,10 @@ def test_the_readmes_multi_node_commands_pass_sbatch_test_only(slurm, tmp_path):
     conf/cluster/example.yaml, asked of the scheduler with --test-only against the test
     cluster's never-started partition of 8-GPU nodes (tests/slurm/cluster.sh); /shared
     holds an 8B-shaped checkpoint's config only."""
-    from tests.e2e.test_walkthrough import SHARED, _fake_llama3_8b
+    from tests.e2e.test_walkthrough import SHARED, _fake_8b
     from tests.unit.project.test_readme_commands import readme_commands
 
-    _fake_llama3_8b(tmp_path)
+    _fake_8b(tmp_path, "llama3_8b")
     cmds = [c for c in readme_commands() if c[:3] == ["python", "-m", "launchers.slurm"]]
     assert len(cmds) == 3
     for cmd in cmds:
