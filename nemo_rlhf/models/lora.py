@@ -22,7 +22,8 @@ Tensor parallelism (``x``: the base's input, ``tp``: the TP size):
 
 ``B`` starts at zero (the adapted model equals the base), ``A`` Kaiming-uniform (as
 ``torch.nn.Linear``), drawn for the full matrix from a generator seeded by the module's
-name, so every TP layout slices the same full A. Frozen base parameters have
+name with the layer's global number (:func:`global_module_name`), so every TP layout slices
+the same full A and every PP stage draws its layers' A as one stage would. Frozen base parameters have
 ``requires_grad=False``: megatron's DDP gives them no grad buffer and the optimizers
 (:mod:`nemo_rlhf.trainers.mixed_precision`, :mod:`nemo_rlhf.trainers.optimizers`) no state.
 
@@ -68,7 +69,8 @@ class LoRAAdapter(torch.nn.Module):
     Args:
         base: the megatron ``ColumnParallelLinear`` / ``RowParallelLinear``.
         cfg: ``model.lora``.
-        name: the base's module name (seeds A's generator).
+        name: the base's module name with the layer's global number (seeds A's generator;
+            :func:`global_module_name`).
         gated: the base is a gated MLP's ``linear_fc1`` (each rank's output rows are
             ``[gate_i; up_i]``; :meth:`load_full` and checkpoints follow that layout).
 
@@ -170,6 +172,23 @@ def _hook(adapter: LoRAAdapter):
     return hook
 
 
+def global_module_name(model: torch.nn.Module, name: str) -> str:
+    """``name`` with a pipeline stage's local layer index replaced by the layer's global
+    index: megatron numbers a stage's ``decoder.layers.<i>`` from 0 on every stage, its
+    ``TransformerLayer.layer_number`` (1-based) globally. ``decoder.layers.0.mlp.linear_fc1``
+    on the second of two stages of a 4-layer model -> ``decoder.layers.2.mlp.linear_fc1``;
+    unchanged on a single stage and outside the layers."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] == "layers" and parts[i + 1].isdigit():
+            layer = model.get_submodule(".".join(parts[:i + 2]))
+            number = getattr(layer, "layer_number", None)
+            if number is not None:
+                parts[i + 1] = str(number - 1)
+            break
+    return ".".join(parts)
+
+
 def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, gated_fc1: bool) -> list[str]:
     """Add adapters to ``model``'s targeted linears and freeze all but adapters and heads.
 
@@ -194,7 +213,8 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, gated_fc1: bool) -> list
         if leaf not in targets or not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        adapter = LoRAAdapter(module, cfg, name, gated=gated_fc1 and leaf == "linear_fc1")
+        adapter = LoRAAdapter(module, cfg, global_module_name(model, name),
+                              gated=gated_fc1 and leaf == "linear_fc1")
         parent.add_module(leaf + ADAPTER_SUFFIX, adapter)
         module.register_forward_hook(_hook(adapter), with_kwargs=True)
         # a plain attribute, not a submodule (no second state-dict entry): the decode
@@ -253,4 +273,4 @@ def adapters_disabled(model: torch.nn.Module):
 
 
 __all__ = ["ADAPTER_SUFFIX", "HEAD_NAMES", "LoRAAdapter", "adapters", "adapters_disabled", "apply_lora",
-           "has_adapters", "has_lora", "is_adapter_param", "merged_weight"]
+           "global_module_name", "has_adapters", "has_lora", "is_adapter_param", "merged_weight"]

@@ -1,8 +1,16 @@
 """LoRA under TP=2 on 2 gloo ranks equals one rank: with the same full (random) adapter
 weights the logits and values agree within 1e-5 (fp32), every adapter's gradient is this
-rank's shard of the TP=1 gradient, and the frozen base has no gradient (one spawn)."""
+rank's shard of the TP=1 gradient, and the frozen base has no gradient (one spawn).
+
+PPO with LoRA from a base checkpoint at DP=2, TP=2 and PP=2 (one 2-rank spawn) against one
+rank (one spawn): the first step's metrics within 1e-5, the second's within 1e-4, and the
+one-rank run's step-2 checkpoint (adapters and head on the hashed base) resumed in each
+layout gives the one-rank run's third step."""
 
 from __future__ import annotations
+
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,3 +117,107 @@ def test_tp2_shards_b_of_column_and_a_of_row_linears_and_the_base_gets_no_grad(r
                 assert a_shape == tuple(a1.shape) and b_shape == (b1.shape[0] // 2, b1.shape[1]), n
             else:  # A [r, in/2], B [out, r] replicated
                 assert a_shape == (a1.shape[0], a1.shape[1] // 2) and b_shape == tuple(b1.shape), n
+
+
+# ---- PPO with LoRA under DP=2, TP=2 and PP=2 against one rank (two more spawns) ----------
+
+PPO_COMPARED = ("reward_mean", "response_length", "kl_mean", "policy_loss", "value_loss", "entropy",
+                "approx_kl", "clip_fraction", "grad_norm", "returns_mean")
+# greedy rollouts, one mini-batch per step: every layout trains on the same samples
+PPO_COMMON = ("rollout.greedy=true", "ppo.num_rollout_samples=8", "ppo.global_batch_size=8",
+              "ppo.micro_batch_size=2", "ppo.forward_micro_batch_size=2", "ppo.ppo_epochs=1",
+              "ppo.shuffle=false", "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]",
+              "optim.lr=1e-2", "trainer.precision=32", "critic.mode=shared",
+              "model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8",
+              "exp_manager.init_value_head=true", "exp_manager.save_interval=1", "exp_manager.keep_last=5")
+LAYOUTS = {"dp2": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+
+
+def _ppo_reference(rank: int, tmp: str):
+    """The base checkpoint (the tiny model's initial weights), then LoRA PPO on one rank:
+    three steps, a checkpoint after each."""
+    from nemo_rlhf.checkpoint import save_checkpoint
+    from nemo_rlhf.train_ppo import build
+    from tests.ppo_helpers import compose_ppo, make_demo_data
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    t0 = build(compose_ppo(data, tmp / "base_exp", *PPO_COMMON[:-6]))
+    save_checkpoint(tmp / "base", 0, t0.model, config=t0.run_config, dims=t0.dims)
+    t0.close()
+    trainer = build(compose_ppo(data, tmp / "ref", *PPO_COMMON, f"exp_manager.init_from={tmp}/base/step_0",
+                                "trainer.max_steps=3"))
+    out = []
+    for _ in range(3):
+        out.append(trainer.train_step())
+        trainer.step += 1  # (what the loop does)
+        trainer.save()
+    trainer.close()
+    return out
+
+
+def _ppo_layouts(rank: int, tmp: str):
+    """Each layout: two steps from the base; then the reference's step-2 checkpoint (TP=1)
+    resumed in that layout for its third step."""
+    from nemo_rlhf.train_ppo import build
+    from tests.ppo_helpers import compose_ppo, make_demo_data
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    out = {}
+    for name, (tp, pp) in LAYOUTS.items():
+        layout = (f"exp_manager.init_from={tmp}/base/step_0", f"parallel.tensor_model_parallel_size={tp}",
+                  f"parallel.pipeline_model_parallel_size={pp}")
+        trainer = build(compose_ppo(data, tmp / name, *PPO_COMMON, *layout))
+        out[name] = []
+        for _ in range(2):
+            out[name].append(trainer.train_step())
+            trainer.step += 1
+        trainer.close()
+        resumed = tmp / f"{name}_resumed"
+        if rank == 0:
+            shutil.copytree(tmp / "ref" / "checkpoints", resumed / "checkpoints",
+                            ignore=shutil.ignore_patterns("step_3"))
+            (resumed / "checkpoints" / "latest").write_text("step_2\n")
+        torch.distributed.barrier()
+        trainer = build(compose_ppo(data, resumed, *PPO_COMMON, *layout, "exp_manager.resume=auto",
+                                    "trainer.max_steps=3"))
+        trainer.resume()
+        out[f"{name}_resumed_at"] = trainer.step
+        out[f"{name}_step3"] = trainer.train_step()
+        trainer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def ppo_results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("lora_ppo_par"))
+    ref = run_ranks(_ppo_reference, world_size=1, tmp=tmp)[0]
+    par = run_ranks(_ppo_layouts, world_size=2, tmp=tmp)[0]  # rank 0 reports
+    return ref, par
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_ppo_first_step_metrics_match_one_rank_within_1e5(ppo_results, layout):
+    """B starts at 0, so the first step's forward is the base's in every layout; its
+    grad_norm is the adapters' gradient, which needs the same A in every layout (a PP stage
+    drawing A by its local layer index fails it)."""
+    ref, par = ppo_results
+    assert ref[0]["grad_norm"] > 0 and ref[0]["reward_mean"] > 0  # not vacuous
+    for key in PPO_COMPARED:
+        a, b = par[layout][0][key], ref[0][key]
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{layout} {key}: {a} vs one rank {b}"
+    # the second step runs the adapted model (B != 0): the same within fp32 reduction order
+    assert ref[1]["policy_loss"] != ref[0]["policy_loss"]
+    for key in PPO_COMPARED:
+        a, b = par[layout][1][key], ref[1][key]
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"{layout} step 2 {key}: {a} vs one rank {b}"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_lora_checkpoint_from_one_rank_resumes_resharded_with_the_same_next_step(ppo_results, layout):
+    ref, par = ppo_results
+    assert par[f"{layout}_resumed_at"] == 2
+    for key in PPO_COMPARED:
+        a, b = par[f"{layout}_step3"][key], ref[2][key]
+        assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"{layout} step 3 {key}: {a} vs one rank {b}"
