@@ -115,19 +115,48 @@ def test_kill9_then_resume_matches_uninterrupted_run(data, baseline, tmp_path, c
     names = sorted(p.name for p in (exp / "checkpoints").iterdir())
     assert names[-1] == "step_3" or "latest" in names
     assert not [n for n in names if n.startswith(".")], names
+    _assert_same_run(exp, baseline, crash)
+
+
+def _assert_same_run(exp: Path, baseline: Path, label: str) -> None:
+    """The resumed run ``exp`` equals the uninterrupted ``baseline``: the final checkpoint's
+    tensors bit for bit, the per-step metrics, and each step's prompts, each consumed once."""
     final, ref = exp / "checkpoints" / f"step_{STEPS}", baseline / "checkpoints" / f"step_{STEPS}"
     a, b = _tensors(final), _tensors(ref)
     assert a.keys() == b.keys() and any(k.startswith("optimizer.") for k in a)
     for k in a:
         if isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), f"{crash}: {k} differs from the uninterrupted run"
+            assert torch.equal(a[k], b[k]), f"{label}: {k} differs from the uninterrupted run"
         else:
-            assert a[k] == b[k], f"{crash}: {k} differs from the uninterrupted run"
+            assert a[k] == b[k], f"{label}: {k} differs from the uninterrupted run"
     assert _metrics(exp) == _metrics(baseline)
     ids, ref_ids = _prompt_ids(exp), _prompt_ids(baseline)
     assert ids == ref_ids and sorted(ids) == list(range(1, STEPS + 1))
     flat = [i for s in sorted(ids) for i in ids[s]]
     assert len(flat) == len(set(flat))  # 3 steps x 8 prompts < 64: no prompt twice
+
+
+LORA = ("model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8",
+        "exp_manager.init_value_head=true")
+
+
+def test_lora_killed_in_its_update_resumes_bit_identical(data, baseline, tmp_path):
+    """LoRA on a frozen base (the baseline's step-1 checkpoint): killed in step 2's update,
+    resumed from the adapters-only step-1 checkpoint, equal to the uninterrupted LoRA run bit
+    for bit (adapters, value head, their Adam state, metrics, prompts)."""
+    base = f"exp_manager.init_from={baseline}/checkpoints/step_1"
+    straight = tmp_path / "straight"
+    res = _run(data, straight, *LORA, base)
+    assert res.returncode == 0, res.stderr[-3000:]
+    exp = tmp_path / "exp"
+    killed = _run(data, exp, *LORA, base, crash="update:2")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = _run(data, exp, *LORA, base)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    saved = _tensors(exp / "checkpoints" / f"step_{STEPS}")
+    weights = [k for k in saved if not k.startswith("optimizer.") and isinstance(saved[k], torch.Tensor)]
+    assert weights and all("_lora." in k or "value_head" in k for k in weights), weights  # adapters only
+    _assert_same_run(exp, straight, "lora update:2")
 
 
 def test_kl_coefficient_sampler_and_reward_state_are_in_the_checkpoint(baseline):
