@@ -15,8 +15,13 @@ Steps (:func:`run_ppo_with_rm`):
 3. the trainer, ``python -m nemo_rlhf.train_ppo reward.rm_address_file=<file> <overrides>``
    under ``torchrun --standalone --nproc_per_node N`` (plain python when N == 1), in its
    own process group, its output streamed as is;
-4. stop the server (SIGTERM to its group, then SIGKILL after ``--stop-grace-s``) when the
-   trainer ends, when anything fails, and on Ctrl-C / SIGTERM.
+4. with ``rollout.mode=async``: once the trainer's controller wrote
+   ``<exp_dir>/rollout_controller`` (``host:port num_workers``), the rollout workers,
+   ``python -m nemo_rlhf.rollout_worker --worker-index i <the trainer's overrides>``, each
+   in its own process group with its log in ``<exp_dir>/rollout_worker_<i>.log``; on a
+   machine with GPUs worker ``i`` gets the GPU after the trainer's ``N`` (``CUDA_VISIBLE_DEVICES``);
+5. stop the server and the workers (SIGTERM to their groups, then SIGKILL after
+   ``--stop-grace-s``) when the trainer ends, when anything fails, and on Ctrl-C / SIGTERM.
 
 Exit code: the trainer's, including ``REQUEUE_EXIT_CODE`` (42: it saved after SIGTERM or
 ``trainer.max_time_per_run``; a batch script requeues on it). SIGTERM to the launcher is
@@ -51,6 +56,8 @@ INTERRUPTED_EXIT_CODE = 130
 TERMINATED_EXIT_CODE = 143  # SIGTERM before the trainer started
 ADDRESS_FILE = "rm_address"
 SERVER_LOG = "rm_server.log"
+ROLLOUT_ADDRESS_FILE = "rollout_controller"
+"""``nemo_rlhf.rollout.remote.ADDRESS_FILE`` (not imported: it pulls in torch)."""
 
 
 class LaunchError(RuntimeError):
@@ -231,6 +238,77 @@ class _RMServer:
         _say(f"RM server stopped (exit code {code})")
 
 
+def _visible_gpus() -> list[str]:
+    """The GPU ids this launcher may hand out: ``CUDA_VISIBLE_DEVICES``'s, else
+    ``nvidia-smi -L``'s indices, else none (a CPU machine)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g for g in env.split(",") if g.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+class _RolloutWorkers:
+    """``rollout.mode=async``: the rollout worker processes, started once the trainer's
+    controller announced itself in ``<exp_dir>/rollout_controller``."""
+
+    def __init__(self, cfg: LocalRunConfig, exp_dir: Path, overrides: list[str]) -> None:
+        self.cfg, self.exp_dir, self.overrides = cfg, exp_dir, overrides
+        self.address_file = exp_dir / ROLLOUT_ADDRESS_FILE
+        self.address_file.unlink(missing_ok=True)  # a previous run's address must never be used
+        self.procs: list[subprocess.Popen] = []
+        self.logs: list[IO[str]] = []
+
+    def poll(self) -> None:
+        """Start the workers if the trainer asked for them (once).
+
+        Raises:
+            LaunchError: on a GPU machine, fewer GPUs than trainer + workers.
+        """
+        if self.procs or not self.address_file.is_file():
+            return
+        text = self.address_file.read_text(encoding="utf-8").split()
+        if len(text) < 2:
+            return
+        n = int(text[1])
+        gpus = _visible_gpus()
+        if gpus and len(gpus) < self.cfg.nproc + n:
+            raise LaunchError(f"rollout.num_workers={n} needs {self.cfg.nproc + n} GPUs with --nproc "
+                              f"{self.cfg.nproc}; {len(gpus)} visible")
+        for i in range(n):
+            cmd = _python_cmd(self.cfg, "nemo_rlhf.rollout_worker", 1) + ["--worker-index", str(i)]
+            if self.cfg.config_name != "ppo":
+                cmd += ["--config-name", self.cfg.config_name]
+            cmd += self.overrides
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[self.cfg.nproc + i]
+            log = open(self.exp_dir / f"rollout_worker_{i}.log", "a", encoding="utf-8")
+            log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+            log.flush()
+            _say(f"starting rollout worker {i}: {' '.join(cmd)} (log {log.name})")
+            self.logs.append(log)
+            self.procs.append(_start_group(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+
+    def stop(self, grace_s: float) -> None:
+        """Workers exit when the trainer's controller stops them or disappears; the rest
+        get SIGTERM, then SIGKILL after ``grace_s`` seconds."""
+        deadline = time.monotonic() + min(grace_s, 10.0)
+        for i, proc in enumerate(self.procs):
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            code = _stop_group(proc, signal.SIGTERM, grace_s)
+            if code:
+                _say(f"rollout worker {i} exited with code {code}; see {self.exp_dir / f'rollout_worker_{i}.log'}")
+        for log in self.logs:
+            log.close()
+
+
 class _SigtermForwarder:
     """While installed (main thread only): SIGTERM before the trainer runs aborts the
     launch; afterwards it is forwarded to the trainer's group (it saves and exits)."""
@@ -327,6 +405,7 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
     exp_dir.mkdir(parents=True, exist_ok=True)
     server: Optional[_RMServer] = None
     trainer: Optional[subprocess.Popen] = None
+    workers = _RolloutWorkers(cfg, exp_dir, overrides)
     sigterm = _SigtermForwarder()
     try:
         if cfg.rm_checkpoint is not None:
@@ -340,7 +419,7 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
         _say(f"starting the trainer: {' '.join(cmd)}")
         trainer = _start_group(cmd)
         sigterm.trainer = trainer
-        code = _wait_trainer(trainer, server)
+        code = _wait_trainer(trainer, server, workers)
         _report_exit(code)
         return code
     except _Terminated:
@@ -361,17 +440,19 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
             _stop_group(trainer, signal.SIGTERM, cfg.stop_grace_s)
         elif trainer is not None:
             _signal_group(trainer, signal.SIGKILL)  # stragglers of an exited group
+        workers.stop(cfg.stop_grace_s)
         if server is not None:
             server.stop(cfg.stop_grace_s)
 
 
-def _wait_trainer(trainer: subprocess.Popen, server: Optional[_RMServer]) -> int:
+def _wait_trainer(trainer: subprocess.Popen, server: Optional[_RMServer], workers: _RolloutWorkers) -> int:
     warned = False
     while True:
         try:
             return trainer.wait(0.5)
         except subprocess.TimeoutExpired:
             pass
+        workers.poll()
         if server is not None and not warned and not server.alive():
             _say(f"the RM server exited (code {server.proc.returncode}) while the trainer runs; "
                  f"see {server.log_path}")

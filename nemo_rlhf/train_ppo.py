@@ -32,6 +32,7 @@ from nemo_rlhf.models.moe import check_moe_training_layout
 from nemo_rlhf.tasks import TASK_CHECKERS  # noqa: F401  (registers the demo tasks' checkers by name)
 from nemo_rlhf.trainers.loop import REQUEUE_EXIT_CODE, Signals
 from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
+from nemo_rlhf.trainers.ppo.async_rollout import check_async_layout
 from nemo_rlhf.trainers.ppo.config import PPOConfig, validate_batch_sizes
 from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
 from nemo_rlhf.trainers.ppo.scoring import build_reward
@@ -55,6 +56,7 @@ def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
                                   num_attention_heads=cfg.model.num_attention_heads,
                                   num_query_groups=cfg.model.num_query_groups)
     validate_batch_sizes(cfg.ppo, dims.dp, cfg.rollout.n_samples_per_prompt, dims.pp)
+    check_async_layout(cfg.rollout, dims)
     cfg.trainer.precision = agree_on_precision(cfg.trainer.precision, dims)
     validate_optimizer(cfg.optim, dims)
     max_prompt = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 ENGINES = ("megatron", "vllm")
+MODES = ("sync", "async")
 
 
 @dataclass
@@ -64,6 +65,26 @@ class RolloutConfig:
     memory before each rollout; needs the ``vllm`` package, ``make vllm-env``)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     """Settings of ``engine=vllm``."""
+    mode: str = "sync"
+    """``sync``: the trainer's ranks generate, then train (colocated). ``async``: rollout
+    workers on their own processes and devices (``python -m nemo_rlhf.rollout_worker``,
+    started by ``launchers.local`` and the Slurm launcher) generate while the trainer
+    trains; weights go to them after every step and samples come back through a bounded
+    buffer (:mod:`nemo_rlhf.rollout.remote`)."""
+    max_staleness: int = 1
+    """``mode=async``: how many policy versions a sample may lag the policy it trains (0:
+    on-policy, the synchronous schedule with generation on the workers); >= 0. Above 0 the
+    samples are off-policy: set ``ppo.rollout_is_cap`` (the decoupled objective). It also
+    bounds the rollout buffer: at most ``max_staleness + 1`` steps' samples are in flight
+    or waiting (a worker waits for the weights its next step needs)."""
+    num_workers: int = 1
+    """``mode=async``: rollout worker processes (each a full TP=1 copy of the actor); >= 1."""
+    worker_timeout_s: float = 300.0
+    """``mode=async``: a worker that does not connect, or sends no heartbeat, for this long
+    is reported dead and the job stops (> 0)."""
+    controller_port: int = 0
+    """``mode=async``: TCP port of the controller on the trainer's rank 0 (0: a free one,
+    written to ``<exp_dir>/rollout_controller`` for the workers)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,6 +125,15 @@ class RolloutConfig:
                 raise ValueError(
                     f"rollout.stop_token_ids[{i}]={t!r}: must be a non-negative integer token id"
                 )
+        for key in ("max_staleness", "num_workers", "controller_port"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "num_workers" else 0):
+                raise ValueError(f"rollout.{key}={value!r}: must be an integer >= "
+                                 f"{1 if key == 'num_workers' else 0}")
+        if self.mode not in MODES:
+            raise ValueError(f"rollout.mode={self.mode!r}: valid choices are {', '.join(MODES)}")
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"rollout.worker_timeout_s={self.worker_timeout_s}: must be > 0")
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine={self.engine!r}: valid choices are {', '.join(ENGINES)}")
         v = self.vllm

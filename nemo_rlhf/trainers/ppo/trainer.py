@@ -46,6 +46,7 @@ from nemo_rlhf.models.moe import RouterLoad, router_load_metrics
 from nemo_rlhf.rollout.engines import build_rollout_engine
 from nemo_rlhf.trainers.collectives import JobCollectives, bcast_text
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
+from nemo_rlhf.trainers.ppo.async_rollout import AsyncRollout
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.evaluation import HeldOutEvaluation, evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
@@ -113,6 +114,8 @@ class PPOTrainer:
             pad_token_id=tokenizer.pad_id, decode_fn=tokenizer.decode,
             params_dtype=unwrap(model).config.params_dtype,
             with_values=cfg.ppo.old_logprobs_from_rollout and self.critic.on_actor_backbone)
+        self.async_rollout = AsyncRollout(cfg, dims) if cfg.rollout.mode == "async" else None
+        """``rollout.mode=async``: the rollout workers' samples (:mod:`~nemo_rlhf.trainers.ppo.async_rollout`)."""
         self.nonfinite_in_a_row = 0
         self.timers = Timers()
         self.encoded = [p.prompt_ids for p in prompts]
@@ -181,9 +184,13 @@ class PPOTrainer:
 
     @in_phase("rollout")
     def rollout(self, idx: list[int]):
-        """Step 2: the actor generates for this DP rank's prompts (a ``RolloutBatch``)."""
+        """Step 2: the actor generates for this DP rank's prompts (a ``RolloutBatch``); with
+        ``rollout.mode=async`` the rollout workers generated them (this waits for them)."""
         with self.timers("rollout"):
-            batch = self.generate([self.encoded[i] for i in idx])
+            if self.async_rollout is not None:
+                batch = self.async_rollout.take(self, idx)
+            else:
+                batch = self.generate([self.encoded[i] for i in idx])
         maybe_crash("rollout", self.step + 1)
         return batch
 
@@ -301,6 +308,8 @@ class PPOTrainer:
     def train_step(self) -> dict:
         """Run the six steps once; return the step's metrics (valid on the reporter)."""
         t0 = time.perf_counter()
+        if self.async_rollout is not None and not self.async_rollout.started:
+            self.async_rollout.start(self)  # (after a resume: the workers get its weights)
         idx = self.sample_prompts()                                  # 1. prompts
         batch = self.rollout(idx)                                    # 2. rollout
         scores, reward_metrics = self.score(idx, batch)              # 3. rewards
@@ -308,6 +317,9 @@ class PPOTrainer:
         adv, metrics = self.compute_advantages(batch, scores, fwd)   # 5. advantages
         with self.timers("train"):
             metrics.update(self.update(batch, fwd, adv))             # 6. PPO updates
+        if self.async_rollout is not None:  # the new weights to the rollout workers
+            with self.timers("publish_weights"):
+                self.async_rollout.publish(self, self.step + 1)
         self._last_batch = (idx, batch, scores)
         return self._step_metrics(t0, batch, metrics, reward_metrics, fwd is not None)
 
@@ -321,6 +333,8 @@ class PPOTrainer:
         metrics = self.collectives.to_reporter({**metrics, **reward_metrics} if last_stage else None) or {}
         metrics.update(self.timers.pop())
         metrics.update(self.rollout_engine.metrics())
+        if self.async_rollout is not None:
+            metrics.update(self.async_rollout.metrics)
         elapsed = time.perf_counter() - t0
         metrics["timing/step_s"] = elapsed
         metrics["generated_tokens_per_s"] = float(gen_tokens) / max(metrics.get("timing/rollout_s", elapsed), 1e-9)
@@ -430,12 +444,14 @@ class PPOTrainer:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
+        if self.async_rollout is not None:
+            self.async_rollout.close()
         self.rollout_engine.close()
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """JSON-able trainer state for checkpoints."""
-        return {
+        sd = {
             "step": self.step,
             "sampler": self.sampler.state_dict(),
             "kl_controller": self.kl_ctl.state_dict(),
@@ -445,6 +461,9 @@ class PPOTrainer:
             "guard": self.guard.state_dict(),
             "reward_sources": self.reward.identities() if self.reward else {},
         }
+        if self.async_rollout is not None:  # the samples older weights made for the next steps
+            sd["async_rollout"] = self.async_rollout.state_dict(self.step)
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         self.step = int(sd["step"])
@@ -460,6 +479,8 @@ class PPOTrainer:
         self.evaluation.initial = sd.get("initial_eval")
         if sd.get("guard"):
             self.guard.load_state_dict(sd["guard"])
+        if self.async_rollout is not None:
+            self.async_rollout.load_state_dict(sd.get("async_rollout") or {}, self.encoded)
         message = bcast_text(reward_change_message(changed))
         if message:
             log.warning("%s", message)
