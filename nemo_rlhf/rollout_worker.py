@@ -32,6 +32,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
+from nemo_rlhf.checkpoint.faults import maybe_crash
 from nemo_rlhf.checkpoint.source import adopt_for_hydra_job
 from nemo_rlhf.config import configure_job_logging, to_typed
 from nemo_rlhf.data.tokenizer import Tokenizer
@@ -101,7 +102,9 @@ class RolloutWorker:
         fill_model(self.model, tensors)
 
     def generate(self, item: RolloutItem, version: int):
-        """The item's responses, sampled as DP rank ``item.dp_rank`` of step ``item.step``."""
+        """The item's responses, sampled as DP rank ``item.dp_rank`` of step ``item.step``
+        (``NEMO_RLHF_CRASH_AT=rollout_worker:<step>`` kills the worker there: a test)."""
+        maybe_crash("rollout_worker", item.step)
         self.engine.dims = replace(self.dims, dp_rank=item.dp_rank)  # its sampling seeds
         return self.engine.generate(self.model, item.prompts, self.cfg.rollout, call_index=item.step - 1,
                                     weights_version=version)

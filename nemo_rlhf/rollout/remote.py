@@ -36,6 +36,9 @@ moved to the workers. Back-pressure: an item waits for its version, so at most
 ``max_staleness + 1`` steps are in flight or waiting to be taken (``buffer_size``, checked
 again by the dispatcher); the workers wait meanwhile.
 
+Fault injection (tests): ``NEMO_RLHF_FAULT=corrupt_weights:<version>`` makes a worker
+change one received element of that weights version before its checksum.
+
 Simplified: the controller sends weights to one worker at a time (point to point, not a
 broadcast tree); a dead worker stops the job (its restart and the trainer's auto-resume
 regenerate what was lost) rather than being replaced; the weights of a pipeline-parallel
@@ -58,6 +61,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from nemo_rlhf.distributed.fault_spec import FAULT_ENV, spec_matches
 
 log = logging.getLogger("nemo_rlhf.rollout.remote")
 
@@ -534,6 +539,9 @@ def serve_rollout_worker(index: int, exp_dir, timeout_s: float, device: torch.de
                     buf = torch.empty(shape, dtype=dtype, device=device)
                     group.recv([buf], 0, 0).wait()
                     tensors[name] = buf
+                if spec_matches(os.environ.get(FAULT_ENV), "corrupt_weights", msg["version"]):
+                    first = tensors[msg["manifest"][0][0]].view(-1)  # a bit flipped on the way (a test)
+                    first[0] = -first[0] if first[0] != 0 else 1
                 try:
                     checksum = bits_checksum(tensors)
                     load_weights(tensors)
