@@ -111,7 +111,8 @@ class RolloutWorker:
 
     def serve(self, index: int) -> int:
         return serve_rollout_worker(index, self.cfg.exp_manager.exp_dir, self.cfg.rollout.worker_timeout_s,
-                                    self.dims.device, self.load_weights, self.generate)
+                                    self.dims.device, self.load_weights, self.generate,
+                                    connect_timeout_s=self.cfg.rollout.worker_start_timeout_s)
 
 
 def worker_index(argv: list[str], env=os.environ) -> tuple[int, list[str]]:

@@ -80,8 +80,11 @@ class RolloutConfig:
     num_workers: int = 1
     """``mode=async``: rollout worker processes (each a full TP=1 copy of the actor); >= 1."""
     worker_timeout_s: float = 300.0
-    """``mode=async``: a worker that does not connect, or sends no heartbeat, for this long
-    is reported dead and the job stops (> 0)."""
+    """``mode=async``: a worker that sends no heartbeat, or answers no weights message, for
+    this long is reported dead and the job stops (> 0)."""
+    worker_start_timeout_s: float = 900.0
+    """``mode=async``: how long the trainer waits for its workers to connect (their start-up:
+    imports and model build) before it stops naming the missing ones (> 0)."""
     controller_port: int = 0
     """``mode=async``: TCP port of the controller on the trainer's rank 0 (0: a free one,
     written to ``<exp_dir>/rollout_controller`` for the workers)."""
@@ -132,8 +135,9 @@ class RolloutConfig:
                                  f"{1 if key == 'num_workers' else 0}")
         if self.mode not in MODES:
             raise ValueError(f"rollout.mode={self.mode!r}: valid choices are {', '.join(MODES)}")
-        if not self.worker_timeout_s > 0:
-            raise ValueError(f"rollout.worker_timeout_s={self.worker_timeout_s}: must be > 0")
+        for key in ("worker_timeout_s", "worker_start_timeout_s"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"rollout.{key}={getattr(self, key)}: must be > 0")
         if self.engine not in ENGINES:
             raise ValueError(f"rollout.engine={self.engine!r}: valid choices are {', '.join(ENGINES)}")
         v = self.vllm

@@ -193,9 +193,10 @@ class RolloutController:
         worker_timeout_s: ``rollout.worker_timeout_s``.
         device: where the weights live (``dims.device``): picks NCCL or gloo.
         port: ``rollout.controller_port`` (0: any free port).
+        start_timeout_s: ``rollout.worker_start_timeout_s`` (None: ``worker_timeout_s``).
 
     :meth:`start` opens the store, writes the address file and waits for every worker
-    (up to ``worker_timeout_s``); the main thread then calls :meth:`publish` after each
+    (up to ``start_timeout_s``); the main thread then calls :meth:`publish` after each
     optimizer step, :meth:`submit` for the steps ahead and :meth:`take` for the step it
     trains; a thread dispatches items and weights meanwhile. :meth:`results_for` and
     :meth:`preload` carry generated samples through a checkpoint.
@@ -205,7 +206,9 @@ class RolloutController:
     """
 
     def __init__(self, exp_dir, num_workers: int, max_staleness: int, buffer_size: int,
-                 worker_timeout_s: float, device: torch.device, port: int = 0):
+                 worker_timeout_s: float, device: torch.device, port: int = 0,
+                 start_timeout_s: Optional[float] = None):
+        self.start_timeout_s = worker_timeout_s if start_timeout_s is None else start_timeout_s
         self.exp_dir, self.num_workers = Path(exp_dir), num_workers
         self.max_staleness, self.buffer_size = max_staleness, buffer_size
         self.timeout_s, self.device, self.port = worker_timeout_s, device, port
@@ -230,8 +233,9 @@ class RolloutController:
     # --- set-up ---------------------------------------------------------------------------
     def start(self) -> None:
         host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        timeout = datetime.timedelta(seconds=self.timeout_s)
-        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False, timeout=timeout)
+        timeout = datetime.timedelta(seconds=self.start_timeout_s)
+        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=self.timeout_s))
         self.store.set("group_size", str(self.num_workers + 1))
         write_address(self.exp_dir, host, self.store.port, self.num_workers)
         log.info("rollout controller at %s:%d, waiting for %d worker(s)", host, self.store.port,
@@ -243,7 +247,8 @@ class RolloutController:
             missing = [k for k in keys if not self.store.check([k])]
             raise RolloutWorkerError(
                 f"rollout.mode=async: {len(missing)} of {self.num_workers} rollout worker(s) did not "
-                f"connect within rollout.worker_timeout_s={self.timeout_s:g} s ({', '.join(missing)}; "
+                f"connect within rollout.worker_start_timeout_s={self.start_timeout_s:g} s "
+                f"({', '.join(missing)}; "
                 f"address file {self.exp_dir / ADDRESS_FILE}); start them with "
                 f"`python -m nemo_rlhf.rollout_worker --worker-index i <the trainer's overrides>` "
                 f"(launchers.local and the Slurm launcher do): {exc}") from None
@@ -468,7 +473,7 @@ def read_address(exp_dir, timeout_s: float) -> tuple[str, int]:
     while not path.is_file():
         if time.monotonic() > deadline:
             raise RolloutWorkerError(f"no rollout controller address in {path} after {timeout_s:g} s "
-                                     f"(rollout.worker_timeout_s): is the trainer running with "
+                                     f"(rollout.worker_start_timeout_s): is the trainer running with "
                                      f"rollout.mode=async and this exp_manager.exp_dir?")
         time.sleep(0.1)
     host, port = path.read_text().split()[0].rsplit(":", 1)
@@ -476,15 +481,17 @@ def read_address(exp_dir, timeout_s: float) -> tuple[str, int]:
 
 
 def serve_rollout_worker(index: int, exp_dir, timeout_s: float, device: torch.device,
-                         load_weights: Callable[[dict], None], generate: Callable[[RolloutItem, int], object]
-                         ) -> int:
+                         load_weights: Callable[[dict], None], generate: Callable[[RolloutItem, int], object],
+                         connect_timeout_s: Optional[float] = None) -> int:
     """A rollout worker's loop: connect to the controller, then load weights, generate and
     answer until told to stop. Returns the exit code (0: stopped by the controller).
 
     Args:
         index: this worker's index, ``0 .. rollout.num_workers - 1``.
         exp_dir: the trainer's experiment folder (the address file).
-        timeout_s: ``rollout.worker_timeout_s`` (connecting, the weights group).
+        timeout_s: ``rollout.worker_timeout_s`` (the weights group).
+        connect_timeout_s: ``rollout.worker_start_timeout_s`` (None: ``timeout_s``): how long
+            to wait for the controller's address and store.
         device: where this worker's model lives (receive buffers are made there).
         load_weights: ``full tensors -> None``, into the worker's model.
         generate: ``(item, version) -> RolloutBatch`` with the loaded weights.
@@ -492,7 +499,7 @@ def serve_rollout_worker(index: int, exp_dir, timeout_s: float, device: torch.de
     Raises:
         RolloutWorkerError: no controller within ``timeout_s``.
     """
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (timeout_s if connect_timeout_s is None else connect_timeout_s)
     while True:
         host, port = read_address(exp_dir, max(deadline - time.monotonic(), 0.1))
         try:  # (a previous run's file names a dead port: read it again until the new one is there)
@@ -503,7 +510,7 @@ def serve_rollout_worker(index: int, exp_dir, timeout_s: float, device: torch.de
             log.info("rollout worker %d: no controller at %s:%d yet (%s)", index, host, port, exc)
         if time.monotonic() > deadline:
             raise RolloutWorkerError(f"rollout worker {index}: could not connect to the controller at "
-                                     f"{host}:{port} within {timeout_s:g} s")
+                                     f"{host}:{port} within rollout.worker_start_timeout_s")
         time.sleep(0.5)
     stop = threading.Event()
 

@@ -85,7 +85,8 @@ class AsyncRollout:
         r = cfg.rollout
         self.k = r.max_staleness
         self.controller = (RolloutController(cfg.exp_manager.exp_dir, r.num_workers, r.max_staleness, r.max_staleness + 1,
-                                             r.worker_timeout_s, dims.device, r.controller_port)
+                                             r.worker_timeout_s, dims.device, r.controller_port,
+                                             start_timeout_s=r.worker_start_timeout_s)
                            if dims.rank == 0 else None)
         self.started = False
         self.start_version = 0
@@ -181,15 +182,27 @@ class AsyncRollout:
         return batch_from_host(fields_, self.dims.device)
 
     # --- checkpoints --------------------------------------------------------------------------
-    def state_dict(self, step: int) -> dict:
-        """Rank 0: the samples of steps ``step + 1 .. step + max_staleness`` that older
-        versions generated (waits for those in flight), JSON-able; elsewhere ``{}``."""
+    def state_dict(self, trainer) -> dict:
+        """Rank 0: the samples of steps ``step + 1 .. step + max_staleness`` that versions
+        before ``step = trainer.step`` generated (waits for those in flight), JSON-able;
+        elsewhere ``{}``. Collective (a worker's failure raises on every rank).
+
+        Raises:
+            RolloutWorkerError: a worker failed before those samples arrived.
+        """
+        step, results, failure = trainer.step, [], None
+        if self.controller is not None and self.started:
+            needs_old = range(step + 1, min(step + self.k, self.cfg.trainer.max_steps) + 1)
+            needs_old = [s for s in needs_old if self.version_for(s) < step]
+            try:
+                results = self.controller.results_for(needs_old, self.dims.dp) if needs_old else []
+            except RolloutWorkerError as exc:
+                failure = exc
+        trainer.collectives.raise_together(failure, "saving the rollout buffer", RolloutWorkerError)
         if self.controller is None or not self.started:
             return {}
-        needs_old = range(step + 1, min(step + self.k, self.cfg.trainer.max_steps) + 1)
-        needs_old = [s for s in needs_old if self.version_for(s) < step]
         out = []
-        for r in self.controller.results_for(needs_old, self.dims.dp) if needs_old else []:
+        for r in results:
             out.append({"step": r.item.step, "dp_rank": r.item.dp_rank, "version": r.version,
                         "prompt_indices": r.item.prompt_indices, "item_version": r.item.version,
                         "batch": {k: ({"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),

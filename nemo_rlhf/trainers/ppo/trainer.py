@@ -462,7 +462,7 @@ class PPOTrainer:
             "reward_sources": self.reward.identities() if self.reward else {},
         }
         if self.async_rollout is not None:  # the samples older weights made for the next steps
-            sd["async_rollout"] = self.async_rollout.state_dict(self.step)
+            sd["async_rollout"] = self.async_rollout.state_dict(self)
         return sd
 
     def load_state_dict(self, sd: dict) -> None:

@@ -179,7 +179,7 @@ def test_corrupted_weights_are_refused(started, monkeypatch):
 def test_workers_that_never_come_are_reported_with_the_timeout_and_how_to_start_them(tmp_path):
     ctl = _controller(tmp_path, 1, 1, timeout_s=0.5)
     with pytest.raises(RolloutWorkerError, match=r"1 of 1 rollout worker\(s\) did not connect within "
-                                                  r"rollout.worker_timeout_s=0.5 s .*nemo_rlhf.rollout_worker"):
+                                                  r"rollout.worker_start_timeout_s=0.5 s .*nemo_rlhf.rollout_worker"):
         ctl.start()
 
 
