@@ -32,7 +32,8 @@ Exit code: 0 submitted (or printed), 1 a validation or submission error (the mes
 names the key), 2 bad launcher options.
 
 Simplified on purpose: one cluster per submission (no heterogeneous jobs); the RM server
-of a PPO job runs inside the same allocation (its own step), see ``slurm/ppo.sbatch``;
+of a PPO job, and its rollout workers with ``rollout.mode=async``, run inside the same
+allocation (their own steps), see ``slurm/ppo.sbatch``;
 paths are taken to be the same on the submit host and the nodes (shared file system, or
 container mounts that keep them).
 """
@@ -70,13 +71,41 @@ __all__ = ["JOBS", "LaunchError", "PreparedJob", "SlurmClusterConfig", "compose_
 
 
 # --------------------------------------------------------------------------- validation
-def _trainer_ranks(cluster: SlurmClusterConfig, rm_dedicated: int) -> tuple[int, str]:
-    nodes = cluster.nodes - rm_dedicated
+def _trainer_ranks(cluster: SlurmClusterConfig, rm_dedicated: int, rollout_dedicated: int = 0) -> tuple[int, str]:
+    nodes = cluster.nodes - rm_dedicated - rollout_dedicated
     per = (f"cluster.gpus_per_node={cluster.gpus_per_node}" if cluster.gpus_per_node
            else f"cluster.ntasks_per_node={cluster.ranks_per_node}")
-    node_text = (f"(cluster.nodes={cluster.nodes} - cluster.rm_dedicated_nodes={rm_dedicated})"
-                 if rm_dedicated else f"cluster.nodes={cluster.nodes}")
+    minus = "".join(f" - cluster.{k}={v}" for k, v in (("rm_dedicated_nodes", rm_dedicated),
+                                                        ("rollout_dedicated_nodes", rollout_dedicated)) if v)
+    node_text = f"(cluster.nodes={cluster.nodes}{minus})" if minus else f"cluster.nodes={cluster.nodes}"
     return nodes * cluster.ranks_per_node, f"{per} x {node_text}"
+
+
+def rollout_workers(cfg, cluster: SlurmClusterConfig, rm_dedicated: int) -> tuple[int, int]:
+    """``(workers, dedicated nodes)`` of a PPO job: ``(0, 0)`` in ``rollout.mode=sync``.
+
+    Raises:
+        LaunchError: a placement that cannot work, naming the keys and what would.
+    """
+    r = cfg.rollout
+    if r.mode != "async":
+        return 0, 0
+    k = cluster.rollout_dedicated_nodes
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        raise LaunchError(f"rollout.mode=async needs parallel.pipeline_model_parallel_size=1 (got "
+                          f"{cfg.parallel.pipeline_model_parallel_size}): the workers' weights are gathered over TP only")
+    if cluster.gpus_per_node and k == 0:
+        raise LaunchError(f"rollout.mode=async on a GPU cluster (cluster.gpus_per_node={cluster.gpus_per_node}): "
+                          f"set cluster.rollout_dedicated_nodes >= 1, the nodes of the rollout.num_workers="
+                          f"{r.num_workers} workers (one per GPU)")
+    if cluster.gpus_per_node and r.num_workers > k * cluster.gpus_per_node:
+        raise LaunchError(f"rollout.num_workers={r.num_workers} > cluster.rollout_dedicated_nodes={k} x "
+                          f"cluster.gpus_per_node={cluster.gpus_per_node}: one worker per GPU; raise the nodes "
+                          f"or lower rollout.num_workers")
+    if k + rm_dedicated >= cluster.nodes:
+        raise LaunchError(f"cluster.rollout_dedicated_nodes={k} (+ cluster.rm_dedicated_nodes={rm_dedicated}) "
+                          f"leaves no trainer node of cluster.nodes={cluster.nodes}")
+    return r.num_workers, k
 
 
 def check_layout(parallel, ranks: int, ranks_text: str, model=None) -> int:
@@ -103,8 +132,9 @@ def check_layout(parallel, ranks: int, ranks_text: str, model=None) -> int:
         raise LaunchError(f"{exc} (job ranks: {ranks} = {ranks_text})") from None
 
 
-def _validate_job(job: str, cfg, cluster: SlurmClusterConfig, rm_dedicated: int) -> None:
-    ranks, text = _trainer_ranks(cluster, rm_dedicated)
+def _validate_job(job: str, cfg, cluster: SlurmClusterConfig, rm_dedicated: int,
+                  rollout_dedicated: int = 0) -> None:
+    ranks, text = _trainer_ranks(cluster, rm_dedicated, rollout_dedicated)
     dp = check_layout(cfg.parallel, ranks, text, getattr(cfg, "model", None))
     try:
         if job == "ppo":
@@ -171,7 +201,7 @@ def _exp_dir(job: str, overrides: list[str], repo_dir: Path,
 
 def _settings(job: str, cluster: SlurmClusterConfig, repo_dir: Path, exp_dir: Path,
               rm_checkpoint: Optional[str], rm_overrides: Sequence[str], rm_dedicated: int,
-              points: list[tuple[list[str], str]]) -> dict[str, str]:
+              points: list[tuple[list[str], str]], rollout: tuple[int, int] = (0, 0)) -> dict[str, str]:
     """Values of the template's settings block, as shell words."""
     sweep = bool(points[0][0])
     settings = {
@@ -193,6 +223,8 @@ def _settings(job: str, cluster: SlurmClusterConfig, repo_dir: Path, exp_dir: Pa
             "RM_DEDICATED_NODES": str(rm_dedicated),
             "RM_OVERRIDES": shlex.quote(shlex.join(rm_overrides)),
             "RM_START_TIMEOUT_S": str(cluster.rm_start_timeout_s),
+            "ROLLOUT_WORKERS": str(rollout[0]),
+            "ROLLOUT_DEDICATED_NODES": str(rollout[1]),
         })
     return settings
 
@@ -226,17 +258,26 @@ def prepare(job: str = "ppo", overrides: Sequence[str] = (), cluster_name: str =
     if config_name is not None and (job == "rm_server" or not (CONF_DIR / f"{config_name}.yaml").is_file()):
         raise LaunchError(f"--config-name {config_name}: not a training job config in {CONF_DIR} "
                           f"(valid: {sorted(p.stem for p in CONF_DIR.glob(f'{job}*.yaml'))})")
+    placements = set()
     for point, _ in points:
         cfg = compose_job(job, [*overrides, *point], config_name)
-        if job == "ppo" and not with_rm:
+        rollout = (0, 0)
+        if job == "ppo":
             r = cfg.reward
-            if not (r.functions or r.rm_url or r.rm_address_file):
+            if not with_rm and not (r.functions or r.rm_url or r.rm_address_file):
                 raise LaunchError("no reward source: give --rm-checkpoint (an RM server step), or set "
                                   "reward.functions / reward.rm_url / reward.rm_address_file")
-        _validate_job(job, cfg, cluster, rm_dedicated)
+            rollout = rollout_workers(cfg, cluster, rm_dedicated)
+        placements.add(rollout)
+        _validate_job(job, cfg, cluster, rm_dedicated, rollout[1])
+    if len(placements) > 1:
+        raise LaunchError("--sweep points need different rollout workers (rollout.mode / rollout.num_workers): "
+                          "sweep them in separate submissions")
+    rollout = placements.pop()
 
     exp_dir, overrides = _exp_dir(job, overrides, repo_dir, config_name)
-    settings = _settings(job, cluster, repo_dir, exp_dir, rm_checkpoint, rm_overrides, rm_dedicated, points)
+    settings = _settings(job, cluster, repo_dir, exp_dir, rm_checkpoint, rm_overrides, rm_dedicated, points,
+                         rollout)
     template = (SLURM_DIR / JOBS[job].template).read_text()
     n_tasks = len(points) if sweeps else 0  # 0: not a job array
     words = ["--config-name", config_name, *overrides] if config_name else overrides

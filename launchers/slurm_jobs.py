@@ -71,6 +71,11 @@ class SlurmClusterConfig:
     """PPO with an RM server: 0 shares the first node with the trainer (CPU); k gives it the last k nodes."""
     rm_start_timeout_s: int = 900
     """PPO with an RM server: the job fails if the server wrote no address within this."""
+    rollout_dedicated_nodes: int = 0
+    """PPO with ``rollout.mode=async``: 0 runs the ``rollout.num_workers`` rollout workers on
+    the first node beside the trainer (a CPU cluster); k gives them k nodes of their own (the
+    last ones before the RM server's), one worker per GPU: ``rollout.num_workers`` <= k x
+    ``gpus_per_node``. A GPU cluster needs k >= 1 (a worker must not share a trainer's GPU)."""
     job_name_prefix: str = "nemo-rlhf"
     """``--job-name`` is ``<prefix>-<job>``."""
 
@@ -81,7 +86,8 @@ class SlurmClusterConfig:
         for key in ("nodes", "cpus_per_task", "rm_ntasks", "rm_start_timeout_s"):
             if getattr(self, key) < 1:
                 raise bad(key, getattr(self, key), "must be >= 1")
-        for key in ("gpus_per_node", "signal_seconds", "max_requeues", "rm_dedicated_nodes"):
+        for key in ("gpus_per_node", "signal_seconds", "max_requeues", "rm_dedicated_nodes",
+                    "rollout_dedicated_nodes"):
             if getattr(self, key) < 0:
                 raise bad(key, getattr(self, key), "must be >= 0")
         if self.ntasks_per_node is not None and self.ntasks_per_node < 1:

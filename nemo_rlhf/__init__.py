@@ -7,9 +7,9 @@ other; nothing imports upwards and there are no import cycles. Imports of ``nemo
 modules sit at the top of the file. ``tests/unit/project/test_layers.py`` checks all of it.
 
 ==================  =====================================================================
-entry points        ``train_ppo``, ``train_sft``, ``train_rm``, ``serve_rm``, ``evaluate``
-                    (Hydra jobs) and ``tools`` (``nemo-rlhf-ckpt``, HF conversion,
-                    model set-up)
+entry points        ``train_ppo``, ``rollout_worker``, ``train_sft``, ``train_rm``,
+                    ``serve_rm``, ``evaluate`` (Hydra jobs) and ``tools``
+                    (``nemo-rlhf-ckpt``, HF conversion, model set-up)
 tasks               the demo tasks (each task's data and checker in one module); importing
                     the package registers the checkers as reward functions
 trainers            the loops: SFT, RM and PPO, their configs, optimizers, run skeleton
@@ -27,7 +27,7 @@ Outside the package and above it: ``launchers/`` (local and SLURM), ``benchmarks
 """
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("entry points", ("train_ppo", "train_sft", "train_rm", "serve_rm", "evaluate", "tools")),
+    ("entry points", ("train_ppo", "rollout_worker", "train_sft", "train_rm", "serve_rm", "evaluate", "tools")),
     ("tasks", ("tasks",)),
     ("trainers", ("trainers",)),
     ("engines and services", ("rollout", "reward")),

@@ -10,9 +10,9 @@ composes the same config (``--config-name`` as the trainer's), adopts the same
 * its own single-process world (TP=1, PP=1, no DP), on its own device (the first visible
   GPU, else the host): one full copy of the actor, built when the first weights arrive, in
   their dtype (LoRA arrives merged, the value head is not sent);
-* ``rollout.engine`` (megatron's KV-cache decode, or vLLM refit from that copy) generates
-  each item with the sampling seeds of the DP rank and step it is for, exactly as a
-  trainer rank would in ``rollout.mode=sync``.
+* megatron's KV-cache decode (``rollout.engine=megatron``; the config refuses vLLM inside a
+  worker for now) generates each item with the sampling seeds of the DP rank and step it is
+  for, exactly as a trainer rank would in ``rollout.mode=sync``.
 
 The worker index comes from ``--worker-index``, else ``NEMO_RLHF_ROLLOUT_WORKER`` or, under
 ``srun``, ``SLURM_PROCID``. Exit codes: 0 when the controller stopped it, 1 on an error

@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.distributed.fault_spec import FAULT_ENV, spec_matches
+from nemo_rlhf.rollout.generate import RolloutBatch
 
 log = logging.getLogger("nemo_rlhf.rollout.remote")
 
@@ -117,8 +118,6 @@ def batch_to_host(batch) -> dict:
 
 def batch_from_host(fields_: dict, device: torch.device):
     """The inverse of :func:`batch_to_host`: a ``RolloutBatch`` on ``device``."""
-    from nemo_rlhf.rollout.generate import RolloutBatch
-
     return RolloutBatch(**{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in fields_.items()})
 
 

@@ -98,6 +98,8 @@ def test_rendered_scripts_pass_bash_n_and_sbatch_test_only(slurm, tmp_path):
     no_rm = "reward.functions=[{name: arithmetic_exact_match}]"
     cases = {"ppo": prepare("ppo", [no_rm], config_name="ppo_tiny"),
              "ppo_rm": prepare("ppo", ["reward.functions=[]"], rm_checkpoint=str(tmp_path), config_name="ppo_tiny"),
+             "ppo_async": prepare("ppo", [no_rm, "rollout.mode=async", "rollout.max_staleness=0"],
+                                  config_name="ppo_tiny"),
              "ppo_sweep": prepare("ppo", [no_rm, f"exp_manager.exp_dir={tmp_path}/sweep"], config_name="ppo_tiny",
                                   sweeps=["kl.target=1,3,6"]),
              "sft": prepare("sft", ["trainer.micro_batch_size=8"], config_name="sft_tiny"),
@@ -228,6 +230,22 @@ def test_sweep_job_array_runs_each_value_in_its_own_folder(slurm, data, tmp_path
         assert f"target: {float(value)}" in cfg and f"exp_dir: {task_dir}" in cfg
         assert list((task_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert not (exp / "checkpoints").exists()  # nothing ran in the sweep's base folder
+
+
+def test_async_ppo_job_runs_its_rollout_worker_as_a_step(slurm, data, tmp_path):
+    """rollout.mode=async: the rollout worker runs as its own step beside the trainer (one
+    rank), connects to the trainer's controller, and both end cleanly."""
+    exp = tmp_path / "async"
+    overrides = [o for o in _ppo_overrides(data, exp) if not o.startswith(("trainer.max_steps=", "parallel."))]
+    job = slurm.submit("cluster.ntasks_per_node=1", "--config-name", "ppo_tiny", *overrides, "trainer.max_steps=3",
+                       "rollout.mode=async", "rollout.max_staleness=1", "ppo.rollout_is_cap=2.0")
+    info = slurm.wait(job, _done, 300, "for the async PPO job to complete", exp / "slurm-*.out")
+    assert info["ExitCode"] == "0:0"
+    log = _log(exp)
+    assert "starting 1 rollout worker(s) (--nodes=1" in log and "stopping the rollout workers" in log
+    assert "rollout worker 0 connected" in (exp / "rollout_workers.log").read_text()
+    m = _metrics(exp)
+    assert [m[s]["async/staleness_max"] for s in sorted(m)] == [0, 1, 1]
 
 
 def test_the_readmes_multi_node_commands_pass_sbatch_test_only(slurm, tmp_path):

@@ -30,3 +30,45 @@ def test_lora_combinations_that_cannot_work_are_refused_naming_the_keys(override
     with pytest.raises(ValueError) as err:
         typed_job("ppo", overrides)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.mode=asynchronous"], "rollout.mode='asynchronous': valid choices are sync, async"),
+    (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness=-1: must be an integer >= 0"),
+    (["rollout.mode=async", "rollout.num_workers=0"], "rollout.num_workers=0: must be an integer >= 1"),
+    (["rollout.mode=async", "rollout.worker_timeout_s=0"], "rollout.worker_timeout_s=0.0: must be > 0"),
+    (["rollout.mode=async", "rollout.max_staleness=1"],
+     "rollout.mode=async with rollout.max_staleness=1 trains on samples of older policies: set ppo.rollout_is_cap"),
+    (["rollout.mode=async", "rollout.max_staleness=0", "ppo.old_logprobs_from_rollout=true"],
+     "rollout.mode=async with ppo.old_logprobs_from_rollout=true"),
+    (["rollout.mode=async", "rollout.max_staleness=0", "rollout.engine=vllm"],
+     "rollout.mode=async with rollout.engine=vllm"),
+])
+def test_async_settings_that_cannot_work_are_refused_naming_the_keys(overrides, needle):
+    with pytest.raises(ValueError) as err:
+        typed_job("ppo", overrides)
+    assert needle in str(err.value)
+
+
+def test_async_with_the_decoupled_correction_or_on_policy_is_taken():
+    cfg = typed_job("ppo", ["rollout.mode=async", "rollout.max_staleness=2", "ppo.rollout_mask_threshold=1.0"])
+    assert cfg.rollout.mode == "async" and cfg.rollout.max_staleness == 2
+    assert typed_job("ppo", ["rollout.mode=async", "rollout.max_staleness=0"]).rollout.num_workers == 1
+
+
+def test_the_worker_index_comes_from_the_flag_then_the_environment():
+    from nemo_rlhf.rollout_worker import worker_index
+
+    assert worker_index(["a=1", "--worker-index", "3", "b=2"], {}) == (3, ["a=1", "b=2"])
+    assert worker_index(["--worker-index=2"], {"SLURM_PROCID": "5"}) == (2, [])
+    assert worker_index(["x=1"], {"SLURM_PROCID": "5"}) == (5, ["x=1"])
+    assert worker_index([], {"NEMO_RLHF_ROLLOUT_WORKER": "1", "SLURM_PROCID": "5"})[0] == 1
+    with pytest.raises(SystemExit, match="needs --worker-index"):
+        worker_index(["--worker-index", "x"], {})
+
+
+def test_the_launchers_address_file_name_is_the_controllers():
+    from launchers.local import ROLLOUT_ADDRESS_FILE
+    from nemo_rlhf.rollout.remote import ADDRESS_FILE
+
+    assert ROLLOUT_ADDRESS_FILE == ADDRESS_FILE
