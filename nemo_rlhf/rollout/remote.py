@@ -365,6 +365,8 @@ class RolloutController:
             self.cond.notify_all()
 
     def _run(self) -> None:
+        if self.device.type == "cuda":  # the current device is per thread: the weights' own
+            torch.cuda.set_device(self.device)
         try:
             while True:
                 with self.cond:
