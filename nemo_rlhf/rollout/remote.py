@@ -216,8 +216,9 @@ class RolloutController:
         self.results: dict[tuple[int, int], RolloutResult] = {}
         self.taken_step = 0
         """The last step :meth:`take` returned (items up to it are consumed)."""
-        self.versions: dict[int, tuple[dict, list, int]] = {}
-        """Published weights still needed: version -> (full tensors, manifest, checksum)."""
+        self.versions: dict[int, list] = {}
+        """Published weights still needed: version -> [full tensors, manifest, checksum or
+        None until the first send]."""
         self.keep_from = 0
         """Versions below it are needed by no future item (set by :meth:`retain_from`)."""
         self.workers = [_Worker(i) for i in range(num_workers)]
@@ -263,9 +264,8 @@ class RolloutController:
         """The actor's weights after ``version`` steps (full tensors, already copied off the
         live parameters), for the items that name this version."""
         manifest = [(k, tuple(tensors[k].shape), tensors[k].dtype) for k in sorted(tensors)]
-        checksum = bits_checksum(tensors)
-        with self.cond:
-            self.versions[version] = (tensors, manifest, checksum)
+        with self.cond:  # (the checksum: by the thread, at the first send)
+            self.versions[version] = [tensors, manifest, None]
             self.cond.notify_all()
 
     def retain_from(self, version: int) -> None:
@@ -423,7 +423,9 @@ class RolloutController:
             self.pending.popleft()
             weights = self.versions[item.version]
             self._prune()
-            return item, weights
+        if weights[2] is None:
+            weights[2] = bits_checksum(weights[0])  # off the trainer's thread
+        return item, weights
 
     def _dispatch(self, w: _Worker) -> bool:
         nxt = self._next_item()
