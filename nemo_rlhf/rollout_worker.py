@@ -10,9 +10,9 @@ composes the same config (``--config-name`` as the trainer's), adopts the same
 * its own single-process world (TP=1, PP=1, no DP), on its own device (the first visible
   GPU, else the host): one full copy of the actor, built when the first weights arrive, in
   their dtype (LoRA arrives merged, the value head is not sent);
-* megatron's KV-cache decode (``rollout.engine=megatron``; the config refuses vLLM inside a
-  worker for now) generates each item with the sampling seeds of the DP rank and step it is
-  for, exactly as a trainer rank would in ``rollout.mode=sync``.
+* ``rollout.engine`` (megatron's KV-cache decode, or a vLLM engine refit in memory from
+  that copy) generates each item with the sampling seeds of the DP rank and step it is for,
+  exactly as a trainer rank would in ``rollout.mode=sync``.
 
 The worker index comes from ``--worker-index``, else ``NEMO_RLHF_ROLLOUT_WORKER`` or, under
 ``srun``, ``SLURM_PROCID``. Exit codes: 0 when the controller stopped it, 1 on an error
@@ -110,9 +110,15 @@ class RolloutWorker:
                                     weights_version=version)
 
     def serve(self, index: int) -> int:
-        return serve_rollout_worker(index, self.cfg.exp_manager.exp_dir, self.cfg.rollout.worker_timeout_s,
-                                    self.dims.device, self.load_weights, self.generate,
-                                    connect_timeout_s=self.cfg.rollout.worker_start_timeout_s)
+        """Serve the controller until it stops this worker; the engine closed at the end
+        (before the process groups go: vLLM's shutdown destroys its own)."""
+        try:
+            return serve_rollout_worker(index, self.cfg.exp_manager.exp_dir, self.cfg.rollout.worker_timeout_s,
+                                        self.dims.device, self.load_weights, self.generate,
+                                        connect_timeout_s=self.cfg.rollout.worker_start_timeout_s)
+        finally:
+            if self.engine is not None:
+                self.engine.close()
 
 
 def worker_index(argv: list[str], env=os.environ) -> tuple[int, list[str]]:

@@ -493,10 +493,6 @@ class PPOConfig:
             raise ValueError("rollout.mode=async with ppo.old_logprobs_from_rollout=true: the rollout workers' "
                              "log-probs are the behaviour policy's, not the policy the update starts from; the "
                              "trainer recomputes them: set ppo.old_logprobs_from_rollout=false")
-        if r.engine != "megatron":
-            raise ValueError(f"rollout.mode=async with rollout.engine={r.engine}: the rollout workers run the "
-                             f"megatron engine only for now (vLLM inside a worker is not tested); set "
-                             f"rollout.engine=megatron")
         if r.max_staleness > 0 and p.rollout_is_cap is None and p.rollout_mask_threshold is None:
             raise ValueError(f"rollout.mode=async with rollout.max_staleness={r.max_staleness} trains on samples "
                              f"of older policies: set ppo.rollout_is_cap (e.g. 2.0; the decoupled objective's "

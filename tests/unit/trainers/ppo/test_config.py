@@ -41,8 +41,6 @@ def test_lora_combinations_that_cannot_work_are_refused_naming_the_keys(override
      "rollout.mode=async with rollout.max_staleness=1 trains on samples of older policies: set ppo.rollout_is_cap"),
     (["rollout.mode=async", "rollout.max_staleness=0", "ppo.old_logprobs_from_rollout=true"],
      "rollout.mode=async with ppo.old_logprobs_from_rollout=true"),
-    (["rollout.mode=async", "rollout.max_staleness=0", "rollout.engine=vllm"],
-     "rollout.mode=async with rollout.engine=vllm"),
 ])
 def test_async_settings_that_cannot_work_are_refused_naming_the_keys(overrides, needle):
     with pytest.raises(ValueError) as err:
