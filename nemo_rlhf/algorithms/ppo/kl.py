@@ -216,28 +216,34 @@ def pi_kl_coef(
     kp: float,
     ki: float,
     error_clip: float,
+    max_factor: float,
     min_coef: float,
 ) -> Tuple[float, float]:
     """One step of the proportional-integral KL-coefficient rule, in log space.
 
     A PI controller in velocity form (Astrom & Murray, "Feedback Systems", 2nd ed., sec.
-    11.3; the increment form of the discrete PI law) on the log error, applied to
-    ``log beta``::
+    11.3: the increment form of the discrete PI law, with a rate limit on the actuator) on
+    the log error, applied to ``log beta``::
 
         e_t       = clip(log(max(KL_t, tiny) / target), -error_clip, error_clip)
-        beta_t+1  = max(min_coef, beta_t * exp(kp * (e_t - e_t-1) + ki * e_t))
+        step_t    = clip(kp * (e_t - e_t-1) + ki * e_t, -log(max_factor), log(max_factor))
+        beta_t+1  = max(min_coef, beta_t * exp(step_t))
 
     ``ki * e_t`` is the integral action (beta is the running product: KL 1.5x the target
     for three steps at ``ki = 0.3`` multiplies beta by ``1.5^0.9``); ``kp * (e_t - e_t-1)``
     the proportional one, which reacts to KL *rising* before it passes the target. The log
     error treats "twice the target" and "half the target" alike and makes the rule
-    multiplicative (beta stays > 0). ``min_coef`` is the anti-windup floor: while KL is
-    still far below its target (the first steps of a run, where the policy has not moved)
-    a lower beta buys nothing, since the penalty ``beta * KL`` is small anyway, but
-    it would leave beta far too low when KL arrives. On a toy plant of the SmolLM2 demo's
-    KL rise (0 to 7 nats in 10 steps at beta 0.02; ``test_kl.py``'s ``_toy_run``) with
-    ``kp=1.5, ki=0.3, error_clip=2``: without the floor beta fell 8x in the first steps and
-    KL peaked at 11.2 against a target of 6; with it KL peaked at 6.1.
+    multiplicative (beta stays > 0). ``max_factor`` bounds the change of one step (2: beta
+    at most doubles or halves): a step's ``kl_mean`` is noisy, and at small KL its log
+    error is noisier still (on the tiny demo's PPO at ``kl.target=0.3`` without the bound,
+    KL 0.03 -> 0.21 between two steps multiplied beta by 11, and beta swung between 0.05
+    and 3.9 over the run). ``min_coef`` is the anti-windup floor: while KL is still far
+    below its target (the first steps of a run, where the policy has not moved) a lower
+    beta buys nothing, since the penalty ``beta * KL`` is small anyway, but it would leave
+    beta far too low when KL arrives. On a toy plant of the SmolLM2 demo's KL rise (0 to 7
+    nats in 10 steps at beta 0.02; ``test_kl.py``'s ``_toy_run``) with the defaults
+    (``kp=1.5, ki=0.3, error_clip=2, max_factor=2``): KL peaked at 6.1 against a target of
+    6; without the floor beta first fell 8x and KL peaked at 11.
 
     Args:
         beta: the current coefficient, finite and > 0.
@@ -249,6 +255,7 @@ def pi_kl_coef(
         kp: proportional gain, >= 0.
         ki: integral gain, >= 0.
         error_clip: bound of ``|e|``, > 0 (2.0: KL from 0.14x to 7.4x the target is seen).
+        max_factor: the most beta changes in one step, as a factor, > 1.
         min_coef: the floor of beta, >= 0.
 
     Returns:
@@ -258,24 +265,30 @@ def pi_kl_coef(
         ValueError: naming the argument, for a non-finite ``current_kl`` or a bad setting.
 
     Worked example (tests/unit/algorithms/ppo/test_kl.py): ``beta=0.02, KL=9, target=6,
-    prev_error=log(4.5/6), kp=1, ki=0.3, clip=2``: ``e = log 1.5 = 0.4055``, ``de = log 2 =
-    0.6931``, ``beta = 0.02 * exp(0.6931 + 0.1216) = 0.02 * 2.2587 = 0.04517``.
+    prev_error=log(7.5/6), kp=1, ki=0.3, clip=2, max_factor=2``: ``e = log 1.5 = 0.4055``,
+    ``de = log 1.2 = 0.1823``, ``beta = 0.02 * exp(0.1823 + 0.1216) = 0.02 * 1.3552 =
+    0.027104``; from ``prev_error=log(4.5/6)`` the step ``log 2 + 0.1216 = 0.8148`` is
+    bounded to ``log 2``: ``beta = 0.04``.
     """
     current_kl = float(current_kl)
     if not math.isfinite(current_kl):
         raise ValueError(f"current_kl must be finite, got {current_kl}")
-    _check_pi_settings(target, kp, ki, error_clip, min_coef)
+    _check_pi_settings(target, kp, ki, error_clip, max_factor, min_coef)
     ratio = current_kl / target
     error = math.log(ratio) if ratio > math.exp(-error_clip) else -error_clip
     error = min(max(error, -error_clip), error_clip)
     delta = 0.0 if prev_error is None else error - float(prev_error)
-    return max(float(min_coef), float(beta) * math.exp(kp * delta + ki * error)), error
+    bound = math.log(max_factor)
+    step = min(max(kp * delta + ki * error, -bound), bound)
+    return max(float(min_coef), float(beta) * math.exp(step)), error
 
 
-def _check_pi_settings(target: float, kp: float, ki: float, error_clip: float, min_coef: float) -> None:
+def _check_pi_settings(target: float, kp: float, ki: float, error_clip: float, max_factor: float,
+                       min_coef: float) -> None:
     for name, value, ok, rule in (("target", target, target > 0, "> 0"), ("kp", kp, kp >= 0, ">= 0"),
                                   ("ki", ki, ki >= 0, ">= 0"),
                                   ("error_clip", error_clip, error_clip > 0, "> 0"),
+                                  ("max_factor", max_factor, max_factor > 1, "> 1"),
                                   ("min_coef", min_coef, min_coef >= 0, ">= 0")):
         if not math.isfinite(float(value)) or not ok:
             raise ValueError(f"{name} must be a finite number {rule}, got {value}")
@@ -289,6 +302,7 @@ class PIKLController:
         target: target KL (nats per sequence, as the trainer's ``kl_mean``), > 0.
         kp, ki: proportional and integral gains, >= 0.
         error_clip: bound of the log error, > 0.
+        max_factor: the most ``beta`` changes in one step, as a factor, > 1.
         min_coef: floor of ``beta`` (None: ``init_kl_coef``).
 
     Raises:
@@ -296,14 +310,15 @@ class PIKLController:
     """
 
     def __init__(self, init_kl_coef: float, target: float, kp: float, ki: float, error_clip: float,
-                 min_coef: Optional[float] = None) -> None:
+                 max_factor: float, min_coef: Optional[float] = None) -> None:
         self.value = _check_kl_coef(init_kl_coef, "init_kl_coef")
         if self.value <= 0:
             raise ValueError(f"init_kl_coef must be > 0 for the pi controller (it multiplies beta), "
                              f"got {init_kl_coef}")
         self.min_coef = self.value if min_coef is None else float(min_coef)
-        self.target, self.kp, self.ki, self.error_clip = float(target), float(kp), float(ki), float(error_clip)
-        _check_pi_settings(self.target, self.kp, self.ki, self.error_clip, self.min_coef)
+        self.target, self.kp, self.ki = float(target), float(kp), float(ki)
+        self.error_clip, self.max_factor = float(error_clip), float(max_factor)
+        _check_pi_settings(self.target, self.kp, self.ki, self.error_clip, self.max_factor, self.min_coef)
         self.prev_error: Optional[float] = None
 
     def update(self, current_kl: float, n_steps: int) -> None:
@@ -316,7 +331,8 @@ class PIKLController:
         if n_steps < 0:
             raise ValueError(f"n_steps must be >= 0, got {n_steps}")
         self.value, self.prev_error = pi_kl_coef(self.value, current_kl, self.prev_error, self.target,
-                                                 self.kp, self.ki, self.error_clip, self.min_coef)
+                                                 self.kp, self.ki, self.error_clip, self.max_factor,
+                                                 self.min_coef)
 
     def state_dict(self) -> Dict[str, Optional[float]]:
         return {"value": self.value, "prev_error": self.prev_error, "target": self.target}
@@ -334,7 +350,8 @@ class PIKLController:
 
     def __repr__(self) -> str:
         return (f"PIKLController(value={self.value!r}, target={self.target!r}, kp={self.kp!r}, "
-                f"ki={self.ki!r}, error_clip={self.error_clip!r}, min_coef={self.min_coef!r})")
+                f"ki={self.ki!r}, error_clip={self.error_clip!r}, max_factor={self.max_factor!r}, "
+                f"min_coef={self.min_coef!r})")
 
 
 KLController = Union[FixedKLController, AdaptiveKLController, PIKLController]
@@ -348,7 +365,7 @@ KL_CONTROLLERS: Dict[str, Type] = {
 
 #: defaults of the pi controller's settings when :func:`build_kl_controller` is not given them
 #: (the config schema, ``KLConfig``, passes its own).
-PI_DEFAULTS = {"kp": 1.5, "ki": 0.3, "error_clip": 2.0}
+PI_DEFAULTS = {"kp": 1.5, "ki": 0.3, "error_clip": 2.0, "max_factor": 2.0}
 
 
 def build_kl_controller(
@@ -366,7 +383,7 @@ def build_kl_controller(
         target: required for ``"adaptive"`` and ``"pi"``; ignored for ``"fixed"``.
         horizon: required for ``"adaptive"``; ignored otherwise (so a config that always
             carries them can be passed through unchanged).
-        pi: ``"pi"``'s ``kp``, ``ki``, ``error_clip``, ``min_coef`` (any left out:
+        pi: ``"pi"``'s ``kp``, ``ki``, ``error_clip``, ``max_factor``, ``min_coef`` (any left out:
             :data:`PI_DEFAULTS`, ``min_coef`` None = ``init_kl_coef``).
 
     Raises:

@@ -229,6 +229,8 @@ class KLConfig:
     """Pi: integral gain (beta is multiplied by ``(KL / target) ** pi_ki`` each step)."""
     pi_error_clip: float = 2.0
     """Pi: bound of ``|log(KL / target)|`` (2.0: KL from 0.14x to 7.4x the target is seen)."""
+    pi_max_factor: float = 2.0
+    """Pi: the most beta changes in one step, as a factor (2.0: at most doubles or halves)."""
     pi_min_coef: Optional[float] = None
     """Pi: the lowest beta (anti-windup floor; None: ``init_kl_coef``)."""
     estimator: str = "k1"
@@ -263,6 +265,7 @@ class KLConfig:
                                          ("pi_kp", self.pi_kp, self.pi_kp >= 0, ">= 0"),
                                          ("pi_ki", self.pi_ki, self.pi_ki >= 0, ">= 0"),
                                          ("pi_error_clip", self.pi_error_clip, self.pi_error_clip > 0, "> 0"),
+                                         ("pi_max_factor", self.pi_max_factor, self.pi_max_factor > 1, "> 1"),
                                          ("pi_min_coef", self.pi_min_coef,
                                           self.pi_min_coef is None or self.pi_min_coef >= 0, ">= 0 or null")):
                 if not ok:
@@ -271,7 +274,7 @@ class KLConfig:
     def pi_settings(self) -> dict:
         """The pi controller's settings (``build_kl_controller``'s ``pi``)."""
         return {"kp": self.pi_kp, "ki": self.pi_ki, "error_clip": self.pi_error_clip,
-                "min_coef": self.pi_min_coef}
+                "max_factor": self.pi_max_factor, "min_coef": self.pi_min_coef}
 
 
 @dataclass

@@ -177,12 +177,16 @@ def test_k3_log_ratio_is_clipped_so_the_estimate_stays_finite():
 def test_pi_rule_worked_example_from_its_docstring():
     from nemo_rlhf.algorithms.ppo import pi_kl_coef
 
-    # e = log(9/6) = 0.405465; de = log(9/4.5) = log 2 = 0.693147
-    # beta = 0.02 * exp(1 * 0.693147 + 0.3 * 0.405465) = 0.02 * exp(0.814787) = 0.02 * 2.258694 = 0.0451739
-    beta, e = pi_kl_coef(0.02, 9.0, math.log(4.5 / 6.0), target=6.0, kp=1.0, ki=0.3, error_clip=2.0,
-                         min_coef=0.0)
+    # e = log(9/6) = 0.405465; de = log(9/7.5) = log 1.2 = 0.182322
+    # step = 1 * 0.182322 + 0.3 * 0.405465 = 0.303961; beta = 0.02 * exp(0.303961) = 0.02 * 1.355216
+    beta, e = pi_kl_coef(0.02, 9.0, math.log(7.5 / 6.0), target=6.0, kp=1.0, ki=0.3, error_clip=2.0,
+                         max_factor=2.0, min_coef=0.0)
     assert e == pytest.approx(0.405465108, abs=1e-9)
-    assert beta == pytest.approx(0.0451738775, rel=1e-8)
+    assert beta == pytest.approx(0.0271043265, rel=1e-8)
+    # from KL 4.5: step = log 2 + 0.121640 = 0.814787 > log 2: bounded, beta doubles
+    beta, _ = pi_kl_coef(0.02, 9.0, math.log(4.5 / 6.0), target=6.0, kp=1.0, ki=0.3, error_clip=2.0,
+                         max_factor=2.0, min_coef=0.0)
+    assert beta == pytest.approx(0.04, rel=1e-12)
 
 
 @pytest.mark.parametrize("kl, prev, want_beta, want_e", [
@@ -190,18 +194,21 @@ def test_pi_rule_worked_example_from_its_docstring():
     (12.0, None, 0.1 * 2 ** 0.5, math.log(2.0)),
     # at the target with the previous error 0: unchanged
     (6.0, 0.0, 0.1, 0.0),
-    # KL 100x the target: the error is clipped at 2; de = 2 - 0.5 -> exp(1.5 + 1.0)
-    (600.0, 0.5, 0.1 * math.exp(2.5), 2.0),
-    # KL 0 (and k1's negative means) count as -clip: de = -2 - 0 -> exp(-2 - 1), floored
+    # KL 100x the target: the error is clipped at 2; de = 2 - 0.5 -> exp(1.5 + 1.0) = 12.18 > 10: x10
+    (600.0, 0.5, 0.1 * 10.0, 2.0),
+    # KL 0 (and k1's negative means) count as -clip: de = -2 - 0 -> exp(-2 - 1) = 0.0498, floored
     (0.0, 0.0, 0.01, -2.0),
     (-0.3, 0.0, 0.01, -2.0),
     # KL falling from 2x to 1.5x the target: the P term lowers beta while the I term raises it
     (9.0, math.log(2.0), 0.1 * math.exp(math.log(0.75) + 0.5 * math.log(1.5)), math.log(1.5)),
+    # a fall from 1x to 0.5x the target: step -log 2 - 0.5 log 2 = x 0.354; unbounded at 10
+    (3.0, 0.0, 0.1 * 2 ** -1.5, -math.log(2.0)),
 ])
 def test_pi_rule_hand_computed_values(kl, prev, want_beta, want_e):
     from nemo_rlhf.algorithms.ppo import pi_kl_coef
 
-    beta, e = pi_kl_coef(0.1, kl, prev, target=6.0, kp=1.0, ki=0.5, error_clip=2.0, min_coef=0.01)
+    beta, e = pi_kl_coef(0.1, kl, prev, target=6.0, kp=1.0, ki=0.5, error_clip=2.0, max_factor=10.0,
+                         min_coef=0.01)
     assert e == pytest.approx(want_e, abs=1e-12)
     assert beta == pytest.approx(want_beta, rel=1e-12)
 
@@ -209,13 +216,14 @@ def test_pi_rule_hand_computed_values(kl, prev, want_beta, want_e):
 def test_pi_controller_keeps_its_previous_error_and_resumes_exactly():
     from nemo_rlhf.algorithms.ppo import PIKLController
 
-    ctl = build_kl_controller("pi", 0.05, target=4.0, pi={"kp": 2.0, "ki": 0.5, "error_clip": 1.0})
+    settings = {"kp": 2.0, "ki": 0.5, "error_clip": 1.0, "max_factor": 100.0}
+    ctl = build_kl_controller("pi", 0.05, target=4.0, pi=settings)
     assert isinstance(ctl, PIKLController) and ctl.min_coef == 0.05  # the floor defaults to init
     ctl.update(2.0, n_steps=32)  # e = log 0.5, first: integral only -> 0.05 * 0.5^0.5, floored at 0.05
     assert ctl.value == 0.05 and ctl.prev_error == pytest.approx(math.log(0.5))
-    ctl.update(8.0, n_steps=32)  # e = log 2, de = log 4: 0.05 * exp(2 log 4 + 0.5 log 2)
+    ctl.update(8.0, n_steps=32)  # e = log 2, de = log 4: 0.05 * exp(2 log 4 + 0.5 log 2) = x 22.6
     assert ctl.value == pytest.approx(0.05 * 16 * 2 ** 0.5, rel=1e-12)
-    restored = build_kl_controller("pi", 0.05, target=4.0, pi={"kp": 2.0, "ki": 0.5, "error_clip": 1.0})
+    restored = build_kl_controller("pi", 0.05, target=4.0, pi=settings)
     restored.load_state_dict(ctl.state_dict())
     for c in (ctl, restored):
         c.update(5.0, n_steps=32)
@@ -228,16 +236,18 @@ def test_pi_controller_keeps_its_previous_error_and_resumes_exactly():
 
 @pytest.mark.parametrize("kwargs, name", [
     ({"init_kl_coef": 0.0}, "init_kl_coef"), ({"target": 0.0}, "target"), ({"kp": -1.0}, "kp"),
-    ({"ki": float("nan")}, "ki"), ({"error_clip": 0.0}, "error_clip"), ({"min_coef": -0.1}, "min_coef"),
+    ({"ki": float("nan")}, "ki"), ({"error_clip": 0.0}, "error_clip"), ({"max_factor": 1.0}, "max_factor"),
+    ({"min_coef": -0.1}, "min_coef"),
 ])
 def test_pi_controller_validates_arguments_by_name(kwargs, name):
     from nemo_rlhf.algorithms.ppo import PIKLController
 
-    args = {"init_kl_coef": 0.1, "target": 6.0, "kp": 1.0, "ki": 0.3, "error_clip": 2.0, **kwargs}
+    args = {"init_kl_coef": 0.1, "target": 6.0, "kp": 1.0, "ki": 0.3, "error_clip": 2.0, "max_factor": 2.0,
+            **kwargs}
     with pytest.raises(ValueError, match=name):
         PIKLController(**args)
     with pytest.raises(ValueError, match="current_kl"):
-        PIKLController(0.1, 6.0, 1.0, 0.3, 2.0).update(float("inf"), 1)
+        PIKLController(0.1, 6.0, 1.0, 0.3, 2.0, 2.0).update(float("inf"), 1)
     with pytest.raises(ValueError, match="target"):
         build_kl_controller("pi", 0.1)
     with pytest.raises(ValueError, match=r"unknown pi controller settings \['kd'\]"):
@@ -262,14 +272,16 @@ def _toy_run(ctl, steps: int, v0: float = 0.33, c: float = 1.2) -> list[float]:
 def test_on_a_toy_run_the_pi_controller_holds_the_band_where_ziegler_cannot():
     """Target 6, beta 0.02, 32 samples a step (conf/ppo_smollm2.yaml's): Ziegler's rule with
     the demo's horizon of 1000 barely moves beta, and the KL runs on past the target (and
-    past ``guards.kl_over_target``'s 1.25x); the pi rule settles at the target."""
+    past ``guards.kl_over_target``'s 1.25x); the pi rule with its defaults settles at it."""
     zieg = _toy_run(AdaptiveKLController(0.02, target=6.0, horizon=1000), 20)
     assert zieg[9] > 7.0 and zieg[-1] > 20.0
     pi = _toy_run(build_kl_controller("pi", 0.02, target=6.0), 20)
     assert max(pi) < 1.25 * 6.0 and max(pi) == pytest.approx(6.08, abs=0.01)
     assert abs(pi[-1] - 6.0) < 0.3
-    for faster in (0.5, 0.7):  # a policy that moves faster: the band still holds
-        assert max(_toy_run(build_kl_controller("pi", 0.02, target=6.0), 20, v0=faster)) < 1.25 * 6.0
+    # a policy that moves 1.5x faster: the band still holds; 2.1x faster: at its edge (beta
+    # at most doubles a step)
+    assert max(_toy_run(build_kl_controller("pi", 0.02, target=6.0), 20, v0=0.5)) < 1.25 * 6.0
+    assert max(_toy_run(build_kl_controller("pi", 0.02, target=6.0), 20, v0=0.7)) < 1.26 * 6.0
     # without the floor, beta winds down while KL is still small, and KL overshoots
     nofloor = build_kl_controller("pi", 0.02, target=6.0, pi={"min_coef": 0.0})
     kls = _toy_run(nofloor, 20)
