@@ -233,16 +233,16 @@ def pi_kl_coef(
     for three steps at ``ki = 0.3`` multiplies beta by ``1.5^0.9``); ``kp * (e_t - e_t-1)``
     the proportional one, which reacts to KL *rising* before it passes the target. The log
     error treats "twice the target" and "half the target" alike and makes the rule
-    multiplicative (beta stays > 0). ``max_factor`` bounds the change of one step (2: beta
-    at most doubles or halves): a step's ``kl_mean`` is noisy, and at small KL its log
-    error is noisier still (on the tiny demo's PPO at ``kl.target=0.3`` without the bound,
-    KL 0.03 -> 0.21 between two steps multiplied beta by 11, and beta swung between 0.05
-    and 3.9 over the run). ``min_coef`` is the anti-windup floor: while KL is still far
+    multiplicative (beta stays > 0). ``max_factor`` bounds the change of one step (4: beta
+    at most quadruples or quarters): a step's ``kl_mean`` is noisy, and at small KL its
+    log error is noisier still (on the tiny demo's PPO at ``kl.target=0.3`` without the
+    bound, KL 0.03 -> 0.21 between two steps multiplied beta by 11, and beta swung between
+    0.05 and 3.9 over the run; docs/algorithms.md has the runs with 2 and 4). ``min_coef`` is the anti-windup floor: while KL is still far
     below its target (the first steps of a run, where the policy has not moved) a lower
     beta buys nothing, since the penalty ``beta * KL`` is small anyway, but it would leave
     beta far too low when KL arrives. On a toy plant of the SmolLM2 demo's KL rise (0 to 7
     nats in 10 steps at beta 0.02; ``test_kl.py``'s ``_toy_run``) with the defaults
-    (``kp=1.5, ki=0.3, error_clip=2, max_factor=2``): KL peaked at 6.1 against a target of
+    (``kp=1.5, ki=0.3, error_clip=2, max_factor=4``): KL peaked at 6.1 against a target of
     6; without the floor beta first fell 8x and KL peaked at 11.
 
     Args:
@@ -365,7 +365,7 @@ KL_CONTROLLERS: Dict[str, Type] = {
 
 #: defaults of the pi controller's settings when :func:`build_kl_controller` is not given them
 #: (the config schema, ``KLConfig``, passes its own).
-PI_DEFAULTS = {"kp": 1.5, "ki": 0.3, "error_clip": 2.0, "max_factor": 2.0}
+PI_DEFAULTS = {"kp": 1.5, "ki": 0.3, "error_clip": 2.0, "max_factor": 4.0}
 
 
 def build_kl_controller(

@@ -229,8 +229,8 @@ class KLConfig:
     """Pi: integral gain (beta is multiplied by ``(KL / target) ** pi_ki`` each step)."""
     pi_error_clip: float = 2.0
     """Pi: bound of ``|log(KL / target)|`` (2.0: KL from 0.14x to 7.4x the target is seen)."""
-    pi_max_factor: float = 2.0
-    """Pi: the most beta changes in one step, as a factor (2.0: at most doubles or halves)."""
+    pi_max_factor: float = 4.0
+    """Pi: the most beta changes in one step, as a factor (4.0: at most x4 or /4)."""
     pi_min_coef: Optional[float] = None
     """Pi: the lowest beta (anti-windup floor; None: ``init_kl_coef``)."""
     estimator: str = "k1"
