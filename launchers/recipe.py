@@ -128,7 +128,7 @@ def prepare_model(profile: ModelProfile, out: Path, seed: int) -> dict:
     ckpt = folder / "checkpoints" / "step_0"
     if demo._latest(folder) is None:
         demo._run([sys.executable, "-m", "launchers.recipe", "init-tiny", str(folder), str(seed)],
-             out / "logs" / "model.log")
+                  out / "logs" / "model.log")
     return {"checkpoint": str(ckpt), "tokenizer_dir": str(ckpt / "tokenizer")}
 
 
@@ -194,9 +194,9 @@ def _sample(a, policy, prompts: Path, out_stem: Path, seed: int, stage_args: lis
     samples = out_stem.with_suffix(".jsonl")
     if not samples.exists():
         demo._run([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={policy}", f"data={prompts}",
-              f"out={out_stem.with_suffix('.json')}", *stage_args, f"temperature={a.rm_temperature}",
-              f"num_samples={a.rm_samples_per_prompt}", f"samples_out={samples}", f"seed={seed}",
-              "num_examples=0", "batch_size=128"], log)
+                   f"out={out_stem.with_suffix('.json')}", *stage_args, f"temperature={a.rm_temperature}",
+                   f"num_samples={a.rm_samples_per_prompt}", f"samples_out={samples}", f"seed={seed}",
+                   "num_examples=0", "batch_size=128"], log)
     return _read_rows(samples)
 
 
@@ -233,9 +233,65 @@ def _sft_first(a, task, profile: ModelProfile, out: Path, data: Path, policy, to
     exp = out / "sft"
     if demo._latest(exp) is None:
         demo._run([sys.executable, "-m", "nemo_rlhf.train_sft",
-              *profile.sft_overrides(a, exp, policy, sft_data, a.sft_steps, tok, profile)],
-             out / "logs" / "sft.log")
+                   *profile.sft_overrides(a, exp, policy, sft_data, a.sft_steps, tok, profile)],
+                  out / "logs" / "sft.log")
     return demo._latest(exp)
+
+
+def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, ckpt, tok, stage_args: list,
+                        times: dict, t: float) -> tuple:
+    """Stage 3 (module docstring): the policy the RM data comes from (the model, or the SFT
+    model when the model got no sampled answer right) and the RM's pairs. Records
+    ``times["sft"]`` (with SFT) and ``times["rm_samples"]`` (since ``t``).
+
+    Returns:
+        ``(policy, sft checkpoint or None, initial sample accuracy (0.0 with SFT, else
+        None), the policy's RM training samples, pair counts by file)``.
+    """
+    from nemo_rlhf.tasks.task import count_right
+
+    rm_data, logs = out / "rm_data", out / "logs"
+    policy, sft, probe_acc = ckpt, None, None
+    initial = rm_data / "initial_samples_train.jsonl"  # the initial model's, when it got none right
+    if demo._latest(out / "sft") is None:
+        probe = _read_rows(initial) if initial.exists() else _sample(
+            a, ckpt, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args, logs / "rm_samples.log")
+        if count_right(probe) == 0:
+            probe_acc = 0.0
+            if not initial.exists():  # kept: a rerun (e.g. after adding Task.demonstrate) reuses it
+                (rm_data / "samples_train.jsonl").rename(initial)
+            sft = _sft_first(a, task, profile, out, data, ckpt, tok, probe)
+    else:
+        sft = demo._latest(out / "sft")
+        probe_acc = 0.0
+    if sft is not None:
+        policy = sft
+        times["sft"] = time.time() - t
+        t = time.time()
+    samples_train = _sample(a, policy, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args,
+                            logs / "rm_samples.log")
+    _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
+            logs / "rm_samples.log")
+    if count_right(samples_train) == 0:
+        raise SystemExit(f"task {task.name!r}: after SFT ({a.sft_steps} steps on {a.sft_rows} demonstrations) "
+                         f"the model still got 0 of {len(samples_train)} sampled answers right; raise "
+                         f"--sft-steps or --sft-rows")
+    edits = a.rm_edit_pairs if task.edit_answer is not None else 0
+    pair_counts = {}
+    for split in ("train", "val"):  # held-out: the natural pairs only; the same-form ones are their own file
+        pair_counts[split] = demo._pairs_from_samples(task, rm_data / f"samples_{split}.jsonl",
+                                                      rm_data / f"preference_{split}.jsonl", 4,
+                                                      edits if split == "train" else 0)
+    pair_counts["val_same_form"] = demo._pairs_from_samples(
+        task, rm_data / "samples_val.jsonl", rm_data / "same_form_val.jsonl", 0,
+        demo.SAME_FORM_PER_PROMPT if task.edit_answer is not None else 0)
+    print(f"RM pairs from the model's own samples: {pair_counts}", flush=True)
+    if min(pair_counts["train"], pair_counts["val"]) == 0 or (
+            task.edit_answer is not None and pair_counts["val_same_form"] == 0):
+        raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
+                         f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
+    times["rm_samples"] = time.time() - t
+    return policy, sft, probe_acc, samples_train, pair_counts
 
 
 def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
@@ -278,47 +334,9 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
                          "sft_steps": a.sft_steps, "sft_rows": a.sft_rows})
     demo._check_stage_settings(rm_data / "settings.json", settings)
     stage_args = [new_tokens, *checkers]
-    policy, sft, probe_acc = ckpt, None, None
-    initial = rm_data / "initial_samples_train.jsonl"  # the initial model's, when it got none right
-    if demo._latest(out / "sft") is None:
-        probe = _read_rows(initial) if initial.exists() else _sample(
-            a, ckpt, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args, logs / "rm_samples.log")
-        if count_right(probe) == 0:
-            probe_acc = 0.0
-            if not initial.exists():  # kept: a rerun (e.g. after adding Task.demonstrate) reuses it
-                (rm_data / "samples_train.jsonl").rename(initial)
-            sft = _sft_first(a, task, profile, out, data, ckpt, tok, probe)
-    else:
-        sft = demo._latest(out / "sft")
-        probe_acc = 0.0
-    if sft is not None:
-        policy = sft
-        times["sft"] = time.time() - t
-        t = time.time()
-    pair_counts = {}
-    samples_train = _sample(a, policy, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args,
-                            logs / "rm_samples.log")
-    _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
-            logs / "rm_samples.log")
+    policy, sft, probe_acc, samples_train, pair_counts = _policy_and_rm_data(
+        a, task, profile, out, data, ckpt, tok, stage_args, times, t)
     right = count_right(samples_train)
-    if right == 0:
-        raise SystemExit(f"task {task.name!r}: after SFT ({a.sft_steps} steps on {a.sft_rows} demonstrations) "
-                         f"the model still got 0 of {len(samples_train)} sampled answers right; raise "
-                         f"--sft-steps or --sft-rows")
-    edits = a.rm_edit_pairs if task.edit_answer is not None else 0
-    for split in ("train", "val"):  # held-out: the natural pairs only; the same-form ones are their own file
-        pair_counts[split] = demo._pairs_from_samples(task, rm_data / f"samples_{split}.jsonl",
-                                                      rm_data / f"preference_{split}.jsonl", 4,
-                                                      edits if split == "train" else 0)
-    pair_counts["val_same_form"] = demo._pairs_from_samples(
-        task, rm_data / "samples_val.jsonl", rm_data / "same_form_val.jsonl", 0,
-        demo.SAME_FORM_PER_PROMPT if task.edit_answer is not None else 0)
-    print(f"RM pairs from the model's own samples: {pair_counts}", flush=True)
-    if min(pair_counts["train"], pair_counts["val"]) == 0 or (
-            task.edit_answer is not None and pair_counts["val_same_form"] == 0):
-        raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
-                         f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
-    times["rm_samples"] = time.time() - t
 
     t = time.time()
     rm_exp = out / "rm"

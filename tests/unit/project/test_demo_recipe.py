@@ -173,3 +173,17 @@ def test_a_bad_task_or_model_flag_is_refused_naming_it(argv, needle, capsys):
     with pytest.raises(SystemExit) as err:
         demo.main(argv)
     assert needle in str(err.value) + capsys.readouterr().err
+
+
+def test_a_custom_tasks_ppo_arguments_compose_into_the_ppo_job(tmp_path, monkeypatch):
+    """The checker reaches the PPO job by its ``module:TASK.score`` name, for the held-out
+    evaluation and, with ``--reward both``, in the reward."""
+    from tests.conf_helpers import typed_job
+
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main([*_custom(tmp_path, monkeypatch), "--reward", "both"]) == 0
+    (ppo,) = fake.ppo
+    cfg = typed_job(ppo["config"], ppo["args"])
+    assert cfg.trainer.eval_checker == "pkg_upper_task:TASK.score" and cfg.trainer.eval_extra_checkers == []
+    assert [f.name for f in cfg.reward.functions] == ["pkg_upper_task:TASK.score"]
+    assert (cfg.data.max_seq_length, cfg.rollout.max_new_tokens, cfg.guards.gold_window) == (64, 8, 1)
