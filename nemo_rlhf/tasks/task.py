@@ -313,7 +313,7 @@ def edit_pairs(task: Task, samples: Sequence[Mapping], per_prompt: int = 1, seed
             extras, text = row_extras(row), row["response"]
             right = float(row["correct"]) > 0.5
             edited = task.edit_answer(prompt, text, extras, right, rng)
-            if edited is None or task.right(prompt, edited, extras) == right:
+            if edited is None or edited == text or task.right(prompt, edited, extras) == right:
                 continue
             chosen, rejected = (text, edited) if right else (edited, text)
             pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,

@@ -161,3 +161,27 @@ def test_load_task_names_the_checker_the_stages_use(tmp_path, monkeypatch):
         load_task("my_upper_task:TASKS")
     with pytest.raises(ImportError, match="cannot import 'no_such_task_module'"):
         load_task("no_such_task_module:TASK")
+
+
+def test_the_example_task_of_docs_tasks_md_builds_and_its_rules_hold(tmp_path, monkeypatch):
+    """docs/tasks.md's whole example, as written there: a valid Task whose edits flip the
+    checker and whose demonstrations are right."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "tasks.md").read_text()
+    (code,) = re.findall(r"```python\n(# my_tasks/sorting.py.*?)```", text, flags=re.S)
+    (tmp_path / "my_tasks").mkdir()
+    (tmp_path / "my_tasks" / "sorting.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task, checker = load_task("my_tasks.sorting:TASK")
+    assert checker == "my_tasks.sorting:TASK.score" and len(task.heldout) == 200 and len(task.train) > 2000
+    rows = [task.prompt_row(p) for p in task.train[:50]]
+    demos = demonstration_rows(task, rows)
+    samples = [sample_row(d["prompt"], d["response"], 1.0, 5, {k: v for k, v in r.items() if k != "prompt"})
+               for d, r in zip(demos, rows)]
+    samples += [sample_row(s["prompt"], s["response"][::-1], 0.0, 5, s["extras"]) for s in samples]
+    pairs = edit_pairs(task, samples, per_prompt=2)
+    assert len(pairs) > 60 and {p["edit"] for p in pairs} == {"wrong_answer", "right_answer"}
+    assert all(task.right(p["prompt"], p["chosen"], {"answer": p["answer"]})
+               and not task.right(p["prompt"], p["rejected"], {"answer": p["answer"]}) for p in pairs)
