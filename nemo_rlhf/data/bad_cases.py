@@ -15,6 +15,8 @@ import random
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from nemo_rlhf.data.sample_rows import row_extras
+
 __all__ = ["DisagreementStats", "disagreement_pairs"]
 
 
@@ -56,7 +58,7 @@ def disagreement_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int = 4
             the labeller's score, as :mod:`nemo_rlhf.evaluate` writes it).
         max_pairs_per_prompt: at most this many disagreeing pairs per prompt (shuffled by
             ``seed``), so that one prompt's many samples do not dominate the new data.
-        extra_keys: fields of the prompt (e.g. ``answer``) copied from its first row into
+        extra_keys: fields of the prompt (e.g. ``answer``; a row's ``extras``) copied from its first row into
             its pairs.
         seed: seed of the shuffle.
 
@@ -96,7 +98,8 @@ def disagreement_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int = 4
             comparable += 1
         disagreements += len(found)
         rng.shuffle(found)
-        extras = {k: rows[0][k] for k in extra_keys if k in rows[0]}
+        fields = row_extras(rows[0])
+        extras = {k: fields[k] for k in extra_keys if k in fields}
         for better, worse in found[:max_pairs_per_prompt]:
             pairs.append({**extras, "prompt": prompt, "chosen": better["response"],
                           "rejected": worse["response"], "chosen_rm_score": float(better["rm_score"]),

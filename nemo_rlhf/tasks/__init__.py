@@ -1,6 +1,10 @@
 """The demo tasks: each task's data generator and its checker in one module, outside the
 library (nothing below this layer imports it; the library's defaults name no task).
 
+* :mod:`~nemo_rlhf.tasks.task`: the task interface the demo's recipe runs on
+  (``python -m launchers.demo --task package.module:TASK``; docs/tasks.md); addition and
+  reversal are tasks of it (their ``TASK``);
+
 * :mod:`~nemo_rlhf.tasks.reversal`: number reversal, the tiny demo's task
   (``launchers.demo --task tiny``, ``conf/*_tiny.yaml``);
 * :mod:`~nemo_rlhf.tasks.addition`: two-digit addition asked in chat form, the SmolLM2

@@ -16,6 +16,10 @@ and ``manifest.json`` holds the settings and each file's SHA-256. The checker is
 registered reward function ``two_digit_addition`` (the answer is the first integer once
 restatements of ``a+b`` are removed); ``just_the_number`` measures the format.
 
+:data:`TASK` is this task in the recipe's interface (:class:`~nemo_rlhf.tasks.task.Task`:
+``python -m launchers.demo --task nemo_rlhf.tasks.addition:TASK``; ``--task smollm2``, the
+default, is the same task on SmolLM2).
+
 Preference pairs come from the model's own samples (the InstructGPT recipe, with the
 checker as the labeller): :func:`build_preference_pairs` turns scored samples into
 ``{"prompt", "chosen", "rejected"}`` rows, a correct answer against an incorrect one of the
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from nemo_rlhf.data.answers import check_lengths, first_integer, integer_answers
+from nemo_rlhf.tasks.task import Task, build_preference_pairs, edit_pairs
 
 PROMPT = "What is {a}+{b}? Answer with just the number."
 SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -104,42 +109,6 @@ def make_addition_dataset(out: str | Path, cfg: AdditionTaskConfig = AdditionTas
     return manifest
 
 
-def build_preference_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int = 4,
-                           seed: int = 0) -> list[dict]:
-    """Chosen/rejected pairs from scored samples of the model itself.
-
-    Args:
-        samples: rows ``{"prompt", "response", "correct", ...}`` (several per prompt), as
-            :mod:`nemo_rlhf.evaluate` writes with ``samples_out``; ``correct`` is the
-            checker's 1.0 or 0.0.
-        max_pairs_per_prompt: cap on pairs per prompt, so that easy prompts with many
-            distinct answers do not dominate.
-        seed: seed of the pairing shuffle.
-
-    Returns:
-        ``[{"prompt", "chosen", "rejected", "answer"}]``: each a distinct correct response
-        against a distinct incorrect one of the same prompt (identical texts are merged
-        first). Prompts whose samples are all correct or all wrong give no pair.
-    """
-    by_prompt: dict[str, dict] = {}
-    for row in samples:
-        entry = by_prompt.setdefault(row["prompt"], {"good": [], "bad": [], "answer": row.get("answer")})
-        bucket = entry["good"] if float(row["correct"]) > 0.5 else entry["bad"]
-        if row["response"] not in bucket:
-            bucket.append(row["response"])
-    rng = random.Random(seed)
-    pairs = []
-    for prompt, entry in by_prompt.items():
-        good, bad = entry["good"][:], entry["bad"][:]
-        rng.shuffle(good)
-        rng.shuffle(bad)
-        n = min(max_pairs_per_prompt, len(good) * len(bad))
-        combos = [(g, b) for b in bad for g in good][:n] if good and bad else []
-        for g, b in combos:
-            pairs.append({"prompt": prompt, "chosen": g, "rejected": b, "answer": entry["answer"]})
-    return pairs
-
-
 NEAR_MISS_OFFSETS = (-11, -10, -9, -2, -1, 1, 2, 9, 10, 11)
 """Wrong answers :func:`answer_edit_pairs` writes: the sum plus one of these (a carry or a
 units-digit slip, the model's own typical errors)."""
@@ -162,9 +131,28 @@ def _answer_span(response: str, answer: int | None) -> tuple[int, int] | None:
     return None
 
 
+def edit_addition_answer(prompt: str, response: str, extras: Mapping[str, Any], right: bool,
+                         rng: random.Random) -> str | None:
+    """The addition task's counterfactual rule (:attr:`Task.edit_answer`): the stated number
+    of ``response`` (the one :func:`addition_answer` reads) replaced, in place, by a near
+    miss (the sum plus one of :data:`NEAR_MISS_OFFSETS`, drawn from ``rng``) when the
+    response is ``right``, else by the right sum. None when it states no number.
+
+    Raises:
+        KeyError: ``extras`` without ``answer``.
+    """
+    answer = int(extras["answer"])
+    span = _answer_span(response, answer)
+    if span is None:
+        return None
+    number = answer + rng.choice(NEAR_MISS_OFFSETS) if right else answer
+    return response[:span[0]] + str(number) + response[span[1]:]
+
+
 def answer_edit_pairs(samples: Sequence[Mapping], per_prompt: int = 1, seed: int = 0) -> list[dict]:
     """Minimal chosen/rejected pairs: a sample of the model and the same text with only
-    the stated number changed.
+    the stated number changed (:func:`nemo_rlhf.tasks.task.edit_pairs` with
+    :func:`edit_addition_answer`).
 
     A right sample (checker score 1) is chosen against itself with a near-miss number
     (the sum plus one of :data:`NEAR_MISS_OFFSETS`); a wrong sample that states a number is
@@ -173,8 +161,8 @@ def answer_edit_pairs(samples: Sequence[Mapping], per_prompt: int = 1, seed: int
     (``two_digit_addition``) and kept only if its score flipped.
 
     Args:
-        samples: rows ``{"prompt", "response", "correct", "answer"}`` as for
-            :func:`build_preference_pairs`.
+        samples: sample rows ``{"prompt", "response", "correct", "extras": {"answer"}}``
+            (:mod:`nemo_rlhf.data.sample_rows`; ``answer`` at the top level also works).
         per_prompt: pairs per prompt at most (distinct samples, shuffled by ``seed``).
         seed: seed of the sample shuffle and of the near-miss choice.
 
@@ -184,35 +172,7 @@ def answer_edit_pairs(samples: Sequence[Mapping], per_prompt: int = 1, seed: int
     Raises:
         KeyError: a row without ``answer``.
     """
-    rng = random.Random(seed)
-    by_prompt: dict[str, list[Mapping]] = {}
-    for row in samples:
-        rows = by_prompt.setdefault(row["prompt"], [])
-        if all(r["response"] != row["response"] for r in rows):
-            rows.append(row)
-    pairs = []
-    for prompt, rows in by_prompt.items():
-        rows = rows[:]
-        rng.shuffle(rows)
-        made = 0
-        for row in rows:
-            if made >= per_prompt:
-                break
-            answer = int(row["answer"])
-            text = row["response"]
-            right = float(row["correct"]) > 0.5
-            span = _answer_span(text, answer)
-            if span is None:
-                continue
-            number = answer + rng.choice(NEAR_MISS_OFFSETS) if right else answer
-            edited = text[:span[0]] + str(number) + text[span[1]:]
-            flipped = two_digit_addition([prompt], [edited], [{"answer": answer}])[0]
-            if flipped == (0.0 if right else 1.0):
-                chosen, rejected = (text, edited) if right else (edited, text)
-                pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
-                              "answer": str(answer), "edit": "wrong_sum" if right else "right_sum"})
-                made += 1
-    return pairs
+    return edit_pairs(TASK, samples, per_prompt=per_prompt, seed=seed)
 
 
 # --------------------------------------------------------------------------- checkers
@@ -263,3 +223,30 @@ def just_the_number(prompts: list[str], responses: list[str], extras: list[dict]
     right or wrong; 0.0 otherwise (``"The answer is 54."``, ``"26+28=54"``, ``""``)."""
     check_lengths(prompts, responses, extras, "just_the_number")
     return [1.0 if _JUST_A_NUMBER.fullmatch(r.strip()) else 0.0 for r in responses]
+
+
+def addition_problems(cfg: AdditionTaskConfig = AdditionTaskConfig()) -> tuple[list[dict], list[dict]]:
+    """``(train, heldout)`` problems ``{"answer", "a", "b"}``: every ``(a, b)`` shuffled by
+    ``cfg.seed``; the first ``cfg.n_eval`` are held out. Split by
+    :func:`~nemo_rlhf.tasks.task.write_prompt_files` (RM held-out, RM, PPO from ``train``),
+    the prompt files equal :func:`make_addition_dataset`'s of the same sizes byte for byte
+    (tested)."""
+    problems = [(a, b) for a in range(cfg.low, cfg.high + 1) for b in range(cfg.low, cfg.high + 1)]
+    random.Random(cfg.seed).shuffle(problems)
+    rows = [{"answer": str(a + b), "a": a, "b": b} for a, b in problems]
+    return rows[cfg.n_eval:], rows[:cfg.n_eval]
+
+
+def _check(prompt: str, response: str, extras: Mapping[str, Any]) -> float:
+    return two_digit_addition([prompt], [response], [extras])[0]
+
+
+def _demonstrate(prompt: str, extras: Mapping[str, Any]) -> str:
+    return str(extras["answer"])
+
+
+_TRAIN, _HELDOUT = addition_problems()
+TASK = Task(name="two_digit_addition", train=_TRAIN, heldout=_HELDOUT, prompt_template=PROMPT, check=_check,
+            edit_answer=edit_addition_answer, demonstrate=_demonstrate, checker_name="two_digit_addition",
+            extra_checkers=("just_the_number",), edit_labels=("wrong_sum", "right_sum"))
+"""Two-digit addition in the recipe's interface: the SmolLM2 demo's task."""

@@ -30,17 +30,22 @@ names and fields as :mod:`nemo_rlhf.tasks.precedence`'s:
 
 Palindromes (copy == reversal) are left out of every file: they cannot tell the two apart.
 Deterministic in the seed.
+
+:data:`TASK` is the same task in the recipe's interface (:class:`~nemo_rlhf.tasks.task.Task`),
+with clean demonstrations and the recipe's own preference pairs from the model's samples.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from nemo_rlhf.tasks.precedence import (SPECIAL_TOKENS, TaskSizes, _jsonl, build_char_tokenizer_json,
-                                      with_manifest, write_dataset_files)
+from nemo_rlhf.tasks.precedence import (SPECIAL_TOKENS, TaskSizes, _jsonl, arithmetic_exact_match,
+                                        build_char_tokenizer_json, with_manifest, write_dataset_files)
+from nemo_rlhf.tasks.task import Task
 
 REJECTED_KINDS = ("copy", "digit_change", "adjacent_swap")
 
@@ -167,3 +172,43 @@ def make_reversal_dataset(out: str | Path, cfg: ReversalTaskConfig, force: bool 
         FileExistsError: existing files differ and ``force`` is False (names them).
     """
     return write_dataset_files(out, build_reversal_files(cfg), force=force)
+
+
+# --------------------------------------------------------------------------- the recipe's interface
+_LEADING_NUMBER = re.compile(r"\s*(\d+)")
+
+
+def reversal_problems(cfg: ReversalTaskConfig = ReversalTaskConfig()) -> tuple[list[dict], list[dict]]:
+    """``(train, heldout)`` problems ``{"number", "answer"}`` of :data:`TASK`: the numbers of
+    :func:`build_reversal_files`' pool with the same settings (held-out: its ``eval.jsonl``
+    numbers; train: the validation and training numbers)."""
+    pool = _numbers(cfg.min_digits, cfg.max_digits, random.Random(cfg.seed),
+                    cap=cfg.n_eval + cfg.n_val + max(cfg.n_sft, cfg.n_pref, cfg.n_ppo))
+    rows = [{"number": s, "answer": reverse(s)} for s in pool]
+    return rows[cfg.n_eval:], rows[:cfg.n_eval]
+
+
+def _check(prompt: str, response: str, extras) -> float:
+    return arithmetic_exact_match([prompt], [response], [extras])[0]
+
+
+def edit_reversal_answer(prompt: str, response: str, extras, right: bool, rng: random.Random):
+    """:attr:`Task.edit_answer` of the reversal task: the leading number of ``response``
+    replaced, in place, by a wrong answer of :func:`wrong_answer` (the copy, a changed
+    digit, two adjacent digits swapped) when it is ``right``, else by the reversal. None
+    when the response does not start with a number."""
+    m = _LEADING_NUMBER.match(response)
+    if m is None:
+        return None
+    new = wrong_answer(extras["number"], rng)[0] if right else str(extras["answer"])
+    return response[:m.start(1)] + new + response[m.end(1):]
+
+
+_TRAIN, _HELDOUT = reversal_problems()
+TASK = Task(name="number_reversal", train=_TRAIN, heldout=_HELDOUT, prompt_template="{number}=",
+            check=_check, edit_answer=edit_reversal_answer,
+            demonstrate=lambda prompt, extras: str(extras["answer"]),
+            checker_name="arithmetic_exact_match", max_new_tokens=6)
+"""Number reversal in the recipe's interface (``python -m launchers.demo --task
+nemo_rlhf.tasks.reversal:TASK --model tiny``): clean demonstrations, unlike ``--task tiny``'s
+sloppy demonstrator."""

@@ -232,3 +232,27 @@ def test_sequence_kl_is_the_ppo_trainers_kl_mean_estimator():
     got = sequence_kl(lp_padded, ref, mask)
     assert got.dtype == torch.float32 and torch.allclose(got, expected, atol=1e-6)
     assert torch.allclose(got, ((lp - ref) * mask).sum(-1), atol=1e-6)
+
+
+def test_samples_out_has_the_schema_of_the_trainers_eval_samples(step2_vs_step1, tmp_path):
+    """One schema for both per-response files (nemo_rlhf/data/sample_rows.py): the same five
+    fields first, the prompt row's fields under ``extras`` in both, the same types."""
+    import types
+
+    from nemo_rlhf.data.sample_rows import SAMPLE_ROW_KEYS
+    from nemo_rlhf.trainers.ppo.evaluation import write_eval_samples
+
+    rows = step2_vs_step1["samples"]
+    answers = dict(PROMPTS)
+    for r in rows:
+        assert list(r)[:5] == list(SAMPLE_ROW_KEYS), list(r)
+        assert r["extras"] == {"answer": answers[r["prompt"]]}
+        assert "answer" not in r and "response_length" not in r
+    path = write_eval_samples(tmp_path, 3, [types.SimpleNamespace(prompt="3+4=", extras={"answer": "7"})],
+                              [{"text": "7", "score": 0.5, "correct": 1.0, "len": 2, "rep": 0.0,
+                                "extra": {}, "src": {"rm": 0.5}}])
+    trained = json.loads(path.read_text())
+    assert list(trained)[:5] == list(SAMPLE_ROW_KEYS)
+    assert trained["extras"] == {"answer": "7"}
+    for key in SAMPLE_ROW_KEYS:
+        assert type(trained[key]) is type(rows[0][key]), key

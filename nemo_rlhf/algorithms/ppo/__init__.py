@@ -44,8 +44,10 @@ from nemo_rlhf.algorithms.ppo.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
+    PIKLController,
     build_kl_controller,
     kl_penalty,
+    pi_kl_coef,
 )
 from nemo_rlhf.algorithms.ppo.losses import (
     DEFAULT_KL_LOSS_CLAMP,
@@ -85,6 +87,7 @@ __all__ = [
     "FixedKLController",
     "PPOObjective",
     "ReduceFn",
+    "PIKLController",
     "aggregate_loss",
     "build_kl_controller",
     "check_groups_divisible",
@@ -113,6 +116,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "merge_token_stats",
+    "pi_kl_coef",
     "policy_loss",
     "ppo_loss",
     "reinforce_plus_plus_advantages",

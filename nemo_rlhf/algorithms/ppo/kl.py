@@ -11,8 +11,12 @@ second distribution; ``log r = ref_logprobs - logprobs``:
   (20, as verl's ``low_var_kl``) before the ``exp``: a token with ``logp - ref_logp <
   -88.7`` would otherwise give ``inf`` in fp32, and an infinite loss and gradient.
 
-Controllers follow Ziegler et al. 2019, "Fine-Tuning Language Models from Human
-Preferences", section 2.2 (as in TRL/OpenAI lm-human-preferences ``AdaptiveKLController``).
+Controllers: ``fixed`` (InstructGPT's constant beta); ``adaptive``, Ziegler et al. 2019,
+"Fine-Tuning Language Models from Human Preferences", section 2.2 (as in TRL/OpenAI
+lm-human-preferences ``AdaptiveKLController``); ``pi``, a proportional-integral rule on
+``log(KL / target)`` that moves beta by a factor per PPO step (:func:`pi_kl_coef`), for
+runs too short for Ziegler's horizon (its ``n_steps / horizon`` with 32 samples a step and
+a horizon of 1000 moves beta by at most 0.64% a step: 6.6% in a 10-step run).
 
 Simplified / left out: no per-sequence KL (sum over tokens) variants and no
 "full" KL over the vocabulary: only the sampled-token estimators that need log-probs.
@@ -22,7 +26,7 @@ Simplified / left out: no per-sequence KL (sum over tokens) variants and no
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Type, Union
+from typing import Callable, Dict, Optional, Tuple, Type, Union
 
 import torch
 
@@ -34,8 +38,10 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "K3_LOG_RATIO_CLAMP",
+    "PIKLController",
     "build_kl_controller",
     "kl_penalty",
+    "pi_kl_coef",
 ]
 
 KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -202,13 +208,164 @@ class AdaptiveKLController:
         )
 
 
-KLController = Union[FixedKLController, AdaptiveKLController]
+def pi_kl_coef(
+    beta: float,
+    current_kl: float,
+    prev_error: Optional[float],
+    target: float,
+    kp: float,
+    ki: float,
+    error_clip: float,
+    max_factor: float,
+    min_coef: float,
+) -> Tuple[float, float]:
+    """One step of the proportional-integral KL-coefficient rule, in log space.
+
+    A PI controller in velocity form (Astrom & Murray, "Feedback Systems", 2nd ed., sec.
+    11.3: the increment form of the discrete PI law, with a rate limit on the actuator) on
+    the log error, applied to ``log beta``::
+
+        e_t       = clip(log(max(KL_t, tiny) / target), -error_clip, error_clip)
+        step_t    = clip(kp * (e_t - e_t-1) + ki * e_t, -log(max_factor), log(max_factor))
+        beta_t+1  = max(min_coef, beta_t * exp(step_t))
+
+    ``ki * e_t`` is the integral action (beta is the running product: KL 1.5x the target
+    for three steps at ``ki = 0.3`` multiplies beta by ``1.5^0.9``); ``kp * (e_t - e_t-1)``
+    the proportional one, which reacts to KL *rising* before it passes the target. The log
+    error treats "twice the target" and "half the target" alike and makes the rule
+    multiplicative (beta stays > 0). ``max_factor`` bounds the change of one step (4: beta
+    at most quadruples or quarters): a step's ``kl_mean`` is noisy, and at small KL its
+    log error is noisier still (on the tiny demo's PPO at ``kl.target=0.3`` without the
+    bound, KL 0.03 -> 0.21 between two steps multiplied beta by 11, and beta swung between
+    0.05 and 3.9 over the run; docs/algorithms.md has the runs with 2 and 4). ``min_coef`` is the anti-windup floor: while KL is still far
+    below its target (the first steps of a run, where the policy has not moved) a lower
+    beta buys nothing, since the penalty ``beta * KL`` is small anyway, but it would leave
+    beta far too low when KL arrives. On a toy plant of the SmolLM2 demo's KL rise (0 to 7
+    nats in 10 steps at beta 0.02; ``test_kl.py``'s ``_toy_run``) with the defaults
+    (``kp=1.5, ki=0.3, error_clip=2, max_factor=4``): KL peaked at 6.1 against a target of
+    6; without the floor beta first fell 8x and KL peaked at 11.
+
+    Args:
+        beta: the current coefficient, finite and > 0.
+        current_kl: the KL measured at this step (nats per sequence, as ``target``); a
+            value <= 0 (``k1`` can give one) counts as the lowest error, ``-error_clip``.
+        prev_error: the previous step's ``e`` (the second return value), or None at the
+            first update (no proportional kick: ``e_t-1 = e_t``).
+        target: the target KL, > 0.
+        kp: proportional gain, >= 0.
+        ki: integral gain, >= 0.
+        error_clip: bound of ``|e|``, > 0 (2.0: KL from 0.14x to 7.4x the target is seen).
+        max_factor: the most beta changes in one step, as a factor, > 1.
+        min_coef: the floor of beta, >= 0.
+
+    Returns:
+        ``(new_beta, e_t)``.
+
+    Raises:
+        ValueError: naming the argument, for a non-finite ``current_kl`` or a bad setting.
+
+    Worked example (tests/unit/algorithms/ppo/test_kl.py): ``beta=0.02, KL=9, target=6,
+    prev_error=log(7.5/6), kp=1, ki=0.3, clip=2, max_factor=2``: ``e = log 1.5 = 0.4055``,
+    ``de = log 1.2 = 0.1823``, ``beta = 0.02 * exp(0.1823 + 0.1216) = 0.02 * 1.3552 =
+    0.027104``; from ``prev_error=log(4.5/6)`` the step ``log 2 + 0.1216 = 0.8148`` is
+    bounded to ``log 2``: ``beta = 0.04``.
+    """
+    current_kl = float(current_kl)
+    if not math.isfinite(current_kl):
+        raise ValueError(f"current_kl must be finite, got {current_kl}")
+    _check_pi_settings(target, kp, ki, error_clip, max_factor, min_coef)
+    ratio = current_kl / target
+    error = math.log(ratio) if ratio > math.exp(-error_clip) else -error_clip
+    error = min(max(error, -error_clip), error_clip)
+    delta = 0.0 if prev_error is None else error - float(prev_error)
+    bound = math.log(max_factor)
+    step = min(max(kp * delta + ki * error, -bound), bound)
+    return max(float(min_coef), float(beta) * math.exp(step)), error
+
+
+def _check_pi_settings(target: float, kp: float, ki: float, error_clip: float, max_factor: float,
+                       min_coef: float) -> None:
+    for name, value, ok, rule in (("target", target, target > 0, "> 0"), ("kp", kp, kp >= 0, ">= 0"),
+                                  ("ki", ki, ki >= 0, ">= 0"),
+                                  ("error_clip", error_clip, error_clip > 0, "> 0"),
+                                  ("max_factor", max_factor, max_factor > 1, "> 1"),
+                                  ("min_coef", min_coef, min_coef >= 0, ">= 0")):
+        if not math.isfinite(float(value)) or not ok:
+            raise ValueError(f"{name} must be a finite number {rule}, got {value}")
+
+
+class PIKLController:
+    """Proportional-integral KL coefficient (:func:`pi_kl_coef`), one update per PPO step.
+
+    Args:
+        init_kl_coef: initial ``beta``, finite and > 0 (the rule is multiplicative).
+        target: target KL (nats per sequence, as the trainer's ``kl_mean``), > 0.
+        kp, ki: proportional and integral gains, >= 0.
+        error_clip: bound of the log error, > 0.
+        max_factor: the most ``beta`` changes in one step, as a factor, > 1.
+        min_coef: floor of ``beta`` (None: ``init_kl_coef``).
+
+    Raises:
+        ValueError: naming the argument, for any value outside its range.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, kp: float, ki: float, error_clip: float,
+                 max_factor: float, min_coef: Optional[float] = None) -> None:
+        self.value = _check_kl_coef(init_kl_coef, "init_kl_coef")
+        if self.value <= 0:
+            raise ValueError(f"init_kl_coef must be > 0 for the pi controller (it multiplies beta), "
+                             f"got {init_kl_coef}")
+        self.min_coef = self.value if min_coef is None else float(min_coef)
+        self.target, self.kp, self.ki = float(target), float(kp), float(ki)
+        self.error_clip, self.max_factor = float(error_clip), float(max_factor)
+        _check_pi_settings(self.target, self.kp, self.ki, self.error_clip, self.max_factor, self.min_coef)
+        self.prev_error: Optional[float] = None
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """One PI step from this PPO step's ``current_kl``; ``n_steps`` (samples) is not used:
+        the rule's unit is the PPO step.
+
+        Raises:
+            ValueError: if ``current_kl`` is not finite or ``n_steps < 0``.
+        """
+        if n_steps < 0:
+            raise ValueError(f"n_steps must be >= 0, got {n_steps}")
+        self.value, self.prev_error = pi_kl_coef(self.value, current_kl, self.prev_error, self.target,
+                                                 self.kp, self.ki, self.error_clip, self.max_factor,
+                                                 self.min_coef)
+
+    def state_dict(self) -> Dict[str, Optional[float]]:
+        return {"value": self.value, "prev_error": self.prev_error, "target": self.target}
+
+    def load_state_dict(self, state: Dict[str, Optional[float]]) -> None:
+        """Restore ``value`` and the previous error exactly (a checkpoint of another
+        controller has no ``prev_error``: the next update has no proportional kick).
+
+        Raises:
+            ValueError: if the stored value is negative or not finite.
+        """
+        self.value = _check_kl_coef(state["value"], "state['value']")
+        prev = state.get("prev_error")
+        self.prev_error = None if prev is None else float(prev)
+
+    def __repr__(self) -> str:
+        return (f"PIKLController(value={self.value!r}, target={self.target!r}, kp={self.kp!r}, "
+                f"ki={self.ki!r}, error_clip={self.error_clip!r}, max_factor={self.max_factor!r}, "
+                f"min_coef={self.min_coef!r})")
+
+
+KLController = Union[FixedKLController, AdaptiveKLController, PIKLController]
 
 #: kind -> controller class.
 KL_CONTROLLERS: Dict[str, Type] = {
     "fixed": FixedKLController,
     "adaptive": AdaptiveKLController,
+    "pi": PIKLController,
 }
+
+#: defaults of the pi controller's settings when :func:`build_kl_controller` is not given them
+#: (the config schema, ``KLConfig``, passes its own).
+PI_DEFAULTS = {"kp": 1.5, "ki": 0.3, "error_clip": 2.0, "max_factor": 4.0}
 
 
 def build_kl_controller(
@@ -216,24 +373,35 @@ def build_kl_controller(
     init_kl_coef: float,
     target: Optional[float] = None,
     horizon: Optional[float] = None,
+    pi: Optional[Dict[str, Optional[float]]] = None,
 ) -> KLController:
     """Build a KL controller by name.
 
     Args:
-        kind: ``"fixed"`` or ``"adaptive"``.
-        init_kl_coef: initial ``beta`` (>= 0).
-        target, horizon: required for ``"adaptive"``; ignored for ``"fixed"`` (so a
-            config that always carries them can be passed through unchanged).
+        kind: ``"fixed"``, ``"adaptive"`` or ``"pi"``.
+        init_kl_coef: initial ``beta`` (>= 0; > 0 for ``"pi"``).
+        target: required for ``"adaptive"`` and ``"pi"``; ignored for ``"fixed"``.
+        horizon: required for ``"adaptive"``; ignored otherwise (so a config that always
+            carries them can be passed through unchanged).
+        pi: ``"pi"``'s ``kp``, ``ki``, ``error_clip``, ``max_factor``, ``min_coef`` (any left out:
+            :data:`PI_DEFAULTS`, ``min_coef`` None = ``init_kl_coef``).
 
     Raises:
-        ValueError: unknown ``kind`` (the message lists the valid kinds), or
-            ``"adaptive"`` without ``target``/``horizon``, or invalid values.
+        ValueError: unknown ``kind`` (the message lists the valid kinds), a missing
+            ``target``/``horizon``, or invalid values.
     """
     if kind not in KL_CONTROLLERS:
         raise ValueError(f"unknown KL controller {kind!r}; valid kinds: {sorted(KL_CONTROLLERS)}")
     if kind == "fixed":
         return FixedKLController(init_kl_coef)
-    missing = [n for n, v in (("target", target), ("horizon", horizon)) if v is None]
+    needed = (("target", target), ("horizon", horizon)) if kind == "adaptive" else (("target", target),)
+    missing = [n for n, v in needed if v is None]
     if missing:
-        raise ValueError(f"the adaptive KL controller needs {', '.join(missing)}")
-    return AdaptiveKLController(init_kl_coef, target, horizon)
+        raise ValueError(f"the {kind} KL controller needs {', '.join(missing)}")
+    if kind == "adaptive":
+        return AdaptiveKLController(init_kl_coef, target, horizon)
+    settings = {**PI_DEFAULTS, "min_coef": None, **(pi or {})}
+    unknown = sorted(set(settings) - {*PI_DEFAULTS, "min_coef"})
+    if unknown:
+        raise ValueError(f"unknown pi controller settings {unknown}; valid: {sorted({*PI_DEFAULTS, 'min_coef'})}")
+    return PIKLController(init_kl_coef, target, **settings)

@@ -214,13 +214,25 @@ class KLConfig:
     """KL penalty in the reward (group ``kl``)."""
 
     type: str = "adaptive"
-    """``fixed`` or ``adaptive`` (Ziegler et al. 2019)."""
+    """``fixed``, ``adaptive`` (Ziegler et al. 2019: reacts over ``horizon`` samples) or
+    ``pi`` (a proportional-integral rule on ``log(KL / target)``, one update per PPO step,
+    for short runs: ``nemo_rlhf.algorithms.ppo.kl.pi_kl_coef``)."""
     init_kl_coef: float = 0.05
     """Initial beta."""
     target: float = 6.0
     """Adaptive: target KL per sequence (nats, summed over the response)."""
     horizon: int = 10000
     """Adaptive: horizon in samples."""
+    pi_kp: float = 1.5
+    """Pi: proportional gain on the step's change of ``log(KL / target)``."""
+    pi_ki: float = 0.3
+    """Pi: integral gain (beta is multiplied by ``(KL / target) ** pi_ki`` each step)."""
+    pi_error_clip: float = 2.0
+    """Pi: bound of ``|log(KL / target)|`` (2.0: KL from 0.14x to 7.4x the target is seen)."""
+    pi_max_factor: float = 4.0
+    """Pi: the most beta changes in one step, as a factor (4.0: at most x4 or /4)."""
+    pi_min_coef: Optional[float] = None
+    """Pi: the lowest beta (anti-windup floor; None: ``init_kl_coef``)."""
     estimator: str = "k1"
     """``k1``, ``k2`` or ``k3``."""
     clamp: Optional[float] = None
@@ -247,6 +259,22 @@ class KLConfig:
         check_choice("kl.loss_estimator", self.loss_estimator, sorted(KL_ESTIMATORS))
         if self.loss_coef < 0:
             raise ValueError(f"kl.loss_coef={self.loss_coef}: must be >= 0 (0: off)")
+        if self.type == "pi":
+            for key, value, ok, rule in (("init_kl_coef", self.init_kl_coef, self.init_kl_coef > 0, "> 0"),
+                                         ("target", self.target, self.target > 0, "> 0"),
+                                         ("pi_kp", self.pi_kp, self.pi_kp >= 0, ">= 0"),
+                                         ("pi_ki", self.pi_ki, self.pi_ki >= 0, ">= 0"),
+                                         ("pi_error_clip", self.pi_error_clip, self.pi_error_clip > 0, "> 0"),
+                                         ("pi_max_factor", self.pi_max_factor, self.pi_max_factor > 1, "> 1"),
+                                         ("pi_min_coef", self.pi_min_coef,
+                                          self.pi_min_coef is None or self.pi_min_coef >= 0, ">= 0 or null")):
+                if not ok:
+                    raise ValueError(f"kl.{key}={value}: must be {rule} with kl.type=pi")
+
+    def pi_settings(self) -> dict:
+        """The pi controller's settings (``build_kl_controller``'s ``pi``)."""
+        return {"kp": self.pi_kp, "ki": self.pi_ki, "error_clip": self.pi_error_clip,
+                "max_factor": self.pi_max_factor, "min_coef": self.pi_min_coef}
 
 
 @dataclass
@@ -413,7 +441,7 @@ class GuardConfig:
     proxy_min_rise: float = 0.0
     """With ``gold_min_gain``: the proxy's rise (absolute) that counts as a rise (>= 0)."""
     kl_over_target: Optional[float] = None
-    """With ``kl.type=adaptive``: trigger when ``kl_mean`` exceeds this multiple of
+    """With ``kl.type=adaptive`` or ``pi``: trigger when ``kl_mean`` exceeds this multiple of
     ``kl.target`` at every step of a whole window (``window + 1`` steps): the controller
     is not holding its target (null: off)."""
 

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from nemo_rlhf.data.sample_rows import sample_row
 from nemo_rlhf.reward.client import RewardModelClient
 from nemo_rlhf.reward.functions import get_reward_function
 from nemo_rlhf.trainers.ppo.step_metrics import response_repetition
@@ -185,10 +186,11 @@ def win_rate(items: list[dict], initial: list[dict], key: str) -> float:
 def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict]) -> Path:
     """Write one evaluation's responses to ``<exp_dir>/eval_samples/step_<step>.jsonl``.
 
-    One line per held-out prompt: ``prompt``, ``response``, ``score`` (the raw reward),
-    ``correct`` (``trainer.eval_checker``'s score, 0 when none is set), ``length``
-    (response tokens), ``repetition``, the extra checkers' and the reward sources' scores,
-    and the row's own fields (``extras``). Written to a temporary file and renamed, so a
+    One line per held-out prompt, in the schema ``nemo_rlhf.evaluate``'s ``samples_out``
+    uses too (:mod:`nemo_rlhf.data.sample_rows`): ``prompt``, ``response``, ``correct``
+    (``trainer.eval_checker``'s score, 0 when none is set), ``length`` (response tokens),
+    the row's own fields (``extras``); then ``score`` (the raw reward), ``repetition``, the
+    extra checkers' and the reward sources' (``sources``) scores, ``judge``. Written to a temporary file and renamed, so a
     reader never sees half a file; a re-run of the same step (after a resume) replaces it.
 
     Args:
@@ -205,13 +207,11 @@ def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict
     tmp = out.with_name(out.name + ".tmp")
     with tmp.open("w") as f:
         for row, x in zip(prompts, items):
-            f.write(json.dumps({
-                "prompt": row.prompt, "response": x["text"], "score": float(x["score"]),
-                "correct": float(x["correct"]), "length": int(x["len"]),
-                "repetition": float(x["rep"]), **{k: float(v) for k, v in x["extra"].items()},
-                "sources": {k: float(v) for k, v in x["src"].items()},
-                **({"judge": float(x["judge"])} if "judge" in x else {}),
-                "extras": row.extras}, default=str) + "\n")
+            f.write(json.dumps(sample_row(
+                row.prompt, x["text"], x["correct"], x["len"], row.extras, score=float(x["score"]),
+                repetition=float(x["rep"]), **{k: float(v) for k, v in x["extra"].items()},
+                sources={k: float(v) for k, v in x["src"].items()},
+                **({"judge": float(x["judge"])} if "judge" in x else {})), default=str) + "\n")
     os.replace(tmp, out)
     return out
 

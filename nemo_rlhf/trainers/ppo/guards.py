@@ -2,7 +2,7 @@
 
 The guard watches the signs the PPO-RLHF literature lists for reward hacking (the seed
 chapter's failure table): over a window of steps the reward rises while responses get
-much longer or more repetitive, the KL to the reference exceeds a ceiling, or (adaptive KL)
+much longer or more repetitive, the KL to the reference exceeds a ceiling, or (adaptive or pi KL)
 stays above a multiple of its target over a whole window; and, over the held-out
 evaluations, the reward rises while a trusted ("gold") metric falls, or rises clearly while
 the gold metric does not (the chapter's check that the reward and the metric it stands for
@@ -55,7 +55,7 @@ class RewardHackingGuard:
             between the compared evaluations for the "quality flat" check (``>= 0``).
         gold_min_gain: trigger when the proxy rose by more than ``proxy_min_rise`` while
             the gold metric rose by less than this (absolute; None: off).
-        kl_target: the adaptive KL controller's target (``kl.target``; None: a fixed
+        kl_target: the adaptive or pi KL controller's target (``kl.target``; None: a fixed
             coefficient, no target).
         kl_over_target: trigger when ``kl_mean`` exceeds ``kl_over_target * kl_target`` at
             every step of a whole window (``window + 1`` steps; None: off).
@@ -114,9 +114,10 @@ class RewardHackingGuard:
             if all(h["kl_mean"] > bound for h in self.history):
                 return (f"kl_mean stayed above guards.kl_over_target={self.kl_over_target} x "
                         f"kl.target={self.kl_target} = {bound:.3f} at every step "
-                        f"{first['step']}-{last['step']} (last {last['kl_mean']:.3f}): the adaptive "
-                        f"KL controller is not holding its target (raise kl.init_kl_coef, lower "
-                        f"kl.horizon or optim.lr)")
+                        f"{first['step']}-{last['step']} (last {last['kl_mean']:.3f}): the KL "
+                        f"controller is not holding its target (raise kl.init_kl_coef, lower "
+                        f"optim.lr, or with kl.type=adaptive lower kl.horizon or use kl.type=pi, "
+                        f"which reacts within a few steps)")
         key = "reward_raw_mean" if "reward_raw_mean" in first and "reward_raw_mean" in last \
             else "reward_mean"
         if last[key] <= first[key]:

@@ -100,8 +100,9 @@ class PPOTrainer:
         self.guard = RewardHackingGuard(
             g.window, g.max_length_growth, g.max_repetition, g.kl_ceiling, g.gold_metric, g.proxy_metric,
             g.gold_window, g.gold_min_drop, g.proxy_min_rise, g.gold_min_gain,
-            kl_target=cfg.kl.target if cfg.kl.type == "adaptive" else None, kl_over_target=g.kl_over_target)
-        self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon)
+            kl_target=cfg.kl.target if cfg.kl.type in ("adaptive", "pi") else None, kl_over_target=g.kl_over_target)
+        self.kl_ctl = P.build_kl_controller(cfg.kl.type, cfg.kl.init_kl_coef, cfg.kl.target, cfg.kl.horizon,
+                                            cfg.kl.pi_settings() if cfg.kl.type == "pi" else None)
         self.sampler = ResumableSampler(len(prompts), cfg.trainer.seed, cfg.ppo.shuffle)
         self.advantage_cfg, self.objective = cfg.advantage_config(), cfg.objective()
         passes = ForwardPasses.from_config(cfg.ppo, cfg.model.vocab_size, dims)

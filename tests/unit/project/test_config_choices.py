@@ -9,7 +9,7 @@ import pytest
 from tests.conf_helpers import typed_job
 
 CHOICES = [  # (job, override, the message names: key=value, and the valid values)
-    ("ppo", "kl.type=adaptiv", "kl.type='adaptiv': valid choices are ['adaptive', 'fixed']"),
+    ("ppo", "kl.type=adaptiv", "kl.type='adaptiv': valid choices are ['adaptive', 'fixed', 'pi']"),
     ("ppo", "kl.estimator=k4", "kl.estimator='k4': valid choices are ['k1', 'k2', 'k3']"),
     ("ppo", "kl.loss_estimator=k0", "kl.loss_estimator='k0': valid choices are ['k1', 'k2', 'k3']"),
     ("ppo", "kl.temperature=hot", "kl.temperature='hot': valid choices are ['sampling', 'unscaled']"),

@@ -106,7 +106,7 @@ def _check_demo(args: list[str]):
     from launchers import demo
 
     ns = _parsed_args(lambda: demo.main(args), args)
-    _compose("ppo_tiny" if ns.task == "tiny" else "ppo_smollm2", ns.ppo_overrides)
+    _compose(demo.ppo_config_name(ns), ns.ppo_overrides)
 
 
 def _check_make(argv):

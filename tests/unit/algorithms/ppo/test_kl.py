@@ -167,3 +167,123 @@ def test_k3_log_ratio_is_clipped_so_the_estimate_stays_finite():
     torch.testing.assert_close(kl, torch.tensor(expected), rtol=1e-6, atol=1e-6)
     kl.sum().backward()
     assert torch.isfinite(lp.grad).all()
+
+
+# --------------------------------------------------------------------------------------
+# The pi controller: log-space proportional-integral rule, one update per PPO step
+# --------------------------------------------------------------------------------------
+
+
+def test_pi_rule_worked_example_from_its_docstring():
+    from nemo_rlhf.algorithms.ppo import pi_kl_coef
+
+    # e = log(9/6) = 0.405465; de = log(9/7.5) = log 1.2 = 0.182322
+    # step = 1 * 0.182322 + 0.3 * 0.405465 = 0.303961; beta = 0.02 * exp(0.303961) = 0.02 * 1.355216
+    beta, e = pi_kl_coef(0.02, 9.0, math.log(7.5 / 6.0), target=6.0, kp=1.0, ki=0.3, error_clip=2.0,
+                         max_factor=2.0, min_coef=0.0)
+    assert e == pytest.approx(0.405465108, abs=1e-9)
+    assert beta == pytest.approx(0.0271043265, rel=1e-8)
+    # from KL 4.5: step = log 2 + 0.121640 = 0.814787 > log 2: bounded, beta doubles
+    beta, _ = pi_kl_coef(0.02, 9.0, math.log(4.5 / 6.0), target=6.0, kp=1.0, ki=0.3, error_clip=2.0,
+                         max_factor=2.0, min_coef=0.0)
+    assert beta == pytest.approx(0.04, rel=1e-12)
+
+
+@pytest.mark.parametrize("kl, prev, want_beta, want_e", [
+    # first update: no proportional kick, integral only: 0.1 * 2^0.5
+    (12.0, None, 0.1 * 2 ** 0.5, math.log(2.0)),
+    # at the target with the previous error 0: unchanged
+    (6.0, 0.0, 0.1, 0.0),
+    # KL 100x the target: the error is clipped at 2; de = 2 - 0.5 -> exp(1.5 + 1.0) = 12.18 > 10: x10
+    (600.0, 0.5, 0.1 * 10.0, 2.0),
+    # KL 0 (and k1's negative means) count as -clip: de = -2 - 0 -> exp(-2 - 1) = 0.0498, floored
+    (0.0, 0.0, 0.01, -2.0),
+    (-0.3, 0.0, 0.01, -2.0),
+    # KL falling from 2x to 1.5x the target: the P term lowers beta while the I term raises it
+    (9.0, math.log(2.0), 0.1 * math.exp(math.log(0.75) + 0.5 * math.log(1.5)), math.log(1.5)),
+    # a fall from 1x to 0.5x the target: step -log 2 - 0.5 log 2 = x 0.354; unbounded at 10
+    (3.0, 0.0, 0.1 * 2 ** -1.5, -math.log(2.0)),
+])
+def test_pi_rule_hand_computed_values(kl, prev, want_beta, want_e):
+    from nemo_rlhf.algorithms.ppo import pi_kl_coef
+
+    beta, e = pi_kl_coef(0.1, kl, prev, target=6.0, kp=1.0, ki=0.5, error_clip=2.0, max_factor=10.0,
+                         min_coef=0.01)
+    assert e == pytest.approx(want_e, abs=1e-12)
+    assert beta == pytest.approx(want_beta, rel=1e-12)
+
+
+def test_pi_controller_keeps_its_previous_error_and_resumes_exactly():
+    from nemo_rlhf.algorithms.ppo import PIKLController
+
+    settings = {"kp": 2.0, "ki": 0.5, "error_clip": 1.0, "max_factor": 100.0}
+    ctl = build_kl_controller("pi", 0.05, target=4.0, pi=settings)
+    assert isinstance(ctl, PIKLController) and ctl.min_coef == 0.05  # the floor defaults to init
+    ctl.update(2.0, n_steps=32)  # e = log 0.5, first: integral only -> 0.05 * 0.5^0.5, floored at 0.05
+    assert ctl.value == 0.05 and ctl.prev_error == pytest.approx(math.log(0.5))
+    ctl.update(8.0, n_steps=32)  # e = log 2, de = log 4: 0.05 * exp(2 log 4 + 0.5 log 2) = x 22.6
+    assert ctl.value == pytest.approx(0.05 * 16 * 2 ** 0.5, rel=1e-12)
+    restored = build_kl_controller("pi", 0.05, target=4.0, pi=settings)
+    restored.load_state_dict(ctl.state_dict())
+    for c in (ctl, restored):
+        c.update(5.0, n_steps=32)
+    assert restored.value == ctl.value and restored.prev_error == ctl.prev_error
+    # a checkpoint of the adaptive controller (no prev_error): the next update has no P kick
+    restored.load_state_dict(AdaptiveKLController(0.2, 6.0, 100).state_dict())
+    restored.update(8.0, n_steps=32)
+    assert restored.value == pytest.approx(0.2 * 2 ** 0.5, rel=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"init_kl_coef": 0.0}, "init_kl_coef"), ({"target": 0.0}, "target"), ({"kp": -1.0}, "kp"),
+    ({"ki": float("nan")}, "ki"), ({"error_clip": 0.0}, "error_clip"), ({"max_factor": 1.0}, "max_factor"),
+    ({"min_coef": -0.1}, "min_coef"),
+])
+def test_pi_controller_validates_arguments_by_name(kwargs, name):
+    from nemo_rlhf.algorithms.ppo import PIKLController
+
+    args = {"init_kl_coef": 0.1, "target": 6.0, "kp": 1.0, "ki": 0.3, "error_clip": 2.0, "max_factor": 2.0,
+            **kwargs}
+    with pytest.raises(ValueError, match=name):
+        PIKLController(**args)
+    with pytest.raises(ValueError, match="current_kl"):
+        PIKLController(0.1, 6.0, 1.0, 0.3, 2.0, 2.0).update(float("inf"), 1)
+    with pytest.raises(ValueError, match="target"):
+        build_kl_controller("pi", 0.1)
+    with pytest.raises(ValueError, match=r"unknown pi controller settings \['kd'\]"):
+        build_kl_controller("pi", 0.1, target=6.0, pi={"kd": 1.0})
+
+
+def _toy_run(ctl, steps: int, v0: float = 0.33, c: float = 1.2) -> list[float]:
+    """kl_mean of each step of a toy PPO run: the policy's distance from the reference
+    ``d`` grows by ``v0`` a step and the KL penalty pulls it back by ``c * beta * d``
+    (``d <- max(0, d + v0 - c * beta * d)``, ``KL = d^2``). With ``beta = 0.02`` the KL
+    rises 0 -> 7 nats in 10 steps, as the SmolLM2 demo's did (docs/demo.md: 0 -> 6.3 and,
+    on seed 3, 0 -> 9.23). The controller sees each step's KL after the step, as the
+    trainer's does."""
+    d, kls = 0.0, []
+    for _ in range(steps):
+        kls.append(d * d)
+        ctl.update(d * d, n_steps=32)
+        d = max(0.0, d + v0 - c * ctl.value * d)
+    return kls
+
+
+def test_on_a_toy_run_the_pi_controller_holds_the_band_where_ziegler_cannot():
+    """Target 6, beta 0.02, 32 samples a step (conf/ppo_smollm2.yaml's): Ziegler's rule with
+    the demo's horizon of 1000 barely moves beta, and the KL runs on past the target (and
+    past ``guards.kl_over_target``'s 1.25x); the pi rule with its defaults settles at it."""
+    zieg = _toy_run(AdaptiveKLController(0.02, target=6.0, horizon=1000), 20)
+    assert zieg[9] > 7.0 and zieg[-1] > 20.0
+    pi = _toy_run(build_kl_controller("pi", 0.02, target=6.0), 20)
+    assert max(pi) < 1.25 * 6.0 and max(pi) == pytest.approx(6.08, abs=0.01)
+    assert abs(pi[-1] - 6.0) < 0.3
+    for faster in (0.5, 0.7):  # a policy that moves faster: the band still holds
+        assert max(_toy_run(build_kl_controller("pi", 0.02, target=6.0), 20, v0=faster)) < 1.05 * 6.0
+    # with beta at most doubling a step, the fastest reaches the band's edge
+    doubling = build_kl_controller("pi", 0.02, target=6.0, pi={"max_factor": 2.0})
+    assert 1.2 * 6.0 < max(_toy_run(doubling, 20, v0=0.7)) < 1.26 * 6.0
+    # without the floor, beta winds down while KL is still small, and KL overshoots
+    nofloor = build_kl_controller("pi", 0.02, target=6.0, pi={"min_coef": 0.0})
+    kls = _toy_run(nofloor, 20)
+    assert max(kls) > 1.8 * 6.0

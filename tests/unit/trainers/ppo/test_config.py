@@ -48,6 +48,20 @@ def test_async_settings_that_cannot_work_are_refused_naming_the_keys(overrides, 
     assert needle in str(err.value)
 
 
+@pytest.mark.parametrize("overrides, needle", [
+    (["kl.type=pid"], "kl.type='pid': valid choices are ['adaptive', 'fixed', 'pi']"),
+    (["kl.type=pi", "kl.pi_kp=-1"], "kl.pi_kp=-1.0: must be >= 0 with kl.type=pi"),
+    (["kl.type=pi", "kl.pi_error_clip=0"], "kl.pi_error_clip=0.0: must be > 0 with kl.type=pi"),
+    (["kl.type=pi", "kl.init_kl_coef=0"], "kl.init_kl_coef=0.0: must be > 0 with kl.type=pi"),
+    (["kl.type=pi", "kl.pi_min_coef=-0.5"], "kl.pi_min_coef=-0.5: must be >= 0 or null with kl.type=pi"),
+    (["kl.type=pi", "kl.pi_max_factor=1"], "kl.pi_max_factor=1.0: must be > 1 with kl.type=pi"),
+])
+def test_bad_kl_controller_settings_are_refused_naming_the_key(overrides, needle):
+    with pytest.raises(ValueError) as err:
+        typed_job("ppo", overrides)
+    assert needle in str(err.value)
+
+
 def test_async_with_the_decoupled_correction_or_on_policy_is_taken():
     cfg = typed_job("ppo", ["rollout.mode=async", "rollout.max_staleness=2", "ppo.rollout_mask_threshold=1.0"])
     assert cfg.rollout.mode == "async" and cfg.rollout.max_staleness == 2
@@ -70,3 +84,16 @@ def test_the_launchers_address_file_name_is_the_controllers():
     from nemo_rlhf.rollout.remote import ADDRESS_FILE
 
     assert ROLLOUT_ADDRESS_FILE == ADDRESS_FILE
+
+
+def test_the_pi_settings_reach_the_controller_the_trainer_builds():
+    from nemo_rlhf.algorithms.ppo import PIKLController, build_kl_controller
+
+    kl = typed_job("ppo", ["kl.type=pi", "kl.pi_kp=2.5", "kl.pi_ki=0.1", "kl.pi_min_coef=0.001",
+                           "kl.init_kl_coef=0.03", "kl.pi_max_factor=3"]).kl
+    ctl = build_kl_controller(kl.type, kl.init_kl_coef, kl.target, kl.horizon, kl.pi_settings())
+    assert isinstance(ctl, PIKLController)
+    assert (ctl.kp, ctl.ki, ctl.error_clip, ctl.max_factor, ctl.min_coef, ctl.value) == (2.5, 0.1, 2.0, 3.0,
+                                                                                           0.001, 0.03)
+    # the other kinds ignore the pi keys: the adaptive default is what it was
+    assert typed_job("ppo", ["kl.pi_kp=-1"]).kl.type == "adaptive"

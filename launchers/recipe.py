@@ -1,0 +1,467 @@
+"""The demo's recipe on any verifiable task (a :class:`nemo_rlhf.tasks.task.Task`):
+
+    python -m launchers.demo --task package.module:TASK [--model smollm2|tiny] [flags] [-- PPO overrides]
+
+``--task smollm2`` (``make demo``) is this recipe on :data:`nemo_rlhf.tasks.addition.TASK`
+and the SmolLM2 model profile, exactly as before the recipe took a task (the same stage
+commands, prompt files and pairs: tests/unit/project/test_demo_recipe.py). The stages, each
+the project's own entry point run as a subprocess and skipped when its output exists:
+
+1. the model: ``smollm2`` (SmolLM2-135M-Instruct set up offline, ``nemo_rlhf.tools.real_model``)
+   or ``tiny`` (``conf/model/tiny.yaml`` with random weights and a printable-ASCII character
+   tokenizer: a minute on CPU to try a task's wiring; it can only learn a task by SFT);
+2. prompt files from the task's problems (:func:`~nemo_rlhf.tasks.task.write_prompt_files`);
+3. RM data: sampled answers of the policy to the RM prompts, labelled by the task's checker;
+   a right against a wrong answer of one prompt is a natural pair; ``--rm-edit-pairs`` per
+   prompt are counterfactual edits (``Task.edit_answer``). **When no sampled answer is right**
+   (no natural pair: the model cannot do the task) the recipe says so and follows
+   InstructGPT's order: SFT on ``--sft-rows`` demonstrations (``Task.demonstrate``) first,
+   then the RM data from the SFT model; a task without demonstrations is refused, naming
+   ``Task.demonstrate``;
+4. the RM, started from the policy (the imported or the SFT model);
+5. PPO from the policy against the served RM (``--reward``), held-out evaluation at step 0
+   and at the end, the gold guard (``guards.*``: the RM's reward rising while the checker's
+   accuracy does not);
+6. the before / after table and ``<out>/summary.json``.
+
+A model profile (:class:`ModelProfile`) holds what depends on the model: its PPO config,
+response budget, sequence length, prompt formatting, and how its RM and SFT jobs are called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import launchers.demo as demo
+from launchers.demo import REPO
+
+DEFAULT_RM_VAL_PROMPTS = 64
+"""Prompts whose samples become the RM's held-out pairs (``--rm-val-prompts``)."""
+DEFAULT_PPO_PROMPTS = 4096
+"""PPO prompts at most (``--ppo-prompts``)."""
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the recipe's stages need to know about a model."""
+
+    name: str
+    """``smollm2`` or ``tiny`` (``--model``)."""
+    ppo_config: str
+    """The PPO job's config name (``conf/<name>.yaml``)."""
+    max_new_tokens: int
+    """Response budget (tokens) unless the task sets ``Task.max_new_tokens``."""
+    max_seq_length: int
+    """``data.max_seq_length`` of the SFT, RM and PPO jobs."""
+    sft_steps: int
+    """SFT steps when the model cannot do the task (``--sft-steps`` default)."""
+    rm_overrides: Callable
+    """``(a, exp, init_from, train_file, steps, rm_data, tokenizer_dir, profile) -> [overrides]``."""
+    sft_overrides: Callable
+    """``(a, exp, init_from, sft_data, steps, tokenizer_dir, profile) -> [overrides]``."""
+    ppo_overrides: tuple = ()
+    """Fixed overrides of the PPO job beyond the config (before the user's)."""
+
+
+def _smollm2_rm(a, exp, init_from, train_file, steps, rm_data, tok, profile) -> list[str]:
+    return demo.smollm2_rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok)
+
+
+def _smollm2_sft(a, exp, init_from, sft_data: Path, steps: int, tok, profile) -> list[str]:
+    """SmolLM2's SFT job: from the imported model, the chat template it was tuned with.
+    Not measured on SmolLM2 yet (the demo's addition task needs no SFT: 14% right)."""
+    return ["model=smollm2_135m", f"exp_manager.exp_dir={exp}", f"sft.init_from={init_from}",
+            f"data.train_file={sft_data / 'sft.jsonl'}", f"data.val_file={sft_data / 'sft_val.jsonl'}",
+            f"data.tokenizer_dir={tok}", "data.chat_template=chatml",
+            f"data.system_prompt='{demo._system_prompt()}'", f"data.max_seq_length={profile.max_seq_length}",
+            f"trainer.max_steps={steps}", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
+            f"trainer.val_check_interval={steps}", "optim.lr=1.0e-5", "optim.min_lr=1.0e-6",
+            f"optim.warmup_steps={min(3, steps - 1)}", "exp_manager.save_interval=0",
+            f"trainer.precision={a.precision}"]
+
+
+def _tiny_rm(a, exp, init_from, train_file, steps, rm_data, tok, profile) -> list[str]:
+    return ["--config-name", "rm_tiny", f"exp_manager.exp_dir={exp}", f"rm.init_from={init_from}",
+            f"data.train_file={train_file}", f"data.val_file={rm_data / 'preference_val.jsonl'}",
+            f"+rm.extra_val_files.same_form={rm_data / 'same_form_val.jsonl'}",
+            f"data.tokenizer_dir={tok}", f"data.max_seq_length={profile.max_seq_length}",
+            f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
+            f"trainer.log_every_n_steps={max(1, steps // 4)}", f"optim.warmup_steps={min(20, steps - 1)}",
+            f"rm.reward_stats_max_pairs={demo.RM_STATS_PAIRS}", f"trainer.precision={a.precision}"]
+
+
+def _tiny_sft(a, exp, init_from, sft_data: Path, steps: int, tok, profile) -> list[str]:
+    return ["--config-name", "sft_tiny", f"exp_manager.exp_dir={exp}", f"sft.init_from={init_from}",
+            f"data.train_file={sft_data / 'sft.jsonl'}", f"data.val_file={sft_data / 'sft_val.jsonl'}",
+            f"data.tokenizer_dir={tok}", f"data.max_seq_length={profile.max_seq_length}",
+            f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
+            f"trainer.log_every_n_steps={max(1, steps // 4)}", f"optim.warmup_steps={min(20, steps - 1)}",
+            f"trainer.precision={a.precision}"]
+
+
+PROFILES = {
+    "smollm2": ModelProfile("smollm2", "ppo_smollm2", demo.SMOLLM2_MAX_NEW_TOKENS, 96, 50,
+                            _smollm2_rm, _smollm2_sft),
+    "tiny": ModelProfile("tiny", "ppo_tiny", 8, 64, 600, _tiny_rm, _tiny_sft,
+                         ("reward.normalization=fixed", "guards.gold_window=1")),
+}
+"""``--model`` -> profile."""
+
+
+def prepare_model(profile: ModelProfile, out: Path, seed: int) -> dict:
+    """``{"checkpoint", "tokenizer_dir"}`` of the initial policy: SmolLM2 set up offline, or
+    the tiny model's random weights written by ``python -m launchers.recipe init-tiny``."""
+    if profile.name == "smollm2":
+        from nemo_rlhf.tools.real_model import SetupError, setup
+
+        try:
+            return setup(REPO / "models" / "smollm2")
+        except SetupError as exc:
+            raise SystemExit(f"model set-up failed: {exc}") from None
+    folder = out / "model"
+    ckpt = folder / "checkpoints" / "step_0"
+    if demo._latest(folder) is None:
+        demo._run([sys.executable, "-m", "launchers.recipe", "init-tiny", str(folder), str(seed)],
+                  out / "logs" / "model.log")
+    return {"checkpoint": str(ckpt), "tokenizer_dir": str(ckpt / "tokenizer")}
+
+
+def write_tiny_model(folder: Path, seed: int) -> Path:
+    """A random ``conf/model/tiny.yaml`` model with a printable-ASCII character tokenizer
+    (``<pad> <bos> <eos>``, then ``string.printable``): ``folder/checkpoints/step_0``."""
+    import string
+    from dataclasses import asdict
+
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from nemo_rlhf.checkpoint import save_checkpoint
+    from nemo_rlhf.data.tokenizer import Tokenizer
+    from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
+    from nemo_rlhf.distributed.launch_env import LaunchEnv
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import load_model_preset
+    from nemo_rlhf.tasks.precedence import SPECIAL_TOKENS
+
+    tok_dir = folder / "tokenizer"
+    tok_dir.mkdir(parents=True, exist_ok=True)
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())}
+    for ch in string.printable:
+        vocab.setdefault(ch, len(vocab))
+    hf = HFTokenizer(models.WordLevel(vocab))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    hf.decoder = decoders.Fuse()
+    hf.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    hf.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "special_tokens.json").write_text(json.dumps(SPECIAL_TOKENS, indent=2) + "\n")
+    cfg = load_model_preset("tiny", vocab_size=Tokenizer(tok_dir).vocab_size)
+    config = {"model": asdict(cfg), "trainer": {"precision": "32", "seed": seed},
+              "data": {"tokenizer_dir": str(tok_dir)}}
+    env = LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
+                    launcher="single")
+    dims = initialize_distributed(ParallelConfig(), seed=seed, launch_env=env)
+    try:
+        model = build_model(cfg, dims, "32", seed=seed)
+        return save_checkpoint(folder / "checkpoints", 0, model, None, {"step": 0}, config, dims)
+    finally:
+        destroy_distributed()
+
+
+def _importable(spec: str) -> None:
+    """Put the folder the task's module came from on ``PYTHONPATH``, so the stages (other
+    processes, run from the repository) import it too."""
+    module_name = spec.partition(":")[0]
+    module = sys.modules.get(module_name)
+    path = Path(getattr(module, "__file__", "") or "")
+    if not path.is_file():
+        return
+    up = len(module_name.split(".")) - (0 if path.name == "__init__.py" else 1)
+    root = str(path.resolve().parents[up])
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if root not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p]])
+
+
+def _sample(a, policy, prompts: Path, out_stem: Path, seed: int, stage_args: list, log: Path) -> list[dict]:
+    """``a.rm_samples_per_prompt`` answers per prompt at ``a.rm_temperature``, labelled by the
+    checker (``nemo_rlhf.evaluate``), written once to ``<out_stem>.jsonl``; its rows."""
+    samples = out_stem.with_suffix(".jsonl")
+    if not samples.exists():
+        demo._run([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={policy}", f"data={prompts}",
+                   f"out={out_stem.with_suffix('.json')}", *stage_args, f"temperature={a.rm_temperature}",
+                   f"num_samples={a.rm_samples_per_prompt}", f"samples_out={samples}", f"seed={seed}",
+                   "num_examples=0", "batch_size=128"], log)
+    return _read_rows(samples)
+
+
+def _read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _sft_first(a, task, profile: ModelProfile, out: Path, data: Path, policy, tok, probe: list[dict]) -> Path:
+    """SFT on the task's demonstrations (the model got none of ``probe`` right); returns the
+    SFT checkpoint. Refuses a task without ``Task.demonstrate``."""
+    from nemo_rlhf.tasks.task import demonstration_rows
+
+    n = len(probe)
+    print(f"\nthe model cannot do task {task.name!r}: 0 of {n} sampled answers to the RM prompts are "
+          f"right, so there is no natural preference pair and PPO would have no right answer to "
+          f"reinforce. InstructGPT's order: SFT on demonstrations first, then the RM and PPO.", flush=True)
+    if task.demonstrate is None:
+        raise SystemExit(f"task {task.name!r}: the model ({profile.name}) got 0 of {n} sampled answers "
+                         f"right and the task has no demonstration writer to teach it first: give "
+                         f"Task.demonstrate, (prompt, extras) -> a right response, for SFT; or start "
+                         f"from a model that gets some answers right")
+    sft_data = out / "sft_data"
+    if not (sft_data / "sft.jsonl").exists():
+        def rows(name, limit):
+            try:
+                return demonstration_rows(task, _read_rows(data / name)[:limit])
+            except ValueError as exc:
+                raise SystemExit(str(exc)) from None
+        sft_data.mkdir(parents=True, exist_ok=True)
+        demo._write_atomic(sft_data / "sft_val.jsonl",
+                           "".join(json.dumps(r) + "\n" for r in rows("rm_val_prompts.jsonl", 64)))
+        demo._write_atomic(sft_data / "sft.jsonl",
+                           "".join(json.dumps(r) + "\n" for r in rows("ppo_prompts.jsonl", a.sft_rows)))
+    exp = out / "sft"
+    if demo._latest(exp) is None:
+        demo._run([sys.executable, "-m", "nemo_rlhf.train_sft",
+                   *profile.sft_overrides(a, exp, policy, sft_data, a.sft_steps, tok, profile)],
+                  out / "logs" / "sft.log")
+    return demo._latest(exp)
+
+
+def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, ckpt, tok, stage_args: list,
+                        times: dict, t: float) -> tuple:
+    """Stage 3 (module docstring): the policy the RM data comes from (the model, or the SFT
+    model when the model got no sampled answer right) and the RM's pairs. Records
+    ``times["sft"]`` (with SFT) and ``times["rm_samples"]`` (since ``t``).
+
+    Returns:
+        ``(policy, sft checkpoint or None, initial sample accuracy (0.0 with SFT, else
+        None), the policy's RM training samples, pair counts by file)``.
+    """
+    from nemo_rlhf.tasks.task import count_right
+
+    rm_data, logs = out / "rm_data", out / "logs"
+    policy, sft, probe_acc = ckpt, None, None
+    initial = rm_data / "initial_samples_train.jsonl"  # the initial model's, when it got none right
+    if demo._latest(out / "sft") is None:
+        probe = _read_rows(initial) if initial.exists() else _sample(
+            a, ckpt, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args, logs / "rm_samples.log")
+        if count_right(probe) == 0:
+            probe_acc = 0.0
+            if not initial.exists():  # kept: a rerun (e.g. after adding Task.demonstrate) reuses it
+                (rm_data / "samples_train.jsonl").rename(initial)
+            sft = _sft_first(a, task, profile, out, data, ckpt, tok, probe)
+    else:
+        sft = demo._latest(out / "sft")
+        probe_acc = 0.0
+    if sft is not None:
+        policy = sft
+        times["sft"] = time.time() - t
+        t = time.time()
+    samples_train = _sample(a, policy, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args,
+                            logs / "rm_samples.log")
+    _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
+            logs / "rm_samples.log")
+    if count_right(samples_train) == 0:
+        raise SystemExit(f"task {task.name!r}: after SFT ({a.sft_steps} steps on {a.sft_rows} demonstrations) "
+                         f"the model still got 0 of {len(samples_train)} sampled answers right; raise "
+                         f"--sft-steps or --sft-rows")
+    edits = a.rm_edit_pairs if task.edit_answer is not None else 0
+    pair_counts = {}
+    for split in ("train", "val"):  # held-out: the natural pairs only; the same-form ones are their own file
+        pair_counts[split] = demo._pairs_from_samples(task, rm_data / f"samples_{split}.jsonl",
+                                                      rm_data / f"preference_{split}.jsonl", 4,
+                                                      edits if split == "train" else 0)
+    pair_counts["val_same_form"] = demo._pairs_from_samples(
+        task, rm_data / "samples_val.jsonl", rm_data / "same_form_val.jsonl", 0,
+        demo.SAME_FORM_PER_PROMPT if task.edit_answer is not None else 0)
+    print(f"RM pairs from the model's own samples: {pair_counts}", flush=True)
+    if min(pair_counts["train"], pair_counts["val"]) == 0 or (
+            task.edit_answer is not None and pair_counts["val_same_form"] == 0):
+        raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
+                         f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
+    times["rm_samples"] = time.time() - t
+    return policy, sft, probe_acc, samples_train, pair_counts
+
+
+def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
+    """The recipe (module docstring) on ``task`` (its stages name the checker ``checker``)
+    with ``profile``'s model; writes ``<out>/summary.json``; returns 0."""
+    from nemo_rlhf.tasks.task import count_right, write_prompt_files
+
+    default = a.task == "smollm2"
+    out = REPO / (a.out or ("experiments/smollm2" if default else f"experiments/{task.name}"))
+    data = REPO / a.data if a.data else (REPO / "data/addition" if default else out / "data")
+    logs = out / "logs"
+    times: dict[str, float] = {}
+    py = sys.executable
+    new_tokens = f"max_new_tokens={task.max_new_tokens or profile.max_new_tokens}"
+    checkers = [f"checker={checker}",
+                *([f"extra_checkers=[{','.join(task.extra_checkers)}]"] if task.extra_checkers else []),
+                f"precision={a.precision}"]
+
+    t = time.time()
+    model = prepare_model(profile, out, a.model_seed)
+    ckpt, tok = model["checkpoint"], model["tokenizer_dir"]
+    times["model_setup"] = time.time() - t
+
+    t = time.time()
+    try:
+        write_prompt_files(task, data, n_rm=a.rm_prompts, n_rm_val=a.rm_val_prompts, n_ppo=a.ppo_prompts)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    times["data"] = time.time() - t
+
+    t = time.time()
+    rm_data = out / "rm_data"
+    settings = {
+        "rm_prompts": a.rm_prompts, "rm_samples_per_prompt": a.rm_samples_per_prompt,
+        "rm_temperature": a.rm_temperature, "rm_edit_pairs": a.rm_edit_pairs,
+        "rm_epochs": a.rm_epochs, "rm_freeze_layers": a.rm_freeze_layers, "rm_lr": a.rm_lr,
+        "heldout_pairs": "natural", "precision": a.precision}  # before 2026-12-02: natural + same-form in one file
+    if not default:  # (the default's settings file predates these keys: it stays as it was)
+        settings.update({"task": task.name, "model": profile.name, "rm_val_prompts": a.rm_val_prompts,
+                         "sft_steps": a.sft_steps, "sft_rows": a.sft_rows})
+    demo._check_stage_settings(rm_data / "settings.json", settings)
+    stage_args = [new_tokens, *checkers]
+    policy, sft, probe_acc, samples_train, pair_counts = _policy_and_rm_data(
+        a, task, profile, out, data, ckpt, tok, stage_args, times, t)
+    right = count_right(samples_train)
+
+    t = time.time()
+    rm_exp = out / "rm"
+
+    def train_rm(exp: Path, init_from: str, train_file: Path, steps: int) -> None:
+        overrides = profile.rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok, profile)
+        if task.edit_answer is None:  # no same-form pairs to validate on
+            overrides = [o for o in overrides if not o.startswith("+rm.extra_val_files.same_form=")]
+        demo._run([py, "-m", "nemo_rlhf.train_rm", *overrides], logs / f"{exp.name}.log")
+
+    if demo._latest(rm_exp) is None:  # from the policy, as InstructGPT's RM (sec. 3.5)
+        train_rm(rm_exp, policy, rm_data / "preference_train.jsonl",
+                 max(1, int(a.rm_epochs * pair_counts["train"] // 16)))
+    rm = demo._latest(rm_exp)
+    times["rm"] = time.time() - t
+
+    t = time.time()
+    ppo_exp = out / "ppo"
+    reward = {"rm": [], "checker": ["reward.rm_weight=0", f"reward.functions=[{{name: '{checker}'}}]"],
+              "both": [f"reward.functions=[{{name: '{checker}'}}]"]}[a.reward]
+    if default:  # the command line of the runs docs/demo.md measured
+        reward = {"rm": [], "checker": ["reward.rm_weight=0", "reward.functions=[{name: two_digit_addition}]"],
+                  "both": ["reward.functions=[{name: two_digit_addition}]"]}[a.reward]
+    task_args = [] if default else [  # the default's command line is the one docs/demo.md measured
+        f"trainer.eval_checker='{checker}'", f"trainer.eval_extra_checkers=[{','.join(task.extra_checkers)}]",
+        f"data.max_seq_length={profile.max_seq_length}"]
+    ppo_args = [f"exp_manager.init_from={policy}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
+                f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
+                f"rollout.{new_tokens}", f"trainer.precision={a.precision}", *task_args, *profile.ppo_overrides,
+                *a.ppo_recipe, *reward, *a.ppo_overrides]
+    base_steps = demo._first_stage_steps(a, demo._ppo_max_steps(profile.ppo_config, a.ppo_overrides))
+    demo._ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, profile.ppo_config, a.nproc,
+                    base_steps)
+    times["ppo"] = time.time() - t
+
+    t = time.time()
+    rounds = []
+    if a.refresh_rounds:
+        rounds, rm = demo._refresh_rounds(
+            a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
+            config_name=profile.ppo_config, base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
+            base_pairs=rm_data / "preference_train.jsonl", train_rm=train_rm, rm_batch=16,
+            eval_args=stage_args, task=task if task.edit_answer is not None else None)
+    times["refresh"] = time.time() - t
+
+    # before / after: the PPO run's own greedy evaluations of step 0 and of its last step
+    # (the held-out set, the same checkers); a separate `nemo_rlhf.evaluate` only when the
+    # run did not evaluate (it would repeat the same decoding: 52 s of the 25-minute demo)
+    t = time.time()
+    last = demo._latest(ppo_exp)
+    baseline = demo._ppo_evaluation(ppo_exp, 0)
+    if baseline is None:
+        baseline = demo._evaluate(Path(policy), data, out / "baseline_eval.json", logs / "eval.log",
+                                  *stage_args, "num_examples=8")
+    final = demo._ppo_evaluation(ppo_exp, int(last.name.split("_")[-1]))
+    if final is None:
+        final = demo._evaluate(last, data, out / "ppo_eval.json", logs / "eval.log", *stage_args, "num_examples=8")
+    times["eval"] = time.time() - t
+    return _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
+                   len(samples_train), baseline, final, pair_counts, rounds, times)
+
+
+def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right, n_samples,
+            baseline, final, pair_counts, rounds, times) -> int:
+    """``<out>/summary.json`` and the printed before / after table."""
+    rm_acc = demo._rm_accuracy(rm_exp)
+    rm_same_form = demo._rm_accuracy(rm_exp, "val_same_form/accuracy")
+    kl = demo._last_metric(ppo_exp, "kl_mean")
+    fmt = task.extra_checkers[0] if task.extra_checkers else None
+    default = a.task == "smollm2"
+    summary = {
+        "task": "smollm2 two-digit addition" if default else task.name, "reward": a.reward,
+        **({} if default else {"model": profile.name, "sft_first": sft is not None,
+                               "initial_sample_accuracy": probe_acc,
+                               "rm_sample_accuracy": right / n_samples if n_samples else None}),
+        "baseline_accuracy": baseline["accuracy"], "ppo_accuracy": final["accuracy"],
+        "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
+        **({} if fmt is None and not default else {
+            "baseline_format_compliance": baseline.get(fmt), "ppo_format_compliance": final.get(fmt)}),
+        "baseline_mean_response_length": baseline.get("mean_response_length"),
+        "ppo_mean_response_length": final.get("mean_response_length"),
+        "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc,
+        "rm_heldout_same_form_accuracy": rm_same_form, "final_kl_mean": kl,
+        "heldout_accuracy_by_step": demo._metric_by_step(ppo_exp, "eval/accuracy"),
+        "kl_mean_by_step": demo._metric_by_step(ppo_exp, "kl_mean"), "refresh_rounds": rounds,
+        "wall_time_s": {k: round(v, 1) for k, v in times.items()},
+        "checkpoints": {"policy_init": str(ckpt), **({"sft": str(sft)} if sft is not None else {}),
+                        "rm": str(rm), "first_rm": str(demo._latest(rm_exp)), "ppo": str(demo._latest(ppo_exp))},
+        "tensorboard": str(ppo_exp / "tensorboard"),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("\n=== before / after PPO (held-out, greedy) ===")
+    for before, after in zip(baseline["examples"], final["examples"]):
+        print(f"{before['prompt']!r}\n   before: {before['response']!r} ({before['correct']:.0f})"
+              f"\n   after : {after['response']!r} ({after['correct']:.0f})")
+    title = "SmolLM2-135M-Instruct, two-digit addition" if default else f"{profile.name} model, task {task.name}"
+    print(f"\n=== demo summary ({title}) ===")
+    if sft is not None:
+        print(f"SFT first (the model got 0 sampled answers right): {right}/{n_samples} right after SFT")
+    label = (fmt or "").replace("_", " ")
+    print(f"baseline held-out accuracy : {100 * baseline['accuracy']:.1f}%"
+          + (f" (format: {label} {100 * baseline.get(fmt, 0):.1f}%)" if fmt else ""))
+    print(f"PPO policy held-out accuracy: {100 * final['accuracy']:.1f}% "
+          f"({summary['improvement_points']:+.1f} points"
+          + (f"; format {100 * final.get(fmt, 0):.1f}%)" if fmt else ")"))
+    print(f"mean response length        : {baseline['mean_response_length']:.1f} -> "
+          f"{final['mean_response_length']:.1f} tokens")
+    print(f"RM held-out pair accuracy   : {'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'} "
+          f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong answer, same "
+          f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
+    print(f"final kl_mean (nats/seq)    : {kl}")
+    demo._print_rounds(rounds)
+    print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """``python -m launchers.recipe init-tiny FOLDER SEED``: the tiny profile's random model."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 3 or argv[0] != "init-tiny":
+        raise SystemExit("usage: python -m launchers.recipe init-tiny FOLDER SEED")
+    print(f"wrote {write_tiny_model(Path(argv[1]), int(argv[2]))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""launchers/recipe.py with its stages faked (no model runs, seconds): ``make demo`` runs the
+stage commands it ran before the recipe took a task; a task the model can do goes straight
+to the RM data; one it cannot do gets SFT on its demonstrations first (and a model still at
+zero after SFT is refused naming the flags). The real stages on a tiny model:
+tests/e2e/test_demo_task.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import launchers.demo as demo
+from nemo_rlhf.data.sample_rows import sample_row
+
+TASK_MODULE = '''
+from nemo_rlhf.tasks.task import Task
+
+PROBLEMS = [{"word": w, "answer": w.upper()} for w in ("ant bee cat dog eel fox gnu hen ibis jay kiwi "
+                                                        "lark mole newt owl pig").split()]
+TASK = Task(name="upper", train=PROBLEMS[4:], heldout=PROBLEMS[:4], prompt_template="Upper: {word} ->",
+            check=lambda p, r, ex: r == ex["answer"],
+            edit_answer=lambda p, r, ex, right, rng: r.lower() if right else ex["answer"],
+            demonstrate=lambda p, ex: ex["answer"])
+'''
+
+
+class FakeStages:
+    """``demo._run`` / ``_latest`` / ``_ppo_stage`` / the model set-up, recorded. An
+    ``nemo_rlhf.evaluate`` stage writes ``num_samples`` rows per prompt, the first
+    ``right(checkpoint) * num_samples`` of them right."""
+
+    def __init__(self, monkeypatch, right):
+        self.cmds, self.ppo, self.right = [], [], right
+        monkeypatch.setattr(demo, "_run", self.run)
+        monkeypatch.setattr(demo, "_latest", self.latest)
+        monkeypatch.setattr(demo, "_ppo_stage", self.ppo_stage)
+        monkeypatch.setattr(demo, "_ppo_evaluation", lambda exp, step, num_examples=8: {
+            "accuracy": 0.5, "mean_response_length": 2.0, "examples": []})
+        import nemo_rlhf.tools.real_model as real_model
+
+        monkeypatch.setattr(real_model, "setup", lambda path: {"checkpoint": "/MODEL/step_0",
+                                                               "tokenizer_dir": "/MODEL/tokenizer"})
+
+    def run(self, cmd, log):
+        self.cmds.append([str(c) for c in cmd[1:]])
+        args = dict(c.split("=", 1) for c in cmd if "=" in c and not c.startswith(("-", "+")))
+        if "samples_out" in args:
+            n = int(args["num_samples"])
+            out = []
+            for row in (json.loads(x) for x in Path(args["data"]).read_text().splitlines()):
+                extras = {k: v for k, v in row.items() if k != "prompt"}
+                for k in range(n):
+                    ok = k < self.right(args["checkpoint"]) * n
+                    answer = str(extras["answer"])
+                    wrong = str(int(answer) + 1) if answer.isdigit() else answer.lower()
+                    out.append(sample_row(row["prompt"], answer if ok else wrong, float(ok), 2, extras, sample=k))
+            Path(args["samples_out"]).write_text("".join(json.dumps(r) + "\n" for r in out))
+
+    def latest(self, exp):
+        exp = str(exp)
+        made = [c for c in self.cmds if f"exp_manager.exp_dir={exp}" in c or (c[1:3] == ["launchers.recipe",
+                                                                                         "init-tiny"] and c[3] == exp)]
+        if Path(exp).name == "ppo" and self.ppo:
+            return Path(exp) / "checkpoints" / f"step_{self.ppo[-1]['steps']}"
+        return Path(exp) / "checkpoints" / ("step_0" if exp.endswith("model") else "step_1") if made else None
+
+    def ppo_stage(self, ppo_args, rm, ppo_exp, config_name, nproc, max_steps):
+        self.ppo.append({"args": list(ppo_args), "rm": str(rm), "config": config_name, "steps": max_steps})
+
+    def modules(self):
+        return [c[1] if c[0] == "-m" else c[0] for c in self.cmds]
+
+
+def test_the_default_demo_runs_the_stage_commands_it_ran_before(tmp_path, monkeypatch):
+    """``make demo``'s stages, as recorded from launchers/demo.py before the recipe took a
+    task (commit 02f2a98; the RM's step count follows the pairs, so it is computed)."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    out, data = tmp_path / "out", tmp_path / "data"
+    assert demo.main(["--out", str(out), "--data", str(data), "--precision", "32"]) == 0
+
+    def sample(split, seed):
+        prompts = "rm_prompts" if split == "train" else "rm_val_prompts"
+        return ["-m", "nemo_rlhf.evaluate", "checkpoint=/MODEL/step_0", f"data={data}/{prompts}.jsonl",
+                f"out={out}/rm_data/samples_{split}.json", "max_new_tokens=24", "checker=two_digit_addition",
+                "extra_checkers=[just_the_number]", "precision=32", "temperature=0.7", "num_samples=4",
+                f"samples_out={out}/rm_data/samples_{split}.jsonl", f"seed={seed}", "num_examples=0",
+                "batch_size=128"]
+
+    pairs = sum(1 for _ in (out / "rm_data" / "preference_train.jsonl").open())
+    steps = max(1, int(0.6 * pairs // 16))
+    rm = ["-m", "nemo_rlhf.train_rm", "model=smollm2_135m", f"exp_manager.exp_dir={out}/rm",
+          "rm.init_from=/MODEL/step_0", "rm.freeze_layers=10",
+          f"data.train_file={out}/rm_data/preference_train.jsonl",
+          f"data.val_file={out}/rm_data/preference_val.jsonl", "data.tokenizer_dir=/MODEL/tokenizer",
+          f"+rm.extra_val_files.same_form={out}/rm_data/same_form_val.jsonl", "data.chat_template=chatml",
+          "data.system_prompt='You are a helpful AI assistant named SmolLM, trained by Hugging Face'",
+          "data.max_seq_length=96", f"trainer.max_steps={steps}", "trainer.global_batch_size=16",
+          "trainer.micro_batch_size=8", f"trainer.val_check_interval={steps}", "trainer.log_every_n_steps=5",
+          "optim.lr=0.0001", "optim.min_lr=1e-05", "optim.warmup_steps=3", "model.value_head_init_std=0.02",
+          "rm.reward_stats_max_pairs=256", "trainer.precision=32"]
+    assert fake.cmds == [sample("train", 1), sample("val", 2), rm]
+    assert fake.ppo == [{"args": ["exp_manager.init_from=/MODEL/step_0", f"data.train_file={data}/ppo_prompts.jsonl",
+                                  f"data.val_file={data}/eval.jsonl", "data.tokenizer_dir=/MODEL/tokenizer",
+                                  "rollout.max_new_tokens=24", "trainer.precision=32", "optim.lr=1e-05"],
+                         "rm": f"{out}/rm/checkpoints/step_1", "config": "ppo_smollm2", "steps": 10}]
+    settings = json.loads((out / "rm_data" / "settings.json").read_text())
+    assert "task" not in settings  # an experiments/smollm2 folder made before continues
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["task"] == "smollm2 two-digit addition" and "sft_first" not in summary
+
+
+def _custom(tmp_path, monkeypatch):
+    (tmp_path / "pkg_upper_task.py").write_text(TASK_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    return ["--task", "pkg_upper_task:TASK", "--model", "tiny", "--out", str(tmp_path / "out"),
+            "--rm-prompts", "6", "--rm-val-prompts", "3", "--ppo-prompts", "10", "--sft-steps", "7"]
+
+
+def test_a_task_the_model_can_do_goes_straight_to_the_rm_data(tmp_path, monkeypatch):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    out = tmp_path / "out"
+    assert fake.modules() == ["launchers.recipe", "nemo_rlhf.evaluate", "nemo_rlhf.evaluate", "nemo_rlhf.train_rm"]
+    assert all("checker=pkg_upper_task:TASK.score" in c for c in fake.cmds[1:3])
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]  # the stages import it
+    (ppo,) = fake.ppo
+    assert ppo["config"] == "ppo_tiny" and f"exp_manager.init_from={out}/model/checkpoints/step_0" in ppo["args"]
+    assert "trainer.eval_checker='pkg_upper_task:TASK.score'" in ppo["args"]
+    pairs = [json.loads(x) for x in (out / "rm_data" / "preference_train.jsonl").read_text().splitlines()]
+    assert {p.get("edit") for p in pairs} == {None, "wrong_answer", "right_answer"}  # natural and counterfactual
+    assert all(p["chosen"] == p["chosen"].upper() != p["rejected"] for p in pairs)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["sft_first"] is False and s["initial_sample_accuracy"] is None and s["rm_sample_accuracy"] == 0.5
+
+
+def test_a_task_the_model_cannot_do_gets_sft_on_its_demonstrations_first(tmp_path, monkeypatch, capsys):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0 if ckpt.endswith("/model/checkpoints/step_0") else 0.5)
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    out = tmp_path / "out"
+    assert fake.modules() == ["launchers.recipe", "nemo_rlhf.evaluate", "nemo_rlhf.train_sft", "nemo_rlhf.evaluate",
+                              "nemo_rlhf.evaluate", "nemo_rlhf.train_rm"]
+    assert "the model cannot do task 'upper': 0 of 24 sampled answers" in capsys.readouterr().out
+    sft = f"{out}/sft/checkpoints/step_1"
+    assert f"sft.init_from={out}/model/checkpoints/step_0" in fake.cmds[2] and "trainer.max_steps=7" in fake.cmds[2]
+    assert all(f"checkpoint={sft}" in c for c in fake.cmds[3:5])  # the RM data: the SFT model's samples
+    assert f"rm.init_from={sft}" in fake.cmds[5] and f"exp_manager.init_from={sft}" in fake.ppo[0]["args"]
+    demos = [json.loads(x) for x in (out / "sft_data" / "sft.jsonl").read_text().splitlines()]
+    ppo_prompts = [json.loads(x)["prompt"] for x in (out / "data" / "ppo_prompts.jsonl").read_text().splitlines()]
+    assert [d["prompt"] for d in demos] == ppo_prompts and all(d["response"] == d["prompt"][7:-3].upper()
+                                                               for d in demos)
+    assert (out / "rm_data" / "initial_samples_train.jsonl").is_file()
+    s = json.loads((out / "summary.json").read_text())
+    assert s["sft_first"] is True and s["initial_sample_accuracy"] == 0.0 and s["checkpoints"]["sft"] == sft
+
+
+def test_a_model_still_at_zero_after_sft_is_refused_naming_the_flags(tmp_path, monkeypatch):
+    FakeStages(monkeypatch, right=lambda ckpt: 0.0)
+    with pytest.raises(SystemExit, match=r"after SFT \(7 steps on 2000 demonstrations\) the model still got 0 of "
+                                         r"24 sampled answers right; raise --sft-steps or --sft-rows"):
+        demo.main(_custom(tmp_path, monkeypatch))
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--task", "addition"], "--task 'addition': give smollm2, tiny or package.module:TASK"),
+    (["--task", "tiny", "--model", "tiny"], "--model applies to --task package.module:TASK"),
+    (["--task", "no_such_module_here:TASK"], "cannot import 'no_such_module_here'"),
+])
+def test_a_bad_task_or_model_flag_is_refused_naming_it(argv, needle, capsys):
+    with pytest.raises(SystemExit) as err:
+        demo.main(argv)
+    assert needle in str(err.value) + capsys.readouterr().err
+
+
+def test_a_custom_tasks_ppo_arguments_compose_into_the_ppo_job(tmp_path, monkeypatch):
+    """The checker reaches the PPO job by its ``module:TASK.score`` name, for the held-out
+    evaluation and, with ``--reward both``, in the reward."""
+    from tests.conf_helpers import typed_job
+
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main([*_custom(tmp_path, monkeypatch), "--reward", "both"]) == 0
+    (ppo,) = fake.ppo
+    cfg = typed_job(ppo["config"], ppo["args"])
+    assert cfg.trainer.eval_checker == "pkg_upper_task:TASK.score" and cfg.trainer.eval_extra_checkers == []
+    assert [f.name for f in cfg.reward.functions] == ["pkg_upper_task:TASK.score"]
+    assert (cfg.data.max_seq_length, cfg.rollout.max_new_tokens, cfg.guards.gold_window) == (64, 8, 1)
