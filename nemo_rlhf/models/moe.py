@@ -147,3 +147,23 @@ def check_moe_training_layout(model_cfg, parallel) -> None:
             "megatron's MoE layer does not train at TP > 1 without sequence parallelism, which is not "
             "supported here; valid for training a MoE model: tensor_model_parallel_size=1 (use DP or "
             "parallel.pipeline_model_parallel_size)")
+
+
+def refuse_expert_parallel(parallel, job: str) -> None:
+    """Refuse ``parallel.expert_model_parallel_size`` > 1 in a job that does not support it
+    (``sft``, ``rm``, ``evaluate``, the RM server): their data-parallel ranks may run a
+    different number of forward calls (a last partial micro-batch, a rank without validation
+    rows), which under expert parallelism would leave a rank waiting in a MoE layer's
+    collective; only the PPO trainer's calls are equalised and tested
+    (:mod:`nemo_rlhf.models.engine`).
+
+    Raises:
+        ValueError: naming the key, the job and the value that works.
+    """
+    ep = parallel.expert_model_parallel_size
+    if ep > 1:
+        raise ValueError(
+            f"parallel.expert_model_parallel_size={ep} in the {job} job: expert parallelism is "
+            f"supported by the PPO trainer only (its data-parallel ranks' forward calls are made "
+            f"equal in number and it is tested at EP=2); set parallel.expert_model_parallel_size=1 "
+            f"here (a checkpoint saved at any EP loads at EP=1)")
