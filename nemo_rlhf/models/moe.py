@@ -13,8 +13,29 @@ This module holds what megatron-core 0.16.1 lacks to run them here:
 * :class:`RouterLoad` / :func:`router_load_metrics`: the PPO update's ``moe/`` metrics
   (tokens per expert, busiest and idlest over the mean, and megatron's aux loss).
 
+Expert parallelism (``parallel.expert_model_parallel_size`` = EP > 1): each rank of an
+expert-parallel group holds ``E / EP`` experts of every layer (megatron's ``SequentialMLP``
+with its local experts) and every MoE layer call is a collective over the group (megatron's
+``allgather`` dispatcher gathers the group's tokens, each rank runs its experts on those
+routed to them, a reduce-scatter returns every rank its tokens' outputs). The ranks of the
+group belong to different data-parallel replicas, which hold different batches, so two
+things megatron assumes here must be made true:
+
+* :class:`PaddedAllGatherTokenDispatcher`: the ranks may hold different token counts in one
+  call (prompts padded to another length, the last forward micro-batch shorter, token-budget
+  micro-batches): the counts are exchanged and the shorter ones padded with rows routed to no
+  expert, so the all-gather / reduce-scatter see equal shapes; the padding is cut off again.
+* Every rank of the group calls the layers equally often: the forward/backward schedule pads
+  a rank's micro-batch list to the group's longest (:func:`agree_on_micro_batch_count`,
+  :mod:`nemo_rlhf.models.engine`) and decoding stops only when every rank of the group is
+  done (:mod:`nemo_rlhf.rollout.generate`). :func:`expert_exchange_group` names the group.
+
 Simplified: no shared experts, no grouped GEMM (CUDA kernels), no token dropping
-(capacity factor), no expert bias / sigmoid routing (DeepSeek-V3's).
+(capacity factor), no expert bias / sigmoid routing (DeepSeek-V3's); the ``alltoall``
+dispatcher is not used (megatron 0.16.1 hands ``all_to_all_single`` its split sizes as
+tensors, which torch 2.13 refuses with a ``TypeError``); the allgather dispatcher moves every
+token of the group to every rank (``EP x`` the activations an all-to-all would move), which
+is what makes it run on gloo as on NCCL.
 """
 
 from __future__ import annotations
@@ -22,6 +43,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 
 def patch_router_gemm_without_te() -> None:
@@ -31,6 +54,86 @@ def patch_router_gemm_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+class PaddedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+    """megatron's ``allgather`` token dispatcher for expert-parallel ranks holding different
+    numbers of tokens (installed by :func:`use_padded_dispatcher`).
+
+    At EP > 1 :meth:`token_dispatch` first all-gathers every rank's token count (one
+    ``[1]`` int64 tensor on the tokens' device, over megatron's TP x EP group); a rank with
+    fewer than the most pads its ``hidden [tokens, h]``, ``probs [tokens, experts]`` and
+    routing map ``[tokens, experts]`` with zero rows routed to no expert (no expert computes
+    them, their outputs are zero), and :meth:`token_combine` cuts the reduce-scattered
+    ``[most, h]`` back to its own ``[tokens, h]``. When every count is equal nothing is padded
+    and the arithmetic is megatron's. At EP = 1 it is megatron's class unchanged.
+    """
+
+    _local_tokens: Optional[int] = None
+
+    def token_dispatch(self, hidden_states, probs):
+        self._local_tokens = None
+        if self.ep_size > 1:
+            n = hidden_states.shape[0]
+            group = self.tp_ep_group
+            counts = torch.empty(dist.get_world_size(group), dtype=torch.long, device=hidden_states.device)
+            dist.all_gather_into_tensor(counts, torch.full((1,), n, dtype=torch.long,
+                                                           device=hidden_states.device), group=group)
+            most = int(counts.max())
+            if most > n:
+                pad = most - n
+                hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(pad, hidden_states.shape[1])])
+                probs = torch.cat([probs, probs.new_zeros(pad, probs.shape[1])])
+                self.routing_map = torch.cat(
+                    [self.routing_map, self.routing_map.new_zeros(pad, self.routing_map.shape[1])])
+                self._local_tokens = n
+        return super().token_dispatch(hidden_states, probs)
+
+    def token_combine(self, hidden_states):
+        out = super().token_combine(hidden_states)
+        return out if self._local_tokens is None else out[:self._local_tokens]
+
+
+def use_padded_dispatcher(model: torch.nn.Module) -> int:
+    """Make every megatron ``allgather`` dispatcher of ``model`` a
+    :class:`PaddedAllGatherTokenDispatcher` (its subclass with no state of its own: the
+    instance's class is swapped). Returns how many were swapped (0 for a dense model)."""
+    swapped = 0
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None)
+        if type(d) is MoEAllGatherTokenDispatcher:
+            d.__class__ = PaddedAllGatherTokenDispatcher
+            swapped += 1
+    return swapped
+
+
+def expert_exchange_group(model: torch.nn.Module):
+    """The process group over which ``model``'s MoE layers exchange tokens in every call
+    (megatron's TP x EP group of its token dispatchers) when the experts are split across
+    ranks (EP > 1); None for a dense model or at EP = 1, where a rank's MoE calls wait for
+    no other data-parallel replica."""
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None)
+        if isinstance(d, MoEAllGatherTokenDispatcher):
+            return d.tp_ep_group if d.ep_size > 1 else None
+    return None
+
+
+def agree_on_micro_batch_count(count: int, group, device: torch.device) -> tuple[int, int]:
+    """``(fewest, most)`` micro-batches of the ranks of ``group`` (one ``[2]`` int64
+    all-reduce on ``device``): with expert parallelism every rank of the group must run as
+    many MoE layer calls as the others."""
+    both = torch.tensor([-count, count], dtype=torch.long, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return -int(both[0]), int(both[1])
+
+
+def all_done_in_group(done: bool, group, device: torch.device) -> bool:
+    """Whether every rank of ``group`` is ``done`` (one ``[1]`` all-reduce on ``device``):
+    a decoding loop at EP > 1 stops only when all of them are."""
+    flag = torch.tensor([0 if done else 1], dtype=torch.long, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return not bool(flag.item())
 
 
 AUX_LOSS_NAME = "load_balancing_loss"
