@@ -92,3 +92,11 @@ def test_a_ppo_job_at_ep2_on_a_dense_model_is_refused_before_any_process_group(t
     with pytest.raises(ValueError, match=r"parallel\.expert_model_parallel_size=2 on a dense model"):
         build(cfg)
     assert not dist.is_initialized()
+
+
+def test_checkpoint_listings_name_the_expert_parallel_size_when_it_is_not_1():
+    from nemo_rlhf.tools.ckpt._common import layout_text
+
+    assert layout_text({"parallel": {"tp": 1, "pp": 1, "dp": 2, "ep": 2, "world_size": 2}}) == "tp1 pp1 dp2 ep2"
+    assert layout_text({"parallel": {"tp": 2, "pp": 1, "dp": 1, "ep": 1}}) == "tp2 pp1 dp1"
+    assert layout_text({"parallel": {"tp": 2, "pp": 1, "dp": 1}}) == "tp2 pp1 dp1"  # saved before EP
