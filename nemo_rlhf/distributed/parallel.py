@@ -258,9 +258,12 @@ class ParallelDims:
         return dist.get_global_rank(self.dp_group, 0) if self.world_size > 1 else 0
 
     def describe(self) -> dict:
-        """JSON-able summary: ``{"tp": .., "pp": .., "dp": .., "ep": .., "world_size": ..}``."""
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "ep": self.ep,
-                "world_size": self.world_size}
+        """JSON-able summary: ``{"tp": .., "pp": .., "dp": .., "world_size": ..}``, with
+        ``"ep"`` under expert parallelism (absent: 1)."""
+        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world_size": self.world_size}
+        if self.ep > 1:
+            out["ep"] = self.ep
+        return out
 
 
 def _make_dims(local_rank: int) -> ParallelDims:

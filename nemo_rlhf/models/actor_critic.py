@@ -30,7 +30,8 @@ from nemo_rlhf.distributed.parallel import reseed_model_parallel
 from nemo_rlhf.models.config import ModelConfig, build_transformer_config
 from nemo_rlhf.models.decode_layers import local_layer_spec
 from nemo_rlhf.models.embedding import use_main_grad_lookup
-from nemo_rlhf.models.moe import patch_router_gemm_without_te, use_padded_dispatcher
+from nemo_rlhf.models.moe import patch_router_gemm_without_te
+from nemo_rlhf.models.moe_dispatch import use_padded_dispatcher
 from nemo_rlhf.models.logprobs import LogprobRequest, fused_response_logprobs
 from nemo_rlhf.models.lora import apply_lora
 from nemo_rlhf.models.packing import PackedBatch
@@ -221,7 +222,7 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
 
     A MoE model at ``dims.ep`` > 1 holds ``num_moe_experts / ep`` experts per layer (its
     expert-parallel rank's); its token dispatchers are
-    :class:`~nemo_rlhf.models.moe.PaddedAllGatherTokenDispatcher`.
+    :class:`~nemo_rlhf.models.moe_dispatch.PaddedAllGatherTokenDispatcher`.
 
     With ``model.lora.enabled`` the stage gets LoRA adapters and only they and the head
     stay trainable (:func:`nemo_rlhf.models.lora.apply_lora`).
