@@ -91,10 +91,11 @@ def _engine(ep: int, tmp: Path, n_tokens: int) -> dict:
     out = {"dims": (dims.dp, dims.ep, dims.ep_rank)}
     with torch.no_grad():
         model.eval()
-        res = forward_backward(ddp, mbs, _loss_fn(n_tokens), forward_only=True, variable_shapes=True)
+        res = forward_backward(ddp, mbs, _loss_fn(n_tokens), forward_only=True, variable_shapes=True,
+                               device=dims.device)
         out["logits"] = [r["logits"] for r in res]
     model.train()
-    res = forward_backward(ddp, mbs, _loss_fn(n_tokens), variable_shapes=True)
+    res = forward_backward(ddp, mbs, _loss_fn(n_tokens), variable_shapes=True, device=dims.device)
     out["losses"] = [float(r["loss"]) for r in res]
     finalize_grads(ddp)
     local = cfg.num_moe_experts // dims.ep
