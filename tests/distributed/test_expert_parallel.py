@@ -6,7 +6,8 @@ EP=1 (DP=2, every rank holding every expert). ONE spawn runs:
   rank 1 one), so the token dispatcher pads and the schedule adds zero-loss copies; logits,
   the DP-reduced gradients (experts by their global index) and the gradient norm equal EP=1's;
 * PPO: from one initial checkpoint, two steps at EP=1 and at EP=2 with a checkpoint after the
-  first; the EP=2 checkpoint resumed at EP=1 and the EP=1 checkpoint resumed at EP=2.
+  first; the EP=2 checkpoint resumed at EP=1 and the EP=1 checkpoint resumed at EP=2: saved
+  again at once, the same tensors bit for bit (weights, Adam moments), and the same next step.
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def _generate(model, dims) -> dict:
 
 def _ppo(tmp: Path) -> dict:
     from nemo_rlhf.checkpoint import save_checkpoint
+    from nemo_rlhf.checkpoint.io import load_full_tensors
     from nemo_rlhf.train_ppo import build
 
     data = make_demo_data(tmp / "data")
@@ -163,6 +165,14 @@ def _ppo(tmp: Path) -> dict:
                               f"parallel.expert_model_parallel_size={ep}"))
         t.resume()
         out[f"{source}_at_ep{ep}_step"] = t.step
+        # what was loaded, written again at this EP: the same tensors, Adam moments included
+        resaved = save_checkpoint(tmp / f"{source}_at_ep{ep}", 1, t.model, t.optimizer, t.state_dict(), None, t.dims)
+        full, src = load_full_tensors(resaved), load_full_tensors(tmp / source / "checkpoints" / "step_1")
+        tensors = [k for k, v in src.items() if torch.is_tensor(v) and k.startswith(("model.", "optimizer"))]
+        out[f"{source}_at_ep{ep}_tensors"] = (sorted(tensors) == sorted(k for k, v in full.items() if torch.is_tensor(v)
+                                                                        and k.startswith(("model.", "optimizer"))),
+                                              [k for k in tensors if not torch.equal(full[k], src[k])],
+                                              sum(".experts." in k and "exp_avg" in k for k in tensors))
         out[f"{source}_at_ep{ep}"] = numbers(t.train_step())
         t.close()
     return out
@@ -277,6 +287,9 @@ def test_ppo_second_step_at_ep2_equals_ep1(ranks):
 def test_a_checkpoint_saved_at_one_ep_resumes_at_the_other_with_the_same_next_step(ranks, source, ep):
     ppo = ranks[0]["ppo"]
     assert ppo[f"{source}_at_ep{ep}_step"] == 1
+    same_keys, differing, expert_moments = ppo[f"{source}_at_ep{ep}_tensors"]
+    assert same_keys and not differing, differing  # weights, Adam moments, masters: bit for bit
+    assert expert_moments >= 2  # the experts' exp_avg (fc1, fc2) among them
     resumed, continued = ppo[f"{source}_at_ep{ep}"], ppo[source][1]
     for key in COMPARED:
         a, b = resumed[key], continued[key]
