@@ -15,8 +15,9 @@ shape is then sent ahead of it).
 Expert parallelism (a MoE model at ``parallel.expert_model_parallel_size`` > 1): every MoE
 layer call is a collective over the expert-parallel group, whose ranks hold different
 data-parallel batches; a call whose ranks hold fewer micro-batches than the group's most
-runs extra ones (copies of its last micro-batch, their loss multiplied by 0 and their
-statistics dropped; forward-only: a ``[1, 1]`` batch where it has none), so that every rank
+runs extra ones (copies of its last micro-batch, their loss multiplied by 0, their
+statistics dropped and their routed tokens not counted in the ``moe/`` metrics; forward-only:
+a ``[1, 1]`` batch where it has none), so that every rank
 calls the layers equally often (:func:`nemo_rlhf.models.moe.agree_on_micro_batch_count`).
 """
 
@@ -28,7 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from nemo_rlhf.distributed.device import to_device
-from nemo_rlhf.models.moe import agree_on_micro_batch_count, expert_exchange_group
+from nemo_rlhf.models.moe import agree_on_micro_batch_count, expert_exchange_group, filler_forward
 from nemo_rlhf.models.packing import PackedBatch
 
 LossFn = Callable[[object, dict], tuple[torch.Tensor, dict]]
@@ -182,8 +183,9 @@ def forward_backward(
         request = logprob_request
         if request is not None and "prompt_length" in mb:
             request = replace(request, prompt_length=mb["prompt_length"])
-        out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request,
-                            packed=mb.get("packed"))
+        with filler_forward(index >= real):  # a filler's routed tokens are not counted
+            out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request,
+                                packed=mb.get("packed"))
 
         def loss_func(output):
             one = torch.ones((), dtype=torch.int, device=dev)

@@ -41,6 +41,7 @@ is what makes it run on gloo as on NCCL.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -77,6 +78,24 @@ def agree_on_micro_batch_count(count: int, group, device: torch.device) -> tuple
     return -int(both[0]), int(both[1])
 
 
+_FILLER = [False]
+"""Whether the forward running now is an expert-parallel filler (:func:`filler_forward`)."""
+
+
+@contextlib.contextmanager
+def filler_forward(active: bool = True):
+    """Mark the forwards of the ``with`` block as expert-parallel fillers (the zero-loss
+    copies :mod:`nemo_rlhf.models.engine` runs so that every EP rank calls the MoE layers
+    equally often): :class:`RouterLoad` does not count their tokens. ``active=False``: a
+    no-op."""
+    before = _FILLER[0]
+    _FILLER[0] = before or active
+    try:
+        yield
+    finally:
+        _FILLER[0] = before
+
+
 def all_done_in_group(done: bool, group, device: torch.device) -> bool:
     """Whether every rank of ``group`` is ``done`` (one ``[1]`` all-reduce on ``device``):
     a decoding loop at EP > 1 stops only when all of them are."""
@@ -99,6 +118,8 @@ class RouterLoad:
     exit it also reads (and clears) megatron's aux-loss tracker, which the routers fill in
     training passes when ``model.moe_aux_loss_coeff > 0``.
 
+    Forwards marked by :func:`filler_forward` (expert-parallel filler copies) are not counted.
+
     Attributes:
         counts: ``[routers on this stage, experts]`` float64 on the routers' device.
         calls: router calls (one per layer and micro-batch forward).
@@ -117,6 +138,8 @@ class RouterLoad:
 
     def _hook(self, index: int):
         def hook(_module, _inputs, output):
+            if _FILLER[0]:  # an expert-parallel filler micro-batch (a copy): not counted
+                return
             routing_map = output[1]  # [tokens, experts] bool
             self.counts[index] += routing_map.sum(0).to(self.counts.dtype)
             self.calls += 1

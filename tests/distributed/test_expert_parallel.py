@@ -76,6 +76,7 @@ def _engine(ep: int, tmp: Path, n_tokens: int) -> dict:
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
     from nemo_rlhf.models.engine import finalize_grads, forward_backward, unwrap, wrap_ddp
+    from nemo_rlhf.models.moe import RouterLoad
     from nemo_rlhf.trainers.mixed_precision import MixedPrecisionOptimizer, OptimizerConfig
 
     cfg = load_model_preset("tiny", vocab_size=VOCAB, value_head_init_std=0.05, num_moe_experts=4,
@@ -90,11 +91,12 @@ def _engine(ep: int, tmp: Path, n_tokens: int) -> dict:
     ddp = wrap_ddp(model)
     mbs = _micro_batches(dims.rank)
     out = {"dims": (dims.dp, dims.ep, dims.ep_rank)}
-    with torch.no_grad():
+    with torch.no_grad(), RouterLoad(model) as load:
         model.eval()
         res = forward_backward(ddp, mbs, _loss_fn(n_tokens), forward_only=True, variable_shapes=True,
                                device=dims.device)
         out["logits"] = [r["logits"] for r in res]
+    out["routed"] = (load.counts.clone(), load.calls)  # this rank's tokens per expert, router calls
     model.train()
     res = forward_backward(ddp, mbs, _loss_fn(n_tokens), variable_shapes=True, device=dims.device)
     out["losses"] = [float(r["loss"]) for r in res]
@@ -214,6 +216,9 @@ def test_ep2_forward_with_unequal_micro_batches_gives_ep1_logits(ranks):
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         assert r["engine"][2]["losses"] == pytest.approx(r["engine"][1]["losses"], abs=1e-6)
+        # the router metrics count this rank's own tokens, the copies' not
+        (counts, calls), (ref_counts, ref_calls) = r["engine"][2]["routed"], r["engine"][1]["routed"]
+        assert calls == ref_calls == 2 * len(SHAPES[rank]) and torch.equal(counts, ref_counts)
 
 
 def test_ep2_decoding_stops_when_every_expert_parallel_rank_is_done(ranks):
