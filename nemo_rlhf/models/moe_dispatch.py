@@ -30,6 +30,9 @@ class PaddedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
     _local_tokens: Optional[int] = None
 
     def token_dispatch(self, hidden_states, probs):
+        """``hidden_states [tokens, h]`` and ``probs [tokens, experts]`` of this rank (and
+        the routing map set by ``dispatch_preprocess``) padded to the group's most tokens,
+        then megatron's all-gather: ``[TP x EP x most, h]`` and ``[TP x EP x most, experts]``."""
         self._local_tokens = None
         if self.ep_size > 1:
             n = hidden_states.shape[0]
@@ -48,6 +51,8 @@ class PaddedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         return super().token_dispatch(hidden_states, probs)
 
     def token_combine(self, hidden_states):
+        """megatron's reduce-scatter of the experts' outputs ``[TP x EP x most, h]`` to this
+        rank's ``[most, h]``, the padding cut off: ``[tokens, h]``."""
         out = super().token_combine(hidden_states)
         return out if self._local_tokens is None else out[:self._local_tokens]
 
