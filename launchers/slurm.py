@@ -125,7 +125,8 @@ def check_layout(parallel, ranks: int, ranks_text: str, model=None) -> int:
     facts = {}
     if model is not None:
         facts = dict(num_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
-                     num_query_groups=model.num_query_groups)
+                     num_query_groups=model.num_query_groups,
+                     num_moe_experts=getattr(model, "num_moe_experts", None))
     try:
         return validate_parallel_layout(parallel, ranks, **facts)
     except ValueError as exc:

@@ -66,6 +66,7 @@ from nemo_rlhf.distributed.parallel import ParallelConfig, validate_parallel_lay
 from nemo_rlhf.metrics.steps_table import markdown_table, plot_metrics, require_matplotlib, table_columns
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import PRECISIONS, ModelConfig, agree_on_precision
+from nemo_rlhf.models.moe import refuse_expert_parallel
 from nemo_rlhf.reward.batching import ScoreItem
 from nemo_rlhf.reward.functions import check_reward_function_spec, get_reward_function
 from nemo_rlhf.reward.rm_scorer import RMScorerConfig, RewardModelScorer, read_rm_checkpoint
@@ -554,6 +555,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     d = first.get("data", {})
     tok = Tokenizer(cfg.tokenizer_dir or _tokenizer_dir(paths[0], d))
     model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), first["model"]))
+    refuse_expert_parallel(cfg.parallel, "evaluate")
     dims, model_cfg = setup_run(cfg.parallel, model_cfg, tok, cfg.seed)
     precision = agree_on_precision(str(cfg.precision), dims)
     reference = _Reference(cfg.reference, dims, precision, cfg.seed) if cfg.reference else None

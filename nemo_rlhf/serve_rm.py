@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 from nemo_rlhf.config import to_typed
 from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
 from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.models.moe import refuse_expert_parallel
 from nemo_rlhf.reward.rm_scorer import RewardModelScorer, RMScorerConfig, read_rm_checkpoint
 from nemo_rlhf.reward.server import RMServerConfig, serve
 
@@ -67,6 +68,7 @@ def run(cfg: ServeRMConfig) -> None:
         RuntimeError: the scorer failed to load on rank 0.
     """
     info = read_rm_checkpoint(cfg.checkpoint)
+    refuse_expert_parallel(cfg.parallel, "RM server")
     dims = initialize_distributed(cfg.parallel, seed=cfg.seed, num_layers=info.model.num_layers,
                                   num_attention_heads=info.model.num_attention_heads,
                                   num_query_groups=info.model.num_query_groups)

@@ -54,7 +54,8 @@ def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
     dims = initialize_distributed(cfg.parallel, seed=cfg.trainer.seed,
                                   num_layers=cfg.model.num_layers,
                                   num_attention_heads=cfg.model.num_attention_heads,
-                                  num_query_groups=cfg.model.num_query_groups)
+                                  num_query_groups=cfg.model.num_query_groups,
+                                  num_moe_experts=cfg.model.num_moe_experts)
     validate_batch_sizes(cfg.ppo, dims.dp, cfg.rollout.n_samples_per_prompt, dims.pp)
     check_async_layout(cfg.rollout, dims)
     cfg.trainer.precision = agree_on_precision(cfg.trainer.precision, dims)

@@ -222,16 +222,27 @@ def _opt_key(name: str) -> str:
 def _global_param_names(model, params, prefix: str = "") -> list[str]:
     """Names of ``params`` that do not depend on the layout: the bare model's parameter
     names with each transformer layer's local index replaced by its global one (a PP
-    stage's ``decoder.layers.0`` is global layer ``layer_number - 1``); TP shards of one
-    parameter share its name."""
+    stage's ``decoder.layers.0`` is global layer ``layer_number - 1``) and, under expert
+    parallelism, each MoE expert's local index by its global one (EP rank ``r``'s
+    ``local_experts.0`` is expert ``r * E / EP``); TP shards of one parameter share its name."""
     bare = unwrap(model)
     prefixes = {}
     for mname, mod in bare.named_modules():
         head, _, idx = mname.rpartition(".")
         if head.endswith("layers") and idx.isdigit() and hasattr(mod, "layer_number"):
             prefixes[mname + "."] = f"{head}.{int(mod.layer_number) - 1}."
+    experts = {}  # megatron SequentialMLP: "<its name>.local_experts." -> first global index
+    for mname, mod in bare.named_modules():
+        group = getattr(mod, "ep_group", None)
+        if hasattr(mod, "local_experts") and group is not None and dist.get_world_size(group) > 1:
+            experts[mname + ".local_experts."] = dist.get_rank(group) * len(mod.local_experts)
     by_id = {}
     for name, p in bare.named_parameters():
+        for local, first in experts.items():
+            if name.startswith(local):
+                idx, _, rest = name[len(local):].partition(".")
+                name = f"{local}{first + int(idx)}.{rest}"
+                break
         for local, global_ in prefixes.items():
             if name.startswith(local):
                 name = global_ + name[len(local):]
@@ -822,9 +833,10 @@ def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
                     load_rng: bool = True, critic: Optional[tuple] = None) -> dict:
     """Load model, optimizer, scheduler and RNG from ``path``; return the trainer state.
 
-    The checkpoint may have been written with another TP/PP/DP layout (resharding is done
-    by dist_checkpointing). RNG states are restored only when the layout is unchanged
-    (otherwise a rank has no state of its own to restore).
+    The checkpoint may have been written with another TP/PP/DP/EP layout (resharding is
+    done by dist_checkpointing; a MoE layer's experts are one tensor per weight, sharded
+    along the expert axis by EP rank). RNG states are restored only when the layout is
+    unchanged (otherwise a rank has no state of its own to restore).
 
     Args:
         critic: ``(critic stage, its optimizer or None)`` of a separate critic, loaded from
@@ -903,7 +915,8 @@ def _same_layout(meta: dict) -> bool:
     world = dist.get_world_size() if dist.is_initialized() else 1
     return (layout.get("world_size") == world
             and layout.get("tp") == ps.get_tensor_model_parallel_world_size()
-            and layout.get("pp") == ps.get_pipeline_model_parallel_world_size())
+            and layout.get("pp") == ps.get_pipeline_model_parallel_world_size()
+            and layout.get("ep", 1) == ps.get_expert_model_parallel_world_size())
 
 
 def _restore_optimizer(optimizer, sd: dict, masters: dict, meta: dict, extra: dict,

@@ -33,6 +33,12 @@ class ParallelConfig:
     """Ranks a layer's weights are split across (megatron TP)."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages the layers are split into (megatron PP)."""
+    expert_model_parallel_size: int = 1
+    """Ranks a mixture-of-experts layer's experts are split across (megatron EP; each holds
+    ``model.num_moe_experts / EP`` of them). An expert-parallel group is made of ranks of
+    different data-parallel replicas (the same TP and PP position), so EP must divide the
+    data-parallel size; the expert weights are then data-parallel over the remaining
+    ``DP / EP`` ranks (megatron's expert-data-parallel group). 1 for a dense model."""
     backend: str = "auto"
     """``auto`` (NCCL for CUDA tensors plus gloo for host tensors with CUDA, gloo
     without), ``gloo``, or ``nccl`` (the same map as ``auto``: host-side flags and object
@@ -43,7 +49,8 @@ class ParallelConfig:
     this rank, the phase and the step (:mod:`nemo_rlhf.distributed.phase`)."""
 
     def __post_init__(self) -> None:
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "expert_model_parallel_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{key}={value!r}: must be an integer >= 1")
@@ -88,13 +95,18 @@ def validate_parallel_layout(
     num_attention_heads: int | None = None,
     num_query_groups: int | None = None,
     vocab_size: int | None = None,
+    num_moe_experts: int | None = None,
 ) -> int:
-    """Check a TP/PP layout against the world size and the model; return the DP size.
+    """Check a TP/PP/EP layout against the world size and the model; return the DP size.
+
+    Args:
+        num_moe_experts: ``model.num_moe_experts`` (None: a dense model, or not known to
+            the caller; either way ``parallel.expert_model_parallel_size`` must then be 1).
 
     Raises:
         ValueError: naming the offending key (``parallel.tensor_model_parallel_size``,
-            ``parallel.pipeline_model_parallel_size``, ``model.num_layers``, ...), its value
-            and the values that would work.
+            ``parallel.pipeline_model_parallel_size``, ``parallel.expert_model_parallel_size``,
+            ``model.num_layers``, ...), its value and the values that would work.
     """
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     if world_size % tp != 0 or tp > world_size:
@@ -133,7 +145,37 @@ def validate_parallel_layout(
             f"parallel.tensor_model_parallel_size={tp} must divide {names}; valid TP sizes: "
             f"{fits}{where}"
         )
-    return world_size // (tp * pp)
+    dp = world_size // (tp * pp)
+    _validate_expert_parallel(parallel.expert_model_parallel_size, dp, tp, pp, num_moe_experts)
+    return dp
+
+
+def _validate_expert_parallel(ep: int, dp: int, tp: int, pp: int, num_moe_experts: int | None) -> None:
+    """megatron's rules for ``parallel.expert_model_parallel_size``: a MoE model, EP
+    dividing the data-parallel size (its expert groups, of EP x expert TP (= TP) ranks per
+    pipeline stage, tile the world: megatron's ``initialize_model_parallel`` requires
+    ``world_size % (TP x EP x PP) == 0``) and the experts (``num_moe_experts % EP == 0``,
+    megatron's ``MoELayer``)."""
+    if ep == 1:
+        return
+    if num_moe_experts is None:
+        raise ValueError(
+            f"parallel.expert_model_parallel_size={ep} on a dense model (model.num_moe_experts is "
+            f"null): expert parallelism splits a mixture-of-experts layer's experts; set "
+            f"parallel.expert_model_parallel_size=1")
+    valid = [d for d in _divisors(dp) if num_moe_experts % d == 0]
+    if dp % ep:
+        raise ValueError(
+            f"parallel.expert_model_parallel_size={ep} must divide the data-parallel size {dp} "
+            f"(world size {dp * tp * pp} / (tensor_model_parallel_size={tp} x "
+            f"pipeline_model_parallel_size={pp})): megatron builds each expert-parallel group from "
+            f"ranks of different data-parallel replicas; valid values for this layout and "
+            f"model.num_moe_experts={num_moe_experts}: {valid}")
+    if num_moe_experts % ep:
+        raise ValueError(
+            f"model.num_moe_experts={num_moe_experts} is not divisible by "
+            f"parallel.expert_model_parallel_size={ep}: every expert-parallel rank holds the same "
+            f"number of experts; valid values for this layout and model: {valid}")
 
 
 @dataclass
@@ -164,6 +206,20 @@ class ParallelDims:
     (``cpu:0`` under the device guard). The one source of the device: tensors that meet
     model tensors are created on it or moved to it at one boundary (the rollout's entry,
     the forward step); see ``nemo_rlhf/distributed/__init__.py``."""
+    ep: int = 1
+    """Expert-parallel size (``parallel.expert_model_parallel_size``)."""
+    ep_rank: int = 0
+    """This rank's index in its expert-parallel group: it holds experts
+    ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of every MoE layer."""
+    ep_group: object = None
+    """Expert-parallel group: the ``ep`` ranks (one per data-parallel replica, same TP and
+    PP position) that split the experts among them and exchange tokens."""
+    expert_dp_group: object = None
+    """Expert-data-parallel group: the ``dp / ep`` ranks holding the same experts, over
+    which megatron DDP reduces the expert weights' gradients."""
+    expert_mp_group: object = None
+    """Expert model-parallel group (expert TP x EP x PP): the ranks that together hold one
+    copy of every expert, over which the experts' share of the gradient norm is summed."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -202,8 +258,12 @@ class ParallelDims:
         return dist.get_global_rank(self.dp_group, 0) if self.world_size > 1 else 0
 
     def describe(self) -> dict:
-        """JSON-able summary: ``{"tp": .., "pp": .., "dp": .., "world_size": ..}``."""
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world_size": self.world_size}
+        """JSON-able summary: ``{"tp": .., "pp": .., "dp": .., "world_size": ..}``, with
+        ``"ep"`` under expert parallelism (absent: 1)."""
+        out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world_size": self.world_size}
+        if self.ep > 1:
+            out["ep"] = self.ep
+        return out
 
 
 def _make_dims(local_rank: int) -> ParallelDims:
@@ -230,6 +290,11 @@ def _make_dims(local_rank: int) -> ParallelDims:
         dp_group=ps.get_data_parallel_group(),
         mp_group=ps.get_model_parallel_group(),
         embedding_group=ps.get_embedding_group(check_initialized=False),
+        ep=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        expert_dp_group=ps.get_expert_data_parallel_group(),
+        expert_mp_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
         device=device,
     )
 
@@ -241,6 +306,7 @@ def initialize_distributed(
     num_attention_heads: int | None = None,
     num_query_groups: int | None = None,
     launch_env: LaunchEnv | None = None,
+    num_moe_experts: int | None = None,
 ) -> ParallelDims:
     """Initialise torch.distributed, megatron's parallel state and the TP RNG tracker.
 
@@ -250,7 +316,9 @@ def initialize_distributed(
     Args:
         parallel: the layout; validated against the world size and the model first.
         seed: base seed; megatron's tracker derives the TP-rank seeds from it.
-        num_layers, num_attention_heads, num_query_groups: model facts for validation.
+        num_layers, num_attention_heads, num_query_groups, num_moe_experts: model facts for
+            validation (``num_moe_experts`` None: a dense model; then
+            ``parallel.expert_model_parallel_size`` must be 1).
         launch_env: overrides the environment (tests).
 
     Raises:
@@ -259,7 +327,7 @@ def initialize_distributed(
     """
     env = launch_env or read_launch_env()
     validate_parallel_layout(parallel, env.world_size, num_layers, num_attention_heads,
-                             num_query_groups)
+                             num_query_groups, num_moe_experts=num_moe_experts)
     cpu_compat.activate_if_no_cuda()
     cuda = torch.cuda.is_available()
     if cuda:
@@ -289,6 +357,7 @@ def initialize_distributed(
     ps.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
         distributed_timeout_minutes=parallel.timeout_minutes,
         create_gloo_process_groups="nccl" in backend,
     )

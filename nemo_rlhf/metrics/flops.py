@@ -24,6 +24,13 @@ The output layer costs ``2 * h * V`` per token (``V`` the padded vocabulary; tie
 embeddings still run this product), the value head ``2 * h`` per token; an embedding
 lookup costs nothing.
 
+A mixture-of-experts layer (``model.num_moe_experts`` = ``E`` experts of width ``f_e``, each
+token routed to ``k`` of them, ``model.moe_router_topk``) counts the experts a token runs and
+its router, i.e. its active parameters: the MLP term becomes ``k * (m + 1) * h * f_e + h * E``
+(``2 * 3.04e9`` FLOPs per token for Qwen3-30B-A3B's matrices, whose model card counts 3.3B
+activated parameters, the input embedding included). Tokens are counted once: expert
+parallelism moves them to other ranks, it adds no model FLOPs.
+
 A forward pass over ``B`` sequences of ``S`` tokens therefore costs
 
     F(B, S) = B * S * L * 2 * [h*(a*d + 2*g*d) + a*d*h + (m+1)*h*f]
@@ -69,11 +76,21 @@ def _dims(cfg) -> tuple[int, int, int, int, int, int, int]:
             cfg.padded_vocab_size)
 
 
+def mlp_matmul_flops_per_token(cfg) -> int:
+    """FLOPs of one token through one layer's MLP: ``2 * (m+1)*h*f`` dense; for a MoE layer
+    the ``k`` experts it is routed to and the router, ``2 * [k*(m+1)*h*f_e + h*E]``."""
+    _, h, _, _, mlp_in, f, _ = _dims(cfg)
+    if cfg.num_moe_experts is None:
+        return 2 * (mlp_in + 1) * h * f
+    return 2 * (cfg.moe_router_topk * (mlp_in + 1) * h * cfg.moe_expert_ffn_size + h * cfg.num_moe_experts)
+
+
 def layer_matmul_flops_per_token(cfg) -> int:
     """FLOPs of one token through one layer's matrix products (no attention scores):
-    ``2 * [h*(a*d + 2*g*d) + a*d*h + (m+1)*h*f]``."""
-    _, h, q, kv, mlp_in, f, _ = _dims(cfg)
-    return 2 * (h * (q + kv) + q * h + (mlp_in + 1) * h * f)
+    ``2 * [h*(a*d + 2*g*d) + a*d*h] +`` :func:`mlp_matmul_flops_per_token` (dense:
+    ``2 * (m+1)*h*f``)."""
+    _, h, q, kv, _, _, _ = _dims(cfg)
+    return 2 * (h * (q + kv) + q * h) + mlp_matmul_flops_per_token(cfg)
 
 
 def forward_flops(cfg, batch: int, seq_len: int, *, value_head: bool = False,

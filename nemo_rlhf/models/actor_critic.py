@@ -31,6 +31,7 @@ from nemo_rlhf.models.config import ModelConfig, build_transformer_config
 from nemo_rlhf.models.decode_layers import local_layer_spec
 from nemo_rlhf.models.embedding import use_main_grad_lookup
 from nemo_rlhf.models.moe import patch_router_gemm_without_te
+from nemo_rlhf.models.moe_dispatch import use_padded_dispatcher
 from nemo_rlhf.models.logprobs import LogprobRequest, fused_response_logprobs
 from nemo_rlhf.models.lora import apply_lora
 from nemo_rlhf.models.packing import PackedBatch
@@ -219,6 +220,10 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
         seed: if given, re-seed megatron's TP RNG tracker first, so two builds give the
             same weights (tests; reference copies).
 
+    A MoE model at ``dims.ep`` > 1 holds ``num_moe_experts / ep`` experts per layer (its
+    expert-parallel rank's); its token dispatchers are
+    :class:`~nemo_rlhf.models.moe_dispatch.PaddedAllGatherTokenDispatcher`.
+
     With ``model.lora.enabled`` the stage gets LoRA adapters and only they and the head
     stay trainable (:func:`nemo_rlhf.models.lora.apply_lora`).
 
@@ -238,9 +243,11 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
         reseed_model_parallel(seed)
     if model_cfg.num_moe_experts is not None:
         patch_router_gemm_without_te()
-    config = build_transformer_config(model_cfg, dims.tp, dims.pp, precision)
+    config = build_transformer_config(model_cfg, dims.tp, dims.pp, precision, ep=dims.ep)
     model = classes[kind](config, model_cfg, pre_process=dims.is_first_stage,
                           post_process=dims.is_last_stage, layer_spec=_layer_spec(model_cfg))
+    # MoE: expert-parallel ranks may hold different token counts (nemo_rlhf.models.moe)
+    use_padded_dispatcher(model)
     # the word embedding's weight gradient into DDP's main_grad, without a dense
     # [vocab, hidden] gradient (nemo_rlhf.models.embedding)
     use_main_grad_lookup(model)

@@ -449,8 +449,9 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: str = "32"):
-    """megatron-core ``TransformerConfig`` for a model and a parallel layout.
+def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: str = "32", ep: int = 1):
+    """megatron-core ``TransformerConfig`` for a model and a parallel layout (``ep``: the
+    expert-parallel size, MoE only; megatron's expert TP is left at ``tp``).
 
     Weights are created on the CPU (``use_cpu_initialization``) and moved to the device by
     the caller; all CUDA-only fusions are off.
@@ -490,6 +491,7 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
             moe_grouped_gemm=False,
             moe_permute_fusion=False,
             moe_router_fusion=False,
+            expert_model_parallel_size=ep,
         )
     swiglu = model.activation == "swiglu"
     act = {"swiglu": F.silu, "gelu": F.gelu, "gelu_tanh": _gelu_tanh}[model.activation]

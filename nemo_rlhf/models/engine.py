@@ -11,6 +11,14 @@ Batches are batch-first dicts of tensors; every micro-batch of one call has the 
 ``[micro_batch_size, seq]`` shape (pipeline stages exchange fixed-size activations), unless
 the call allows variable shapes (token-budget and packed micro-batches: each activation's
 shape is then sent ahead of it).
+
+Expert parallelism (a MoE model at ``parallel.expert_model_parallel_size`` > 1): every MoE
+layer call is a collective over the expert-parallel group, whose ranks hold different
+data-parallel batches; a call whose ranks hold fewer micro-batches than the group's most
+runs extra ones (copies of its last micro-batch, their loss multiplied by 0, their
+statistics dropped and their routed tokens not counted in the ``moe/`` metrics; forward-only:
+a ``[1, 1]`` batch where it has none), so that every rank
+calls the layers equally often (:func:`nemo_rlhf.models.moe.agree_on_micro_batch_count`).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from nemo_rlhf.distributed.device import to_device
+from nemo_rlhf.models.moe import agree_on_micro_batch_count, expert_exchange_group, filler_forward
 from nemo_rlhf.models.packing import PackedBatch
 
 LossFn = Callable[[object, dict], tuple[torch.Tensor, dict]]
@@ -152,6 +161,7 @@ def forward_backward(
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    micro_batches, dummies = _pad_for_expert_parallel(model, list(micro_batches), forward_only, device)
     if not micro_batches:
         return []
     # packed activations are [W, bins, hidden], not the padded [seq, mbs, hidden]
@@ -162,21 +172,27 @@ def forward_backward(
             raise ValueError(
                 f"micro-batch {i} has shape {tuple(mb['input_ids'].shape)}, expected {(mbs, seq)}"
             )
-    it = iter(micro_batches)
+    it = iter(enumerate(micro_batches))
+    real = len(micro_batches) - dummies
 
     def step(data_iterator, stage):
-        mb = next(data_iterator)
+        index, mb = next(data_iterator)
         if device is not None:
             mb = to_device(mb, device)
         dev = mb["input_ids"].device
         request = logprob_request
         if request is not None and "prompt_length" in mb:
             request = replace(request, prompt_length=mb["prompt_length"])
-        out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request,
-                            packed=mb.get("packed"))
+        with filler_forward(index >= real):  # a filler's routed tokens are not counted
+            out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request,
+                                packed=mb.get("packed"))
 
         def loss_func(output):
             one = torch.ones((), dtype=torch.int, device=dev)
+            if index >= real:  # an expert-parallel filler: no loss, no statistics
+                if forward_only:
+                    return torch.zeros((), dtype=torch.float32, device=dev), one, {}
+                return loss_fn(output, mb)[0] * 0.0, one, {}
             if loss_fn is None:
                 return torch.zeros((), dtype=torch.float32, device=dev), one, {"output": output}
             loss, stats = loss_fn(output, mb)
@@ -201,7 +217,38 @@ def forward_backward(
         )
     finally:
         cfg.variable_seq_lengths = variable_before
-    return list(results or [])
+    return list(results or [])[:real] if real else []
+
+
+def _pad_for_expert_parallel(model, micro_batches: list[dict], forward_only: bool,
+                             device: Optional[torch.device]) -> tuple[list[dict], int]:
+    """``micro_batches`` extended to the expert-parallel group's most (see the module
+    docstring), and how many were added (0 without expert parallelism: no collective).
+
+    Raises:
+        ValueError: on every rank of the group, a training call where some rank has no
+            micro-batch and others have some (there is nothing to run a zero-loss copy of).
+    """
+    group = expert_exchange_group(model)
+    if group is None:
+        return micro_batches, 0
+    if device is None:  # the micro-batches are on the model's device (forward_backward's contract)
+        device = next(unwrap(model).parameters()).device
+    fewest, most = agree_on_micro_batch_count(len(micro_batches), group, device)
+    extra = most - len(micro_batches)
+    if not extra:
+        return micro_batches, 0
+    if fewest == 0 and not forward_only:
+        raise ValueError(
+            f"a training forward/backward at parallel.expert_model_parallel_size > 1 where some "
+            f"expert-parallel rank has no micro-batch and another has {most}: every data-parallel "
+            f"rank of an expert-parallel group must train on rows")
+    if micro_batches:
+        filler = micro_batches[-1]
+    else:
+        ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+        filler = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return micro_batches + [filler] * extra, extra
 
 
 def finalize_grads(model: torch.nn.Module) -> None:

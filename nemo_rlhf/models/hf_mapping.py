@@ -791,8 +791,8 @@ _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(?:mlp\.experts\.local_experts\
 
 def _stack_index(name: str, key: str) -> tuple:
     """Where a state-dict entry goes in its full tensor: ``()`` (not stacked), ``(layer,)``
-    or, for a MoE expert's weight, ``(layer, expert)`` (local expert index = global one at
-    expert-parallel size 1)."""
+    or, for a MoE expert's weight, ``(layer, expert)`` (the local expert index: the global
+    one at expert-parallel size 1; :func:`gather_full_tensors` maps it at EP > 1)."""
     m = _LAYER_RE.match(name) if key.startswith(L) else None
     if m is None:
         return ()
@@ -834,10 +834,12 @@ def _tp_gather(data: torch.Tensor, group) -> list[torch.Tensor]:
     return parts
 
 
-def gather_full_tensors(model, tp_group=None, skip: Callable[[str], bool] = lambda key: False
-                        ) -> dict:
+def gather_full_tensors(model, tp_group=None, skip: Callable[[str], bool] = lambda key: False,
+                        ep_group=None) -> dict:
     """This model's weights as full tensors (like :func:`model_full_tensors`), its TP shards
-    gathered over ``tp_group``: every rank of the group returns the same dict.
+    gathered over ``tp_group`` and, for a MoE model at expert-parallel size > 1, its experts
+    over ``ep_group`` (EP rank ``r``'s local expert ``i`` is expert ``r * E / EP + i``):
+    every rank of the groups returns the same dict.
 
     A tensor split across TP (vocab-parallel embedding and output layer, column-parallel
     QKV / fc1, row-parallel proj / fc2) is all-gathered along the axis its sharded state
@@ -850,29 +852,47 @@ def gather_full_tensors(model, tp_group=None, skip: Callable[[str], bool] = lamb
         model: a megatron ``GPTModel`` / actor stage at PP=1 (unwrapped).
         tp_group: the TP group (None or size 1: no communication).
         skip: dist keys not to gather (e.g. the value head).
+        ep_group: the expert-parallel group (``dims.ep_group``; None or size 1: the experts
+            are all local).
 
     Raises:
         ValueError: a tensor fragmented along more than one axis (not a TP layout).
     """
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    if tp == 1 and ep == 1:
         return {k: v for k, v in model_full_tensors(model).items() if not skip(k)}
+    entries = [(name, sh) for name, sh in model.sharded_state_dict(prefix="").items()
+               if getattr(sh, "key", None) is not None and torch.is_tensor(getattr(sh, "data", None))
+               and not name.endswith("_extra_state") and not skip(sh.key)]
+    local_experts = 1 + max((_stack_index(n, sh.key)[1:] or (-1,))[0] for n, sh in entries)
     parts: dict = {}
-    for name, sh in model.sharded_state_dict(prefix="").items():
-        key, data = getattr(sh, "key", None), getattr(sh, "data", None)
-        if key is None or not torch.is_tensor(data) or name.endswith("_extra_state") or skip(key):
-            continue
-        data = data.detach()
-        if type(sh).__name__ == "ShardedTensorFactory":  # SwiGLU fc1: [gate_r; up_r] per rank
-            halves = [p.chunk(2, dim=0) for p in _tp_gather(data, tp_group)]
-            full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    for name, sh in entries:
+        key, data = sh.key, sh.data.detach()
+        index = _stack_index(name, key)
+        full = data if tp == 1 else _tp_full(sh, data, tp_group)
+        if ep > 1 and len(index) == 2:  # (layer, local expert): every EP rank's
+            for r, t in enumerate(_tp_gather(full, ep_group)):
+                parts.setdefault(key, {})[(index[0], r * local_experts + index[1])] = t
         else:
-            pre = sh.prepend_axis_num
-            axes = [i - pre for i, f in enumerate(sh.axis_fragmentations) if f > 1 and i >= pre]
-            if len(axes) > 1:
-                raise ValueError(f"{key}: fragmented along axes {axes}; only one TP axis is expected")
-            full = torch.cat(_tp_gather(data, tp_group), dim=axes[0]) if axes else data
-        parts.setdefault(key, {})[_stack_index(name, key)] = full
+            parts.setdefault(key, {})[index] = full
     return {k: _stacked(v) for k, v in parts.items()}
+
+
+def _tp_full(sh, data: torch.Tensor, tp_group) -> torch.Tensor:
+    """One sharded-state-dict entry's TP shards gathered into its full tensor.
+
+    Raises:
+        ValueError: fragmented along more than one axis (not a TP layout).
+    """
+    if type(sh).__name__ == "ShardedTensorFactory":  # SwiGLU fc1: [gate_r; up_r] per rank
+        halves = [p.chunk(2, dim=0) for p in _tp_gather(data, tp_group)]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    pre = sh.prepend_axis_num
+    axes = [i - pre for i, f in enumerate(sh.axis_fragmentations) if f > 1 and i >= pre]
+    if len(axes) > 1:
+        raise ValueError(f"{sh.key}: fragmented along axes {axes}; only one TP axis is expected")
+    return torch.cat(_tp_gather(data, tp_group), dim=axes[0]) if axes else data
 
 
 def fill_model(model, tensors: dict) -> None:

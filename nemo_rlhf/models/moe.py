@@ -13,15 +13,39 @@ This module holds what megatron-core 0.16.1 lacks to run them here:
 * :class:`RouterLoad` / :func:`router_load_metrics`: the PPO update's ``moe/`` metrics
   (tokens per expert, busiest and idlest over the mean, and megatron's aux loss).
 
+Expert parallelism (``parallel.expert_model_parallel_size`` = EP > 1): each rank of an
+expert-parallel group holds ``E / EP`` experts of every layer (megatron's ``SequentialMLP``
+with its local experts) and every MoE layer call is a collective over the group (megatron's
+``allgather`` dispatcher gathers the group's tokens, each rank runs its experts on those
+routed to them, a reduce-scatter returns every rank its tokens' outputs). The ranks of the
+group belong to different data-parallel replicas, which hold different batches, so two
+things megatron assumes here must be made true:
+
+* :class:`~nemo_rlhf.models.moe_dispatch.PaddedAllGatherTokenDispatcher`: the ranks may
+  hold different token counts in one call (prompts padded to another length, the last
+  forward micro-batch shorter, token-budget micro-batches): the counts are exchanged and the
+  shorter ones padded with rows routed to no expert, so the all-gather / reduce-scatter see
+  equal shapes; the padding is cut off again.
+* Every rank of the group calls the layers equally often: the forward/backward schedule pads
+  a rank's micro-batch list to the group's longest (:func:`agree_on_micro_batch_count`,
+  :mod:`nemo_rlhf.models.engine`) and decoding stops only when every rank of the group is
+  done (:mod:`nemo_rlhf.rollout.generate`). :func:`expert_exchange_group` names the group.
+
 Simplified: no shared experts, no grouped GEMM (CUDA kernels), no token dropping
-(capacity factor), no expert bias / sigmoid routing (DeepSeek-V3's).
+(capacity factor), no expert bias / sigmoid routing (DeepSeek-V3's); the ``alltoall``
+dispatcher is not used (megatron 0.16.1 hands ``all_to_all_single`` its split sizes as
+tensors, which torch 2.13 refuses with a ``TypeError``); the allgather dispatcher moves every
+token of the group to every rank (``EP x`` the activations an all-to-all would move), which
+is what makes it run on gloo as on NCCL.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 
 def patch_router_gemm_without_te() -> None:
@@ -31,6 +55,53 @@ def patch_router_gemm_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def expert_exchange_group(model: torch.nn.Module):
+    """The process group over which ``model``'s MoE layers exchange tokens in every call
+    (megatron's TP x EP group of its token dispatchers) when the experts are split across
+    ranks (EP > 1); None for a dense model or at EP = 1, where a rank's MoE calls wait for
+    no other data-parallel replica."""
+    for m in model.modules():
+        d = getattr(m, "token_dispatcher", None)
+        if d is not None and hasattr(d, "tp_ep_group"):  # a megatron MoETokenDispatcher
+            return d.tp_ep_group if d.ep_size > 1 else None
+    return None
+
+
+def agree_on_micro_batch_count(count: int, group, device: torch.device) -> tuple[int, int]:
+    """``(fewest, most)`` micro-batches of the ranks of ``group`` (one ``[2]`` int64
+    all-reduce on ``device``): with expert parallelism every rank of the group must run as
+    many MoE layer calls as the others."""
+    both = torch.tensor([-count, count], dtype=torch.long, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return -int(both[0]), int(both[1])
+
+
+_FILLER = [False]
+"""Whether the forward running now is an expert-parallel filler (:func:`filler_forward`)."""
+
+
+@contextlib.contextmanager
+def filler_forward(active: bool = True):
+    """Mark the forwards of the ``with`` block as expert-parallel fillers (the zero-loss
+    copies :mod:`nemo_rlhf.models.engine` runs so that every EP rank calls the MoE layers
+    equally often): :class:`RouterLoad` does not count their tokens. ``active=False``: a
+    no-op."""
+    before = _FILLER[0]
+    _FILLER[0] = before or active
+    try:
+        yield
+    finally:
+        _FILLER[0] = before
+
+
+def all_done_in_group(done: bool, group, device: torch.device) -> bool:
+    """Whether every rank of ``group`` is ``done`` (one ``[1]`` all-reduce on ``device``):
+    a decoding loop at EP > 1 stops only when all of them are."""
+    flag = torch.tensor([0 if done else 1], dtype=torch.long, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return not bool(flag.item())
 
 
 AUX_LOSS_NAME = "load_balancing_loss"
@@ -46,6 +117,8 @@ class RouterLoad:
     tokens (megatron's MoE layer is given no padding mask here) and are counted too. On
     exit it also reads (and clears) megatron's aux-loss tracker, which the routers fill in
     training passes when ``model.moe_aux_loss_coeff > 0``.
+
+    Forwards marked by :func:`filler_forward` (expert-parallel filler copies) are not counted.
 
     Attributes:
         counts: ``[routers on this stage, experts]`` float64 on the routers' device.
@@ -65,6 +138,8 @@ class RouterLoad:
 
     def _hook(self, index: int):
         def hook(_module, _inputs, output):
+            if _FILLER[0]:  # an expert-parallel filler micro-batch (a copy): not counted
+                return
             routing_map = output[1]  # [tokens, experts] bool
             self.counts[index] += routing_map.sum(0).to(self.counts.dtype)
             self.calls += 1
@@ -147,3 +222,23 @@ def check_moe_training_layout(model_cfg, parallel) -> None:
             "megatron's MoE layer does not train at TP > 1 without sequence parallelism, which is not "
             "supported here; valid for training a MoE model: tensor_model_parallel_size=1 (use DP or "
             "parallel.pipeline_model_parallel_size)")
+
+
+def refuse_expert_parallel(parallel, job: str) -> None:
+    """Refuse ``parallel.expert_model_parallel_size`` > 1 in a job that does not support it
+    (``sft``, ``rm``, ``evaluate``, the RM server): their data-parallel ranks may run a
+    different number of forward calls (a last partial micro-batch, a rank without validation
+    rows), which under expert parallelism would leave a rank waiting in a MoE layer's
+    collective; only the PPO trainer's calls are equalised and tested
+    (:mod:`nemo_rlhf.models.engine`).
+
+    Raises:
+        ValueError: naming the key, the job and the value that works.
+    """
+    ep = parallel.expert_model_parallel_size
+    if ep > 1:
+        raise ValueError(
+            f"parallel.expert_model_parallel_size={ep} in the {job} job: expert parallelism is "
+            f"supported by the PPO trainer only (its data-parallel ranks' forward calls are made "
+            f"equal in number and it is tested at EP=2); set parallel.expert_model_parallel_size=1 "
+            f"here (a checkpoint saved at any EP loads at EP=1)")

@@ -24,7 +24,11 @@ prompts (checked). Stages hand hidden states ``[s, batch, hidden]`` to the next 
 across TP (megatron requires ``runtime_gather_output`` in inference); TP rank 0 of the last
 stage samples and broadcasts ``(token, log-prob, stop flag)`` to its TP group and then to
 every stage of its pipeline, so all ranks agree on every token and stop at the same step.
-DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index).
+DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index). With expert
+parallelism (a MoE actor at ``parallel.expert_model_parallel_size`` > 1) every MoE layer call
+is a collective over DP ranks, so a rank whose rows are all done keeps stepping (finished
+rows, pad tokens) until every rank of its expert-parallel group is done: its batch then has
+more (padding) response columns than it would alone, the same valid tokens.
 
 Speed: masks, positions and buffers are built once per call and sliced per step; without
 left padding decode steps pass no mask; with the CPU shim active its TorchFunctionMode is
@@ -67,6 +71,7 @@ from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.models.actor_critic import ActorCriticModel
 from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for, unwrap
+from nemo_rlhf.models.moe import all_done_in_group, expert_exchange_group
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.incremental_stage import IncrementalStage
 from nemo_rlhf.rollout.sampling import choose_tokens
@@ -402,6 +407,7 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
         key_pad_B11L = torch.zeros(B, 1, 1, L, dtype=torch.bool, device=dev)
         key_pad_B11L[:, 0, 0, :P] = ~prompt_mask
 
+    ep_group = expert_exchange_group(model)  # EP > 1: stop when the group is done
     steps = 0
     for t in range(R):
         if not cfg.use_kv_cache:
@@ -437,7 +443,9 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
         ended |= newly
         done |= newly
         steps = t + 1
-        if bool(done.all()):
+        if ep_group is None and bool(done.all()):
+            break
+        if ep_group is not None and all_done_in_group(bool(done.all()), ep_group, dev):
             break
 
     input_ids = seq_ids[:, :P + steps].clone()

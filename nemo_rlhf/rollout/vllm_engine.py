@@ -208,7 +208,7 @@ class VLLMRolloutEngine:
         self._wake()
         core = unwrap(model)
         full = gather_full_tensors(core, self.dims.tp_group if self.dims.tp > 1 else None,
-                                   skip=_is_head)
+                                   skip=_is_head, ep_group=self.dims.ep_group if self.dims.ep > 1 else None)
         full, adapters = split_adapters(full)
         if adapters:  # LoRA: the engine serves W + (alpha / r) B A
             full = merge_adapters(full, adapters, self.model_cfg.lora.scale)

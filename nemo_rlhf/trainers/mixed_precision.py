@@ -11,7 +11,10 @@ megatron-core's own optimizer asserts CUDA tensors, so this is a small wrapper a
   megatron's ``DynamicGradScaler``);
 * the global gradient norm counts each parameter once (TP-replicated and tied copies
   excluded) and is all-reduced over the model-parallel group; a non-finite norm skips the
-  step and is reported, so the caller can count consecutive skips.
+  step and is reported, so the caller can count consecutive skips. Under expert
+  parallelism the experts' weights (megatron marks them ``allreduce=False``) differ across
+  the expert-parallel ranks: their squares are summed over the expert model-parallel group
+  (expert TP x EP x PP) instead, so each expert counts once and every rank gets the same norm.
 
 LR: linear warmup then ``constant``, ``linear`` or ``cosine`` decay to ``min_lr`` over
 ``decay_steps`` (a ``torch.optim.lr_scheduler.LambdaLR``).
@@ -150,17 +153,24 @@ class MixedPrecisionOptimizer:
         cfg: :class:`OptimizerConfig`.
         mp_group: model-parallel process group for the grad norm (None: local only).
         fp16: enable dynamic loss scaling.
+        expert_mp_group: expert parallelism (EP > 1): the expert model-parallel group
+            (``dims.expert_mp_group``) over which the expert-parallel weights' share of the
+            norm is summed (None: they are summed with the others over ``mp_group``).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: OptimizerConfig, mp_group=None,
-                 fp16: bool = False):
+                 fp16: bool = False, expert_mp_group=None):
         from megatron.core import tensor_parallel
         from megatron.core.transformer.module import param_is_not_shared
 
         self.model = model
         self.cfg = cfg
         self.mp_group = mp_group
+        self.expert_mp_group = expert_mp_group
         self.params = [p for p in model.parameters() if p.requires_grad]
+        # expert-parallel weights (megatron: allreduce=False, only at EP > 1)
+        self.expert_parallel = [expert_mp_group is not None and not getattr(p, "allreduce", True)
+                                for p in self.params]
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone()
                         for p in self.params]
@@ -227,13 +237,22 @@ class MixedPrecisionOptimizer:
             m.grad = g * inv if inv != 1.0 else g
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the masters' grads, each parameter counted once."""
+        """Global L2 norm of the masters' grads, each parameter counted once: the squares
+        of the dense weights summed over ``mp_group``, those of expert-parallel weights over
+        ``expert_mp_group``."""
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for m, count in zip(self.masters, self.count_for_norm):
+        expert_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for m, count, expert in zip(self.masters, self.count_for_norm, self.expert_parallel):
             if count and m.grad is not None:
-                sq += m.grad.float().pow(2).sum()
+                if expert:
+                    expert_sq += m.grad.float().pow(2).sum()
+                else:
+                    sq += m.grad.float().pow(2).sum()
         if self.mp_group is not None and dist.is_initialized() and dist.get_world_size(self.mp_group) > 1:
             dist.all_reduce(sq, group=self.mp_group)
+        if any(self.expert_parallel):
+            dist.all_reduce(expert_sq, group=self.expert_mp_group)
+            sq = sq + expert_sq
         return float(sq.sqrt())
 
     def step(self, only: Optional[Callable[[str], bool]] = None) -> tuple[bool, float]:

@@ -196,8 +196,15 @@ def validate_optimizer(cfg: OptimizerConfig, dims) -> None:
     """Rules of ``optim`` that need the device, checked before the model is built.
 
     Raises:
-        ValueError: ``optim.use_distributed_optimizer=true`` on a run without CUDA.
+        ValueError: ``optim.use_distributed_optimizer=true`` on a run without CUDA, or with
+            expert parallelism (megatron's optimizer would shard the experts over the
+            expert-data-parallel group; not wired nor tested here).
     """
+    if cfg.use_distributed_optimizer and getattr(dims, "ep", 1) > 1:
+        raise ValueError(
+            f"optim.use_distributed_optimizer=true with parallel.expert_model_parallel_size={dims.ep}: "
+            f"megatron's DistributedOptimizer under expert parallelism is not wired here; set "
+            f"optim.use_distributed_optimizer=false or parallel.expert_model_parallel_size=1")
     if cfg.use_distributed_optimizer and dims.device.type != "cuda":
         raise ValueError(
             f"optim.use_distributed_optimizer=true needs CUDA GPUs (megatron's "
@@ -218,7 +225,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimizerConfig, dims, precisio
     if cfg.use_distributed_optimizer:
         return MegatronDistributedOptimizer(model, cfg, precision)
     return MixedPrecisionOptimizer(model, cfg, mp_group=dims.mp_group,
-                                   fp16=precision == "fp16-mixed")
+                                   fp16=precision == "fp16-mixed",
+                                   expert_mp_group=dims.expert_mp_group if getattr(dims, "ep", 1) > 1 else None)
 
 
 __all__ = ["CHECKPOINT_FORMAT", "MegatronDistributedOptimizer", "StepSchedule", "build_optimizer",

@@ -2,8 +2,8 @@
 
 Under the guard ``dims.device`` is an emulated accelerator: a host tensor meeting a device
 tensor, or a host tensor handed to a backend without gloo, fails as it would on CUDA. The
-PPO step at TP=1 (DP=2), TP=2 and PP=2 with evaluation and both reference modes, the SFT
-and RM steps run clean; two planted mistakes (the rollout's move to the device removed, the
+PPO step at TP=1 (DP=2), TP=2, PP=2 and, for a MoE actor, EP=2 with evaluation and both
+reference modes, the SFT and RM steps run clean; two planted mistakes (the rollout's move to the device removed, the
 backend map replaced by plain NCCL) fail naming the place.
 """
 
@@ -24,10 +24,15 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 PPO = ("reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", "optim.lr=1e-3",
        "trainer.val_check_interval=1", "ppo.ppo_epochs=1")
 LAYOUTS = {"tp1_dp2": (1, 1, "offload"), "tp2": (2, 1, "offload"), "pp2": (1, 2, "colocated"),
-           "tp2_budget_tis": (2, 1, "offload")}
+           "tp2_budget_tis": (2, 1, "offload"), "moe_ep2_budget": (1, 1, "offload")}
 EXTRA = {"tp2_budget_tis": ("ppo.max_tokens_per_micro_batch=40", "ppo.rollout_is_cap=2.0",
                             "ppo.rollout_mask_threshold=5.0", "rollout.max_new_tokens=8",
-                            "rollout.stop_token_ids=[3,4,5]")}
+                            "rollout.stop_token_ids=[3,4,5]"),
+         # expert parallelism: token counts, micro-batch counts and decode stops agreed over
+         # the EP group with device tensors
+         "moe_ep2_budget": ("model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                            "parallel.expert_model_parallel_size=2", "ppo.max_tokens_per_micro_batch=40",
+                            "rollout.max_new_tokens=8", "rollout.stop_token_ids=[3,4,5]")}
 
 
 def _catch(fn) -> str:

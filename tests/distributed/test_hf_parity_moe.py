@@ -1,8 +1,9 @@
 """Mixture-of-experts Hugging Face interop (transformers in-process, 2 gloo ranks): tiny
 random Qwen3-MoE (``norm_topk_prob`` true and false, untied and tied) and Mixtral models
 built by transformers' own classes and saved; ``import-hf`` of each; ONE 2-rank spawn that
-runs every megatron-side forward (TP=1 and TP=2); ``export-hf`` and transformers'
-``from_pretrained``. The tests assert on what the module fixture collected (the layout of
+runs every megatron-side forward (TP=1, TP=2 and expert-parallel EP=2, where each rank holds
+two of the four experts) and saves each model at EP=2; ``export-hf`` of the imported and of
+the EP=2 checkpoints and transformers' ``from_pretrained``. The tests assert on what the module fixture collected (the layout of
 ``tests/distributed/test_hf_parity.py``, whose helpers it uses)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_hf_parity import IDS, _cli, _close, _forward_logits, _tokenizer
+from tests.distributed.test_hf_parity import IDS, _cli, _close, _forward_logits, _model_cfg, _tokenizer
 
 pytest.importorskip("transformers")
 
@@ -48,6 +49,32 @@ def _worker(rank: int, root: str):
         dims = initialize_distributed(ParallelConfig(tensor_model_parallel_size=tp), seed=0)
         for arch in ARCHS:
             out[f"{arch}_tp{tp}"] = _forward_logits(root / "imported" / arch / "step_0", dims)
+    dims = initialize_distributed(ParallelConfig(expert_model_parallel_size=2), seed=0, num_moe_experts=4)
+    for arch in ARCHS:
+        out.update(_at_ep2(root, arch, dims))
+    return out
+
+
+def _at_ep2(root: Path, arch: str, dims) -> dict:
+    """At EP=2: the imported model's logits, its weights gathered over the expert-parallel
+    group (:func:`~nemo_rlhf.models.hf_mapping.gather_full_tensors`, rank 0's only) and a
+    checkpoint saved from it (each rank writing its two experts)."""
+    from omegaconf import OmegaConf
+
+    from nemo_rlhf.checkpoint import load_model_weights, save_checkpoint
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.hf_mapping import gather_full_tensors
+
+    src = root / "imported" / arch / "step_0"
+    out = {f"{arch}_ep2": _forward_logits(src, dims)}
+    model = build_model(_model_cfg(src), dims).eval()
+    load_model_weights(src, model, init_heads=True)
+    out[f"{arch}_ep2_local_experts"] = len(model.decoder.layers[0].mlp.experts.local_experts)
+    gathered = gather_full_tensors(model, None, ep_group=dims.ep_group)
+    out[f"{arch}_ep2_gathered"] = gathered if dims.rank == 0 else None
+    config = OmegaConf.to_container(OmegaConf.load(src / "config.yaml"))
+    config["parallel"]["expert_model_parallel_size"] = 2
+    save_checkpoint(root / "saved_ep2" / arch, 0, model, None, {"step": 0}, config, dims)
     return out
 
 
@@ -77,10 +104,11 @@ def env(tmp_path_factory):
     ranks = run_ranks(_worker, 2, root=str(root))
     exported = {}
     for arch in ARCHS:
-        _cli("export-hf", root / "imported" / arch, "--out", root / "exported" / arch)
-        hf = AutoModelForCausalLM.from_pretrained(root / "exported" / arch).eval()
-        with torch.no_grad():
-            exported[arch] = hf(IDS).logits
+        for src, dst in (("imported", "exported"), ("saved_ep2", "exported_from_ep2")):
+            _cli("export-hf", root / src / arch, "--out", root / dst / arch)
+            hf = AutoModelForCausalLM.from_pretrained(root / dst / arch).eval()
+            with torch.no_grad():
+                exported[arch if src == "imported" else f"{arch}_from_ep2"] = hf(IDS).logits
     return {"root": root, "ref": ref, "ranks": ranks, "exported": exported, "flipped": flipped}
 
 
@@ -89,6 +117,49 @@ def env(tmp_path_factory):
 def test_imported_moe_model_gives_transformers_logits(env, arch, tp):
     for rank in env["ranks"]:
         _close(rank[f"{arch}_tp{tp}"], env["ref"][arch], TOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_at_ep2_each_rank_holds_half_the_experts_and_gives_transformers_logits(env, arch):
+    for rank in env["ranks"]:
+        assert rank[f"{arch}_ep2_local_experts"] == 2
+        _close(rank[f"{arch}_ep2"], env["ref"][arch], TOL)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_weights_gathered_over_the_expert_parallel_group_are_the_imported_ones(env, arch):
+    from nemo_rlhf.checkpoint.io import load_full_tensors
+
+    imported = {k[len("model."):]: v for k, v in
+                load_full_tensors(env["root"] / "imported" / arch / "step_0").items() if k.startswith("model.")}
+    gathered = env["ranks"][0][f"{arch}_ep2_gathered"]
+    experts = [k for k in imported if ".experts." in k]
+    assert experts and imported[experts[0]].shape[1] == 4  # [layers, experts, ...]
+    assert sorted(k for k in gathered if not k.startswith("value_head.")) == sorted(imported)
+    for k, v in imported.items():
+        assert torch.equal(gathered[k], v), k
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_checkpoint_saved_at_ep2_holds_every_expert_and_exports_to_transformers_logits(env, arch):
+    from safetensors.torch import load_file
+
+    from nemo_rlhf.checkpoint import read_metadata
+    from nemo_rlhf.checkpoint.io import load_full_tensors
+
+    saved = env["root"] / "saved_ep2" / arch / "step_0"
+    assert read_metadata(saved)["parallel"]["ep"] == 2
+    _cli("validate", "--deep", saved)  # checksums, and every shard's digest against the full tensors
+    full = load_full_tensors(saved)
+    imported = load_full_tensors(env["root"] / "imported" / arch / "step_0")
+    for k, v in imported.items():
+        if torch.is_tensor(v) and k.startswith("model.") and ".experts." in k:
+            assert torch.equal(full[k], v), k
+    _close(env["exported"][f"{arch}_from_ep2"], env["ref"][arch], TOL)
+    original = load_file(env["root"] / "hf" / arch / "model.safetensors")
+    exported = load_file(env["root"] / "exported_from_ep2" / arch / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], v) for k, v in original.items())
 
 
 def test_norm_topk_prob_is_imported_as_the_routing_rule_and_the_rule_matters(env):

@@ -158,9 +158,13 @@ def human_size(n: float) -> str:
 
 
 def layout_text(meta: dict) -> str:
-    """``"tp1 pp1 dp1"`` from a checkpoint's metadata (``"-"`` when it records none)."""
+    """``"tp1 pp1 dp1"`` (``"... ep2"`` when saved under expert parallelism) from a
+    checkpoint's metadata (``"-"`` when it records none)."""
     par = meta.get("parallel") or {}
-    return f"tp{par.get('tp', '?')} pp{par.get('pp', '?')} dp{par.get('dp', '?')}" if par else "-"
+    if not par:
+        return "-"
+    ep = f" ep{par['ep']}" if par.get("ep", 1) != 1 else ""
+    return f"tp{par.get('tp', '?')} pp{par.get('pp', '?')} dp{par.get('dp', '?')}{ep}"
 
 
 def emit(args, doc: dict, lines: list[str]) -> None:

@@ -78,3 +78,25 @@ def test_smollm2_is_about_six_n_per_training_token():
 def test_vocabulary_must_be_known():
     with pytest.raises(ValueError, match="model.vocab_size is not set"):
         forward_flops(load_model_preset("tiny"), 1, 4)
+
+
+def test_a_moe_layer_counts_the_experts_a_token_runs_and_its_router():
+    cfg = load_model_preset("tiny", vocab_size=17, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+    # attention as the dense tiny's, 2 * (8192 + 4096) = 24,576; MLP: 2 of the 4 SwiGLU
+    # experts, 2 * 3*64*32 = 12,288, and the router 64*4 = 256; x2 -> 25,088
+    assert layer_matmul_flops_per_token(cfg) == 24_576 + 2 * (12_288 + 256) == 49_664
+    dense = _tiny()
+    # the expert count changes the router's share only
+    wider = load_model_preset("tiny", vocab_size=17, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
+    assert layer_matmul_flops_per_token(wider) - layer_matmul_flops_per_token(cfg) == 2 * 64 * 4
+    assert forward_flops(cfg, 2, 10) - forward_flops(dense, 2, 10) == 20 * 2 * (49_664 - 73_728)
+
+
+def test_qwen3_30b_a3b_counts_its_activated_parameters():
+    """Per token, 2 FLOPs per activated weight of the matrix products: the model card's
+    3.3B activated parameters less the input embedding (a lookup, no FLOPs)."""
+    cfg = load_model_preset("qwen3_30b_a3b")
+    per_token = cfg.num_layers * layer_matmul_flops_per_token(cfg) + 2 * cfg.hidden_size * cfg.padded_vocab_size
+    activated = per_token / 2 + cfg.vocab_size * cfg.hidden_size  # + the input embedding
+    assert 3.3e9 <= activated < 3.4e9
+    assert per_token / 2 == pytest.approx(3.04e9, rel=0.005)
