@@ -94,6 +94,9 @@ def rollout_workers(cfg, cluster: SlurmClusterConfig, rm_dedicated: int) -> tupl
     if cfg.parallel.pipeline_model_parallel_size > 1:
         raise LaunchError(f"rollout.mode=async needs parallel.pipeline_model_parallel_size=1 (got "
                           f"{cfg.parallel.pipeline_model_parallel_size}): the workers' weights are gathered over TP only")
+    if getattr(cfg.parallel, "expert_model_parallel_size", 1) > 1:
+        raise LaunchError(f"rollout.mode=async needs parallel.expert_model_parallel_size=1 (got "
+                          f"{cfg.parallel.expert_model_parallel_size}): the workers' weights are gathered over TP only")
     if cluster.gpus_per_node and k == 0:
         raise LaunchError(f"rollout.mode=async on a GPU cluster (cluster.gpus_per_node={cluster.gpus_per_node}): "
                           f"set cluster.rollout_dedicated_nodes >= 1, the nodes of the rollout.num_workers="

@@ -50,15 +50,23 @@ def _is_head(key: str) -> bool:
 
 
 def check_async_layout(rollout, dims) -> None:
-    """``rollout.mode=async`` needs PP=1 (the weights are gathered over TP only).
+    """``rollout.mode=async`` needs PP=1 and EP=1 (the weights are gathered over the TP
+    group of DP rank 0 only).
 
     Raises:
-        ValueError: naming ``parallel.pipeline_model_parallel_size``.
+        ValueError: naming ``parallel.pipeline_model_parallel_size`` or
+            ``parallel.expert_model_parallel_size``.
     """
-    if rollout.mode == "async" and dims.pp > 1:
+    if rollout.mode != "async":
+        return
+    if dims.pp > 1:
         raise ValueError(f"rollout.mode=async needs parallel.pipeline_model_parallel_size=1 (got {dims.pp}): "
                          f"the weights sent to the rollout workers are gathered over TP only; use "
                          f"rollout.mode=sync with pipeline parallelism")
+    if getattr(dims, "ep", 1) > 1:
+        raise ValueError(f"rollout.mode=async needs parallel.expert_model_parallel_size=1 (got {dims.ep}): "
+                         f"the weights sent to the rollout workers are gathered over TP only; use "
+                         f"rollout.mode=sync with expert parallelism")
 
 
 def full_weights(model, dims, lora_scale: Optional[float]) -> dict[str, torch.Tensor]:

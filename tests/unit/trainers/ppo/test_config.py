@@ -97,3 +97,17 @@ def test_the_pi_settings_reach_the_controller_the_trainer_builds():
                                                                                            0.001, 0.03)
     # the other kinds ignore the pi keys: the adaptive default is what it was
     assert typed_job("ppo", ["kl.pi_kp=-1"]).kl.type == "adaptive"
+
+
+def test_async_refuses_pipeline_and_expert_parallel_trainers_naming_the_key():
+    from types import SimpleNamespace
+
+    from nemo_rlhf.trainers.ppo.async_rollout import check_async_layout
+
+    rollout = typed_job("ppo", ["rollout.mode=async", "rollout.max_staleness=0"]).rollout
+    check_async_layout(rollout, SimpleNamespace(pp=1, ep=1))
+    with pytest.raises(ValueError, match="parallel.pipeline_model_parallel_size=1 \\(got 2\\)"):
+        check_async_layout(rollout, SimpleNamespace(pp=2, ep=1))
+    with pytest.raises(ValueError, match="parallel.expert_model_parallel_size=1 \\(got 2\\)"):
+        check_async_layout(rollout, SimpleNamespace(pp=1, ep=2))
+    check_async_layout(typed_job("ppo", []).rollout, SimpleNamespace(pp=2, ep=2))  # sync: anything
