@@ -60,3 +60,61 @@ def invalid_some_reward(prompts, responses, extras):
 def all_invalid_reward(prompts, responses, extras):
     """NaN for every sample."""
     return [float("nan")] * len(responses)
+
+
+def read_metrics(exp: Path, volatile: tuple = ("timing/", "_per_s")) -> dict[int, dict]:
+    """``<exp>/metrics.jsonl`` by step, without the keys that contain a ``volatile`` part
+    (wall-clock numbers); a step logged twice (a resumed attempt) keeps its last row."""
+    import json
+
+    out = {}
+    for line in (Path(exp) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out[row["step"]] = {k: v for k, v in row.items() if not any(s in k for s in volatile)}
+    return out
+
+
+def read_prompt_ids(exp: Path) -> dict[int, list[int]]:
+    """``<exp>/prompt_log.jsonl``: each step's prompt ids (a killed attempt's line is
+    superseded by the resumed one's)."""
+    import json
+
+    out = {}
+    for line in (Path(exp) / "prompt_log.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out[row["step"]] = row["prompt_ids"]
+    return out
+
+
+def start_in_session(cmd: list[str], log: Path, cwd: Path, crash: str | None = None):
+    """``cmd`` as the leader of its own session, output appended to ``log``, one thread,
+    no inherited ``NEMO_RLHF_*`` fault settings (``crash``: ``NEMO_RLHF_CRASH_AT``)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_RLHF_")}
+    env["OMP_NUM_THREADS"] = "1"
+    if crash:
+        env["NEMO_RLHF_CRASH_AT"] = crash
+    Path(log).parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as out:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def end_session(proc, timeout: float) -> int | None:
+    """Wait up to ``timeout`` s for ``proc``'s exit code (None: it did not exit), then
+    SIGKILL whatever is left of its session (a killed trainer's forked writers)."""
+    import os
+    import signal
+    import subprocess
+
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        code = None
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    return code

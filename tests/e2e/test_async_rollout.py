@@ -15,10 +15,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ppo_helpers import make_demo_data
+from tests.ppo_helpers import end_session, make_demo_data, read_metrics, read_prompt_ids, start_in_session
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -49,32 +46,12 @@ ASYNC1 = ("rollout.mode=async", "rollout.max_staleness=1", "ppo.rollout_is_cap=2
           "rollout.worker_timeout_s=8")
 
 
-def _env(crash: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_RLHF_")}
-    env["OMP_NUM_THREADS"] = "1"
-    if crash:
-        env["NEMO_RLHF_CRASH_AT"] = crash
-    return env
+def _start(cmd: list[str], log: Path, crash: str | None = None):
+    return start_in_session(cmd, log, REPO, crash)
 
 
-def _start(cmd: list[str], log: Path, crash: str | None = None) -> subprocess.Popen:
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as out:
-        return subprocess.Popen(cmd, cwd=REPO, env=_env(crash), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = TIMEOUT_S) -> int | None:
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        code = None
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    return code
+def _finish(proc, timeout: float = TIMEOUT_S) -> int | None:
+    return end_session(proc, timeout)
 
 
 def _trainer(overrides: list[str]) -> list[str]:
@@ -97,19 +74,10 @@ def _run_pair(overrides: list[str], exp: Path, trainer_crash=None, worker_crash=
 
 
 def _metrics(exp: Path) -> dict[int, dict]:
-    out = {}
-    for line in (exp / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        out[row["step"]] = {k: v for k, v in row.items() if not any(s in k for s in VOLATILE)}
-    return out
+    return read_metrics(exp, VOLATILE)
 
 
-def _prompt_ids(exp: Path) -> dict[int, list[int]]:
-    out = {}
-    for line in (exp / "prompt_log.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        out[row["step"]] = row["prompt_ids"]  # a killed attempt's line is superseded
-    return out
+_prompt_ids = read_prompt_ids
 
 
 @pytest.fixture(scope="module")

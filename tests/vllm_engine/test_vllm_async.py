@@ -6,14 +6,10 @@ trainer and the worker with this environment's interpreter."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.ppo_helpers import make_demo_data
+from tests.ppo_helpers import end_session, make_demo_data, read_metrics, start_in_session
 
 REPO = Path(__file__).resolve().parents[2]
 # vLLM's CPU attention has no kernel for head dim 16 (the tiny preset's 64 / 4 heads)
@@ -31,33 +27,16 @@ def _overrides(data: Path, exp: Path, *extra: str) -> list[str]:
             "trainer.precision=32", "rollout.engine=vllm", "exp_manager.save_interval=0", *TINY, *extra]
 
 
-def _run(cmd: list[str], log: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_RLHF_")}
-    env["OMP_NUM_THREADS"] = "1"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    return proc
+def _run(cmd: list[str], log: Path):
+    return start_in_session(cmd, log, REPO)
 
 
 def _wait(proc, timeout: float = 600) -> int | None:
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        code = None
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return code
+    return end_session(proc, timeout)
 
 
 def _metrics(exp: Path) -> dict[int, dict]:
-    out = {}
-    for line in (exp / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        out[row["step"]] = {k: v for k, v in row.items() if not any(s in k for s in ENGINE_OWN)}
-    return out
+    return read_metrics(exp, ENGINE_OWN)
 
 
 def test_a_vllm_worker_on_policy_gives_the_synchronous_vllm_runs_metrics(tmp_path):
