@@ -1,17 +1,22 @@
 """What the PPO job keeps of a run besides the weights: the resume fingerprint, the prompt
-log, how a prompt batch splits over DP, and the trainer state's JSON form."""
+log, how a prompt batch splits over DP, and the trainer state (:func:`run_state`,
+:func:`restore_run_state`) and its JSON form."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from nemo_rlhf.checkpoint import checkpoint_content_hash, resolve_checkpoint
+from nemo_rlhf.trainers.collectives import bcast_text
 from nemo_rlhf.trainers.ppo.config import PPOConfig
+
+log = logging.getLogger("nemo_rlhf.ppo")
 
 
 def file_hash(path) -> str:
@@ -99,5 +104,56 @@ def jsonable(obj):
     return obj
 
 
-__all__ = ["dp_group_slice", "file_hash", "jsonable", "log_prompt_ids", "ppo_fingerprint",
-           "reward_change_message"]
+
+
+def run_state(trainer) -> dict:
+    """A :class:`~nemo_rlhf.trainers.ppo.trainer.PPOTrainer`'s JSON-able state for a
+    checkpoint: the step, the sampler's position, the KL controller, the reward sources'
+    statistics and identities, the non-finite counter, the initial evaluation, the guard,
+    and with ``rollout.mode=async`` the samples older weights made for the next steps."""
+    sd = {
+        "step": trainer.step,
+        "sampler": trainer.sampler.state_dict(),
+        "kl_controller": trainer.kl_ctl.state_dict(),
+        "reward": jsonable(trainer.reward.state_dict()) if trainer.reward else {},
+        "nonfinite_in_a_row": trainer.nonfinite_in_a_row,
+        "initial_eval": trainer.evaluation.initial,
+        "guard": trainer.guard.state_dict(),
+        "reward_sources": trainer.reward.identities() if trainer.reward else {},
+    }
+    if trainer.async_rollout is not None:
+        sd["async_rollout"] = trainer.async_rollout.state_dict(trainer)
+    return sd
+
+
+def restore_run_state(trainer, sd: dict) -> None:
+    """The inverse of :func:`run_state` after the checkpoint's weights were loaded (the
+    actor's weights version moves on); a reward source that is not the one the checkpoint
+    recorded (a refreshed RM) gets its statistics reset, and every rank learns of it (the
+    next step's metrics say ``reward/source_changed``; the initial evaluation is rescored;
+    the guard starts over)."""
+    trainer.step = int(sd["step"])
+    trainer.weights_version += 1  # the checkpoint's weights were loaded
+    trainer.sampler.load_state_dict(sd["sampler"])
+    trainer.kl_ctl.load_state_dict(sd["kl_controller"])
+    changed = {}
+    if trainer.reward is not None:  # the scoring ranks, rank 0 among them
+        changed = trainer.reward.changed_sources(sd.get("reward_sources") or {})
+        if sd.get("reward"):
+            trainer.reward.load_state_dict(sd["reward"], reset=list(changed))
+    trainer.nonfinite_in_a_row = int(sd.get("nonfinite_in_a_row", 0))
+    trainer.evaluation.initial = sd.get("initial_eval")
+    if sd.get("guard"):
+        trainer.guard.load_state_dict(sd["guard"])
+    if trainer.async_rollout is not None:
+        trainer.async_rollout.load_state_dict(sd.get("async_rollout") or {}, trainer.encoded)
+    message = bcast_text(reward_change_message(changed))
+    if message:
+        log.warning("%s", message)
+        trainer.reward_changed = message
+        trainer.evaluation.rescore_initial = True
+        trainer.guard.reset()
+
+
+__all__ = ["dp_group_slice", "file_hash", "jsonable", "log_prompt_ids", "ppo_fingerprint", "restore_run_state",
+           "reward_change_message", "run_state"]

@@ -53,8 +53,8 @@ from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.micro_batches import training_minibatches
 from nemo_rlhf.trainers.ppo.roles import CriticRole, ForwardPasses, PolicyRole, build_critic_role
 from nemo_rlhf.trainers.ppo.scoring import RewardScoringError, score_rollout
-from nemo_rlhf.trainers.ppo.state import (dp_group_slice, jsonable, log_prompt_ids, ppo_fingerprint,
-                                          reward_change_message)
+from nemo_rlhf.trainers.ppo.state import (dp_group_slice, log_prompt_ids, ppo_fingerprint, restore_run_state,
+                                          run_state)
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
 from nemo_rlhf.trainers.ppo.step_metrics import rollout_quality, update_metrics
 from nemo_rlhf.trainers.ppo.step_tensors import step_advantages, training_tensors
@@ -451,43 +451,12 @@ class PPOTrainer:
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """JSON-able trainer state for checkpoints."""
-        sd = {
-            "step": self.step,
-            "sampler": self.sampler.state_dict(),
-            "kl_controller": self.kl_ctl.state_dict(),
-            "reward": jsonable(self.reward.state_dict()) if self.reward else {},
-            "nonfinite_in_a_row": self.nonfinite_in_a_row,
-            "initial_eval": self.evaluation.initial,
-            "guard": self.guard.state_dict(),
-            "reward_sources": self.reward.identities() if self.reward else {},
-        }
-        if self.async_rollout is not None:  # the samples older weights made for the next steps
-            sd["async_rollout"] = self.async_rollout.state_dict(self)
-        return sd
+        """JSON-able trainer state for checkpoints (:func:`~nemo_rlhf.trainers.ppo.state.run_state`)."""
+        return run_state(self)
 
     def load_state_dict(self, sd: dict) -> None:
-        self.step = int(sd["step"])
-        self.weights_version += 1  # the checkpoint's weights were loaded
-        self.sampler.load_state_dict(sd["sampler"])
-        self.kl_ctl.load_state_dict(sd["kl_controller"])
-        changed = {}
-        if self.reward is not None:  # the scoring ranks, rank 0 among them
-            changed = self.reward.changed_sources(sd.get("reward_sources") or {})
-            if sd.get("reward"):
-                self.reward.load_state_dict(sd["reward"], reset=list(changed))
-        self.nonfinite_in_a_row = int(sd.get("nonfinite_in_a_row", 0))
-        self.evaluation.initial = sd.get("initial_eval")
-        if sd.get("guard"):
-            self.guard.load_state_dict(sd["guard"])
-        if self.async_rollout is not None:
-            self.async_rollout.load_state_dict(sd.get("async_rollout") or {}, self.encoded)
-        message = bcast_text(reward_change_message(changed))
-        if message:
-            log.warning("%s", message)
-            self.reward_changed = message
-            self.evaluation.rescore_initial = True
-            self.guard.reset()
+        """A checkpoint's trainer state (:func:`~nemo_rlhf.trainers.ppo.state.restore_run_state`)."""
+        restore_run_state(self, sd)
 
 
 __all__ = ["PPOTrainer", "RewardScoringError", "dp_group_slice", "ppo_fingerprint"]
