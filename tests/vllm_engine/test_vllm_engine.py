@@ -3,9 +3,10 @@
 One spawned world per layout (training TP=1 and TP=2, engine TP=1 and TP=2) runs all the
 checks of a PPO trainer built with the vLLM engine; the SmolLM2 check and the resume check
 have their own worlds; the TP=1 world's model has Llama 3.1's RoPE scaling, the TP=2 / vLLM
-TP=2 world's is a Qwen3 (query / key norms). Tolerances: fp32 on both sides; vLLM's CPU kernels (its own GEMM
-and attention) round differently from megatron's, measured up to ~1e-6 nats on the tiny
-model, so the log-prob bound is 1e-4.
+TP=2 world's is a Qwen3 (query / key norms), and a fourth world (TP=1) runs the same checks
+on a Qwen3-MoE (4 experts, top-2) whose expert width vLLM's CPU kernel pads. Tolerances: fp32
+on both sides; vLLM's CPU kernels (its own GEMM, attention and fused MoE) round differently
+from megatron's, measured up to ~1e-6 nats on the tiny models, so the log-prob bound is 1e-4.
 """
 
 from __future__ import annotations
@@ -30,7 +31,14 @@ TINY = ("model.num_attention_heads=2", "model.num_query_groups=2")
 LLAMA3_ROPE = ("model.rope_scaling=llama3", "model.rope_original_max_position_embeddings=8")
 # Qwen3's per-head query / key norms: the training TP=2 / vLLM TP=2 world's model is a Qwen3
 QWEN3 = ("model.qk_layernorm=true",)
-EXTRA = {(1, 1): LLAMA3_ROPE, (2, 2): QWEN3}
+# A Qwen3-MoE whose expert width, 48, vLLM's CPU MoE kernel pads to 64 and repacks: each refit
+# must redo both (rollout/vllm_engine.py's _forget_moe_kernels; without it the first refit
+# fails, and with an unpadded width of 32 or 64 the tokens and log-probs are silently wrong)
+QWEN3_MOE = ("model.qk_layernorm=true", "model.num_moe_experts=4", "model.moe_router_topk=2",
+             "model.moe_ffn_hidden_size=48")
+WORLDS = {"tp1_vllm_tp1": (1, 1, LLAMA3_ROPE), "tp2_vllm_tp2": (2, 2, QWEN3), "tp2_vllm_tp1": (2, 1, ()),
+          "tp1_vllm_tp1_qwen3_moe": (1, 1, QWEN3_MOE)}
+"""The PPO trainer worlds: training TP, vLLM TP and the model's overrides of each."""
 
 
 def _engines(trainer):
@@ -124,11 +132,11 @@ def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = (
     return out if rank == 0 else {}
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 2), (2, 1)], ids=lambda p: f"tp{p[0]}_vllm_tp{p[1]}")
+@pytest.fixture(scope="module", params=list(WORLDS))
 def layout(request, tmp_path_factory):
-    tp, vllm_tp = request.param
+    tp, vllm_tp, extra = WORLDS[request.param]
     res = run_ranks(_trainer_worker, world_size=tp, tmp=str(tmp_path_factory.mktemp("vllm")),
-                    tp=tp, vllm_tp=vllm_tp, extra=EXTRA.get((tp, vllm_tp), ()))
+                    tp=tp, vllm_tp=vllm_tp, extra=extra)
     return res[0]
 
 

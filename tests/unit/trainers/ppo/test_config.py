@@ -1,6 +1,7 @@
 """The PPO job's config: with LoRA, ``reference.mode`` null resolves to ``adapters_off``
-(``offload`` without); the combinations that cannot work (LoRA ones, vLLM rollouts of a
-mixture-of-experts model) are refused naming the keys."""
+(``offload`` without); the combinations that cannot work (LoRA ones, some async and KL
+settings) are refused naming the keys; vLLM rollouts of a mixture-of-experts model are
+accepted."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ def test_the_reference_mode_follows_lora_unless_given():
     (["reference.mode=adapters_off"], "reference.mode=adapters_off needs model.lora.enabled=true"),
     (["model.lora.enabled=true", "critic.mode=separate", "critic.init_from=/some/rm"],
      "model.lora.enabled=true with critic.mode=separate and critic.init_from=/some/rm"),
-    (["rollout.engine=vllm", "model.num_moe_experts=4", "model.moe_router_topk=2"],
-     "rollout.engine=vllm with model.num_moe_experts=4"),
     (["model.lora.enabled=true", "model.lora.target_modules=[linear_q]"],
      "model.lora.target_modules='linear_q': valid choices are"),
 ])
@@ -30,6 +29,13 @@ def test_lora_combinations_that_cannot_work_are_refused_naming_the_keys(override
     with pytest.raises(ValueError) as err:
         typed_job("ppo", overrides)
     assert needle in str(err.value)
+
+
+def test_vllm_rollouts_of_a_mixture_of_experts_model_are_accepted():
+    """Refused until the refit's MoE work-around (rollout/vllm_engine.py's
+    _forget_moe_kernels); tests/vllm_engine checks a Qwen3-MoE against the training forward."""
+    cfg = typed_job("ppo", ["rollout.engine=vllm", "model.num_moe_experts=4", "model.moe_router_topk=2"])
+    assert (cfg.rollout.engine, cfg.model.num_moe_experts) == ("vllm", 4)
 
 
 @pytest.mark.parametrize("overrides, needle", [
