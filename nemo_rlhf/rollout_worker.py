@@ -40,7 +40,7 @@ from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initializ
 from nemo_rlhf.distributed.launch_env import LaunchEnv
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import LoRAConfig
-from nemo_rlhf.models.hf_mapping import fill_model
+from nemo_rlhf.models.hf_mapping import fill_model, model_full_tensors
 from nemo_rlhf.rollout.engines import build_rollout_engine
 from nemo_rlhf.rollout.remote import RolloutItem, serve_rollout_worker
 from nemo_rlhf.tasks import TASK_CHECKERS  # noqa: F401  (the config's checker names, as the trainer's)
@@ -88,17 +88,21 @@ class RolloutWorker:
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Full tensors (the trainer's :func:`~nemo_rlhf.trainers.ppo.async_rollout.full_weights`)
-        into the model, built on the first call in their dtype.
+        into the model, built on the first call in the dtype of the largest tensor (the
+        precision's parameter dtype; norms may stay float32, as the trainer's do).
 
         Raises:
-            ValueError: a tensor missing, unused, or of another shape or dtype than the model's.
+            ValueError: a tensor missing, unused, or of another shape or dtype than the
+                model's own (the same precision recipe on both sides keeps every dtype).
         """
-        dtype = max(tensors.values(), key=lambda t: t.numel()).dtype
         if self.model is None:
-            self._build(dtype)
-        mismatched = {k: t.dtype for k, t in tensors.items() if t.dtype != dtype and t.dim() > 1}
+            self._build(max(tensors.values(), key=lambda t: t.numel()).dtype)
+        own = model_full_tensors(self.model)
+        mismatched = sorted((k, str(t.dtype), str(own[k].dtype)) for k, t in tensors.items()
+                            if k in own and t.dtype != own[k].dtype)
         if mismatched:
-            raise ValueError(f"weights of mixed dtypes {sorted(mismatched.items())[:3]} (the model is {dtype})")
+            raise ValueError(f"weights of other dtypes than the worker's model (key, sent, model): "
+                             f"{mismatched[:3]}")
         fill_model(self.model, tensors)
 
     def generate(self, item: RolloutItem, version: int):

@@ -1,7 +1,7 @@
 """``rollout.mode=async`` end to end, as real processes (the tiny model, CPU, fp32):
 
 * ``max_staleness=0``: one trainer rank and one rollout worker give the same metrics as the
-  synchronous run for the same seed (generation moved, nothing else);
+  synchronous run for the same seed (generation moved, nothing else), in bf16-mixed;
 * ``max_staleness=1`` under ``launchers.local --nproc 2`` at TP=2: the launcher starts the
   worker the trainer's controller asks for; every step after the first trains on samples one
   version old; the weights reach the worker gathered over TP, bit-checked at every sync;
@@ -86,12 +86,15 @@ def data(tmp_path_factory):
 
 
 def test_on_policy_async_equals_sync_for_the_same_seed(data, tmp_path):
+    """In bf16-mixed (bf16 weights, float32 norms: the worker's model takes every dtype as
+    sent)."""
     sync = tmp_path / "sync"
-    proc = _start(_trainer(_overrides(data, sync, "trainer.max_steps=3")), tmp_path / "sync.log")
+    bf16 = "trainer.precision=bf16-mixed"
+    proc = _start(_trainer(_overrides(data, sync, "trainer.max_steps=3", bf16)), tmp_path / "sync.log")
     assert _finish(proc) == 0, (tmp_path / "sync.log").read_text()[-3000:]
     exp = tmp_path / "async0"
     t_code, w_code, text = _run_pair(_overrides(data, exp, "trainer.max_steps=3", "rollout.mode=async",
-                                                "rollout.max_staleness=0"), exp)
+                                                "rollout.max_staleness=0", bf16), exp)
     assert t_code == 0 and w_code == 0, text[-3000:] + (exp / "worker.log").read_text()[-2000:]
     a, s = _metrics(exp), _metrics(sync)
     assert sorted(a) == [1, 2, 3]
