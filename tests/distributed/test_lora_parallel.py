@@ -1,9 +1,9 @@
 """LoRA under TP=2 on 2 gloo ranks equals one rank: with the same full (random) adapter
 weights the logits and values agree within 1e-5 (fp32), every adapter's gradient is this
-rank's shard of the TP=1 gradient, and the frozen base has no gradient (one spawn).
+rank's shard of the TP=1 gradient, and the frozen base has no gradient.
 
-PPO with LoRA from a base checkpoint at DP=2, TP=2 and PP=2 (one 2-rank spawn) against one
-rank (one spawn): the first step's metrics within 1e-5, the second's within 1e-4, and the
+PPO with LoRA from a base checkpoint at DP=2, TP=2 and PP=2 against one rank (the 2-rank
+checks share one spawn, the reference has its own): the first step's metrics within 1e-5, the second's within 1e-4, and the
 one-rank run's step-2 checkpoint (adapters and head on the hashed base) resumed in each
 layout gives the one-rank run's third step."""
 
@@ -84,8 +84,21 @@ def _worker(rank: int):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_worker, world_size=2)
+def spawned(tmp_path_factory):
+    """One 1-rank spawn (the PPO reference) and one 2-rank spawn (the TP=2 parity checks,
+    then the PPO layouts): ``(reference, per-rank results)``."""
+    tmp = str(tmp_path_factory.mktemp("lora_ppo_par"))
+    ref = run_ranks(_ppo_reference, world_size=1, tmp=tmp)[0]
+    return ref, run_ranks(_both, world_size=2, tmp=tmp)
+
+
+def _both(rank: int, tmp: str):
+    return {"tp": _worker(rank), "ppo": _ppo_layouts(rank, tmp)}
+
+
+@pytest.fixture(scope="module")
+def results(spawned):
+    return [r["tp"] for r in spawned[1]]
 
 
 def test_tp2_lora_forward_equals_tp1_with_the_same_full_adapters(results):
@@ -190,11 +203,9 @@ def _ppo_layouts(rank: int, tmp: str):
 
 
 @pytest.fixture(scope="module")
-def ppo_results(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("lora_ppo_par"))
-    ref = run_ranks(_ppo_reference, world_size=1, tmp=tmp)[0]
-    par = run_ranks(_ppo_layouts, world_size=2, tmp=tmp)[0]  # rank 0 reports
-    return ref, par
+def ppo_results(spawned):
+    ref, ranks = spawned
+    return ref, ranks[0]["ppo"]  # rank 0 reports
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -166,17 +166,22 @@ def _single(rank: int, tmp: str):
     return out
 
 
-def _reference(rank: int, tmp: str, name: str):
+def _references(rank: int, tmp: str, names: list[str]):
+    """One rank's first step of each configuration, in one process (each build re-seeds
+    everything), and each one's initial weights for the layouts."""
     from nemo_rlhf.checkpoint import save_checkpoint
     from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
-    trainer = build(compose_ppo(data, tmp / f"ref_{name}", *BASE, *{**PARITY, **PADDED}[name]))
-    # a separate critic's initial weights too (the layouts' critics start from them)
-    critic = None if trainer.critic.checkpoint is None else (trainer.critic.checkpoint[0], None)
-    save_checkpoint(tmp / f"init_{name}", 0, trainer.model, dims=trainer.dims, critic=critic)
-    return [trainer.train_step()]
+    out = {}
+    for name in names:
+        trainer = build(compose_ppo(data, tmp / f"ref_{name}", *BASE, *{**PARITY, **PADDED}[name]))
+        # a separate critic's initial weights too (the layouts' critics start from them)
+        critic = None if trainer.critic.checkpoint is None else (trainer.critic.checkpoint[0], None)
+        save_checkpoint(tmp / f"init_{name}", 0, trainer.model, dims=trainer.dims, critic=critic)
+        out[name] = [trainer.train_step()]
+    return out
 
 
 def _layouts(rank: int, tmp: str):
@@ -203,8 +208,7 @@ def single(tmp_path_factory):
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("est_par"))
-    refs = {name: run_ranks(_reference, world_size=1, tmp=tmp, name=name)[0]
-            for name in (*PARITY, *PADDED)}
+    refs = run_ranks(_references, world_size=1, tmp=tmp, names=[*PARITY, *PADDED])[0]
     return refs, run_ranks(_layouts, world_size=2, tmp=tmp)[0]
 
 

@@ -132,7 +132,7 @@ def _rm_dies_worker(rank: int, tmp: str, url: str, pid: int):
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
     cfg = compose_ppo(data, tmp / "exp", f"reward.rm_url={url}", "reward.functions=[]",
-                      "reward.max_retries=1", "reward.timeout_s=5", "trainer.max_steps=1",
+                      "reward.max_retries=1", "reward.timeout_s=5", "reward.restart_wait_s=2", "trainer.max_steps=1",
                       "exp_manager.save_interval=1")
     trainer = build(cfg)
     assert trainer.fit() == 0
