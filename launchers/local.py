@@ -2,6 +2,7 @@
 
     python -m launchers.local --rm-checkpoint <ckpt> --nproc 2 -- <trainer hydra overrides>
     python -m launchers.local --no-rm --nproc 2 -- reward.functions='[{name: arithmetic_exact_match}]'
+    python -m launchers.local --rm-checkpoint A --rm-ensemble-checkpoint B --rm-ensemble-checkpoint C -- ...
 
 Steps (:func:`run_ppo_with_rm`):
 
@@ -11,7 +12,9 @@ Steps (:func:`run_ppo_with_rm`):
    prefix and kept in ``<exp_dir>/rm_server.log``;
 2. wait until it wrote the address file and ``GET /health`` answers ready, within
    ``--rm-start-timeout-s`` (a server that exits first fails the launch at once, showing
-   the end of its log);
+   the end of its log); each ``--rm-ensemble-checkpoint`` gets a server of its own
+   started alongside (``rm_address_<i>``, ``rm_server_<i>.log``, ``[rm<i>]``; i = 1, 2, ...),
+   passed as ``reward.ensemble.rm_address_files`` (:mod:`nemo_rlhf.reward.ensemble`);
 3. the trainer, ``python -m nemo_rlhf.train_ppo reward.rm_address_file=<file> <overrides>``
    under ``torchrun --standalone --nproc_per_node N`` (plain python when N == 1), in its
    own process group, its output streamed as is;
@@ -70,6 +73,10 @@ class LocalRunConfig:
 
     rm_checkpoint: Optional[str] = None
     """RM checkpoint (a ``step_<N>`` folder or a checkpoint root) to serve; None: no RM server (reward functions only)."""
+    rm_ensemble_checkpoints: list[str] = field(default_factory=list)
+    """More RM checkpoints, each served by its own server (same ``rm_nproc`` and
+    ``rm_overrides``) and scored beside ``rm_checkpoint`` as a conservative ensemble
+    (``reward.ensemble.rm_address_files``; aggregate and coefficient: ``reward.ensemble.*``)."""
     nproc: int = 1
     """Trainer processes (``torchrun --nproc_per_node``; 1 runs plain python)."""
     rm_nproc: int = 1
@@ -100,6 +107,13 @@ class LocalRunConfig:
                 raise ValueError(f"{key}={getattr(self, key)}: must be > 0 seconds")
         if self.rm_checkpoint is not None and not Path(self.rm_checkpoint).is_dir():
             raise ValueError(f"rm_checkpoint={self.rm_checkpoint!r}: no such folder")
+        self.rm_ensemble_checkpoints = list(self.rm_ensemble_checkpoints)
+        if self.rm_ensemble_checkpoints and self.rm_checkpoint is None:
+            raise ValueError("rm_ensemble_checkpoints are the ensemble's other members: "
+                             "give the first one as rm_checkpoint (--rm-checkpoint)")
+        for path in self.rm_ensemble_checkpoints:
+            if not Path(path).is_dir():
+                raise ValueError(f"rm_ensemble_checkpoints: {path!r}: no such folder")
         self.rm_overrides = list(self.rm_overrides)
 
 
@@ -145,14 +159,18 @@ def _stop_group(proc: subprocess.Popen, sig: int, grace_s: float) -> int:
 class _RMServer:
     """The RM server process group, its log pump and its address file."""
 
-    def __init__(self, cfg: LocalRunConfig, exp_dir: Path) -> None:
+    def __init__(self, cfg: LocalRunConfig, exp_dir: Path, checkpoint: str, index: int = 0) -> None:
+        """Starts the server of ``checkpoint``; ``index`` > 0: the ensemble's ``index``-th
+        other member (its own address file, log and output prefix)."""
         self.cfg = cfg
-        self.address_file = exp_dir / ADDRESS_FILE
-        self.log_path = exp_dir / SERVER_LOG
+        suffix = f"_{index}" if index else ""
+        self.address_file = exp_dir / f"{ADDRESS_FILE}{suffix}"
+        self.log_path = exp_dir / SERVER_LOG.replace(".log", f"{suffix}.log")
+        self.prefix = f"[rm{index or ''}] "
         self.address: Optional[str] = None
         self.address_file.unlink(missing_ok=True)  # a stale address must never be used
         cmd = _python_cmd(cfg, "nemo_rlhf.serve_rm", cfg.rm_nproc) + [
-            f"checkpoint={cfg.rm_checkpoint}", "server.port=0",
+            f"checkpoint={checkpoint}", "server.port=0",
             f"server.address_file={self.address_file}", *cfg.rm_overrides]
         self._log = open(self.log_path, "a", encoding="utf-8")
         self._log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
@@ -168,7 +186,7 @@ class _RMServer:
         for line in stream:
             self._log.write(line)
             self._log.flush()
-            sys.stdout.write(f"[rm] {line}")
+            sys.stdout.write(f"{self.prefix}{line}")
             sys.stdout.flush()
 
     def _log_tail(self, lines: int = 30) -> str:
@@ -397,21 +415,26 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
     elif options:
         raise TypeError("run_ppo_with_rm: pass either cfg or keyword options, not both")
     overrides = list(trainer_overrides)
-    for key in ("reward.rm_address_file", "reward.rm_url"):
+    for key in ("reward.rm_address_file", "reward.rm_url", "reward.ensemble.rm_address_files"):
         if cfg.rm_checkpoint and _override_value(overrides, key) is not None:
             raise LaunchError(f"{key} would bypass the RM server the launcher starts for rm_checkpoint "
                               f"(it passes reward.rm_address_file itself); drop the override")
     exp_dir, overrides = _resolve_exp_dir(cfg, overrides)
     exp_dir.mkdir(parents=True, exist_ok=True)
-    server: Optional[_RMServer] = None
+    servers: list[_RMServer] = []
     trainer: Optional[subprocess.Popen] = None
     workers = _RolloutWorkers(cfg, exp_dir, overrides)
     sigterm = _SigtermForwarder()
     try:
         if cfg.rm_checkpoint is not None:
-            server = _RMServer(cfg, exp_dir)
-            server.wait_ready(cfg.rm_start_timeout_s)
-            overrides = [f"reward.rm_address_file={server.address_file}", *overrides]
+            for i, ckpt in enumerate([cfg.rm_checkpoint, *cfg.rm_ensemble_checkpoints]):
+                servers.append(_RMServer(cfg, exp_dir, ckpt, i))
+            for server in servers:  # started together, waited on in turn
+                server.wait_ready(cfg.rm_start_timeout_s)
+            overrides = [f"reward.rm_address_file={servers[0].address_file}", *overrides]
+            if len(servers) > 1:
+                files = ",".join(str(s.address_file) for s in servers[1:])
+                overrides = [f"reward.ensemble.rm_address_files=[{files}]", *overrides]
         cmd = _python_cmd(cfg, cfg.trainer_module, cfg.nproc)
         if cfg.config_name != "ppo":
             cmd += ["--config-name", cfg.config_name]
@@ -419,7 +442,7 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
         _say(f"starting the trainer: {' '.join(cmd)}")
         trainer = _start_group(cmd)
         sigterm.trainer = trainer
-        code = _wait_trainer(trainer, server, workers)
+        code = _wait_trainer(trainer, servers, workers)
         _report_exit(code)
         return code
     except _Terminated:
@@ -441,22 +464,23 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
         elif trainer is not None:
             _signal_group(trainer, signal.SIGKILL)  # stragglers of an exited group
         workers.stop(cfg.stop_grace_s)
-        if server is not None:
+        for server in servers:
             server.stop(cfg.stop_grace_s)
 
 
-def _wait_trainer(trainer: subprocess.Popen, server: Optional[_RMServer], workers: _RolloutWorkers) -> int:
-    warned = False
+def _wait_trainer(trainer: subprocess.Popen, servers: list[_RMServer], workers: _RolloutWorkers) -> int:
+    warned: set[int] = set()
     while True:
         try:
             return trainer.wait(0.5)
         except subprocess.TimeoutExpired:
             pass
         workers.poll()
-        if server is not None and not warned and not server.alive():
-            _say(f"the RM server exited (code {server.proc.returncode}) while the trainer runs; "
-                 f"see {server.log_path}")
-            warned = True
+        for i, server in enumerate(servers):
+            if i not in warned and not server.alive():
+                _say(f"the RM server exited (code {server.proc.returncode}) while the trainer runs; "
+                     f"see {server.log_path}")
+                warned.add(i)
 
 
 def _report_exit(code: int) -> None:
@@ -488,6 +512,9 @@ def _parser() -> argparse.ArgumentParser:
                        ("trainer_module", str)):
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
                        help=f"default {defaults[name]}")
+    p.add_argument("--rm-ensemble-checkpoint", dest="rm_ensemble_checkpoints", action="append",
+                   metavar="CKPT", help="another RM of a conservative ensemble, served beside "
+                   "--rm-checkpoint's (repeatable; reward.ensemble.* sets the rule)")
     p.add_argument("--rm-arg", dest="rm_overrides", action="append", metavar="KEY=VALUE",
                    help="RM server hydra override (repeatable), e.g. parallel.tensor_model_parallel_size=2")
     p.add_argument("overrides", nargs="*", help="trainer hydra overrides (after '--')")

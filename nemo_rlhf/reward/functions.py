@@ -209,6 +209,10 @@ class RewardOutput:
     """``(source name, position, value)`` of every invalid score (``"skip"``)."""
     skipping: bool = False
     """Whether invalid scores were judged and skipped (``invalid_scores="skip"``)."""
+    diagnostics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """``{source}_{key}`` -> ``[batch]`` float32 per-sample numbers a source reports beside
+    its scores (a source's ``diagnostics()``, e.g. ``rm_ensemble_std``): not summed,
+    reported as their means over the valid samples."""
 
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
         """Batch means over the valid samples: ``{prefix}total`` and, per source,
@@ -218,6 +222,8 @@ class RewardOutput:
         for name, values in self.per_source.items():
             out[f"{prefix}{name}"] = values[keep].mean().item()
             out[f"{prefix}{name}_normalized"] = self.per_source_normalized[name][keep].mean().item()
+        for key, values in self.diagnostics.items():
+            out[f"{prefix}{key}"] = values[keep].mean().item()
         return out
 
 
@@ -271,7 +277,9 @@ class CombinedReward:
 
     def fetch(self, prompts: Sequence[str], responses: Sequence[str],
               extras: Sequence[dict] | None = None) -> dict[str, torch.Tensor]:
-        """Every source's raw values: name -> ``[batch]`` float32 (host). No collective.
+        """Every source's raw values: name -> ``[batch]`` float32 (host), and the
+        diagnostics of sources that have a ``diagnostics()`` method under
+        ``{name}_{key}`` (:attr:`RewardOutput.diagnostics`). No collective.
 
         Raises:
             ValueError: mismatched lengths, or a source returned a wrong count, a
@@ -297,6 +305,8 @@ class CombinedReward:
                             f"function?); raise reward.max_abs_score if such scores are meant, or set "
                             f"reward.invalid_scores=skip to leave such samples out of the step")
             raw[src.name] = torch.tensor(values, dtype=torch.float32, device="cpu")  # host
+            for key, extra in getattr(src.source, "diagnostics", dict)().items():
+                raw[f"{src.name}_{key}"] = extra.to(device="cpu", dtype=torch.float32)  # host
         return raw
 
     def combine(self, raw: Mapping[str, torch.Tensor], update_stats: bool = True,
@@ -340,6 +350,8 @@ class CombinedReward:
             out.per_source_normalized[src.name] = normed
             total += src.weight * normed
             raw_total += src.weight * torch.where(valid, values, 0.0)
+        names = {src.name for src in self.sources}
+        out.diagnostics = {k: v for k, v in raw.items() if k not in names}
         if not bool(valid.all()):
             out.valid = valid
             total[~valid] = float("nan")

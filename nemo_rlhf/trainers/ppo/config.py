@@ -18,6 +18,7 @@ from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import DataConfig
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.models.config import ModelConfig
+from nemo_rlhf.reward.ensemble import ENSEMBLE_AGGREGATES
 from nemo_rlhf.reward.functions import check_reward_function_spec
 from nemo_rlhf.reward.normalization import NORMALIZATION_MODES
 from nemo_rlhf.rollout.config import RolloutConfig
@@ -288,6 +289,35 @@ class RewardFunctionSpec:
 
 
 @dataclass
+class RMEnsembleConfig:
+    """More served RMs scored beside the primary one (group ``reward.ensemble``): the
+    conservative ensemble of :mod:`nemo_rlhf.reward.ensemble`. Empty lists (the default):
+    the single RM of ``reward.rm_url`` / ``rm_address_file``. ``python -m launchers.local
+    --rm-checkpoint A --rm-ensemble-checkpoint B --rm-ensemble-checkpoint C`` serves and
+    wires them."""
+
+    rm_urls: list[str] = field(default_factory=list)
+    """The other members' service URLs (``http://host:port``)."""
+    rm_address_files: list[str] = field(default_factory=list)
+    """The other members' address files (as ``reward.rm_address_file``); after ``rm_urls``."""
+    aggregate: str = "mean_minus_std"
+    """Per sample over the members' standardised scores: ``mean``, ``min`` (worst case) or
+    ``mean_minus_std`` (``mean - std_coef * std``; Coste et al. 2023)."""
+    std_coef: float = 1.0
+    """``k`` of ``mean_minus_std`` (>= 0)."""
+
+    @property
+    def members(self) -> list[str]:
+        """The other members' URLs and address files, in order."""
+        return [*self.rm_urls, *self.rm_address_files]
+
+    def __post_init__(self) -> None:
+        check_choice("reward.ensemble.aggregate", self.aggregate, ENSEMBLE_AGGREGATES)
+        if not self.std_coef >= 0:
+            raise ValueError(f"reward.ensemble.std_coef={self.std_coef}: must be >= 0")
+
+
+@dataclass
 class RewardConfig:
     """Where scores come from (group ``reward``): the served RM and/or reward functions."""
 
@@ -335,6 +365,9 @@ class RewardConfig:
     """Of the RM score: ``none``, ``fixed`` (the RM checkpoint's stats) or ``running``."""
     clip: Optional[float] = None
     """Clip normalised scores to [-clip, clip] (None: off)."""
+    ensemble: RMEnsembleConfig = field(default_factory=RMEnsembleConfig)
+    """Other RMs whose scores join the primary RM's in a conservative ensemble
+    (:class:`RMEnsembleConfig`); the ensemble is the ``rm`` source."""
 
     def __post_init__(self) -> None:
         check_choice("reward.normalization", self.normalization, NORMALIZATION_MODES)
@@ -348,6 +381,10 @@ class RewardConfig:
             raise ValueError(f"reward.clip={self.clip}: must be > 0 (or null: off)")
         for i, spec in enumerate(self.functions):
             check_reward_function_spec(f"reward.functions[{i}].name", spec.name)
+        if self.ensemble.members and not (self.rm_url or self.rm_address_file):
+            raise ValueError(f"reward.ensemble lists {len(self.ensemble.members)} more RM(s) but no primary "
+                             f"RM is set (reward.rm_url / reward.rm_address_file): the ensemble is the "
+                             f"primary RM and those")
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.reward.client import RewardModelClient
+from nemo_rlhf.reward.ensemble import RewardModelEnsemble
 from nemo_rlhf.reward.functions import (
     CombinedReward,
     RemoteRewardModel,
@@ -55,12 +56,21 @@ def gather_over_scoring_ranks(dims, local: torch.Tensor) -> torch.Tensor:
     return torch.stack(parts)
 
 
+def _is_address_file(cfg: RewardConfig, index: int) -> bool:
+    """Whether ensemble member ``index`` (0: the primary RM) is an address file, not a URL."""
+    if index == 0:
+        return not cfg.rm_url
+    return index > len(cfg.ensemble.rm_urls)
+
+
 def build_reward(cfg: RewardConfig, dims=None):
     """A ``CombinedReward`` over the RM client (if configured) and the reward functions.
 
     The RM client waits for the server's ``/health`` (``reward.wait_for_server_s``); the
     RM's normalisation stats come from its ``/metadata`` when ``normalization: fixed``, and
-    its identity (``RM_IDENTITY_KEYS``) always does.
+    its identity (``RM_IDENTITY_KEYS``) always does. With ``reward.ensemble`` members the
+    ``rm`` source is a :class:`~nemo_rlhf.reward.ensemble.RewardModelEnsemble` of the
+    primary RM and them (each waited for; their identities recorded under ``ensemble``).
     With ``running`` normalisation and DP > 1 (``dims``), the statistics are reduced over
     the scoring ranks (:func:`gather_over_scoring_ranks`): one statistic on every DP
     rank, the same as with DP = 1, and the same on every rank after a resume (rank 0's
@@ -75,12 +85,23 @@ def build_reward(cfg: RewardConfig, dims=None):
         kw = dict(timeout_s=cfg.timeout_s, max_retries=cfg.max_retries, max_wait_s=cfg.max_wait_s,
                   restart_wait_s=cfg.restart_wait_s,
                   allow_nonfinite=cfg.invalid_scores == "skip")  # CombinedReward judges them
-        client = (RewardModelClient(cfg.rm_url, **kw) if cfg.rm_url else
-                  RewardModelClient.from_address_file(cfg.rm_address_file,
-                                                      wait_s=cfg.wait_for_server_s, **kw))
-        client.wait_until_healthy(cfg.wait_for_server_s)
-        scorer_meta = client.metadata().get("scorer") or {}  # the RM checkpoint's description
+        members = [cfg.rm_url or cfg.rm_address_file, *cfg.ensemble.members]
+        clients = [RewardModelClient(where, **kw) if not _is_address_file(cfg, i) else
+                   RewardModelClient.from_address_file(where, wait_s=cfg.wait_for_server_s, **kw)
+                   for i, where in enumerate(members)]
+        metas = []
+        for client in clients:
+            client.wait_until_healthy(cfg.wait_for_server_s)
+            metas.append(client.metadata().get("scorer") or {})  # the RM checkpoint's description
+        scorer_meta = metas[0]
         identity = {k: scorer_meta.get(k) for k in RM_IDENTITY_KEYS}
+        source = RemoteRewardModel(clients[0])
+        if len(clients) > 1:
+            source = RewardModelEnsemble(clients, metas, members, cfg.ensemble.aggregate,
+                                         cfg.ensemble.std_coef)
+            identity["ensemble"] = [{k: m.get(k) for k in RM_IDENTITY_KEYS} for m in metas[1:]]
+            log.info("reward: an ensemble of %d RMs (%s, std_coef=%g): %s", len(clients),
+                     cfg.ensemble.aggregate, cfg.ensemble.std_coef, ", ".join(members))
         norm = None
         if cfg.normalization == "fixed":
             stats = scorer_meta  # the RM trainer's statistics, stored with its checkpoint
@@ -93,7 +114,7 @@ def build_reward(cfg: RewardConfig, dims=None):
             norm = RewardNormalizer("running", clip=cfg.clip)
         elif cfg.clip is not None:
             norm = RewardNormalizer("none", clip=cfg.clip)
-        sources.append(WeightedSource("rm", RemoteRewardModel(client), cfg.rm_weight, norm, identity))
+        sources.append(WeightedSource("rm", source, cfg.rm_weight, norm, identity))
     for spec in cfg.functions:
         sources.append(WeightedSource(spec.name.split(":")[-1], RewardFunctionScorer(spec.name),
                                       spec.weight))

@@ -63,43 +63,51 @@ def _reference_ids(tok, prompt: str, response: str) -> list[int]:
     return [tok.bos_id] + tok.encode(format_prompt(prompt, "chatml", SYSTEM)) + tok.encode(response) + [tok.eos_id]
 
 
+def _save_rm(tmp: Path, tok, tok_dir: Path, dims, seed: int, stats: dict, name: str = "checkpoints"):
+    """A tiny RM of init ``seed`` saved as the RM trainer saves it (its training-set
+    ``stats``); returns (checkpoint root, its in-process scores of PROMPTS)."""
+    from nemo_rlhf.checkpoint import save_checkpoint
+    from nemo_rlhf.data.datasets import DataConfig
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import load_model_preset
+    from nemo_rlhf.models.engine import model_forward
+    from nemo_rlhf.trainers.common import to_plain
+    from nemo_rlhf.trainers.rm import RMRunConfig
+    from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig
+
+    model_cfg = load_model_preset("tiny", vocab_size=tok.vocab_size, value_head_init_std=0.5)
+    model = build_model(model_cfg, dims, "32", kind="reward", seed=seed)
+    model.eval()
+    with torch.no_grad():
+        ref = []
+        for prompt, response in PROMPTS:
+            ids = torch.tensor([_reference_ids(tok, prompt, response)])
+            ref.append(model_forward(model, ids, torch.ones_like(ids))[0, -1].item())
+    run_cfg = RMRunConfig(
+        model=model_cfg,
+        data=DataConfig(train_file="unused.jsonl", tokenizer_dir=str(tok_dir), chat_template="chatml",
+                        system_prompt=SYSTEM),
+        exp_manager=SupervisedExpManagerConfig(exp_dir=str(tmp)))
+    root = tmp / name
+    save_checkpoint(root, 5, model, None, {"step": 5, **stats}, to_plain(run_cfg), dims)
+    return root, ref
+
+
 @pytest.fixture(scope="module")
 def rm(tmp_path_factory):
     """Single-rank distributed state, a saved RM checkpoint and its in-process scores."""
-    from nemo_rlhf.checkpoint import save_checkpoint
-    from nemo_rlhf.data.datasets import DataConfig
     from nemo_rlhf.data.tokenizer import Tokenizer
     from nemo_rlhf.distributed import LaunchEnv, ParallelConfig, destroy_distributed, initialize_distributed
-    from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.trainers.common import to_plain
-    from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig
-    from nemo_rlhf.models.engine import model_forward
-    from nemo_rlhf.trainers.rm import RMRunConfig
 
     tmp = tmp_path_factory.mktemp("rm")
     tok_dir = tmp / "tokenizer"
     _make_tokenizer(tok_dir)
     tok = Tokenizer(tok_dir)
-    model_cfg = load_model_preset("tiny", vocab_size=tok.vocab_size, value_head_init_std=0.5)
     dims = initialize_distributed(ParallelConfig(), seed=7,
                                   launch_env=LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single"))
     try:
-        model = build_model(model_cfg, dims, "32", kind="reward", seed=7)
-        model.eval()
-        with torch.no_grad():
-            ref = []
-            for prompt, response in PROMPTS:
-                ids = torch.tensor([_reference_ids(tok, prompt, response)])
-                ref.append(model_forward(model, ids, torch.ones_like(ids))[0, -1].item())
-        run_cfg = RMRunConfig(
-            model=model_cfg,
-            data=DataConfig(train_file="unused.jsonl", tokenizer_dir=str(tok_dir), chat_template="chatml",
-                            system_prompt=SYSTEM),
-            exp_manager=SupervisedExpManagerConfig(exp_dir=str(tmp)))
-        state = {"step": 5, "reward_mean": 0.25, "reward_std": 1.5, "reward_stats_count": 8}
-        root = tmp / "checkpoints"
-        save_checkpoint(root, 5, model, None, state, to_plain(run_cfg), dims)
+        root, ref = _save_rm(tmp, tok, tok_dir, dims, 7, {"reward_mean": 0.25, "reward_std": 1.5,
+                                                           "reward_stats_count": 8})
         yield {"root": root, "tok": tok, "tok_dir": tok_dir, "ref": ref, "dims": dims, "tmp": tmp}
     finally:
         destroy_distributed()
@@ -300,6 +308,48 @@ def test_local_launcher_serves_a_pipeline_parallel_rm_and_propagates_the_requeue
         assert _processes_mentioning(str(rm["root"])) == []
     finally:
         for p in _processes_mentioning(str(rm["root"])):
+            p.kill()
+
+
+def test_local_launcher_serves_an_rm_ensemble_and_the_trainer_scores_with_its_rule(rm):
+    """--rm-ensemble-checkpoint: a second server, passed as reward.ensemble.rm_address_files;
+    the trainer's reward (build_reward) is the rule over both RMs' served scores."""
+    from launchers.local import main
+    from nemo_rlhf.reward.ensemble import aggregate_ensemble
+
+    tmp = rm["tmp"] / "ensemble"
+    tmp.mkdir()
+    other, other_ref = _save_rm(tmp, rm["tok"], rm["tok_dir"], rm["dims"], 8,
+                                {"reward_mean": -1.0, "reward_std": 3.0, "reward_stats_count": 8},
+                                name="rm2")
+    script, out, exp = tmp / "fake_trainer.py", tmp / "out.json", tmp / "exp"
+    script.write_text(
+        "import json, sys\n"
+        "from nemo_rlhf.trainers.ppo.config import RMEnsembleConfig, RewardConfig\n"
+        "from nemo_rlhf.trainers.ppo.scoring import build_reward\n"
+        "args = dict(a.split('=', 1) for a in sys.argv[1:])\n"
+        "files = args['reward.ensemble.rm_address_files'].strip('[]').split(',')\n"
+        "cfg = RewardConfig(rm_address_file=args['reward.rm_address_file'], normalization='none',\n"
+        "                   ensemble=RMEnsembleConfig(rm_address_files=files, aggregate=args['reward.ensemble.aggregate']))\n"
+        f"prompts, responses = zip(*{PROMPTS!r})\n"
+        "out = build_reward(cfg).score(list(prompts), list(responses))\n"
+        "json.dump({'scores': out.scores.tolist(), 'files': files, 'metrics': out.metrics()}, open(args['+out'], 'w'))\n")
+    try:
+        code = main(["--rm-checkpoint", str(rm["root"]), "--rm-ensemble-checkpoint", str(other),
+                     "--exp-dir", str(exp), "--trainer-module", str(script), "--rm-start-timeout-s", "50",
+                     "--", "reward.ensemble.aggregate=min", f"+out={out}"])
+        assert code == 0
+        result = json.loads(out.read_text())
+        expected, spread = aggregate_ensemble(torch.tensor([rm["ref"], other_ref]), torch.tensor([0.25, -1.0]),
+                                              torch.tensor([1.5, 3.0]), "min")
+        assert result["files"] == [str(exp / "rm_address_1")]
+        assert result["scores"] == pytest.approx(expected.tolist(), abs=1e-5)
+        assert result["metrics"]["reward/rm_ensemble_std"] == pytest.approx(spread.mean().item(), abs=1e-5)
+        assert spread.mean().item() > 0.01  # two different RMs: the test sees a real spread
+        assert (exp / "rm_server_1.log").is_file() and not (exp / "rm_address_1").exists()
+        assert _processes_mentioning(str(other)) == []
+    finally:
+        for p in _processes_mentioning(str(rm["root"])) + _processes_mentioning(str(other)):
             p.kill()
 
 
