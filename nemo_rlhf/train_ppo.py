@@ -28,7 +28,6 @@ from nemo_rlhf.distributed.phase import collective_errors
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import agree_on_precision
 from nemo_rlhf.models.engine import wrap_ddp
-from nemo_rlhf.models.moe import check_moe_training_layout
 from nemo_rlhf.tasks import TASK_CHECKERS  # noqa: F401  (registers the demo tasks' checkers by name)
 from nemo_rlhf.trainers.loop import REQUEUE_EXIT_CODE, Signals
 from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
@@ -50,7 +49,6 @@ def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
     tok = Tokenizer(cfg.data.tokenizer_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tok.vocab_size
-    check_moe_training_layout(cfg.model, cfg.parallel)
     dims = initialize_distributed(cfg.parallel, seed=cfg.trainer.seed,
                                   num_layers=cfg.model.num_layers,
                                   num_attention_heads=cfg.model.num_attention_heads,

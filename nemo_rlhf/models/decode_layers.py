@@ -80,6 +80,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from nemo_rlhf.models.lora import has_lora
+from nemo_rlhf.models.moe import TensorParallelMoELayer
 
 CACHE_TAG = "bhsd"
 """Second element of this module's ``key_value_memory_dict`` keys: ``(layer_number, tag)``."""
@@ -348,7 +349,7 @@ class KVCacheTransformerLayer(TransformerLayer):
             and self.self_attention._fast_inference
             and isinstance(self.cross_attention, IdentityOp)
             and isinstance(self.pre_cross_attn_layernorm, IdentityOp)
-            and (type(self.mlp) is MLP or type(self.mlp) is MoELayer)
+            and (type(self.mlp) is MLP or isinstance(self.mlp, MoELayer))
             # (megatron's selective recompute flags are not checked: the incremental path
             # runs only under an inference context, without autograd, where recomputing
             # a module in the backward has nothing to change)
@@ -361,7 +362,7 @@ class KVCacheTransformerLayer(TransformerLayer):
             and not getattr(cfg, "fp8", None)
             and not getattr(cfg, "fp4", None)
         )
-        self._moe = type(self.mlp) is MoELayer
+        self._moe = isinstance(self.mlp, MoELayer)
         if self._lean and not self._moe:
             self._plain_fc1 = _plain_linear(self.mlp.linear_fc1, tp1)
             self._plain_fc2 = _plain_linear(self.mlp.linear_fc2, tp1)
@@ -434,7 +435,8 @@ def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = F
     the two classes differ (with ``qk_layernorm`` the decode takes the per-tensor route, which
     applies the query / key norms as megatron's ``get_query_key_value_tensors`` does). With
     ``num_experts`` the MLP is megatron's ``MoELayer`` with ``SequentialMLP`` experts (no
-    grouped GEMM: that needs CUDA kernels).
+    grouped GEMM: that needs CUDA kernels), as
+    :class:`~nemo_rlhf.models.moe.TensorParallelMoELayer` (trainable at TP > 1).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -445,4 +447,6 @@ def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = F
     attn = spec.submodules.self_attention
     if attn.module is SelfAttention:
         attn.module = KVCacheSelfAttention
+    if num_experts is not None and spec.submodules.mlp.module is MoELayer:
+        spec.submodules.mlp.module = TensorParallelMoELayer  # trains at TP > 1 (its docstring)
     return spec

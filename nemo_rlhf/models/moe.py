@@ -42,10 +42,11 @@ is what makes it run on gloo as on NCCL.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 
 def patch_router_gemm_without_te() -> None:
@@ -170,29 +171,41 @@ class RouterLoad:
                 self.aux_loss_sum = float(entry["values"].sum())
             clear_aux_losses_tracker()
 
-    def stage_sums(self) -> torch.Tensor:
-        """``[5]`` float64 to be summed over DP and PP (:func:`router_load_metrics`): per
-        layer ``max_e / mean_e`` and ``min_e / mean_e`` of its tokens per expert, summed over
-        this stage's layers; the layer count; the aux-loss sum; the router calls."""
-        c = self.counts
+    def stage_sums(self, dp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        """``[5]`` float64 to be summed over the pipeline stages (:func:`router_load_metrics`):
+        per layer ``max_e / mean_e`` and ``min_e / mean_e`` of its tokens per expert, summed
+        over this stage's layers; the layer count; the aux-loss sum; the router calls.
+
+        Args:
+            dp_sum: sums a tensor over the data-parallel group (in place, returning it; e.g.
+                :meth:`~nemo_rlhf.trainers.collectives.JobCollectives.dp_sum`); every DP rank
+                calls it together. The tokens per expert are summed over DP *before* the
+                ratios, so the metrics are the whole batch's whatever the DP size (a mean of
+                per-rank ratios would change with it). None: this rank's counts alone.
+        """
+        packed = torch.cat([self.counts.flatten(), self.counts.new_tensor([self.aux_loss_sum, float(self.calls)])])
+        if dp_sum is not None:
+            packed = dp_sum(packed)
+        c = packed[:-2].view_as(self.counts)
+        aux, calls = packed[-2], packed[-1]
         mean = c.mean(1).clamp_min(1e-12)
         return torch.stack([(c.max(1).values / mean).sum(), (c.min(1).values / mean).sum(),
-                            c.new_tensor(float(c.shape[0])), c.new_tensor(self.aux_loss_sum),
-                            c.new_tensor(float(self.calls))])
+                            c.new_tensor(float(c.shape[0])), aux, calls])
 
 
-def router_load_metrics(sums: torch.Tensor, dp: int) -> dict:
-    """The ``moe/`` metrics of :meth:`RouterLoad.stage_sums` summed over DP and PP.
+def router_load_metrics(sums: torch.Tensor) -> dict:
+    """The ``moe/`` metrics of :meth:`RouterLoad.stage_sums` (DP-summed counts) summed over
+    the pipeline stages.
 
     Returns:
         ``moe/tokens_per_expert_max_over_mean`` and ``..._min_over_mean`` (the mean over
-        layers and DP ranks of each layer's busiest / idlest expert's tokens over the
-        mean expert's: 1 = balanced; top-k of E experts at most E / k), and
-        ``moe/aux_loss`` (megatron's load-balancing loss, unscaled by its coefficient,
+        layers of each layer's busiest / idlest expert's tokens over the mean expert's, the
+        tokens of every DP rank together: 1 = balanced; top-k of E experts at most E / k),
+        and ``moe/aux_loss`` (megatron's load-balancing loss, unscaled by its coefficient,
         averaged over layer calls; present only when the routers computed it).
     """
     s = [float(x) for x in sums]
-    layers = max(s[2], 1.0)  # each DP rank counted its layers: layers = dp x model layers
+    layers = max(s[2], 1.0)  # the model's MoE layers (each stage counted its own)
     out = {"moe/tokens_per_expert_max_over_mean": s[0] / layers,
            "moe/tokens_per_expert_min_over_mean": s[1] / layers}
     if s[3] and s[4]:
@@ -200,28 +213,73 @@ def router_load_metrics(sums: torch.Tensor, dp: int) -> dict:
     return out
 
 
-def check_moe_training_layout(model_cfg, parallel) -> None:
-    """Refuse a training layout megatron's MoE layer cannot train (called by the training
-    entry points before anything is built; forward-only uses, import / export and evaluation,
-    run MoE at TP > 1).
+class _OneRankGroup:
+    """Stands in for a process group in one size check (``size() == 1``)."""
 
-    megatron-core 0.16.1's ``MoELayer.forward`` raises in training mode at TP > 1 without
-    sequence parallelism, which this project does not wire (:mod:`nemo_rlhf.models.actor_critic`).
+    @staticmethod
+    def size() -> int:
+        return 1
 
-    Args:
-        model_cfg: :class:`~nemo_rlhf.models.config.ModelConfig`.
-        parallel: :class:`~nemo_rlhf.distributed.ParallelConfig`.
 
-    Raises:
-        ValueError: naming ``parallel.tensor_model_parallel_size`` and ``model.num_moe_experts``.
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class TensorParallelMoELayer(MoELayer):
+    """megatron's ``MoELayer``, trainable at TP > 1 without sequence parallelism.
+
+    megatron-core 0.16.1's ``MoELayer.forward`` raises in training mode when the attention's
+    TP group has more than one rank and ``sequence_parallel`` is off ("performance may
+    degrade"). Without sequence parallelism every TP rank holds the same tokens; the
+    ``allgather`` dispatcher gathers them over the TP x EP group, so each token arrives
+    ``T`` times (``T`` = the expert tensor-parallel size, TP here), each rank runs its TP
+    shard of the experts on all of them, and the combine's reduce-scatter sums the shards'
+    partial outputs and hands each rank its own copy's rows. The forward is exact (TP=2's
+    logits are TP=1's); in the backward every copy's loss reaches the shared expert shards,
+    so the expert weights' gradients come out ``T`` times too large (the inputs' and the
+    router's are right: each copy's gradient flows only from its own rank's loss). This
+    layer skips megatron's check (``attn_tp_group`` is read nowhere else in megatron's
+    MoE layer) and, in exactly that case, scales the gradient entering the experts' backward
+    by ``1 / T`` and the gradients leaving it (to the tokens and the routing probabilities)
+    by ``T``: the expert weights get the true gradient, everything else what it got (exact
+    for ``T`` a power of 2). Otherwise it is megatron's layer, with the same parameters and
+    checkpoint names. Costs ``T x`` the expert activations that sequence parallelism would
+    save. ``tests/distributed/test_expert_parallel.py`` checks two PPO steps at TP = 2
+    against TP = 1 and resumes an EP = 2 checkpoint at TP = 2.
     """
-    tp = parallel.tensor_model_parallel_size
-    if model_cfg.num_moe_experts is not None and tp > 1:
-        raise ValueError(
-            f"parallel.tensor_model_parallel_size={tp} with model.num_moe_experts={model_cfg.num_moe_experts}: "
-            "megatron's MoE layer does not train at TP > 1 without sequence parallelism, which is not "
-            "supported here; valid for training a MoE model: tensor_model_parallel_size=1 (use DP or "
-            "parallel.pipeline_model_parallel_size)")
+
+    _copies = 1  # how often each token reaches the experts in the current forward
+
+    def forward(self, hidden_states, *args, **kwargs):
+        """megatron's ``MoELayer.forward`` (same arguments and result)."""
+        if not (self.training and not self.config.sequence_parallel and self.attn_tp_group.size() > 1):
+            return super().forward(hidden_states, *args, **kwargs)
+        group, self.attn_tp_group = self.attn_tp_group, _OneRankGroup()
+        self._copies = self.token_dispatcher.tp_size
+        try:
+            return super().forward(hidden_states, *args, **kwargs)
+        finally:
+            self.attn_tp_group = group
+            self._copies = 1
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """megatron's, with the expert gradients' ``1 / copies`` (the class docstring)."""
+        copies = self._copies
+        if copies == 1:
+            return super().routed_experts_compute(hidden_states, probs)
+        hidden_states = _ScaleGrad.apply(hidden_states, float(copies))
+        probs = _ScaleGrad.apply(probs, float(copies))
+        output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
+        return _ScaleGrad.apply(output, 1.0 / copies), mlp_bias
 
 
 def refuse_expert_parallel(parallel, job: str) -> None:

@@ -54,10 +54,9 @@ class JobCollectives:
             dist.all_reduce(t, group=self.dims.dp_group)
         return t
 
-    def dp_pp_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` summed over the DP group and then the pipeline stages, in place (its own
-        device): per-stage sums of every layer (the MoE router metrics)."""
-        self.dp_sum(t)
+    def pp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the pipeline stages, in place (its own device): per-stage sums
+        of every layer (the MoE router metrics)."""
         if self.dims.pp > 1:
             dist.all_reduce(t, group=self.dims.pp_group)
         return t

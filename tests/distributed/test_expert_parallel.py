@@ -5,9 +5,10 @@ EP=1 (DP=2, every rank holding every expert). ONE spawn runs:
   the two ranks hold different numbers of micro-batches of different shapes (rank 0 three,
   rank 1 one), so the token dispatcher pads and the schedule adds zero-loss copies; logits,
   the DP-reduced gradients (experts by their global index) and the gradient norm equal EP=1's;
-* PPO: from one initial checkpoint, two steps at EP=1 and at EP=2 with a checkpoint after the
-  first; the EP=2 checkpoint resumed at EP=1 and the EP=1 checkpoint resumed at EP=2: saved
-  again at once, the same tensors bit for bit (weights, Adam moments), and the same next step.
+* PPO: from one initial checkpoint, two steps at EP=1, at EP=2 (each with a checkpoint
+  after the first) and at TP=2; the EP=2 checkpoint resumed at EP=1 and at TP=2, and the EP=1
+  checkpoint resumed at EP=2: saved again at once, the same tensors bit for bit (weights,
+  Adam moments), and the same next step.
 """
 
 from __future__ import annotations
@@ -162,9 +163,17 @@ def _ppo(tmp: Path) -> dict:
         out[f"ep{ep}"] = [first, numbers(t.train_step())]
         out[f"ep{ep}_describe"] = t.dims.describe()
         t.close()
-    for ep, source in ((1, "ep2"), (2, "ep1")):  # each checkpoint resumed at the other EP
-        t = build(compose_ppo(data, tmp / source, *COMMON, init, "exp_manager.resume=auto",
-                              f"parallel.expert_model_parallel_size={ep}"))
+    # TP=2 (DP=1): megatron's MoE layer trains without sequence parallelism here
+    # (nemo_rlhf.models.moe.TensorParallelMoELayer); the same two steps as EP=1 (DP=2)
+    t = build(compose_ppo(data, tmp / "tp2", *COMMON, init, "parallel.tensor_model_parallel_size=2"))
+    out["tp2"] = [numbers(t.train_step()), numbers(t.train_step())]
+    out["tp2_describe"] = t.dims.describe()
+    t.close()
+    layouts = ((1, "ep2", "parallel.expert_model_parallel_size=1"),
+               (2, "ep1", "parallel.expert_model_parallel_size=2"),
+               ("tp2", "ep2", "parallel.tensor_model_parallel_size=2"))
+    for ep, source, layout in layouts:  # each checkpoint resumed at another layout
+        t = build(compose_ppo(data, tmp / source, *COMMON, init, "exp_manager.resume=auto", layout))
         t.resume()
         out[f"{source}_at_ep{ep}_step"] = t.step
         # what was loaded, written again at this EP: the same tensors, Adam moments included
@@ -288,7 +297,21 @@ def test_ppo_second_step_at_ep2_equals_ep1(ranks):
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"{key}: EP=2 {a} vs EP=1 {b}"
 
 
-@pytest.mark.parametrize("source, ep", [("ep2", 1), ("ep1", 2)])
+def test_ppo_at_tp2_trains_the_moe_model_as_tp1_does(ranks):
+    """megatron's MoE layer refuses training at TP > 1 without sequence parallelism (a
+    performance check); TensorParallelMoELayer trains there and gives TP=1's steps."""
+    ppo = ranks[0]["ppo"]
+    assert ppo["tp2_describe"]["tp"] == 2
+    for step, tol in ((0, 1e-5), (1, 1e-4)):
+        ref, got = ppo["ep1"][step], ppo["tp2"][step]
+        for key in COMPARED:
+            assert abs(got[key] - ref[key]) <= tol * max(1.0, abs(ref[key])), \
+                f"step {step + 1} {key}: TP=2 {got[key]} vs TP=1 {ref[key]}"
+    for step in (0, 1):  # both TP ranks report the same step
+        assert {k: ranks[1]["ppo"]["tp2"][step][k] for k in COMPARED} == {k: ppo["tp2"][step][k] for k in COMPARED}
+
+
+@pytest.mark.parametrize("source, ep", [("ep2", 1), ("ep1", 2), ("ep2", "tp2")])
 def test_a_checkpoint_saved_at_one_ep_resumes_at_the_other_with_the_same_next_step(ranks, source, ep):
     ppo = ranks[0]["ppo"]
     assert ppo[f"{source}_at_ep{ep}_step"] == 1

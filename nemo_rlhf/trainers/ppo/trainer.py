@@ -296,7 +296,7 @@ class PPOTrainer:
                     all_stats.append(self.collectives.dp_reduce_stats(P.merge_token_stats(res)))
         out = update_metrics(all_stats, norms, critic_norms)
         if load.active:
-            out.update(router_load_metrics(self.collectives.dp_pp_sum(load.stage_sums()), self.dims.dp))
+            out.update(router_load_metrics(self.collectives.pp_sum(load.stage_sums(self.collectives.dp_sum))))
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
         out.update(correction)

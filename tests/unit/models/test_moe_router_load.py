@@ -26,10 +26,17 @@ def test_router_load_metrics_of_a_worked_example():
     load = RouterLoad(torch.nn.Linear(1, 1))
     assert not load.active
     load.counts, load.calls, load.aux_loss_sum = counts, 6, 0.0
-    m = router_load_metrics(load.stage_sums(), dp=1)
+    m = router_load_metrics(load.stage_sums())
     assert m == {"moe/tokens_per_expert_max_over_mean": 1.5, "moe/tokens_per_expert_min_over_mean": 0.5}
     load.aux_loss_sum = 3.0
-    assert router_load_metrics(load.stage_sums(), dp=1)["moe/aux_loss"] == 0.5
+    assert router_load_metrics(load.stage_sums())["moe/aux_loss"] == 0.5
+    # another DP rank routed [0, 4, 4, 8] and [0, 4, 4, 8]: summed first, the batch's
+    # counts are [4, 8, 8, 12] (mean 8: 1.5, 0.5) and [8, 8, 8, 8] (1, 1); the mean of the
+    # two ranks' own ratios (1.5 and 1.75) would be another number
+    other = torch.tensor([0.0, 4, 4, 8, 0, 4, 4, 8, 1.0, 6], dtype=torch.float64)
+    m = router_load_metrics(load.stage_sums(dp_sum=lambda t: t.add_(other)))
+    assert m == {"moe/tokens_per_expert_max_over_mean": 1.25, "moe/tokens_per_expert_min_over_mean": 0.75,
+                 "moe/aux_loss": 4.0 / 12}
 
 
 def test_hooks_count_the_routers_choices_and_read_the_aux_loss(dims):
@@ -57,7 +64,7 @@ def test_hooks_count_the_routers_choices_and_read_the_aux_loss(dims):
     h.remove()
     assert torch.equal(seen["map"], load.counts[0])
     assert load.aux_loss_sum > 0  # megatron's tracker, unscaled: about top-k for a balanced router
-    m = router_load_metrics(load.stage_sums(), dp=1)
+    m = router_load_metrics(load.stage_sums())
     assert 1.0 <= m["moe/tokens_per_expert_max_over_mean"] <= 2.0
     assert 0.0 <= m["moe/tokens_per_expert_min_over_mean"] <= 1.0
     assert 0.5 < m["moe/aux_loss"] < 4.0
