@@ -3,8 +3,9 @@
 One spawned world per layout (training TP=1 and TP=2, engine TP=1 and TP=2) runs all the
 checks of a PPO trainer built with the vLLM engine; the SmolLM2 check and the resume check
 have their own worlds; the TP=1 world's model has Llama 3.1's RoPE scaling, the TP=2 / vLLM
-TP=2 world's is a Qwen3 (query / key norms), and a fourth world (TP=1) runs the same checks
-on a Qwen3-MoE (4 experts, top-2) whose expert width vLLM's CPU kernel pads. Tolerances: fp32
+TP=2 world's is a Qwen3 (query / key norms), a fourth world (TP=1) runs the same checks
+on a Qwen3-MoE (4 experts, top-2) whose expert width vLLM's CPU kernel pads, and a fifth on
+a Mixtral trained at TP=2 (vLLM TP=1). Tolerances: fp32
 on both sides; vLLM's CPU kernels (its own GEMM, attention and fused MoE) round differently
 from megatron's, measured up to ~1e-6 nats on the tiny models, so the log-prob bound is 1e-4.
 """
@@ -36,8 +37,11 @@ QWEN3 = ("model.qk_layernorm=true",)
 # fails, and with an unpadded width of 32 or 64 the tokens and log-probs are silently wrong)
 QWEN3_MOE = ("model.qk_layernorm=true", "model.num_moe_experts=4", "model.moe_router_topk=2",
              "model.moe_ffn_hidden_size=48")
+# A Mixtral (MoE without query / key norms: exported as MixtralForCausalLM) trained at TP=2:
+# the refit gathers the TP-sharded experts, vLLM (TP=1) repacks them as for the Qwen3-MoE
+MIXTRAL = ("model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=48")
 WORLDS = {"tp1_vllm_tp1": (1, 1, LLAMA3_ROPE), "tp2_vllm_tp2": (2, 2, QWEN3), "tp2_vllm_tp1": (2, 1, ()),
-          "tp1_vllm_tp1_qwen3_moe": (1, 1, QWEN3_MOE)}
+          "tp1_vllm_tp1_qwen3_moe": (1, 1, QWEN3_MOE), "tp2_vllm_tp1_mixtral": (2, 1, MIXTRAL)}
 """The PPO trainer worlds: training TP, vLLM TP and the model's overrides of each."""
 
 
@@ -120,7 +124,8 @@ def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = (
     g = torch.Generator(device="cpu").manual_seed(100 + trainer.dims.tp_rank)
     with torch.no_grad():  # the output layer (vocab-parallel: each TP rank its own rows)
         w = core.output_layer.weight
-        w.add_(torch.randn(w.shape, generator=g).to(w.device, w.dtype) * w.std() * 4)
+        # rows moved by one (a collapsed policy's top token is no longer on top) plus noise
+        w.copy_(torch.roll(w, shifts=1, dims=0) + torch.randn(w.shape, generator=g).to(w.device, w.dtype) * w.std() * 4)
     stale = vllm.generate(trainer.model, prompts, greedy, call_index=0,
                           weights_version=trainer.weights_version)  # version not bumped: no refit
     out["stale"] = _responses(stale)
