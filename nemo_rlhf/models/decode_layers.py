@@ -80,7 +80,6 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from nemo_rlhf.models.lora import has_lora
-from nemo_rlhf.models.moe import TensorParallelMoELayer
 
 CACHE_TAG = "bhsd"
 """Second element of this module's ``key_value_memory_dict`` keys: ``(layer_number, tag)``."""
@@ -425,6 +424,75 @@ class KVCacheTransformerLayer(TransformerLayer):
         return _linear(mlp.linear_fc2, y, self._plain_fc2)
 
 
+class _OneRankGroup:
+    """Stands in for a process group in one size check (``size() == 1``)."""
+
+    @staticmethod
+    def size() -> int:
+        return 1
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class TensorParallelMoELayer(MoELayer):
+    """megatron's ``MoELayer``, trainable at TP > 1 without sequence parallelism.
+
+    megatron-core 0.16.1's ``MoELayer.forward`` raises in training mode when the attention's
+    TP group has more than one rank and ``sequence_parallel`` is off ("performance may
+    degrade"). Without sequence parallelism every TP rank holds the same tokens; the
+    ``allgather`` dispatcher gathers them over the TP x EP group, so each token arrives
+    ``T`` times (``T`` = the expert tensor-parallel size, TP here), each rank runs its TP
+    shard of the experts on all of them, and the combine's reduce-scatter sums the shards'
+    partial outputs and hands each rank its own copy's rows. The forward is exact (TP=2's
+    logits are TP=1's); in the backward every copy's loss reaches the shared expert shards,
+    so the expert weights' gradients come out ``T`` times too large (the inputs' and the
+    router's are right: each copy's gradient flows only from its own rank's loss). This
+    layer skips megatron's check (``attn_tp_group`` is read nowhere else in megatron's
+    MoE layer) and, in exactly that case, scales the gradient entering the experts' backward
+    by ``1 / T`` and the gradients leaving it (to the tokens and the routing probabilities)
+    by ``T``: the expert weights get the true gradient, everything else what it got (exact
+    for ``T`` a power of 2). Otherwise it is megatron's layer, with the same parameters and
+    checkpoint names. Costs ``T x`` the expert activations that sequence parallelism would
+    save. ``tests/distributed/test_expert_parallel.py`` checks two PPO steps at TP = 2
+    against TP = 1 and resumes an EP = 2 checkpoint at TP = 2.
+    """
+
+    _copies = 1  # how often each token reaches the experts in the current forward
+
+    def forward(self, hidden_states, *args, **kwargs):
+        """megatron's ``MoELayer.forward`` (same arguments and result)."""
+        if not (self.training and not self.config.sequence_parallel and self.attn_tp_group.size() > 1):
+            return super().forward(hidden_states, *args, **kwargs)
+        group, self.attn_tp_group = self.attn_tp_group, _OneRankGroup()
+        self._copies = self.token_dispatcher.tp_size
+        try:
+            return super().forward(hidden_states, *args, **kwargs)
+        finally:
+            self.attn_tp_group = group
+            self._copies = 1
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """megatron's, with the expert gradients' ``1 / copies`` (the class docstring)."""
+        copies = self._copies
+        if copies == 1:
+            return super().routed_experts_compute(hidden_states, probs)
+        hidden_states = _ScaleGrad.apply(hidden_states, float(copies))
+        probs = _ScaleGrad.apply(probs, float(copies))
+        output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
+        return _ScaleGrad.apply(output, 1.0 / copies), mlp_bias
+
+
 def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
                      num_experts: Optional[int] = None):
     """megatron's local GPT layer spec with :class:`KVCacheTransformerLayer` and
@@ -436,7 +504,7 @@ def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = F
     applies the query / key norms as megatron's ``get_query_key_value_tensors`` does). With
     ``num_experts`` the MLP is megatron's ``MoELayer`` with ``SequentialMLP`` experts (no
     grouped GEMM: that needs CUDA kernels), as
-    :class:`~nemo_rlhf.models.moe.TensorParallelMoELayer` (trainable at TP > 1).
+    :class:`TensorParallelMoELayer` (trainable at TP > 1).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

@@ -46,7 +46,6 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe.moe_layer import MoELayer
 
 
 def patch_router_gemm_without_te() -> None:
@@ -211,75 +210,6 @@ def router_load_metrics(sums: torch.Tensor) -> dict:
     if s[3] and s[4]:
         out["moe/aux_loss"] = s[3] / s[4]
     return out
-
-
-class _OneRankGroup:
-    """Stands in for a process group in one size check (``size() == 1``)."""
-
-    @staticmethod
-    def size() -> int:
-        return 1
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x, scale: float):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
-class TensorParallelMoELayer(MoELayer):
-    """megatron's ``MoELayer``, trainable at TP > 1 without sequence parallelism.
-
-    megatron-core 0.16.1's ``MoELayer.forward`` raises in training mode when the attention's
-    TP group has more than one rank and ``sequence_parallel`` is off ("performance may
-    degrade"). Without sequence parallelism every TP rank holds the same tokens; the
-    ``allgather`` dispatcher gathers them over the TP x EP group, so each token arrives
-    ``T`` times (``T`` = the expert tensor-parallel size, TP here), each rank runs its TP
-    shard of the experts on all of them, and the combine's reduce-scatter sums the shards'
-    partial outputs and hands each rank its own copy's rows. The forward is exact (TP=2's
-    logits are TP=1's); in the backward every copy's loss reaches the shared expert shards,
-    so the expert weights' gradients come out ``T`` times too large (the inputs' and the
-    router's are right: each copy's gradient flows only from its own rank's loss). This
-    layer skips megatron's check (``attn_tp_group`` is read nowhere else in megatron's
-    MoE layer) and, in exactly that case, scales the gradient entering the experts' backward
-    by ``1 / T`` and the gradients leaving it (to the tokens and the routing probabilities)
-    by ``T``: the expert weights get the true gradient, everything else what it got (exact
-    for ``T`` a power of 2). Otherwise it is megatron's layer, with the same parameters and
-    checkpoint names. Costs ``T x`` the expert activations that sequence parallelism would
-    save. ``tests/distributed/test_expert_parallel.py`` checks two PPO steps at TP = 2
-    against TP = 1 and resumes an EP = 2 checkpoint at TP = 2.
-    """
-
-    _copies = 1  # how often each token reaches the experts in the current forward
-
-    def forward(self, hidden_states, *args, **kwargs):
-        """megatron's ``MoELayer.forward`` (same arguments and result)."""
-        if not (self.training and not self.config.sequence_parallel and self.attn_tp_group.size() > 1):
-            return super().forward(hidden_states, *args, **kwargs)
-        group, self.attn_tp_group = self.attn_tp_group, _OneRankGroup()
-        self._copies = self.token_dispatcher.tp_size
-        try:
-            return super().forward(hidden_states, *args, **kwargs)
-        finally:
-            self.attn_tp_group = group
-            self._copies = 1
-
-    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """megatron's, with the expert gradients' ``1 / copies`` (the class docstring)."""
-        copies = self._copies
-        if copies == 1:
-            return super().routed_experts_compute(hidden_states, probs)
-        hidden_states = _ScaleGrad.apply(hidden_states, float(copies))
-        probs = _ScaleGrad.apply(probs, float(copies))
-        output, mlp_bias = super().routed_experts_compute(hidden_states, probs)
-        return _ScaleGrad.apply(output, 1.0 / copies), mlp_bias
 
 
 def refuse_expert_parallel(parallel, job: str) -> None:

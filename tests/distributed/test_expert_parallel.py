@@ -164,7 +164,7 @@ def _ppo(tmp: Path) -> dict:
         out[f"ep{ep}_describe"] = t.dims.describe()
         t.close()
     # TP=2 (DP=1): megatron's MoE layer trains without sequence parallelism here
-    # (nemo_rlhf.models.moe.TensorParallelMoELayer); the same two steps as EP=1 (DP=2)
+    # (nemo_rlhf.models.decode_layers.TensorParallelMoELayer); the same two steps as EP=1 (DP=2)
     t = build(compose_ppo(data, tmp / "tp2", *COMMON, init, "parallel.tensor_model_parallel_size=2"))
     out["tp2"] = [numbers(t.train_step()), numbers(t.train_step())]
     out["tp2_describe"] = t.dims.describe()

@@ -4,7 +4,7 @@ EP=1, all from one initial checkpoint, greedy rollouts (the same samples in ever
 
 At TP=2 x EP=2 the allgather dispatcher gathers over the TP x EP group (each token of a
 DP replica arrives twice, the experts TP-sharded and EP-split:
-nemo_rlhf.models.moe.TensorParallelMoELayer); at PP=2 x EP=2 each stage's expert exchange
+nemo_rlhf.models.decode_layers.TensorParallelMoELayer); at PP=2 x EP=2 each stage's expert exchange
 joins the two DP replicas' ranks of that stage.
 """
 

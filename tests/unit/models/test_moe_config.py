@@ -126,7 +126,7 @@ def test_the_tp_moe_layer_rests_on_megatron_reading_its_attention_tp_group_in_on
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     from nemo_rlhf.models.decode_layers import local_layer_spec
-    from nemo_rlhf.models.moe import TensorParallelMoELayer
+    from nemo_rlhf.models.decode_layers import TensorParallelMoELayer
 
     source = inspect.getsource(inspect.getmodule(MoELayer))  # MoELayer and BaseMoELayer
     assert "without also enabling sequence parallelism" in source
