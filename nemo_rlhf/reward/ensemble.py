@@ -118,12 +118,12 @@ class RewardModelEnsemble:
                     f"serve RM checkpoints written by nemo_rlhf.train_rm")
             means.append(float(mean))
             stds.append(float(std))
-        aggregate_ensemble(torch.zeros(len(clients), 1), torch.tensor(means), torch.tensor(stds),
+        aggregate_ensemble(torch.zeros(len(clients), 1), torch.tensor(means), torch.tensor(stds),  # host
                            aggregate, std_coef)  # validates aggregate and std_coef now
         self.clients = list(clients)
         self.names = list(names)
-        self.means = torch.tensor(means, dtype=torch.float64)
-        self.stds = torch.tensor(stds, dtype=torch.float64)
+        self.means = torch.tensor(means, dtype=torch.float64)  # host: scores arrive as JSON floats
+        self.stds = torch.tensor(stds, dtype=torch.float64)  # host
         self.aggregate = aggregate
         self.std_coef = std_coef
         self.last_spread: torch.Tensor | None = None
