@@ -540,8 +540,9 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
     ap.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default=None,
                     help="trainer.precision of every stage (samples, RM, RM server, PPO, evaluation), "
-                         "resolved once here; auto (smollm2's default): bf16-mixed where a host bf16 "
-                         "GEMM is >= 1.2x faster than fp32, and with it the bf16 recipe (SMOLLM2_RECIPE). "
+                         "resolved once here; auto (smollm2's default): bf16-mixed where the CPU has bf16 "
+                         "instructions that torch uses (AMX or AVX-512 BF16; a CUDA GPU with bf16), "
+                         "and with it the bf16 recipe (SMOLLM2_RECIPE). "
                          "tiny's default: 32. Log-probs, KL, advantages and losses stay fp32 either way")
     ap.add_argument("--reward", choices=["rm", "checker", "both"], default="rm",
                     help="smollm2: PPO reward from the served RM (default; the checker only labels its "
