@@ -281,6 +281,11 @@ def preference_length(sample: PreferenceSample) -> int:
     return len(sample.prompt_ids) + max(len(sample.chosen_ids), len(sample.rejected_ids))
 
 
+def pair_tokens(sample: PreferenceSample) -> int:
+    """Tokens of both sides of a preference pair (the chosen and the rejected row's)."""
+    return 2 * len(sample.prompt_ids) + len(sample.chosen_ids) + len(sample.rejected_ids)
+
+
 def collate_sft(samples: Sequence[SFTSample], pad_id: int, length: Optional[int] = None) -> dict:
     """SFT micro-batch.
 

@@ -164,14 +164,20 @@ class ModelConfig:
     softmax over all experts, top-k probabilities taken as they are (qwen3_moe with
     ``norm_topk_prob=false``). megatron's ``moe_router_pre_softmax``."""
     moe_aux_loss_coeff: float = 0.0
-    """MoE: coefficient of megatron's load-balancing loss (``aux_loss``: Switch Transformer's
-    ``E * sum_e f_e p_e``) in training passes. Only 0 for now: megatron scales the router
-    losses' gradients by the micro-batch's token count (``calculate_per_token_loss``) and
-    this project's losses, already divided by the global token count, do not undo it. Not
-    part of the architecture."""
+    """MoE: coefficient of the load-balancing loss (Switch Transformer, Fedus et al. 2021,
+    eq. 4: ``E / (k T^2) * sum_e P_e c_e`` over a micro-batch's ``T`` non-padding tokens,
+    ``P_e`` the summed router probabilities and ``c_e`` the tokens routed to expert ``e``;
+    megatron's ``aux_loss``) in training passes, per MoE layer. Weighted by each
+    micro-batch's share of the optimizer step's non-padding tokens (every micro-batch and
+    DP rank), so it is a token-weighted mean over the step's micro-batches, summed over the
+    layers; added to the gradient only (logged as ``moe/aux_loss``, not in ``train/loss`` /
+    ``policy_loss``). 0 (default): off. Not part of the architecture; not imported from
+    the HF ``router_aux_loss_coef``."""
     moe_z_loss_coeff: float = 0.0
-    """MoE: coefficient of the router z-loss (``mean(logsumexp(logits)^2)``, ST-MoE); only 0
-    for now (as ``moe_aux_loss_coeff``). Not part of the architecture."""
+    """MoE: coefficient of the router z-loss (ST-MoE, Zoph et al. 2022, eq. 5: the mean over
+    non-padding tokens of ``logsumexp(router logits)^2``), weighted and added like
+    ``moe_aux_loss_coeff`` (logged as ``moe/z_loss``). 0 (default): off. Not part of the
+    architecture."""
     hidden_dropout: float = 0.0
     """Dropout after attention/MLP (RLHF usually trains with 0)."""
     attention_dropout: float = 0.0
@@ -262,16 +268,8 @@ class ModelConfig:
         if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
             raise ValueError(f"model.moe_ffn_hidden_size={self.moe_ffn_hidden_size}: must be >= 1 or null")
         for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-            if getattr(self, key) != 0:
-                # megatron multiplies the router losses by the micro-batch's token count under
-                # calculate_per_token_loss, expecting finalize_model_grads to divide every
-                # gradient by the global token count; here the losses arrive already divided
-                # (the PPO / SFT losses), so the router losses' gradients would be that many
-                # times too large
-                raise ValueError(
-                    f"model.{key}={getattr(self, key)}: router losses are not supported yet (megatron "
-                    "scales their gradients by the micro-batch's token count, which this project's "
-                    "token-normalised losses do not undo); valid: 0")
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"model.{key}={getattr(self, key)}: must be >= 0 (0: off)")
         if self.add_bias_linear:
             raise ValueError("model.add_bias_linear=true with model.num_moe_experts set: megatron's MoE "
                              "experts have no biases (use add_qkv_bias for attention biases)")

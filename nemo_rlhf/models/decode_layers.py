@@ -425,7 +425,8 @@ class KVCacheTransformerLayer(TransformerLayer):
 
 
 class _OneRankGroup:
-    """Stands in for a process group in one size check (``size() == 1``)."""
+    """Stands in for a process group of one rank (``size() == 1``): megatron's size check
+    and its TP reductions of the router's token counts, which skip a one-rank group."""
 
     @staticmethod
     def size() -> int:
@@ -462,7 +463,12 @@ class TensorParallelMoELayer(MoELayer):
     MoE layer) and, in exactly that case, scales the gradient entering the experts' backward
     by ``1 / T`` and the gradients leaving it (to the tokens and the routing probabilities)
     by ``T``: the expert weights get the true gradient, everything else what it got (exact
-    for ``T`` a power of 2). Otherwise it is megatron's layer, with the same parameters and
+    for ``T`` a power of 2). The router losses (``model.moe_aux_loss_coeff`` /
+    ``moe_z_loss_coeff``) are reduced over the router's TP group in megatron, which assumes
+    each TP rank holds a sequence-parallel shard of the tokens and divides by ``T``; here
+    every rank holds them all, so in that same case the router sees a one-rank group and
+    each rank computes the whole loss (its gradient is not summed over TP: the router and the
+    hidden states are replicated). Otherwise it is megatron's layer, with the same parameters and
     checkpoint names. Costs ``T x`` the expert activations that sequence parallelism would
     save. ``tests/distributed/test_expert_parallel.py`` checks two PPO steps at TP = 2
     against TP = 1 and resumes an EP = 2 checkpoint at TP = 2.
@@ -475,11 +481,13 @@ class TensorParallelMoELayer(MoELayer):
         if not (self.training and not self.config.sequence_parallel and self.attn_tp_group.size() > 1):
             return super().forward(hidden_states, *args, **kwargs)
         group, self.attn_tp_group = self.attn_tp_group, _OneRankGroup()
+        router_group, self.router.tp_cp_group = self.router.tp_cp_group, _OneRankGroup()
         self._copies = self.token_dispatcher.tp_size
         try:
             return super().forward(hidden_states, *args, **kwargs)
         finally:
             self.attn_tp_group = group
+            self.router.tp_cp_group = router_group
             self._copies = 1
 
     def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):

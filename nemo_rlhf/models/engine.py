@@ -115,6 +115,10 @@ def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     kwargs = {} if with_values is None else {"with_values": with_values}
     if logprob_request is not None:
         kwargs["logprob_request"] = logprob_request
+    if getattr(unwrap(model).config, "num_moe_experts", None):
+        # megatron's MoE padding mask ([rows, cols] bool, True = padding): padded positions
+        # stay out of the router losses and the routed-token counts (the routing is the same)
+        kwargs["padding_mask"] = (packed.segment_ids == 0) if packed is not None else ~attention_mask.bool()
     if packed is not None:
         return model(packed.input_ids, packed.position_ids, packed.attention_mask(), packed=packed,
                      **kwargs)
@@ -131,6 +135,7 @@ def forward_backward(
     with_values: Optional[bool] = None,
     logprob_request=None,
     variable_shapes: bool = False,
+    routed_tokens=None,
 ) -> list[dict]:
     """Run micro-batches through megatron's schedule; return the per-micro-batch stats.
 
@@ -155,9 +160,19 @@ def forward_backward(
         variable_shapes: the micro-batches may differ in shape (token-budget micro-batches
             with their padding cut); under pipeline parallelism each activation's shape is
             then sent ahead of it (megatron's ``variable_seq_lengths``).
+        routed_tokens: the non-padding tokens (``attention_mask`` sum) of the whole
+            optimizer step, over every micro-batch and DP rank (a float or a scalar tensor):
+            the MoE router losses' denominator. Required by a training call of a MoE model
+            with ``model.moe_aux_loss_coeff`` or ``model.moe_z_loss_coeff`` > 0; unused
+            otherwise. Each micro-batch's router losses then enter the gradient weighted by
+            its share of these tokens (see :func:`router_loss_coefficients`).
 
     Returns:
         On the last pipeline stage, one stats dict per micro-batch; elsewhere ``[]``.
+
+    Raises:
+        ValueError: micro-batches of different shapes without ``variable_shapes``; a
+            training call of a MoE model with router losses and no ``routed_tokens``.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -174,6 +189,17 @@ def forward_backward(
             )
     it = iter(enumerate(micro_batches))
     real = len(micro_batches) - dummies
+    cfg = unwrap(model).config
+    user_coeffs = (getattr(cfg, "moe_aux_loss_coeff", 0.0), getattr(cfg, "moe_z_loss_coeff", None))
+    weighted = router_loss_coefficients(cfg, forward_only, routed_tokens)
+    if weighted is not None:
+        # megatron keeps the router losses' backward scale in a class attribute, created by
+        # the first call that needs it and then updated in place; one made by a backward
+        # outside the schedule is a 0-d tensor that the schedule's [1]-shaped update cannot
+        # be copied into. The schedule sets it before every backward: start from none.
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
     def step(data_iterator, stage):
         index, mb = next(data_iterator)
@@ -183,6 +209,8 @@ def forward_backward(
         request = logprob_request
         if request is not None and "prompt_length" in mb:
             request = replace(request, prompt_length=mb["prompt_length"])
+        if weighted is not None:  # this micro-batch's router losses (a filler's: none)
+            cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff = (0.0, None) if index >= real else weighted
         with filler_forward(index >= real):  # a filler's routed tokens are not counted
             out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request,
                                 packed=mb.get("packed"))
@@ -200,7 +228,6 @@ def forward_backward(
 
         return out, loss_func
 
-    cfg = unwrap(model).config
     # between pipeline stages, variable shapes are sent ahead of each activation (megatron's
     # variable_seq_lengths: one small p2p per transfer); fixed shapes need none
     variable_before = cfg.variable_seq_lengths
@@ -217,7 +244,44 @@ def forward_backward(
         )
     finally:
         cfg.variable_seq_lengths = variable_before
+        if weighted is not None:
+            cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff = user_coeffs
     return list(results or [])[:real] if real else []
+
+
+def router_loss_coefficients(cfg, forward_only: bool, routed_tokens) -> Optional[tuple]:
+    """The router-loss coefficients a training micro-batch runs with: ``(aux, z)`` divided
+    by ``routed_tokens``, or None (no router loss: forward only, a dense model, both 0).
+
+    megatron-core's router, under ``calculate_per_token_loss`` (this project's setting: the
+    losses arrive divided by the global token count), attaches each micro-batch's
+    ``coeff * loss * T_mb`` (``T_mb`` its non-padding tokens) to the gradient and expects
+    the gradients to be divided by the global token count later; here nothing divides them
+    later, so the coefficient is divided first: each micro-batch's loss enters with weight
+    ``T_mb / routed_tokens``, a token-weighted mean over the step whatever the micro-batch
+    and DP sizes. The losses are linear in their coefficient and megatron logs
+    ``loss / coeff``, so the logged values stay unscaled.
+
+    Args:
+        cfg: the model's megatron ``TransformerConfig`` (its MoE coefficients are the
+            user's: ``model.moe_aux_loss_coeff`` / ``model.moe_z_loss_coeff``).
+        forward_only: no backward pass (no router loss is computed).
+        routed_tokens: see :func:`forward_backward`.
+
+    Raises:
+        ValueError: router losses on, a training call, and ``routed_tokens`` None or < 1.
+    """
+    aux, z = getattr(cfg, "moe_aux_loss_coeff", 0.0) or 0.0, getattr(cfg, "moe_z_loss_coeff", None) or 0.0
+    if forward_only or not getattr(cfg, "num_moe_experts", None) or not (aux or z):
+        return None
+    if routed_tokens is None or float(routed_tokens) < 1:
+        raise ValueError(
+            f"a training forward/backward of a MoE model with router losses "
+            f"(model.moe_aux_loss_coeff={aux}, model.moe_z_loss_coeff={z}) needs "
+            f"routed_tokens, the step's non-padding tokens over every micro-batch and DP rank "
+            f"(got {routed_tokens})")
+    n = float(routed_tokens)
+    return aux / n, (z / n if z else None)
 
 
 def _pad_for_expert_parallel(model, micro_batches: list[dict], forward_only: bool,

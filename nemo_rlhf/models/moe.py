@@ -106,6 +106,8 @@ def all_done_in_group(done: bool, group, device: torch.device) -> bool:
 
 AUX_LOSS_NAME = "load_balancing_loss"
 """megatron's tracker entry of the ``aux_loss`` load-balancing loss (``TopKRouter._apply_aux_loss``)."""
+Z_LOSS_NAME = "z_loss"
+"""megatron's tracker entry of the router z-loss (``TopKRouter.apply_z_loss``)."""
 
 
 class RouterLoad:
@@ -113,10 +115,11 @@ class RouterLoad:
 
     Forward hooks on every megatron ``TopKRouter`` of ``model`` (none for a dense model:
     then :attr:`active` is False and nothing is recorded) add each call's ``routing_map
-    [tokens, experts]`` column sums to :attr:`counts`. Padded positions are routed like real
-    tokens (megatron's MoE layer is given no padding mask here) and are counted too. On
-    exit it also reads (and clears) megatron's aux-loss tracker, which the routers fill in
-    training passes when ``model.moe_aux_loss_coeff > 0``.
+    [tokens, experts]`` column sums to :attr:`counts`, padded positions left out (the
+    router's padding mask, which :func:`nemo_rlhf.models.engine.model_forward` passes;
+    padded positions are routed like real tokens but are not the batch's). On exit it also
+    reads (and clears) megatron's router-loss tracker, which the routers fill in training
+    passes when ``model.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` > 0.
 
     Forwards marked by :func:`filler_forward` (expert-parallel filler copies) are not counted.
 
@@ -124,6 +127,7 @@ class RouterLoad:
         counts: ``[routers on this stage, experts]`` float64 on the routers' device.
         calls: router calls (one per layer and micro-batch forward).
         aux_loss_sum: the tracker's aux losses summed over layers and calls (0.0 without).
+        z_loss_sum: the same for the z-loss.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -134,13 +138,17 @@ class RouterLoad:
         self.counts: Optional[torch.Tensor] = None
         self.calls = 0
         self.aux_loss_sum = 0.0
+        self.z_loss_sum = 0.0
         self._handles: list = []
 
     def _hook(self, index: int):
-        def hook(_module, _inputs, output):
+        def hook(_module, inputs, output):
             if _FILLER[0]:  # an expert-parallel filler micro-batch (a copy): not counted
                 return
-            routing_map = output[1]  # [tokens, experts] bool
+            routing_map = output[1]  # [tokens, experts] bool, tokens in [seq, batch] order
+            padding = inputs[1] if len(inputs) > 1 else None  # [seq, batch] bool, True = padding
+            if padding is not None:
+                routing_map = routing_map & ~padding.reshape(-1, 1)
             self.counts[index] += routing_map.sum(0).to(self.counts.dtype)
             self.calls += 1
         return hook
@@ -165,15 +173,17 @@ class RouterLoad:
                 get_moe_layer_wise_logging_tracker,
             )
 
-            entry = get_moe_layer_wise_logging_tracker().get(AUX_LOSS_NAME)
-            if entry is not None:
-                self.aux_loss_sum = float(entry["values"].sum())
+            tracker = get_moe_layer_wise_logging_tracker()
+            for name, attr in ((AUX_LOSS_NAME, "aux_loss_sum"), (Z_LOSS_NAME, "z_loss_sum")):
+                if tracker.get(name) is not None:
+                    setattr(self, attr, float(tracker[name]["values"].sum()))
             clear_aux_losses_tracker()
 
     def stage_sums(self, dp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
-        """``[5]`` float64 to be summed over the pipeline stages (:func:`router_load_metrics`):
+        """``[6]`` float64 to be summed over the pipeline stages (:func:`router_load_metrics`):
         per layer ``max_e / mean_e`` and ``min_e / mean_e`` of its tokens per expert, summed
-        over this stage's layers; the layer count; the aux-loss sum; the router calls.
+        over this stage's layers; the layer count; the aux-loss and z-loss sums; the router
+        calls.
 
         Args:
             dp_sum: sums a tensor over the data-parallel group (in place, returning it; e.g.
@@ -182,14 +192,15 @@ class RouterLoad:
                 ratios, so the metrics are the whole batch's whatever the DP size (a mean of
                 per-rank ratios would change with it). None: this rank's counts alone.
         """
-        packed = torch.cat([self.counts.flatten(), self.counts.new_tensor([self.aux_loss_sum, float(self.calls)])])
+        losses = [self.aux_loss_sum, self.z_loss_sum, float(self.calls)]
+        packed = torch.cat([self.counts.flatten(), self.counts.new_tensor(losses)])
         if dp_sum is not None:
             packed = dp_sum(packed)
-        c = packed[:-2].view_as(self.counts)
-        aux, calls = packed[-2], packed[-1]
+        c = packed[:-3].view_as(self.counts)
+        aux, z, calls = packed[-3], packed[-2], packed[-1]
         mean = c.mean(1).clamp_min(1e-12)
         return torch.stack([(c.max(1).values / mean).sum(), (c.min(1).values / mean).sum(),
-                            c.new_tensor(float(c.shape[0])), aux, calls])
+                            c.new_tensor(float(c.shape[0])), aux, z, calls])
 
 
 def router_load_metrics(sums: torch.Tensor) -> dict:
@@ -200,15 +211,18 @@ def router_load_metrics(sums: torch.Tensor) -> dict:
         ``moe/tokens_per_expert_max_over_mean`` and ``..._min_over_mean`` (the mean over
         layers of each layer's busiest / idlest expert's tokens over the mean expert's, the
         tokens of every DP rank together: 1 = balanced; top-k of E experts at most E / k),
-        and ``moe/aux_loss`` (megatron's load-balancing loss, unscaled by its coefficient,
-        averaged over layer calls; present only when the routers computed it).
+        ``moe/aux_loss`` and ``moe/z_loss`` (the load-balancing loss and the z-loss, unscaled
+        by their coefficients, averaged over layer calls and DP ranks; each present only
+        when the routers computed it: ``model.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` > 0).
     """
     s = [float(x) for x in sums]
     layers = max(s[2], 1.0)  # the model's MoE layers (each stage counted its own)
     out = {"moe/tokens_per_expert_max_over_mean": s[0] / layers,
            "moe/tokens_per_expert_min_over_mean": s[1] / layers}
-    if s[3] and s[4]:
-        out["moe/aux_loss"] = s[3] / s[4]
+    if s[5]:
+        for i, key in ((3, "moe/aux_loss"), (4, "moe/z_loss")):
+            if s[i]:
+                out[key] = s[i] / s[5]
     return out
 
 

@@ -33,6 +33,7 @@ from nemo_rlhf.data.datasets import (
     DataConfig,
     collate_preference,
     load_preference_dataset,
+    pair_tokens,
     preference_length,
 )
 from nemo_rlhf.distributed.parallel import ParallelConfig
@@ -220,8 +221,11 @@ class RMTrainer(SupervisedTrainer):
                        f"(model.value_head_init_std={self.model_cfg.value_head_init_std}), "
                        f"not loaded: {skipped or 'none'}")
 
-    def _forward(self, pairs, num_pairs: float, forward_only: bool) -> dict[str, float]:
-        """Run this rank's ``pairs`` in micro-batches; return summed stats (last stage)."""
+    def _forward(self, pairs, num_pairs: float, forward_only: bool,
+                 routed_tokens: Optional[float] = None) -> dict[str, float]:
+        """Run this rank's ``pairs`` in micro-batches; return summed stats (last stage).
+        ``routed_tokens``: the global batch's tokens (both sides of every pair), the MoE
+        router losses' denominator."""
         mbs, pad = self.cfg.trainer.micro_batch_size, self.tokenizer.pad_id
         sums = dict.fromkeys(PAIR_KEYS, 0.0)
         if not pairs:
@@ -234,7 +238,7 @@ class RMTrainer(SupervisedTrainer):
             if call:
                 stats = forward_backward(self.model, [collate_preference(g, pad, length) for g in call],
                                          loss_fn, forward_only=forward_only,
-                                         device=self.dims.device)
+                                         device=self.dims.device, routed_tokens=routed_tokens)
                 for s in stats:
                     for k in PAIR_KEYS:
                         sums[k] += float(s[k])
@@ -242,7 +246,8 @@ class RMTrainer(SupervisedTrainer):
 
     def train_batch(self, global_batch: list, local: list) -> dict[str, float]:
         self.optimizer.zero_grad()
-        sums = self._forward(local, len(global_batch), forward_only=False)
+        sums = self._forward(local, len(global_batch), forward_only=False,
+                             routed_tokens=sum(pair_tokens(p) for p in global_batch))
         opt = self.optimizer_step()
         sums = reduce_from_last_stage(sums, self.dims, PAIR_KEYS)
         return {**pair_metrics(sums, len(global_batch), "train/"), **opt}

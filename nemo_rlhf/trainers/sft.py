@@ -138,8 +138,10 @@ class SFTTrainer(SupervisedTrainer):
             skipped = load_model_weights(path, model, skip_heads=True)
             self.print(f"initialised from {path} (heads not loaded: {skipped or 'none'})")
 
-    def _forward(self, samples, num_tokens: float, forward_only: bool) -> float:
-        """Run ``samples`` (this rank's) in micro-batches; return the summed loss share."""
+    def _forward(self, samples, num_tokens: float, forward_only: bool,
+                 routed_tokens: Optional[float] = None) -> float:
+        """Run ``samples`` (this rank's) in micro-batches; return the summed loss share.
+        ``routed_tokens``: the global batch's tokens, the MoE router losses' denominator."""
         mbs, pad = self.cfg.trainer.micro_batch_size, self.tokenizer.pad_id
         length = max(sft_length(s) for s in samples)
         groups = chunks(samples, mbs)
@@ -150,7 +152,7 @@ class SFTTrainer(SupervisedTrainer):
             if call:
                 stats = forward_backward(self.model, [collate_sft(g, pad, length) for g in call],
                                          loss_fn, forward_only=forward_only,
-                                         device=self.dims.device,
+                                         device=self.dims.device, routed_tokens=routed_tokens,
                                          with_values=False)  # SFT trains the LM only
                 total += sum(float(s["loss"]) for s in stats)
         return total
@@ -158,7 +160,8 @@ class SFTTrainer(SupervisedTrainer):
     def train_batch(self, global_batch: list, local: list) -> dict[str, float]:
         num_tokens = sum(len(s.response_ids) for s in global_batch)
         self.optimizer.zero_grad()
-        loss = self._forward(local, num_tokens, forward_only=False)
+        loss = self._forward(local, num_tokens, forward_only=False,
+                             routed_tokens=sum(sft_length(s) for s in global_batch))
         opt = self.optimizer_step()
         sums = reduce_from_last_stage({"loss": loss}, self.dims, ["loss"])
         return {"train/loss": sums["loss"], "lr": opt["lr"], "grad_norm": opt["grad_norm"]}

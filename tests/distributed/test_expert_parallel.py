@@ -23,10 +23,14 @@ from tests.distributed.harness import run_ranks
 from tests.ppo_helpers import compose_ppo, make_demo_data
 
 VOCAB = 100
-MOE = ("model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32")
+# the router losses on (large enough to move the gradient norm): each layout must weight them alike
+ROUTER_LOSSES = dict(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01)
+MOE = ("model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+       *(f"model.{k}={v}" for k, v in ROUTER_LOSSES.items()))
 COMPARED = ("reward_mean", "response_length", "kl_mean", "policy_loss", "value_loss", "entropy",
             "approx_kl", "clip_fraction", "grad_norm", "returns_mean",
-            "moe/tokens_per_expert_max_over_mean", "moe/tokens_per_expert_min_over_mean")
+            "moe/tokens_per_expert_max_over_mean", "moe/tokens_per_expert_min_over_mean",
+            "moe/aux_loss", "moe/z_loss")
 # one mini-batch per step, greedy rollouts: every layout sees the same samples in the same update
 COMMON = ("rollout.greedy=true", "ppo.num_rollout_samples=8", "ppo.global_batch_size=8",
           "ppo.micro_batch_size=2", "ppo.forward_micro_batch_size=2", "ppo.ppo_epochs=1",
@@ -68,7 +72,7 @@ def _global_expert_name(name: str, ep_rank: int, local: int) -> str:
                   name)
 
 
-def _engine(ep: int, tmp: Path, n_tokens: int) -> dict:
+def _engine(ep: int, tmp: Path, n_tokens: int, routed_tokens: int) -> dict:
     """Forward-only logits, then one training forward/backward, DP-reduced gradients by
     global name and the gradient norms, at ``ep``."""
     from nemo_rlhf.checkpoint import load_model_weights, save_checkpoint
@@ -81,7 +85,7 @@ def _engine(ep: int, tmp: Path, n_tokens: int) -> dict:
     from nemo_rlhf.trainers.mixed_precision import MixedPrecisionOptimizer, OptimizerConfig
 
     cfg = load_model_preset("tiny", vocab_size=VOCAB, value_head_init_std=0.05, num_moe_experts=4,
-                            moe_router_topk=2, moe_ffn_hidden_size=32)
+                            moe_router_topk=2, moe_ffn_hidden_size=32, **ROUTER_LOSSES)
     dims = initialize_distributed(ParallelConfig(expert_model_parallel_size=ep), seed=3,
                                   num_moe_experts=cfg.num_moe_experts)
     model = build_model(cfg, dims, seed=11)
@@ -99,8 +103,11 @@ def _engine(ep: int, tmp: Path, n_tokens: int) -> dict:
         out["logits"] = [r["logits"] for r in res]
     out["routed"] = (load.counts.clone(), load.calls)  # this rank's tokens per expert, router calls
     model.train()
-    res = forward_backward(ddp, mbs, _loss_fn(n_tokens), variable_shapes=True, device=dims.device)
+    with RouterLoad(model) as train_load:  # the router losses, logged unscaled
+        res = forward_backward(ddp, mbs, _loss_fn(n_tokens), variable_shapes=True, device=dims.device,
+                               routed_tokens=routed_tokens)
     out["losses"] = [float(r["loss"]) for r in res]
+    out["router_losses"] = (train_load.aux_loss_sum, train_load.z_loss_sum)
     finalize_grads(ddp)
     local = cfg.num_moe_experts // dims.ep
     out["grads"] = {_global_expert_name(n, dims.ep_rank, local): p.main_grad.clone()
@@ -142,18 +149,30 @@ def _generate(model, dims) -> dict:
             "lengths": batch.response_lengths.clone()}
 
 
+def numbers(metrics: dict) -> dict:
+    """A step's numeric metrics as floats."""
+    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))}
+
+
+def initial_checkpoint(data, tmp: Path) -> str:
+    """One initialisation for every layout (a random one depends on the expert layout):
+    saved from a default-layout build; returns the ``exp_manager.init_from`` override."""
+    from nemo_rlhf.checkpoint import save_checkpoint
+    from nemo_rlhf.train_ppo import build
+
+    t = build(compose_ppo(data, tmp / "init_run", *COMMON))
+    save_checkpoint(tmp / "init", 0, t.model, dims=t.dims)
+    t.close()
+    return f"exp_manager.init_from={tmp}/init/step_0"
+
+
 def _ppo(tmp: Path) -> dict:
     from nemo_rlhf.checkpoint import save_checkpoint
     from nemo_rlhf.checkpoint.io import load_full_tensors
     from nemo_rlhf.train_ppo import build
 
     data = make_demo_data(tmp / "data")
-    numbers = lambda m: {k: float(v) for k, v in m.items() if isinstance(v, (int, float, torch.Tensor))}  # noqa: E731
-    # one initialisation for every layout (a random one depends on the expert layout)
-    t = build(compose_ppo(data, tmp / "init_run", *COMMON))
-    save_checkpoint(tmp / "init", 0, t.model, dims=t.dims)
-    t.close()
-    init = f"exp_manager.init_from={tmp}/init/step_0"
+    init = initial_checkpoint(data, tmp)
     out = {}
     for ep in (1, 2):
         t = build(compose_ppo(data, tmp / f"ep{ep}", *COMMON, init, f"parallel.expert_model_parallel_size={ep}"))
@@ -194,8 +213,9 @@ def _worker(rank: int, tmp: str) -> dict:
 
     tmp = Path(tmp)
     n_tokens = sum(int(mb["attention_mask"][:, 1:].sum()) for r in SHAPES for mb in _micro_batches(r))
+    routed = sum(int(mb["attention_mask"].sum()) for r in SHAPES for mb in _micro_batches(r))
     t0 = time.perf_counter()
-    out = {"engine": {ep: _engine(ep, tmp, n_tokens) for ep in (1, 2)}}
+    out = {"engine": {ep: _engine(ep, tmp, n_tokens, routed) for ep in (1, 2)}}
     out["engine_s"] = time.perf_counter() - t0
     out["ppo"] = _ppo(tmp)
     out["ppo_s"] = time.perf_counter() - t0 - out["engine_s"]
@@ -228,6 +248,10 @@ def test_ep2_forward_with_unequal_micro_batches_gives_ep1_logits(ranks):
         # the router metrics count this rank's own tokens, the copies' not
         (counts, calls), (ref_counts, ref_calls) = r["engine"][2]["routed"], r["engine"][1]["routed"]
         assert calls == ref_calls == 2 * len(SHAPES[rank]) and torch.equal(counts, ref_counts)
+        # the copies add no router loss (their coefficients are 0): EP=1's values
+        aux, z = r["engine"][2]["router_losses"]
+        assert aux > 0 and z > 0
+        assert (aux, z) == pytest.approx(r["engine"][1]["router_losses"], rel=1e-5)
 
 
 def test_ep2_decoding_stops_when_every_expert_parallel_rank_is_done(ranks):
@@ -246,7 +270,8 @@ def test_ep2_decoding_stops_when_every_expert_parallel_rank_is_done(ranks):
 
 def test_ep2_gradients_equal_ep1_for_every_expert_and_dense_weight(ranks):
     """Expert weights are reduced over the expert-data-parallel group (size 1 here): their
-    gradients hold both ranks' tokens, as EP=1's DP-summed ones do."""
+    gradients hold both ranks' tokens, as EP=1's DP-summed ones do. The router losses are
+    on: rank 1's two zero-loss copies add none to the routers' gradients."""
     for r in ranks:
         ref, got = r["engine"][1]["grads"], r["engine"][2]["grads"]
         assert set(got) <= set(ref) and any("local_experts.2." in n for n in ref)

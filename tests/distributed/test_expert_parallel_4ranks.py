@@ -13,10 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.distributed.harness import run_ranks
-from tests.distributed.test_expert_parallel import COMMON, COMPARED
+from tests.distributed.test_expert_parallel import COMMON, COMPARED, initial_checkpoint, numbers
 from tests.ppo_helpers import compose_ppo, make_demo_data
 
 LAYOUTS = {"tp2_ep2": ("parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2"),
@@ -24,16 +23,11 @@ LAYOUTS = {"tp2_ep2": ("parallel.tensor_model_parallel_size=2", "parallel.expert
 
 
 def _worker(rank: int, tmp: str) -> dict:
-    from nemo_rlhf.checkpoint import save_checkpoint
     from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
-    numbers = lambda m: {k: float(v) for k, v in m.items() if isinstance(v, (int, float, torch.Tensor))}  # noqa: E731
-    t = build(compose_ppo(data, tmp / "init_run", *COMMON))
-    save_checkpoint(tmp / "init", 0, t.model, dims=t.dims)
-    t.close()
-    init = f"exp_manager.init_from={tmp}/init/step_0"
+    init = initial_checkpoint(data, tmp)
     out = {}
     for name, layout in {"dp4": (), **LAYOUTS}.items():
         t = build(compose_ppo(data, tmp / name, *COMMON, init, *layout))

@@ -215,7 +215,7 @@ __all__ = ["MicroBatchPlan", "plan_micro_batches", "row_extents", "scatter_rows"
 def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_length: int,
                          attention_mask: torch.Tensor, response_mask: torch.Tensor,
                          device: torch.device, dp_sum: Callable[[torch.Tensor], torch.Tensor],
-                         seed: int) -> Iterator[tuple[list[dict], torch.Tensor, torch.Tensor, int]]:
+                         seed: int) -> Iterator[tuple[list[dict], torch.Tensor, torch.Tensor, torch.Tensor, int]]:
     """The update's mini-batches of one rollout on this DP rank, in training order.
 
     Args:
@@ -228,16 +228,18 @@ def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_lengt
         attention_mask / response_mask: ``[B, P+R]`` / ``[B, R]``, the rollout's (the
             token budget's row extents: host metadata, read once).
         device: ``dims.device``.
-        dp_sum: the sum over the DP group of a ``[2]`` float tensor on ``device``.
+        dp_sum: the sum over the DP group of a ``[3]`` float tensor on ``device``.
         seed: the permutations' seed (a host ``torch.Generator``: the same order on every
             device type).
 
     Yields:
-        ``(micro-batches, n_tokens, n_seqs, computed)`` per mini-batch: the micro-batches'
-        tensors (packed ones carry ``"packed"``); the mini-batch's training tokens and its
-        rows with a training token, summed over DP (float tensors on ``device``: the
-        losses' global denominators); the ``rows x columns`` its micro-batches compute (a
-        host int).
+        ``(micro-batches, n_tokens, n_seqs, routed_tokens, computed)`` per mini-batch: the
+        micro-batches' tensors (packed ones carry ``"packed"``); the mini-batch's training
+        tokens and its rows with a training token, summed over DP (float tensors on
+        ``device``: the losses' global denominators); its micro-batches' non-padding tokens
+        summed over DP (the same: the MoE router losses' denominator,
+        :func:`nemo_rlhf.models.engine.forward_backward`); the ``rows x columns`` its
+        micro-batches compute (a host int).
     """
     loss_mask = tensors["response_mask"]
     B = loss_mask.shape[0]
@@ -250,8 +252,6 @@ def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_lengt
         order = order_host.to(device)
         for mb_slice in chunk_slices(B, rows_per_minibatch):
             idx = order[mb_slice]
-            counts = torch.stack([loss_mask[idx].sum().float(), loss_mask[idx].any(-1).sum().float()])
-            n_tokens, n_seqs = dp_sum(counts)
             if extents is None:
                 micro = [{k: v[idx[s]] for k, v in tensors.items()}
                          for s in chunk_slices(len(idx), c.micro_batch_size)]
@@ -261,6 +261,10 @@ def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_lengt
                          plan_micro_batches(*extents, prompt_length, rows, len(rows),
                                             c.max_tokens_per_micro_batch, pack=c.sequence_packing,
                                             row_length=c.packed_row_length)]
+            routed = sum(mb["attention_mask"].sum() for mb in micro)  # what the routers see
+            counts = torch.stack([loss_mask[idx].sum().float(), loss_mask[idx].any(-1).sum().float(),
+                                  torch.as_tensor(routed, device=device).float()])
+            n_tokens, n_seqs, routed_tokens = dp_sum(counts)
             computed = sum(mb["packed"].tokens() if "packed" in mb else mb["input_ids"].numel()
                            for mb in micro)
-            yield micro, n_tokens, n_seqs, computed
+            yield micro, n_tokens, n_seqs, routed_tokens, computed

@@ -208,11 +208,13 @@ class PolicyRole:
         return fn
 
     def train_minibatch(self, micro: list[dict], loss_fn: Callable, P_len: int,
-                        variable_shapes: bool, value_head_only: bool = False
-                        ) -> tuple[list[dict], bool, float]:
+                        variable_shapes: bool, value_head_only: bool = False,
+                        routed_tokens=None) -> tuple[list[dict], bool, float]:
         """One mini-batch: forward/backward over ``micro``, the gradients finalised (DP
         all-reduce), one optimizer step (``value_head_only``: the value head's parameters
         only, so the policy does not move: no update, Adam state or weight decay).
+        ``routed_tokens``: the mini-batch's non-padding tokens over DP, the MoE router
+        losses' denominator (:func:`~nemo_rlhf.models.engine.forward_backward`).
 
         Returns:
             ``(per-micro-batch statistics, stepped, grad norm)``; ``stepped`` is False for
@@ -222,7 +224,8 @@ class PolicyRole:
         res = forward_backward(
             self.model, micro, loss_fn, with_values=self.with_values, variable_shapes=variable_shapes,
             logprob_request=self.passes.logprob_request(P_len, (self.temperature, self.kl_temperature),
-                                                        entropy=True))
+                                                        entropy=True),
+            routed_tokens=routed_tokens)
         finalize_grads(self.model)
         if value_head_only:
             stepped, norm = self.optimizer.step(only=is_value_head)
@@ -257,9 +260,9 @@ class CriticRole:
         """Training mode (dropout on) for the update."""
 
     def train_minibatch(self, micro: list[dict], objective, n_tokens, n_seqs, P_len: int,
-                        variable_shapes: bool) -> Optional[tuple[list[dict], bool, float]]:
+                        variable_shapes: bool, routed_tokens=None) -> Optional[tuple[list[dict], bool, float]]:
         """The critic's own step on one mini-batch (None: trained by the actor's loss, or
-        not at all)."""
+        not at all). ``routed_tokens`` as in :meth:`PolicyRole.train_minibatch`."""
         return None
 
     def training_tensors(self, fwd, adv) -> dict:
@@ -320,7 +323,8 @@ class SeparateCritic(CriticRole):
     def train(self) -> None:
         self.model.train()
 
-    def train_minibatch(self, micro, objective, n_tokens, n_seqs, P_len, variable_shapes):
+    def train_minibatch(self, micro, objective, n_tokens, n_seqs, P_len, variable_shapes,
+                        routed_tokens=None):
         """:func:`~nemo_rlhf.algorithms.ppo.critic_loss` over the global counts, one step."""
 
         def fn(values, mb):
@@ -329,7 +333,8 @@ class SeparateCritic(CriticRole):
                                  mb["old_values"], mb["returns"], m, n_tokens, n_seqs)
 
         self.optimizer.zero_grad()
-        res = forward_backward(self.model, micro, fn, variable_shapes=variable_shapes)
+        res = forward_backward(self.model, micro, fn, variable_shapes=variable_shapes,
+                               routed_tokens=routed_tokens)
         finalize_grads(self.model)
         stepped, norm = self.optimizer.step()
         return res, stepped, norm

@@ -271,7 +271,7 @@ class PPOTrainer:
         all_stats, norms, critic_norms, skipped = [], [], [], 0
         computed_tokens = 0  # rows x columns of every training micro-batch (shapes: host ints)
         with RouterLoad(self.model) as load:  # MoE: tokens per expert in these passes
-            for micro, n_tokens, n_seqs, computed in training_minibatches(
+            for micro, n_tokens, n_seqs, routed_tokens, computed in training_minibatches(
                     c, tensors, c.global_batch_size // self.dims.dp, P_len, batch.attention_mask,
                     batch.response_mask, self.dims.device, self.collectives.dp_sum,
                     seed=self.cfg.trainer.seed + self.step):
@@ -280,10 +280,12 @@ class PPOTrainer:
                 if actor_trains:
                     res, stepped, norm = self.actor.train_minibatch(
                         micro, self.actor.loss_fn(self.objective, n_tokens, n_seqs, P_len, value_only=warmup),
-                        P_len, variable_shapes=variable_shapes, value_head_only=warmup)
+                        P_len, variable_shapes=variable_shapes, value_head_only=warmup,
+                        routed_tokens=routed_tokens)
                     norms.append(norm)
                 critic_out = self.critic.train_minibatch(micro, self.objective, n_tokens, n_seqs, P_len,
-                                                         variable_shapes=variable_shapes)
+                                                         variable_shapes=variable_shapes,
+                                                         routed_tokens=routed_tokens)
                 if critic_out is not None:
                     critic_res, critic_stepped, critic_norm = critic_out
                     critic_norms.append(critic_norm)

@@ -21,8 +21,7 @@ MOE = dict(vocab_size=100, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_
     (dict(num_moe_experts=4, moe_router_topk=0), "model.moe_router_topk=0"),
     (dict(num_moe_experts=4, moe_ffn_hidden_size=0), "model.moe_ffn_hidden_size=0"),
     (dict(num_moe_experts=4, moe_aux_loss_coeff=-1.0), "model.moe_aux_loss_coeff=-1.0"),
-    (dict(num_moe_experts=4, moe_aux_loss_coeff=0.01), "model.moe_aux_loss_coeff=0.01: router losses are not"),
-    (dict(num_moe_experts=4, moe_z_loss_coeff=0.001), "model.moe_z_loss_coeff=0.001: router losses are not"),
+    (dict(num_moe_experts=4, moe_z_loss_coeff=-0.001), "model.moe_z_loss_coeff=-0.001: must be >= 0"),
     (dict(moe_ffn_hidden_size=32), "model.moe_ffn_hidden_size=32"),
     (dict(moe_z_loss_coeff=0.1), "model.moe_z_loss_coeff=0.1"),
     (dict(num_moe_experts=4, add_bias_linear=True), "model.add_bias_linear=true"),
@@ -37,8 +36,7 @@ def test_invalid_moe_settings_are_refused_naming_the_key(overrides, key):
 def test_dense_fingerprint_has_no_moe_keys_and_moe_fingerprint_has_the_architecture_ones():
     dense = ModelConfig(vocab_size=100).fingerprint()
     assert not set(MOE_KEYS) & set(dense)
-    moe_cfg = ModelConfig(**MOE)
-    moe_cfg.moe_aux_loss_coeff = 0.01  # (refused in __post_init__ for now; a training setting)
+    moe_cfg = ModelConfig(**MOE, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
     moe = moe_cfg.fingerprint()
     assert moe["num_moe_experts"] == 4 and moe["moe_router_topk"] == 2
     assert moe["moe_ffn_hidden_size"] == 32 and moe["moe_router_pre_softmax"] is False
@@ -48,12 +46,12 @@ def test_dense_fingerprint_has_no_moe_keys_and_moe_fingerprint_has_the_architect
 
 
 def test_transformer_config_carries_the_moe_settings():
-    cfg = ModelConfig(**MOE, moe_router_pre_softmax=True)
-    cfg.moe_aux_loss_coeff = 0.01  # past validation: how the key would reach megatron
+    cfg = ModelConfig(**MOE, moe_router_pre_softmax=True, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
     tc = build_transformer_config(cfg, 1, 1)
     assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size) == (4, 2, 32)
     assert tc.moe_router_pre_softmax and tc.moe_token_dispatcher_type == "allgather"
     assert tc.moe_router_load_balancing_type == "aux_loss" and tc.moe_aux_loss_coeff == 0.01
+    assert tc.moe_z_loss_coeff == 0.001
     assert not tc.moe_grouped_gemm
     dense = build_transformer_config(ModelConfig(vocab_size=100), 1, 1)
     assert dense.num_moe_experts is None

@@ -33,10 +33,12 @@ def test_router_load_metrics_of_a_worked_example():
     # another DP rank routed [0, 4, 4, 8] and [0, 4, 4, 8]: summed first, the batch's
     # counts are [4, 8, 8, 12] (mean 8: 1.5, 0.5) and [8, 8, 8, 8] (1, 1); the mean of the
     # two ranks' own ratios (1.5 and 1.75) would be another number
-    other = torch.tensor([0.0, 4, 4, 8, 0, 4, 4, 8, 1.0, 6], dtype=torch.float64)
+    other = torch.tensor([0.0, 4, 4, 8, 0, 4, 4, 8, 1.0, 0.0, 6], dtype=torch.float64)
     m = router_load_metrics(load.stage_sums(dp_sum=lambda t: t.add_(other)))
     assert m == {"moe/tokens_per_expert_max_over_mean": 1.25, "moe/tokens_per_expert_min_over_mean": 0.75,
                  "moe/aux_loss": 4.0 / 12}
+    load.z_loss_sum = 6.0  # the z-loss: its own mean over the calls
+    assert router_load_metrics(load.stage_sums())["moe/z_loss"] == 1.0
 
 
 def test_hooks_count_the_routers_choices_and_read_the_aux_loss(dims):
@@ -44,7 +46,7 @@ def test_hooks_count_the_routers_choices_and_read_the_aux_loss(dims):
     from nemo_rlhf.models.engine import model_forward
 
     cfg = ModelConfig(**MOE)
-    cfg.moe_aux_loss_coeff = 0.01  # past validation (refused for training for now): the tracker path
+    cfg.moe_aux_loss_coeff = 0.01  # the tracker path (the gradient: test_moe_router_losses.py)
     model = build_model(cfg, dims, seed=3).train()
     ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(2))
     with RouterLoad(model) as load:
@@ -63,7 +65,7 @@ def test_hooks_count_the_routers_choices_and_read_the_aux_loss(dims):
         model_forward(model.eval(), ids, torch.ones_like(ids))
     h.remove()
     assert torch.equal(seen["map"], load.counts[0])
-    assert load.aux_loss_sum > 0  # megatron's tracker, unscaled: about top-k for a balanced router
+    assert load.aux_loss_sum > 0  # megatron's tracker, unscaled: 1 for a balanced router, E / k at most
     m = router_load_metrics(load.stage_sums())
     assert 1.0 <= m["moe/tokens_per_expert_max_over_mean"] <= 2.0
     assert 0.0 <= m["moe/tokens_per_expert_min_over_mean"] <= 1.0
