@@ -228,11 +228,11 @@ def router_load_metrics(sums: torch.Tensor) -> dict:
 
 def refuse_expert_parallel(parallel, job: str) -> None:
     """Refuse ``parallel.expert_model_parallel_size`` > 1 in a job that does not support it
-    (``sft``, ``rm``, ``evaluate``, the RM server): their data-parallel ranks may run a
-    different number of forward calls (a last partial micro-batch, a rank without validation
-    rows), which under expert parallelism would leave a rank waiting in a MoE layer's
-    collective; only the PPO trainer's calls are equalised and tested
-    (:mod:`nemo_rlhf.models.engine`).
+    (``evaluate``, the RM server): their data-parallel ranks may run a different number of
+    forward calls (decoding chunks, scoring requests), which under expert parallelism would
+    leave a rank waiting in a MoE layer's collective; the PPO, SFT and RM trainers make
+    their calls equal and are tested at EP=2 (:mod:`nemo_rlhf.models.engine`,
+    :func:`nemo_rlhf.trainers.common.forward_calls`).
 
     Raises:
         ValueError: naming the key, the job and the value that works.
@@ -241,6 +241,6 @@ def refuse_expert_parallel(parallel, job: str) -> None:
     if ep > 1:
         raise ValueError(
             f"parallel.expert_model_parallel_size={ep} in the {job} job: expert parallelism is "
-            f"supported by the PPO trainer only (its data-parallel ranks' forward calls are made "
-            f"equal in number and it is tested at EP=2); set parallel.expert_model_parallel_size=1 "
+            f"supported by the PPO, SFT and RM trainers only (their data-parallel ranks' forward "
+            f"calls are made equal in number); set parallel.expert_model_parallel_size=1 "
             f"here (a checkpoint saved at any EP loads at EP=1)")

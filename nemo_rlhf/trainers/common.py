@@ -43,7 +43,8 @@ def setup_run(parallel, model_cfg, tokenizer, seed: int):
                          f"from the tokenizer")
     dims = initialize_distributed(parallel, seed=seed, num_layers=model_cfg.num_layers,
                                   num_attention_heads=model_cfg.num_attention_heads,
-                                  num_query_groups=model_cfg.num_query_groups)
+                                  num_query_groups=model_cfg.num_query_groups,
+                                  num_moe_experts=model_cfg.num_moe_experts)
     return dims, model_cfg
 
 
@@ -58,3 +59,21 @@ def dp_shard(items: Sequence, dp_rank: int, dp_size: int) -> list:
 def chunks(items: Sequence, size: int) -> list[list]:
     """Consecutive slices of ``size`` (the last may be shorter)."""
     return [list(items[i:i + size]) for i in range(0, len(items), size)]
+
+
+def forward_calls(items: Sequence, micro_batch_size: int, expert_parallel: bool) -> list[tuple[list[list], bool]]:
+    """This rank's items as ``forward_backward`` calls: ``(micro-batch groups, variable_shapes)``
+    per call.
+
+    Without expert parallelism: one call of the full micro-batches (one shape) and one call
+    per shorter micro-batch (pipeline stages exchange fixed shapes within a call). With it
+    (``parallel.expert_model_parallel_size`` > 1), every MoE layer call is a collective over
+    the expert-parallel group, whose ranks hold different data, so every rank makes exactly
+    one call, with variable shapes, even with no item (the engine then runs a filler: see
+    :mod:`nemo_rlhf.models.engine`); data-parallel ranks of one job make the same calls.
+    """
+    groups = chunks(items, micro_batch_size)
+    if expert_parallel:
+        return [(groups, True)]
+    full = [g for g in groups if len(g) == micro_batch_size]
+    return [(c, False) for c in [full] + [[g] for g in groups if len(g) < micro_batch_size] if c]

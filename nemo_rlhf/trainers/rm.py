@@ -43,7 +43,7 @@ from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
 from nemo_rlhf.trainers.collectives import reduce_from_last_stage
-from nemo_rlhf.trainers.common import chunks, dp_shard
+from nemo_rlhf.trainers.common import dp_shard, forward_calls
 from nemo_rlhf.trainers.supervised import (
     SupervisedExpManagerConfig,
     SupervisedTrainer,
@@ -228,20 +228,16 @@ class RMTrainer(SupervisedTrainer):
         router losses' denominator."""
         mbs, pad = self.cfg.trainer.micro_batch_size, self.tokenizer.pad_id
         sums = dict.fromkeys(PAIR_KEYS, 0.0)
-        if not pairs:
-            return sums
-        length = max(preference_length(p) for p in pairs)
-        groups = chunks(pairs, mbs)
-        calls = [[g for g in groups if len(g) == mbs]] + [[g] for g in groups if len(g) < mbs]
+        length = max((preference_length(p) for p in pairs), default=0)
         loss_fn = make_rm_loss_fn(num_pairs)
-        for call in calls:
-            if call:
-                stats = forward_backward(self.model, [collate_preference(g, pad, length) for g in call],
-                                         loss_fn, forward_only=forward_only,
-                                         device=self.dims.device, routed_tokens=routed_tokens)
-                for s in stats:
-                    for k in PAIR_KEYS:
-                        sums[k] += float(s[k])
+        # (under expert parallelism a rank without pairs still joins the MoE layers' calls)
+        for call, variable_shapes in forward_calls(pairs, mbs, self.dims.ep > 1):
+            stats = forward_backward(self.model, [collate_preference(g, pad, length) for g in call],
+                                     loss_fn, forward_only=forward_only, device=self.dims.device,
+                                     routed_tokens=routed_tokens, variable_shapes=variable_shapes)
+            for s in stats:
+                for k in PAIR_KEYS:
+                    sums[k] += float(s[k])
         return sums
 
     def train_batch(self, global_batch: list, local: list) -> dict[str, float]:

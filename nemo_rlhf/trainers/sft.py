@@ -34,7 +34,7 @@ from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
 from nemo_rlhf.trainers.collectives import reduce_from_last_stage
-from nemo_rlhf.trainers.common import chunks, dp_shard
+from nemo_rlhf.trainers.common import dp_shard, forward_calls
 from nemo_rlhf.trainers.supervised import (
     SupervisedExpManagerConfig,
     SupervisedTrainer,
@@ -143,18 +143,16 @@ class SFTTrainer(SupervisedTrainer):
         """Run ``samples`` (this rank's) in micro-batches; return the summed loss share.
         ``routed_tokens``: the global batch's tokens, the MoE router losses' denominator."""
         mbs, pad = self.cfg.trainer.micro_batch_size, self.tokenizer.pad_id
-        length = max(sft_length(s) for s in samples)
-        groups = chunks(samples, mbs)
-        calls = [[g for g in groups if len(g) == mbs]] + [[g] for g in groups if len(g) < mbs]
+        length = max((sft_length(s) for s in samples), default=0)
         loss_fn = make_sft_loss_fn(self.dims, self.tokenizer.vocab_size, num_tokens)
         total = 0.0
-        for call in calls:
-            if call:
-                stats = forward_backward(self.model, [collate_sft(g, pad, length) for g in call],
-                                         loss_fn, forward_only=forward_only,
-                                         device=self.dims.device, routed_tokens=routed_tokens,
-                                         with_values=False)  # SFT trains the LM only
-                total += sum(float(s["loss"]) for s in stats)
+        for call, variable_shapes in forward_calls(samples, mbs, self.dims.ep > 1):
+            stats = forward_backward(self.model, [collate_sft(g, pad, length) for g in call],
+                                     loss_fn, forward_only=forward_only,
+                                     device=self.dims.device, routed_tokens=routed_tokens,
+                                     variable_shapes=variable_shapes,
+                                     with_values=False)  # SFT trains the LM only
+            total += sum(float(s["loss"]) for s in stats)
         return total
 
     def train_batch(self, global_batch: list, local: list) -> dict[str, float]:
@@ -174,7 +172,8 @@ class SFTTrainer(SupervisedTrainer):
             num_tokens = sum(len(s.response_ids) for s in self.val_ds.samples)
             local = dp_shard(self.val_ds.samples, self.dims.dp_rank, self.dims.dp)
             with torch.no_grad():
-                loss = self._forward(local, num_tokens, forward_only=True) if local else 0.0
+                # (under expert parallelism a rank without rows still joins the MoE layers' calls)
+                loss = self._forward(local, num_tokens, forward_only=True) if local or self.dims.ep > 1 else 0.0
             out = {"val/loss": reduce_from_last_stage({"loss": loss}, self.dims, ["loss"])["loss"]}
             self.log_samples()
         finally:

@@ -26,7 +26,6 @@ from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import agree_on_precision
 from nemo_rlhf.models.engine import finalize_grads, wrap_ddp
-from nemo_rlhf.models.moe import refuse_expert_parallel
 from nemo_rlhf.trainers.common import dp_shard, setup_run, to_plain
 from nemo_rlhf.trainers.config import ExpManagerConfig, TrainerConfig
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
@@ -106,7 +105,6 @@ class SupervisedTrainer:
         self.cfg = cfg
         self.signals = signals or Signals()
         self.tokenizer = Tokenizer(cfg.data.tokenizer_dir)
-        refuse_expert_parallel(cfg.parallel, self.job)
         self.dims, self.model_cfg = setup_run(cfg.parallel, cfg.model, self.tokenizer, cfg.trainer.seed)
         cfg.trainer.validate(self.dims.dp)
         cfg.trainer.precision = agree_on_precision(cfg.trainer.precision, self.dims)

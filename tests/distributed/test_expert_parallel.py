@@ -5,6 +5,7 @@ EP=1 (DP=2, every rank holding every expert). ONE spawn runs:
   the two ranks hold different numbers of micro-batches of different shapes (rank 0 three,
   rank 1 one), so the token dispatcher pads and the schedule adds zero-loss copies; logits,
   the DP-reduced gradients (experts by their global index) and the gradient norm equal EP=1's;
+* SFT and RM: two steps and their validations at EP=1 and EP=2 give the same metrics;
 * PPO: from one initial checkpoint, two steps at EP=1, at EP=2 (each with a checkpoint
   after the first) and at TP=2; the EP=2 checkpoint resumed at EP=1 and at TP=2, and the EP=1
   checkpoint resumed at EP=2: saved again at once, the same tensors bit for bit (weights,
@@ -208,6 +209,56 @@ def _ppo(tmp: Path) -> dict:
     return out
 
 
+def _supervised(tmp: Path) -> dict:
+    """SFT and RM, two steps each at EP=1 and EP=2 (router losses on), from the PPO phase's
+    initial checkpoint; validation sets whose shards leave the ranks unequal numbers of
+    micro-batches (5 rows over 2 ranks, micro-batches of 2) and one rank none (an extra RM
+    validation file of one pair). Returns rank 0's ``metrics.jsonl`` rows per run."""
+    import json
+
+    from nemo_rlhf.data.datasets import DataConfig
+    from nemo_rlhf.distributed import ParallelConfig
+    from nemo_rlhf.models.config import load_model_preset
+    from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
+    from nemo_rlhf.trainers.rm import RMConfig, RMRunConfig, RMTrainer
+    from nemo_rlhf.trainers.sft import SFTConfig, SFTRunConfig, SFTTrainer
+    from nemo_rlhf.trainers.supervised import SupervisedExpManagerConfig, SupervisedTrainerConfig
+
+    data = tmp / "data"
+    if torch.distributed.get_rank() == 0:
+        for name, n in (("sft_val", 5), ("preference_val", 5), ("preference_val", 1)):
+            lines = (data / f"{name}.jsonl").read_text().splitlines()[:n]
+            (data / f"{name}_{n}.jsonl").write_text("".join(x + "\n" for x in lines))
+    torch.distributed.barrier()
+    init = str(tmp / "init" / "step_0")
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, **ROUTER_LOSSES)
+
+    def common(run: str, ep: int, train: str, val: str):
+        # the reward head starts at 0 (a random one would be drawn after the experts, whose
+        # draws depend on the expert layout); the backbone is the checkpoint's
+        return dict(
+            model=load_model_preset("tiny", value_head_init_std=0.0, **moe),
+            parallel=ParallelConfig(expert_model_parallel_size=ep), optim=OptimizerConfig(lr=1e-3),
+            data=DataConfig(train_file=str(data / train), val_file=str(data / val),
+                            tokenizer_dir=str(data / "tokenizer"), max_seq_length=24),
+            trainer=SupervisedTrainerConfig(max_steps=2, global_batch_size=4, micro_batch_size=2,
+                                            val_check_interval=2, log_every_n_steps=1),
+            exp_manager=SupervisedExpManagerConfig(exp_dir=str(tmp / run), tensorboard=False, checkpoints=False))
+
+    out = {}
+    for ep in (1, 2):
+        SFTTrainer(SFTRunConfig(**common(f"sft_ep{ep}", ep, "sft.jsonl", "sft_val_5.jsonl"),
+                                sft=SFTConfig(num_sample_prompts=1, sample_max_new_tokens=3, init_from=init))).fit()
+        RMTrainer(RMRunConfig(**common(f"rm_ep{ep}", ep, "preference.jsonl", "preference_val_5.jsonl"),
+                              rm=RMConfig(init_from=init,
+                                          extra_val_files={"one": str(data / "preference_val_1.jsonl")}))).fit()
+        if torch.distributed.get_rank() == 0:
+            for job in ("sft", "rm"):
+                rows = [json.loads(x) for x in (tmp / f"{job}_ep{ep}" / "metrics.jsonl").read_text().splitlines()]
+                out[f"{job}_ep{ep}"] = rows
+    return out
+
+
 def _worker(rank: int, tmp: str) -> dict:
     import time
 
@@ -219,6 +270,7 @@ def _worker(rank: int, tmp: str) -> dict:
     out["engine_s"] = time.perf_counter() - t0
     out["ppo"] = _ppo(tmp)
     out["ppo_s"] = time.perf_counter() - t0 - out["engine_s"]
+    out["supervised"] = _supervised(tmp)
     return out
 
 
@@ -347,3 +399,29 @@ def test_a_checkpoint_saved_at_one_ep_resumes_at_the_other_with_the_same_next_st
     for key in COMPARED:
         a, b = resumed[key], continued[key]
         assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"{key}: resumed at EP={ep} {a} vs {source} {b}"
+
+
+@pytest.mark.parametrize("job, keys", [
+    ("sft", ("train/loss", "grad_norm", "val/loss")),
+    ("rm", ("train/loss", "grad_norm", "val/accuracy", "val/margin", "val_one/margin",
+            "final/train_reward_mean", "final/train_reward_std")),
+])
+def test_sft_and_rm_at_ep2_equal_ep1(ranks, job, keys):
+    """The SFT and RM jobs at EP=2: every rank makes the same forward calls (one per
+    training step and per validation set, a filler where it holds no row), and the metrics
+    are EP=1's (router losses on)."""
+    sup = ranks[0]["supervised"]
+
+    def by_key(rows):
+        got = {}
+        for r in rows:
+            for k, v in r.items():
+                got.setdefault(k, []).append(v)
+        return got
+
+    ref, got = by_key(sup[f"{job}_ep1"]), by_key(sup[f"{job}_ep2"])
+    for key in keys:
+        assert ref[key] and len(got[key]) == len(ref[key]), key
+        for a, b in zip(got[key], ref[key]):
+            assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), f"{job} {key}: EP=2 {a} vs EP=1 {b}"
+    assert ref["grad_norm"][0] > 0
