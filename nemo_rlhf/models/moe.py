@@ -121,7 +121,10 @@ class RouterLoad:
     reads (and clears) megatron's router-loss tracker, which the routers fill in training
     passes when ``model.moe_aux_loss_coeff`` / ``moe_z_loss_coeff`` > 0.
 
-    Forwards marked by :func:`filler_forward` (expert-parallel filler copies) are not counted.
+    Forwards marked by :func:`filler_forward` (expert-parallel filler copies) are not
+    counted, nor training-mode forwards without autograd: under full activation recompute
+    each layer of a training pass runs twice, first without autograd, then again in the
+    backward, so each routed token is counted once (eval-mode forwards are counted).
 
     Attributes:
         counts: ``[routers on this stage, experts]`` float64 on the routers' device.
@@ -142,8 +145,13 @@ class RouterLoad:
         self._handles: list = []
 
     def _hook(self, index: int):
-        def hook(_module, inputs, output):
+        def hook(module, inputs, output):
             if _FILLER[0]:  # an expert-parallel filler micro-batch (a copy): not counted
+                return
+            if module.training and not torch.is_grad_enabled():
+                # full activation recompute's first run of a layer in a training pass
+                # (without autograd; the backward runs it again, with): counted once, in the
+                # run that also computes the router losses
                 return
             routing_map = output[1]  # [tokens, experts] bool, tokens in [seq, batch] order
             padding = inputs[1] if len(inputs) > 1 else None  # [seq, batch] bool, True = padding

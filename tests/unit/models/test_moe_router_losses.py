@@ -159,3 +159,28 @@ def test_a_packed_micro_batch_gives_the_padded_ones_router_losses(dims):
     assert g_pad["decoder.layers.0.mlp.router.weight"].abs().max() > 1e-4
     for name, g in g_pad.items():
         torch.testing.assert_close(g_pack[name], g, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_full_recompute_counts_each_router_call_once(dims):
+    """Under full activation recompute each layer's forward runs twice (without autograd,
+    then again in the backward); the router losses are computed in the second run only, and
+    the moe/ metrics count each routed token and each call once: the same numbers, and the
+    same gradients, as without recompute."""
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.engine import forward_backward
+    from nemo_rlhf.models.moe import RouterLoad, router_load_metrics
+
+    micro = _micro_batches()
+    n = sum(int(mb["attention_mask"].sum()) for mb in micro)
+    out = []
+    for recompute in ({}, dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)):
+        cfg = ModelConfig(**MOE, moe_aux_loss_coeff=AUX, moe_z_loss_coeff=Z, **recompute)
+        model = build_model(cfg, dims, seed=3).train()
+        with RouterLoad(model) as load:
+            forward_backward(model, micro, _no_loss, routed_tokens=n, variable_shapes=True)
+        out.append((load.calls, load.counts.clone(), router_load_metrics(load.stage_sums()), _grads(model)))
+    (calls, counts, metrics, grads), (r_calls, r_counts, r_metrics, r_grads) = out
+    assert r_calls == calls == 4 and torch.equal(r_counts, counts)
+    assert r_metrics == pytest.approx(metrics, rel=1e-6) and "moe/aux_loss" in metrics
+    for name, g in grads.items():
+        torch.testing.assert_close(r_grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
