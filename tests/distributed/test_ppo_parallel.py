@@ -1,4 +1,5 @@
-"""Two PPO steps with DP=2, TP=2 and PP=2 run, and their first-step metrics match TP=1."""
+"""Two PPO steps with DP=2, TP=2 and PP=2 run, and their first-step metrics match TP=1; a
+held-out set smaller than DP is evaluated at DP=2 as at DP=1."""
 
 from __future__ import annotations
 
@@ -27,7 +28,15 @@ def _reference(rank: int, tmp: str):
     cfg = compose_ppo(data, tmp / "ref", *COMMON)
     trainer = build(cfg)
     save_checkpoint(tmp / "init", 0, trainer.model, dims=trainer.dims)
-    return [trainer.train_step() for _ in range(2)]
+    return [trainer.train_step() for _ in range(2)] + [_evaluate_one_prompt(trainer)]
+
+
+def _evaluate_one_prompt(trainer) -> dict:
+    """The held-out evaluation on one prompt (at DP=2: fewer prompts than ranks)."""
+    from nemo_rlhf.trainers.ppo.evaluation import evaluate_policy
+
+    trainer.eval_prompts, trainer.eval_encoded = trainer.eval_prompts[:1], trainer.eval_encoded[:1]
+    return evaluate_policy(trainer)
 
 
 def _layouts(rank: int, tmp: str):
@@ -42,6 +51,8 @@ def _layouts(rank: int, tmp: str):
                           f"parallel.pipeline_model_parallel_size={pp}")
         trainer = build(cfg)
         out[name] = [trainer.train_step() for _ in range(2)]
+        if name == "dp2":
+            out["dp2_eval"] = _evaluate_one_prompt(trainer)
     return out
 
 
@@ -68,3 +79,13 @@ def test_two_ppo_steps_run_and_first_step_metrics_match_tp1(results, layout):
                 "rollout_train_logprob_diff_mean", "rollout_train_logprob_diff_max"):
         a, b = steps[1][key], ref[1][key]
         assert abs(a - b) <= 1e-3 * max(1.0, abs(b)), f"{layout} {key}: {a} vs TP=1 {b}"
+
+
+def test_a_held_out_set_smaller_than_dp_is_evaluated_as_at_dp1(results):
+    """One held-out prompt at DP=2: the rank without one decodes a copy and leaves it out;
+    the metrics are DP=1's on that prompt."""
+    ref, par = results
+    got, want = par["dp2_eval"], ref[2]
+    for key in ("eval/reward", "eval/response_length", "eval/repetition", "eval/accuracy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), key
+    assert want["eval/response_length"] > 0

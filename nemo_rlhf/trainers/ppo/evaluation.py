@@ -80,12 +80,15 @@ def evaluate_policy(trainer) -> dict:
         return {}
     n = min(len(trainer.eval_prompts), trainer.cfg.trainer.max_eval_samples)
     mine = list(range(trainer.dims.dp_rank, n, trainer.dims.dp))
-    batch = trainer.generate([trainer.eval_encoded[i] for i in mine], greedy=True)
+    # fewer held-out prompts than DP ranks: a rank without one decodes a copy of the first
+    # (its decoding collectives, under expert parallelism or a rollout engine's, match the
+    # other ranks') and leaves it out of the metrics
+    batch = trainer.generate([trainer.eval_encoded[i] for i in mine or [0]], greedy=True)
     texts = trainer.response_texts(batch)
     reps = response_repetition(batch)
     state = trainer.evaluation
     result, failure = None, None
-    if trainer.is_mp_src:
+    if trainer.is_mp_src and mine:
         try:
             rows = [trainer.eval_prompts[i] for i in mine]
             out = trainer.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
