@@ -290,7 +290,8 @@ class DynamicBatcher:
         on_failed: Callable[[BaseException], None] | None = None,
     ) -> None:
         """Starts the model thread. ``on_ready()`` / ``on_failed(exc)`` are called on it
-        after the factory returns or raises."""
+        after the factory returns or raises; ``on_ready`` returns before :attr:`state`
+        becomes ``"ready"``."""
         if self._thread is not None:
             raise RuntimeError("DynamicBatcher.start() called twice")
         self._state = "loading"
@@ -356,11 +357,13 @@ class DynamicBatcher:
                 on_failed(exc)
             return
         self._scorer, self._metadata, self._vocab_size = scorer, metadata, vocab_size
-        with self._cond:
-            self._state = "ready" if not self._stopping else "stopped"
         try:
-            if self._state == "ready" and on_ready is not None:
+            # on_ready first (the server writes its address file there), then the state: a
+            # client that saw /health say "ready" finds the address file written
+            if not self._stopping and on_ready is not None:
                 on_ready()
+            with self._cond:
+                self._state = "ready" if not self._stopping else "stopped"
             while True:
                 parts = self._next_batch()
                 if parts is None:

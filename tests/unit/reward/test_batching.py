@@ -68,7 +68,27 @@ def _ready(batcher: DynamicBatcher) -> DynamicBatcher:
     done = threading.Event()
     batcher.start(on_ready=done.set, on_failed=lambda exc: done.set())
     assert done.wait(5)
+    deadline = time.monotonic() + 5  # on_ready returns just before the state turns ready
+    while batcher.state == "loading" and time.monotonic() < deadline:
+        time.sleep(0.001)
     return batcher
+
+
+def test_on_ready_runs_before_the_state_says_ready():
+    """The server writes its address file in on_ready: a client that saw "ready" on /health
+    must find it written."""
+    seen = []
+    b = DynamicBatcher(RecordingScorer, max_batch_size=4, max_wait_ms=0)
+    done = threading.Event()
+    b.start(on_ready=lambda: (seen.append(b.state), done.set()))
+    try:
+        assert done.wait(5) and seen == ["loading"]
+        deadline = time.monotonic() + 5
+        while b.state != "ready" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert b.state == "ready"
+    finally:
+        b.stop()
 
 
 def test_large_request_is_split_into_max_batch_size_calls_and_reassembled_in_order():
