@@ -196,6 +196,7 @@ def run_tiny(a) -> int:
         "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
         "rm_heldout_pair_accuracy": rm_acc, "final_kl_mean": kl,
         "heldout_accuracy_by_step": _metric_by_step(ppo_exp, "eval/accuracy"),
+        "reward_auc_by_step": _metric_by_step(ppo_exp, "eval/reward_auc"),
         "refresh_rounds": rounds,
         "sft_mean_response_length": baseline.get("mean_response_length"),
         "ppo_mean_response_length": final.get("mean_response_length"),
@@ -212,6 +213,7 @@ def run_tiny(a) -> int:
     print(f"RM held-out preference accuracy   : "
           f"{'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'}")
     print(f"final kl_mean (nats/sequence)     : {kl}")
+    _print_reward_auc(summary["reward_auc_by_step"])
     _print_rounds(rounds)
     print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
@@ -494,6 +496,16 @@ def _rm_numbers(rm_exp: Path) -> dict:
     """An RM's last held-out pair accuracy and same-form pair accuracy (None if not logged)."""
     return {"pair_accuracy": _rm_accuracy(rm_exp),
             "same_form_accuracy": _rm_accuracy(rm_exp, "val_same_form/accuracy")}
+
+
+def _print_reward_auc(by_step: dict[int, float]) -> None:
+    """The line on ``eval/reward_auc`` (:func:`nemo_rlhf.trainers.ppo.evaluation.reward_auc`):
+    how well the reward told right held-out answers from wrong ones, first and last
+    evaluation; nothing when the run logged none."""
+    if by_step:
+        first, last = min(by_step), max(by_step)
+        print(f"reward's right-vs-wrong AUC on the policy's held-out answers: {by_step[first]:.2f} "
+              f"(step {first}) -> {by_step[last]:.2f} (step {last}); 0.5: it no longer tells them apart")
 
 
 def _print_rounds(rounds: list[dict]) -> None:

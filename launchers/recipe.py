@@ -421,7 +421,8 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
         "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc,
         "rm_heldout_same_form_accuracy": rm_same_form, "final_kl_mean": kl,
         "heldout_accuracy_by_step": demo._metric_by_step(ppo_exp, "eval/accuracy"),
-        "kl_mean_by_step": demo._metric_by_step(ppo_exp, "kl_mean"), "refresh_rounds": rounds,
+        "kl_mean_by_step": demo._metric_by_step(ppo_exp, "kl_mean"),
+        "reward_auc_by_step": demo._metric_by_step(ppo_exp, "eval/reward_auc"), "refresh_rounds": rounds,
         "wall_time_s": {k: round(v, 1) for k, v in times.items()},
         "checkpoints": {"policy_init": str(ckpt), **({"sft": str(sft)} if sft is not None else {}),
                         "rm": str(rm), "first_rm": str(demo._latest(rm_exp)), "ppo": str(demo._latest(ppo_exp))},
@@ -448,6 +449,7 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
           f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong answer, same "
           f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
     print(f"final kl_mean (nats/seq)    : {kl}")
+    demo._print_reward_auc(summary["reward_auc_by_step"])
     demo._print_rounds(rounds)
     print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")

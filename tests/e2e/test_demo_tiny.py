@@ -28,3 +28,11 @@ def test_ppo_against_the_served_rm_improves_the_tiny_demo_by_40_points(tmp_path)
     assert s["heldout_accuracy_by_step"]["20"] == s["ppo_accuracy"]
     assert 0 < s["final_kl_mean"] < 5.0  # the KL stays near its target (kl.target=1.0 nats/sequence)
     assert abs(s["ppo_mean_response_length"] - s["sft_mean_response_length"]) < 1.0
+    # the reward's right-vs-wrong AUC of each evaluation is reward_auc over its written answers
+    from nemo_rlhf.trainers.ppo.evaluation import reward_auc
+
+    auc = s["reward_auc_by_step"]
+    assert "0" in auc  # step 0 has right and wrong answers (accuracy < 0.5 above)
+    for step, value in auc.items():
+        rows = [json.loads(x) for x in (out / "ppo" / "eval_samples" / f"step_{int(step):06d}.jsonl").read_text().splitlines()]
+        assert value == reward_auc(rows), step

@@ -5,6 +5,11 @@ Two win rates against the initial policy's responses to the same prompts:
 ``eval/win_rate_vs_initial`` is self-judged (by the reward being optimised: a policy that
 hacks the RM wins by it), ``eval/judge_win_rate_vs_initial`` is judged by
 ``trainer.eval_judge`` (a second RM server or a reward function) when one is set.
+
+With a checker (``trainer.eval_checker``), ``eval/reward_auc`` says whether the reward still
+tells right answers from wrong ones on the policy's own responses (:func:`reward_auc`): a
+learned RM that separated them at step 0 can lose that on the answers PPO moved to, and
+the steps after that optimise what the RM sees instead of what the checker scores.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from nemo_rlhf.data.sample_rows import sample_row
@@ -156,6 +162,9 @@ def evaluate_policy(trainer) -> dict:
     }
     if trainer.cfg.trainer.eval_checker:
         metrics["eval/accuracy"] = sum(x["correct"] for x in items) / len(items)
+        auc = reward_auc(scored)
+        if auc is not None:  # None: every scored answer got the same checker score
+            metrics["eval/reward_auc"] = auc
     for name in items[0]["extra"]:
         metrics[f"eval/{name}"] = sum(x["extra"][name] for x in items) / len(items)
     if rows[0]["skipping"]:
@@ -184,6 +193,44 @@ def win_rate(items: list[dict], initial: list[dict], key: str) -> float:
     valid (``"valid"``, default True; NaN when there is none)."""
     pairs = [(a[key], b[key]) for a, b in zip(items, initial) if a.get("valid", True) and b.get("valid", True)]
     return _mean([1.0 if a > b else 0.5 if a == b else 0.0 for a, b in pairs])
+
+
+def reward_auc(items: list[dict], score_key: str = "score", label_key: str = "correct",
+               chunk: int = 2048) -> Optional[float]:
+    """How often the reward orders two held-out answers as the checker does.
+
+    Over every pair of items ``(i, j)`` whose checker scores differ (``label_i > label_j``),
+    the share with ``score_i > score_j``; a tie in the reward counts 1/2. With a 0/1
+    checker this is the ROC AUC of the reward as a detector of right answers (the
+    Mann-Whitney U statistic divided by ``n_right * n_wrong``; Hanley & McNeil 1982), and
+    graded checker scores give the concordance of the two orders. Pairs are formed across
+    prompts (greedy evaluation has one answer per prompt), so the reward's offset between
+    prompts counts against it. 1.0: every right answer outscores every wrong one; 0.5: the
+    reward carries no information about correctness on these answers (what is left for PPO
+    to climb is something else: over-optimisation, Gao et al. 2022). The demo's RM reads
+    0.82 on the imported model's answers and 0.47-0.63 on the answers of its PPO policies
+    ten steps later (docs/demo.md).
+
+    Args:
+        items: rows with a float ``score_key`` (the reward) and ``label_key`` (the checker's
+            score); the caller leaves out rows whose reward is invalid.
+        chunk: rows compared at once (memory: ``chunk * len(items)`` float64 pairs).
+
+    Returns:
+        The share in [0, 1], or None when no pair has different checker scores (every
+        answer right, every one wrong, or fewer than two items).
+    """
+    if len(items) < 2:
+        return None
+    scores = torch.tensor([float(x[score_key]) for x in items], dtype=torch.float64)
+    labels = torch.tensor([float(x[label_key]) for x in items], dtype=torch.float64)
+    agree = pairs = 0.0
+    for start in range(0, len(items), chunk):
+        s, lab = scores[start:start + chunk, None], labels[start:start + chunk, None]
+        ordered = lab > labels[None, :]  # [chunk, n]: pairs the checker orders, row item better
+        pairs += float(ordered.sum())
+        agree += float(((s > scores[None, :]).double() + 0.5 * (s == scores[None, :]).double())[ordered].sum())
+    return agree / pairs if pairs else None
 
 
 def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict]) -> Path:
@@ -219,4 +266,4 @@ def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict
     return out
 
 
-__all__ = ["HeldOutEvaluation", "evaluate_policy", "win_rate", "write_eval_samples"]
+__all__ = ["HeldOutEvaluation", "evaluate_policy", "reward_auc", "win_rate", "write_eval_samples"]

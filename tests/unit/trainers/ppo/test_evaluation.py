@@ -93,3 +93,59 @@ def test_heldout_metrics_leave_out_invalid_scores_under_skip(tmp_path):
     assert first["eval/invalid_scores"] == 1.0
     assert second["eval/reward"] == 2.0  # (3 + 1) / 2
     assert second["eval/win_rate_vs_initial"] == 0.5  # 3 > 2, 1 < 4; the invalid pair left out
+
+
+def test_reward_auc_is_the_share_of_checker_ordered_pairs_the_reward_orders_alike():
+    # right answers scored 3 and 2, wrong ones 1 and 2: pairs (3,1) (3,2) (2,1) agree, (2,2) ties
+    rows = [{"score": 3.0, "correct": 1.0}, {"score": 1.0, "correct": 0.0},
+            {"score": 2.0, "correct": 1.0}, {"score": 2.0, "correct": 0.0}]
+    assert evaluation.reward_auc(rows) == pytest.approx(3.5 / 4)
+    assert evaluation.reward_auc(rows, chunk=1) == pytest.approx(3.5 / 4)  # chunking changes nothing
+    # graded checker scores: every ordered pair counts; the reward orders all three the other way
+    graded = [{"score": 1.0, "correct": 1.0}, {"score": 2.0, "correct": 0.5}, {"score": 3.0, "correct": 0.0}]
+    assert evaluation.reward_auc(graded) == 0.0
+    # a reward that scores right and wrong alike carries no information
+    assert evaluation.reward_auc([{"score": 5.0, "correct": c} for c in (1.0, 0.0, 0.0)]) == 0.5
+    # nothing to order: all right, all wrong, one answer
+    assert evaluation.reward_auc([{"score": 1.0, "correct": 1.0}, {"score": 0.0, "correct": 1.0}]) is None
+    assert evaluation.reward_auc([{"score": 1.0, "correct": 0.0}] * 3) is None
+    assert evaluation.reward_auc(rows[:1]) is None
+
+
+@register_reward_function("test_evaluation_has_a")
+def _has_a(prompts, responses, extras):
+    return [float("a" in r) for r in responses]
+
+
+def test_heldout_metrics_report_the_reward_auc_against_the_checker(tmp_path):
+    """``eval/reward_auc`` is :func:`reward_auc` over the held-out answers whose score is
+    valid, with the checker's scores as labels; without a comparable pair it is not logged."""
+    import torch
+
+    from nemo_rlhf.reward.functions import CombinedReward, RewardFunctionScorer, WeightedSource
+    from tests.single_rank import single_rank
+
+    def scores(prompts, responses, extras):  # the reward: minus the length, NaN for "bad"
+        return [float("nan") if r == "bad" else -float(len(r)) for r in responses]
+
+    texts = ["a", "bbb", "bad", "aa"]
+    batch = types.SimpleNamespace(response_ids=torch.ones(4, 2, dtype=torch.long),
+                                  response_mask=torch.ones(4, 2, dtype=torch.bool),
+                                  response_lengths=torch.tensor([1, 3, 3, 2]))
+    reward = CombinedReward([WeightedSource("f", RewardFunctionScorer(scores))], invalid_scores="skip")
+    cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(max_eval_samples=4, eval_checker="test_evaluation_has_a"),
+                                reward=RewardConfig(), exp_manager=types.SimpleNamespace(exp_dir=str(tmp_path)))
+    with single_rank() as dims:
+        trainer = types.SimpleNamespace(
+            cfg=cfg, dims=dims, reward=reward, is_mp_src=True, step=0,
+            eval_prompts=[types.SimpleNamespace(prompt=f"p{i}", extras={}) for i in range(4)],
+            eval_encoded=[[1], [2], [3], [4]], evaluation=evaluation.HeldOutEvaluation(cfg, has_prompts=True),
+            generate=lambda prompts, greedy: batch, response_texts=lambda b: texts,
+            raise_if_scoring_failed=lambda failure: None)
+        first = evaluation.evaluate_policy(trainer)
+        texts[:] = ["a", "aaa", "bad", "ab"]  # every valid answer right: no pair to order
+        second = evaluation.evaluate_policy(trainer)
+    # right "a" (-1) and "aa" (-2) outscore wrong "bbb" (-3); the right "bad" (invalid score)
+    # is left out (with its NaN the share would be 2/3)
+    assert first["eval/accuracy"] == 0.75 and first["eval/reward_auc"] == 1.0
+    assert "eval/reward_auc" not in second and second["eval/accuracy"] == 1.0
