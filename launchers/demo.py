@@ -147,14 +147,14 @@ def run_tiny(a) -> int:
 
     t = time.time()
 
-    def train_rm(exp: Path, init_from, train_file: Path, steps) -> None:
+    def train_rm(exp: Path, init_from, train_file: Path, steps, extra=()) -> None:
         _run([sys.executable, "-m", "nemo_rlhf.train_rm", "--config-name", "rm_tiny", f"exp_manager.exp_dir={exp}",
               f"data.train_file={train_file}", f"data.val_file={data / 'preference_val.jsonl'}",
               f"data.tokenizer_dir={data / 'tokenizer'}", f"trainer.precision={a.precision}",
               *([f"rm.init_from={init_from}"] if init_from else []),
               *([f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
                  f"optim.warmup_steps={min(3, steps - 1)}"] if steps else []),
-              *a.rm_overrides], logs / f"{exp.name}.log")
+              *extra, *a.rm_overrides], logs / f"{exp.name}.log")
 
     if _latest(out / "rm") is None:  # from the SFT model, as InstructGPT's RM (sec. 3.5)
         train_rm(out / "rm", sft, data / "preference.jsonl", None)
@@ -410,15 +410,27 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
     its head too) on the new pairs mixed with ``a.refresh_replay`` times as many replayed
     old ones (against forgetting), for ``a.refresh_rm_steps`` steps (default
     ``a.refresh_rm_epochs`` passes of ``rm_batch`` pairs); the pool of all pairs grows by
-    the new ones (the next round replays from it). With no new pair the RM is kept. PPO resumes
-    from its last checkpoint against the refreshed RM for ``a.refresh_ppo_steps`` more
-    steps (the trainer sees the new RM's identity: its reward normalisation restarts, logged).
+    the new ones (the next round replays from it). With no new pair the RM is kept.
+
+    The round is checked before PPO uses it: the policy also answers the next
+    ``a.refresh_heldout_prompts`` PPO prompts, which no round trains on, and the
+    labeller's pairs of those answers (:func:`nemo_rlhf.data.bad_cases.labelled_pairs`)
+    are validated by the RM job before its first step and after its last
+    (``trainer.val_at_start``, ``rm.extra_val_files.policy_unseen``). The refreshed RM
+    replaces the current one only when it ranks those pairs better by at least
+    ``a.refresh_min_gain`` (:func:`refresh_verdict`); otherwise the current RM stays (the
+    round's pairs still join the pool). Why: a round that does not improve the RM on the
+    policy's own answers only perturbs the reward, and PPO spends its steps on what moved
+    (docs/demo.md measured one such round at -7.5 points against a control, and a round
+    on old pairs alone at -6.5). PPO resumes from its last checkpoint against the RM kept
+    for ``a.refresh_ppo_steps`` more steps (a new RM's identity restarts the trainer's
+    reward normalisation, logged).
 
     Returns ``(rounds, last RM checkpoint)``: per round the disagreement statistics, the
-    pairs added, the RM's held-out numbers before and after, and the PPO held-out accuracy
-    at the round's last step.
+    pairs added, the RM's held-out numbers before and after, the check on the unseen
+    prompts and its verdict, and the PPO held-out accuracy at the round's last step.
     """
-    from nemo_rlhf.data.bad_cases import disagreement_pairs
+    from nemo_rlhf.data.bad_cases import disagreement_pairs, labelled_pairs
     from nemo_rlhf.tasks.task import edit_pairs
 
     py, rm, pairs_file = sys.executable, first_rm, base_pairs
@@ -428,9 +440,12 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
         rdir.mkdir(parents=True, exist_ok=True)
         policy = _latest(ppo_exp)
         subset = rdir / "prompts.jsonl"
+        all_lines = [ln for ln in prompts.read_text().splitlines() if ln.strip()]
+        lines = all_lines[:a.refresh_prompts + a.refresh_heldout_prompts]
         if not subset.exists():
-            lines = [ln for ln in prompts.read_text().splitlines() if ln.strip()][:a.refresh_prompts]
             subset.write_text("".join(ln + "\n" for ln in lines))
+        train_prompts = {json.loads(ln)["prompt"] for ln in lines[:a.refresh_prompts]}
+        unseen_prompts = {json.loads(ln)["prompt"] for ln in lines[a.refresh_prompts:]} - train_prompts
         samples = rdir / "samples.jsonl"
         if not samples.exists():
             _run([py, "-m", "nemo_rlhf.evaluate", f"checkpoint={policy}", f"data={subset}",
@@ -438,9 +453,15 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
                   f"temperature={a.rm_temperature}", f"num_samples={a.refresh_samples_per_prompt}",
                   f"samples_out={samples}", f"seed={100 + r}", "num_examples=0", "batch_size=128"],
                  logs / "refresh.log")
-        rows = [json.loads(ln) for ln in samples.read_text().splitlines() if ln.strip()]
+        all_rows = [json.loads(ln) for ln in samples.read_text().splitlines() if ln.strip()]
+        rows = [x for x in all_rows if x["prompt"] in train_prompts]
         found, stats = disagreement_pairs(rows, max_pairs_per_prompt=a.refresh_pairs_per_prompt,
                                           extra_keys=("answer",), seed=r)
+        unseen = labelled_pairs([x for x in all_rows if x["prompt"] in unseen_prompts],
+                                max_pairs_per_prompt=a.refresh_pairs_per_prompt, extra_keys=("answer",), seed=r)
+        unseen_file = rdir / "policy_unseen_pairs.jsonl"  # the round's check set
+        if not unseen_file.exists():
+            _write_atomic(unseen_file, "".join(json.dumps(p) + "\n" for p in unseen))
         new = [{k: v for k, v in p.items() if not k.endswith("_rm_score")} for p in found]
         if task is not None:
             involved = {(p["prompt"], x) for p in found for x in (p["chosen"], p["rejected"])}
@@ -459,14 +480,25 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
         refresh_pairs = sum(1 for _ in refresh.open())
         before = _rm_numbers(rm.parent.parent)
         rm_exp = out / f"rm_round_{r}"
+        check = {"pairs": len(unseen), "before": None, "after": None, "min_gain": a.refresh_min_gain,
+                 "kept_refreshed_rm": False}
         if new and _latest(rm_exp) is None:
             steps = a.refresh_rm_steps or max(2, math.ceil(a.refresh_rm_epochs * refresh_pairs / rm_batch))
-            train_rm(rm_exp, str(rm), refresh, steps)
+            train_rm(rm_exp, str(rm), refresh, steps,
+                     extra=["trainer.val_at_start=true"]
+                     + ([f"+rm.extra_val_files.policy_unseen={unseen_file}"] if unseen else []))
         if new:
-            rm = _latest(rm_exp)
+            by_step = _metric_by_step(rm_exp, "val_policy_unseen/accuracy")
+            if by_step:
+                check["before"], check["after"] = by_step[min(by_step)], by_step[max(by_step)]
+            keep, why = refresh_verdict(check["before"], check["after"], len(unseen), a.refresh_min_gain)
+            check["kept_refreshed_rm"], check["verdict"] = keep, why
+            print(f"refresh round {r}: {why}", flush=True)
+            if keep:
+                rm = _latest(rm_exp)
         else:
-            print(f"refresh round {r}: the RM agrees with the labeller on every pair; it is kept",
-                  flush=True)
+            check["verdict"] = "the RM agrees with the labeller on every pair; it is kept"
+            print(f"refresh round {r}: {check['verdict']}", flush=True)
         pairs_file = pool
         steps = base_steps + r * a.refresh_ppo_steps
         _ppo_stage(ppo_args, rm, ppo_exp, config_name, a.nproc, steps)
@@ -474,7 +506,8 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
                   "policy_samples": len(rows), "disagreement": stats.as_dict(),
                   "pairs_added": len(new), "rm_refresh_pairs": refresh_pairs,
                   "rm_pool_pairs": sum(1 for _ in pool.open()),
-                  "rm_before": before, "rm_after": _rm_numbers(rm.parent.parent), "ppo_step": steps,
+                  "rm_before": before, "rm_after": _rm_numbers(rm_exp) if new else before,
+                  "rm_policy_unseen": check, "ppo_step": steps,
                   "ppo_heldout_accuracy": _metric_by_step(ppo_exp, "eval/accuracy").get(steps),
                   "ppo_heldout_accuracy_before": _metric_by_step(ppo_exp, "eval/accuracy").get(
                       steps - a.refresh_ppo_steps)}
@@ -484,6 +517,34 @@ def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, 
               f"{record['ppo_heldout_accuracy']}", flush=True)
         rounds.append(record)
     return rounds, rm
+
+
+def refresh_verdict(before, after, pairs: int, min_gain: float) -> tuple[bool, str]:
+    """Whether a refresh round's RM replaces the current one, and why (one line).
+
+    Args:
+        before / after: the current and the refreshed RM's accuracy (0-1) on the round's
+            check pairs (the policy's answers to prompts no round trains on); None when not
+            measured.
+        pairs: how many check pairs there were.
+        min_gain: the least ``after - before`` that keeps the refreshed RM; negative keeps
+            it whatever the check says (the demo's behaviour before the check existed).
+
+    Returns:
+        ``(keep, reason)``.
+    """
+    if min_gain < 0:
+        return True, f"the refreshed RM is used (--refresh-min-gain {min_gain} < 0: not checked)"
+    if not pairs or before is None or after is None:
+        return False, ("no right-vs-wrong pair among the answers to the unseen prompts: the refreshed RM "
+                       "cannot be checked, the current RM is kept (more --refresh-heldout-prompts, or "
+                       "--refresh-min-gain -1 to use it unchecked)")
+    verdict = (f"on {pairs} pairs of the policy's answers to unseen prompts the refreshed RM is right on "
+               f"{100 * after:.1f}%, the current one on {100 * before:.1f}% ({100 * (after - before):+.1f} "
+               f"points; --refresh-min-gain {100 * min_gain:.1f})")
+    if after - before >= min_gain:
+        return True, verdict + ": the refreshed RM is used"
+    return False, verdict + ": the current RM is kept"
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -514,8 +575,8 @@ def _print_rounds(rounds: list[dict]) -> None:
         print(f"refresh round {r['round']}: disagreement {100 * d['disagreement_rate']:.1f}% "
               f"({d['disagreements']}/{d['candidate_pairs']} pairs of {r['policy_samples']} samples), "
               f"+{r['pairs_added']} pairs; RM pair/same-form accuracy {r['rm_before']} -> "
-              f"{r['rm_after']}; PPO held-out {r['ppo_heldout_accuracy_before']} -> "
-              f"{r['ppo_heldout_accuracy']} (step {r['ppo_step']})")
+              f"{r['rm_after']}; {r['rm_policy_unseen']['verdict']}; PPO held-out "
+              f"{r['ppo_heldout_accuracy_before']} -> {r['ppo_heldout_accuracy']} (step {r['ppo_step']})")
 
 
 def _metric_by_step(exp: Path, key: str) -> dict[int, float]:
@@ -591,6 +652,13 @@ def main(argv=None) -> int:
                          "the rounds + 1 stages, so the PPO total stays trainer.max_steps)")
     ap.add_argument("--refresh-prompts", type=int, default=128,
                     help="PPO prompts the policy answers for each refresh")
+    ap.add_argument("--refresh-heldout-prompts", type=int, default=128,
+                    help="PPO prompts after --refresh-prompts that the policy also answers and no round "
+                         "trains on: the labeller's pairs of those answers check the refreshed RM")
+    ap.add_argument("--refresh-min-gain", type=float, default=0.05,
+                    help="the refreshed RM replaces the current one only if it is right on that many more "
+                         "of the check pairs (0.05 = 5 points); otherwise PPO continues against the current "
+                         "RM; negative: always replace (unchecked)")
     ap.add_argument("--refresh-samples-per-prompt", type=int, default=4,
                     help="sampled answers per refresh prompt (at --rm-temperature)")
     ap.add_argument("--refresh-pairs-per-prompt", type=int, default=2,

@@ -341,8 +341,8 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     t = time.time()
     rm_exp = out / "rm"
 
-    def train_rm(exp: Path, init_from: str, train_file: Path, steps: int) -> None:
-        overrides = profile.rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok, profile)
+    def train_rm(exp: Path, init_from: str, train_file: Path, steps: int, extra=()) -> None:
+        overrides = [*profile.rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok, profile), *extra]
         if task.edit_answer is None:  # no same-form pairs to validate on
             overrides = [o for o in overrides if not o.startswith("+rm.extra_val_files.same_form=")]
         demo._run([py, "-m", "nemo_rlhf.train_rm", *overrides], logs / f"{exp.name}.log")

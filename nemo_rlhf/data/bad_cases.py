@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 from nemo_rlhf.data.sample_rows import row_extras
 
-__all__ = ["DisagreementStats", "disagreement_pairs"]
+__all__ = ["DisagreementStats", "disagreement_pairs", "labelled_pairs"]
 
 
 @dataclass
@@ -109,3 +109,50 @@ def disagreement_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int = 4
                               disagreement_rate=disagreements / candidates if candidates else 0.0,
                               kept_pairs=len(pairs))
     return pairs, stats
+
+
+def labelled_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int = 2,
+                   extra_keys: Sequence[str] = (), seed: int = 0) -> list[dict]:
+    """Every pair the labeller orders, per prompt: a check set for an RM on the policy's
+    own answers (the demo's refresh validates a refreshed RM on the answers to prompts it
+    did not train on).
+
+    Identical response texts of one prompt are merged first (the first row kept); for each
+    prompt, every (labeller-preferred, labeller-dispreferred) pair of distinct responses,
+    shuffled by ``seed``, at most ``max_pairs_per_prompt`` kept (so that a prompt with many
+    distinct answers does not dominate).
+
+    Args:
+        samples: rows ``{"prompt", "response", "correct", ...}`` (``rm_score`` not needed).
+        max_pairs_per_prompt: pairs kept per prompt (>= 1).
+        extra_keys: fields of the prompt (a row's ``extras``, e.g. ``answer``) copied from its
+            first row into its pairs.
+        seed: seed of the shuffle.
+
+    Returns:
+        ``[{"prompt", "chosen", "rejected", **extra_keys}]`` (chosen = the labeller's
+        preference), prompts in first-seen order.
+
+    Raises:
+        KeyError: a row without ``prompt``, ``response`` or ``correct``, naming the row index.
+        ValueError: ``max_pairs_per_prompt < 1``.
+    """
+    if max_pairs_per_prompt < 1:
+        raise ValueError(f"max_pairs_per_prompt={max_pairs_per_prompt}: must be >= 1")
+    by_prompt: dict[str, dict[str, Mapping]] = {}
+    for i, row in enumerate(samples):
+        missing = [k for k in ("prompt", "response", "correct") if k not in row]
+        if missing:
+            raise KeyError(f"samples[{i}]: missing {missing} (keys: {sorted(row)})")
+        by_prompt.setdefault(row["prompt"], {}).setdefault(row["response"], row)
+    rng = random.Random(seed)
+    pairs: list[dict] = []
+    for prompt, responses in by_prompt.items():
+        rows = list(responses.values())
+        ordered = [(a, b) for a in rows for b in rows if float(a["correct"]) > float(b["correct"])]
+        rng.shuffle(ordered)
+        fields = row_extras(rows[0])
+        extras = {k: fields[k] for k in extra_keys if k in fields}
+        pairs += [{**extras, "prompt": prompt, "chosen": a["response"], "rejected": b["response"]}
+                  for a, b in ordered[:max_pairs_per_prompt]]
+    return pairs

@@ -43,6 +43,10 @@ class SupervisedTrainerConfig(TrainerConfig):
     """Examples per forward on one rank; divides ``global_batch_size / dp``."""
     log_every_n_steps: int = 10
     """Console / TensorBoard interval in steps."""
+    val_at_start: bool = False
+    """Validate once before the first step of a run that starts at step 0 (logged as step 0):
+    the starting model's numbers on the same validation sets as the end's (the demo's RM
+    refresh compares the RM before and after a round this way). A resumed run does not."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -230,6 +234,11 @@ class SupervisedTrainer:
             self.print(f"already at step {self.step} >= trainer.max_steps={t.max_steps}")
 
     def on_fit_start(self) -> dict:
+        """With ``trainer.val_at_start`` on a run at step 0: the validation metrics of the
+        starting model (logged at step 0); else nothing."""
+        if self.cfg.trainer.val_at_start and self.step == 0:
+            self._validated = True  # log() writes a validation step whatever the interval
+            return self.validate()
         return {}
 
     def train_step(self) -> dict[str, float]:

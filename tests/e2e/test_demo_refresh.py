@@ -16,6 +16,7 @@ def test_refresh_round_adds_pairs_continues_the_rm_and_resumes_ppo(tmp_path):
     out, data = tmp_path / "demo", tmp_path / "data"
     code = main(["--task", "tiny", "--out", str(out), "--data", str(data), "--refresh-rounds", "1",
                  "--refresh-ppo-steps", "1", "--refresh-rm-steps", "2", "--refresh-prompts", "32",
+                 "--refresh-heldout-prompts", "32", "--refresh-min-gain", "-1",
                  "--sft-override", "trainer.max_steps=300", "--sft-override", "trainer.val_check_interval=300",
                  "--rm-override", "trainer.global_batch_size=16", "--rm-override", "trainer.micro_batch_size=16",
                  "--rm-override", "optim.warmup_steps=1",
@@ -53,3 +54,16 @@ def test_refresh_round_adds_pairs_continues_the_rm_and_resumes_ppo(tmp_path):
     changed = [x for x in steps if "reward/source_changed" in x]
     assert [x["step"] for x in changed] == [3]
     assert r["ppo_heldout_accuracy"] == summary["heldout_accuracy_by_step"]["3"]
+    # the round's check: the policy also answered 32 prompts no round trains on; the refresh
+    # RM job validated their labelled pairs before its first step and after its last
+    rdir = out / "refresh" / "round_1"
+    assert len((rdir / "prompts.jsonl").read_text().splitlines()) == 64 and d["prompts"] == 32
+    unseen = [json.loads(x) for x in (rdir / "policy_unseen_pairs.jsonl").read_text().splitlines()]
+    trained = {json.loads(x)["prompt"] for x in (rdir / "prompts.jsonl").read_text().splitlines()[:32]}
+    assert unseen and not {p["prompt"] for p in unseen} & trained
+    check = r["rm_policy_unseen"]
+    rm_rows = [json.loads(x) for x in (out / "rm_round_1" / "metrics.jsonl").read_text().splitlines()]
+    by_step = {x["step"]: x["val_policy_unseen/accuracy"] for x in rm_rows if "val_policy_unseen/accuracy" in x}
+    first, last = sorted(by_step)  # step 0 (trainer.val_at_start) and the job's end
+    assert first == 0 < last and (check["before"], check["after"]) == (by_step[0], by_step[last])
+    assert check["pairs"] == len(unseen) and check["kept_refreshed_rm"]  # --refresh-min-gain -1: unchecked

@@ -47,3 +47,28 @@ def test_a_row_without_an_rm_score_is_named():
         disagreement_pairs([_row("p", "a", 1.0, 0.0), {"prompt": "p", "response": "b", "correct": 0.0}])
     with pytest.raises(ValueError, match="max_pairs_per_prompt=0"):
         disagreement_pairs([], max_pairs_per_prompt=0)
+
+
+def test_labelled_pairs_are_every_ordered_pair_whatever_the_rm_says_capped_per_prompt():
+    from nemo_rlhf.data.bad_cases import labelled_pairs
+
+    rows = [
+        # p1: right "5", wrong "6" and "7" (a duplicate "6" merged): 2 ordered pairs, the RM's view ignored
+        _row("p1", "5", 1.0, 9.0, answer=5), _row("p1", "6", 0.0, 0.9, answer=5),
+        _row("p1", "7", 0.0, -1.0, answer=5), _row("p1", "6", 0.0, 0.9, answer=5),
+        # p2: graded 0 < 0.5 < 1: 3 ordered pairs
+        _row("p2", "lo", 0.0, 0.0), _row("p2", "mid", 0.5, 0.0), _row("p2", "hi", 1.0, 0.0),
+        # p3: all right: none
+        {"prompt": "p3", "response": "x", "correct": 1.0}, {"prompt": "p3", "response": "y", "correct": 1.0},
+    ]
+    pairs = labelled_pairs(rows, max_pairs_per_prompt=5, extra_keys=("answer",))
+    assert sorted((p["prompt"], p["chosen"], p["rejected"]) for p in pairs) == [
+        ("p1", "5", "6"), ("p1", "5", "7"), ("p2", "hi", "lo"), ("p2", "hi", "mid"), ("p2", "mid", "lo")]
+    assert all(p["answer"] == 5 for p in pairs if p["prompt"] == "p1") and "rm_score" not in str(pairs)
+    capped = labelled_pairs(rows, max_pairs_per_prompt=1, seed=3)
+    assert [p["prompt"] for p in capped] == ["p1", "p2"]
+    assert capped == labelled_pairs(rows, max_pairs_per_prompt=1, seed=3)  # seeded
+    with pytest.raises(KeyError, match=r"samples\[0\]: missing \['correct'\]"):
+        labelled_pairs([{"prompt": "p", "response": "a"}])
+    with pytest.raises(ValueError, match="max_pairs_per_prompt=0"):
+        labelled_pairs([], max_pairs_per_prompt=0)

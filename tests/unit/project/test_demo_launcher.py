@@ -146,3 +146,100 @@ def test_the_smollm2_recipe_follows_the_precision_auto_resolves_to(monkeypatch, 
     monkeypatch.setattr(demo, "run_tiny", lambda a: seen.update(vars(a)) or 0)
     assert demo.main(["--task", "tiny"]) == 0
     assert (seen["precision"], seen["ppo_recipe"]) == ("32", [])
+
+
+def test_refresh_verdict_keeps_the_refreshed_rm_only_when_it_ranks_the_unseen_pairs_better():
+    from launchers.demo import refresh_verdict
+
+    keep, why = refresh_verdict(0.519, 0.633, 79, 0.05)  # docs/demo.md: seed 2's round
+    assert keep and "63.3%" in why and "51.9%" in why and "+11.4 points" in why and why.endswith("is used")
+    keep, why = refresh_verdict(0.541, 0.569, 109, 0.05)  # seed 1234's round: +2.8 points
+    assert not keep and why.endswith("the current RM is kept")
+    assert refresh_verdict(0.5, 0.55, 10, 0.05)[0]  # exactly the margin: used
+    assert not refresh_verdict(None, None, 0, 0.05)[0]  # nothing to check: kept
+    assert "cannot be checked" in refresh_verdict(None, None, 0, 0.05)[1]
+    assert refresh_verdict(None, None, 0, -1.0)[0] and refresh_verdict(0.9, 0.1, 5, -1.0)[0]  # unchecked
+
+
+def _fake_round(tmp_path, monkeypatch, before: float, after: float, min_gain: float):
+    """One refresh round of ``launchers.demo._refresh_rounds`` with every stage faked: the
+    policy's samples (4 prompts: 2 trained on, 2 unseen; the RM wrong on every trained
+    pair), an RM job that writes ``val_policy_unseen/accuracy`` ``before`` at step 0 and
+    ``after`` at its end, and a PPO stage that records the RM it was given."""
+    from argparse import Namespace
+
+    import launchers.demo as demo
+
+    prompts = tmp_path / "ppo_prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(6)))
+    base_pairs = tmp_path / "preference.jsonl"
+    base_pairs.write_text("".join(json.dumps({"prompt": "q", "chosen": f"c{i}", "rejected": f"r{i}"}) + "\n"
+                                  for i in range(8)))
+    out, first_rm = tmp_path / "out", tmp_path / "rm" / "checkpoints" / "step_5"
+    first_rm.mkdir(parents=True)
+    ppo = tmp_path / "ppo" / "checkpoints" / "step_2"
+    ppo.mkdir(parents=True)
+    seen = {}
+
+    def fake_run(cmd, log):  # nemo_rlhf.evaluate: two answers per prompt, right then wrong
+        seen["evaluate"] = cmd
+        data = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("data=")))
+        rows = [json.loads(x) for x in data.read_text().splitlines()]
+        path = Path(next(c.split("=", 1)[1] for c in cmd if c.startswith("samples_out=")))
+        path.write_text("".join(json.dumps({"prompt": r["prompt"], "response": resp, "correct": c,
+                                            "rm_score": -c, "extras": {"answer": r["answer"]}}) + "\n"
+                                for r in rows for resp, c in (("right", 1.0), ("wrong", 0.0))))
+
+    def train_rm(exp, init_from, train_file, steps, extra=()):
+        seen["train_rm"] = (init_from, train_file, steps, list(extra))
+        (exp / "checkpoints" / f"step_{steps}").mkdir(parents=True)
+        (exp / "metrics.jsonl").write_text(json.dumps({"step": 0, "val_policy_unseen/accuracy": before}) + "\n"
+                                           + json.dumps({"step": steps, "val_policy_unseen/accuracy": after}) + "\n")
+
+    def latest(exp):
+        steps = sorted((exp / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
+        return steps[-1] if steps else None
+
+    monkeypatch.setattr(demo, "_run", fake_run)
+    monkeypatch.setattr(demo, "_latest", latest)
+    monkeypatch.setattr(demo, "_ppo_stage", lambda args, rm, exp, name, nproc, steps: seen.update(ppo=(rm, steps)))
+    a = Namespace(refresh_rounds=1, refresh_prompts=2, refresh_heldout_prompts=2, refresh_samples_per_prompt=2,
+                  refresh_pairs_per_prompt=2, refresh_replay=1.0, refresh_rm_steps=3, refresh_rm_epochs=2.0,
+                  refresh_ppo_steps=1, refresh_min_gain=min_gain, rm_temperature=0.7, nproc=1)
+    rounds, rm = demo._refresh_rounds(a, out=out, logs=tmp_path / "logs", first_rm=first_rm, ppo_exp=tmp_path / "ppo",
+                                      ppo_args=[], config_name="ppo_tiny", base_steps=2, prompts=prompts,
+                                      base_pairs=base_pairs, train_rm=train_rm, rm_batch=4, eval_args=[])
+    return rounds[0], rm, seen, out
+
+
+@pytest.mark.parametrize("before,after,kept", [(0.50, 0.75, True), (0.50, 0.52, False)])
+def test_a_refresh_round_is_checked_on_unseen_prompts_before_ppo_uses_its_rm(tmp_path, monkeypatch, before,
+                                                                               after, kept):
+    first_rm = tmp_path / "rm" / "checkpoints" / "step_5"
+    r, rm, seen, out = _fake_round(tmp_path, monkeypatch, before, after, min_gain=0.05)
+    refreshed = out / "rm_round_1" / "checkpoints" / "step_3"
+    # the policy answered the 2 trained and the 2 unseen prompts in one sampling run
+    rdir = out / "refresh" / "round_1"
+    assert [json.loads(x)["prompt"] for x in (rdir / "prompts.jsonl").read_text().splitlines()] == [
+        "p0", "p1", "p2", "p3"]
+    # new pairs from the trained prompts only; the check pairs from the unseen ones only
+    assert r["disagreement"]["prompts"] == 2 and r["pairs_added"] == 2
+    unseen = [json.loads(x) for x in (rdir / "policy_unseen_pairs.jsonl").read_text().splitlines()]
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in unseen] == [("p2", "right", "wrong"),
+                                                                           ("p3", "right", "wrong")]
+    # the RM job validates them before its first step and after its last
+    assert seen["train_rm"][0] == str(first_rm)
+    assert seen["train_rm"][3] == ["trainer.val_at_start=true",
+                                   f"+rm.extra_val_files.policy_unseen={rdir / 'policy_unseen_pairs.jsonl'}"]
+    check = r["rm_policy_unseen"]
+    assert (check["pairs"], check["before"], check["after"], check["kept_refreshed_rm"]) == (2, before, after, kept)
+    # PPO continues against the refreshed RM only when it ranked the unseen pairs better by 5 points
+    assert seen["ppo"] == ((refreshed if kept else first_rm), 3) and rm == (refreshed if kept else first_rm)
+    assert r["rm_checkpoint"] == str(rm)
+    # the round's pairs join the pool either way
+    assert len((rdir / "preference_pool.jsonl").read_text().splitlines()) == 8 + 2
+
+
+def test_a_negative_min_gain_uses_the_refreshed_rm_unchecked(tmp_path, monkeypatch):
+    r, rm, seen, out = _fake_round(tmp_path, monkeypatch, 0.9, 0.1, min_gain=-1.0)
+    assert rm == out / "rm_round_1" / "checkpoints" / "step_3" and r["rm_policy_unseen"]["kept_refreshed_rm"]

@@ -62,3 +62,38 @@ def test_rm_extra_validation_names_must_be_identifiers():
 
     with pytest.raises(ValueError, match="rm.extra_val_files: name 'same form'"):
         RMConfig(extra_val_files={"same form": "x.jsonl"})
+
+
+def _start_worker(rank: int, data: str, exp: str, lr: float, val_at_start: bool):
+    from nemo_rlhf.trainers.rm import RMTrainer
+
+    cfg = tiny_rm_config(data, exp, val_check_interval=0, checkpoints=False)
+    cfg.trainer.val_at_start, cfg.optim.lr = val_at_start, lr
+    RMTrainer(cfg).fit()
+
+
+def test_val_at_start_logs_the_starting_models_validation_at_step_0(tmp_path):
+    """``trainer.val_at_start``: step 0 holds the validation of the weights before any
+    update: the same numbers as the end's validation of a run whose updates are zero (lr 0),
+    and not those of the trained end."""
+    import pytest
+
+    from nemo_rlhf.tasks.precedence import DemoTaskConfig, make_demo_dataset
+
+    data = tmp_path / "data"
+    make_demo_dataset(data, DemoTaskConfig(n_sft=8, n_pref=16, n_ppo=4, n_eval=4, n_val=8))
+
+    def by_step(exp):
+        out = {}
+        for line in (exp / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            out.setdefault(r["step"], {}).update(r)
+        return out
+
+    for name, lr, start in (("trained", 1e-2, True), ("frozen", 0.0, False)):
+        run_ranks(_start_worker, world_size=1, data=str(data), exp=str(tmp_path / name), lr=lr, val_at_start=start)
+    trained, frozen = by_step(tmp_path / "trained"), by_step(tmp_path / "frozen")
+    assert 0 not in frozen  # off by default
+    assert trained[0]["val/margin"] == pytest.approx(frozen[3]["val/margin"], abs=1e-6)
+    assert trained[0]["val/accuracy"] == frozen[3]["val/accuracy"]
+    assert abs(trained[3]["val/margin"] - trained[0]["val/margin"]) > 1e-3  # the end's is another model's
