@@ -565,8 +565,10 @@ def _print_reward_auc(by_step: dict[int, float]) -> None:
     evaluation; nothing when the run logged none."""
     if by_step:
         first, last = min(by_step), max(by_step)
-        print(f"reward's right-vs-wrong AUC on the policy's held-out answers: {by_step[first]:.2f} "
-              f"(step {first}) -> {by_step[last]:.2f} (step {last}); 0.5: it no longer tells them apart")
+        values = (f"{by_step[first]:.2f} (step {first}) -> " if first != last else "") + \
+            f"{by_step[last]:.2f} (step {last})"
+        print(f"reward's right-vs-wrong AUC on the policy's held-out answers: {values}; 0.5: it no "
+              f"longer tells them apart")
 
 
 def _print_rounds(rounds: list[dict]) -> None:
