@@ -222,6 +222,8 @@ def reward_auc(items: list[dict], score_key: str = "score", label_key: str = "co
     """
     if len(items) < 2:
         return None
+    # host tensors on purpose: the gathered held-out rows are host metadata (Python floats
+    # after all_gather_object), never model tensors or collective inputs
     scores = torch.tensor([float(x[score_key]) for x in items], dtype=torch.float64)
     labels = torch.tensor([float(x[label_key]) for x in items], dtype=torch.float64)
     agree = pairs = 0.0
