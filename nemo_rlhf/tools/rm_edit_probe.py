@@ -17,7 +17,7 @@ right), and with ``--out DIR`` writes every pair with its two scores. Unlike the
 same-form pairs, made once from the imported model's samples, this measures the RM on the
 answers the policy gives *now*: where it falls to 0.5, the RM no longer tells the policy's
 answers apart within a prompt, and PPO against it has nothing left to learn (docs/demo.md,
-"Five seeds"). ``eval/reward_auc`` measures the same across prompts, with no edits.
+"Five seeds of the default"). ``eval/reward_auc`` measures the same across prompts, with no edits.
 
 Sample files: the schema of :mod:`nemo_rlhf.data.sample_rows` (the PPO trainer's
 ``eval_samples/``, ``nemo_rlhf.evaluate``'s ``samples_out``).
@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from nemo_rlhf.reward.client import RewardModelClient, RewardServiceError
 from nemo_rlhf.tasks.task import Task, edit_pairs, load_task
 
 ScoreFn = Callable[[Sequence[str], Sequence[str]], Sequence[float]]
@@ -127,8 +128,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ImportError, AttributeError) as exc:
         print(f"rm_edit_probe: {exc}", file=sys.stderr)
         return 2
-    from nemo_rlhf.reward.client import RewardModelClient, RewardServiceError
-
     try:
         client = RewardModelClient.from_address_file(a.rm_address_file, wait_s=5.0)
         for path, rows in files.items():

@@ -128,7 +128,7 @@ def test_before_and_after_come_from_the_ppo_runs_own_evaluation_files(tmp_path):
 @pytest.mark.parametrize("bf16_fast", [True, False])
 def test_the_smollm2_recipe_follows_the_precision_auto_resolves_to(monkeypatch, bf16_fast):
     """``make demo`` resolves ``--precision auto`` once and takes that precision's recipe
-    (bf16: twice the RM passes, 3x the PPO lr); explicit flags and PPO overrides still win."""
+    (bf16: twice the RM passes, 3x the PPO lr, twice the rollouts a step); explicit flags and PPO overrides still win."""
     import launchers.demo as demo
     import nemo_rlhf.models.config as mc
 
@@ -139,7 +139,9 @@ def test_the_smollm2_recipe_follows_the_precision_auto_resolves_to(monkeypatch, 
     want = "bf16-mixed" if bf16_fast else "32"
     assert seen["precision"] == want
     assert seen["rm_epochs"] == demo.SMOLLM2_RECIPE[want]["rm_epochs"]
-    assert seen["ppo_recipe"] == [f"optim.lr={demo.SMOLLM2_RECIPE[want]['ppo_lr']}"]
+    assert seen["ppo_recipe"] == ({"bf16-mixed": ["optim.lr=3e-05", "ppo.num_rollout_samples=64",
+                                                  "ppo.global_batch_size=32"],
+                                   "32": ["optim.lr=1e-05"]}[want])
     assert demo.main(["--precision", "32", "--rm-epochs", "0.3", "optim.lr=2e-5"]) == 0
     assert (seen["precision"], seen["rm_epochs"], seen["ppo_recipe"], seen["ppo_overrides"]) == (
         "32", 0.3, ["optim.lr=1e-05"], ["optim.lr=2e-5"])

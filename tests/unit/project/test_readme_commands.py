@@ -44,14 +44,15 @@ def _commands(text: str) -> list[list[str]]:
                 continue
             line = re.sub(r"\s\[[^\]]*\]", "", line)
             line = re.sub(r"<([a-z_]+)>", r"\1", line)
+            line = re.sub(r"\s&$", "", line)  # started in the background
             out.append(shlex.split(line))
     return out
 
 
 def readme_commands(files=None) -> list[list[str]]:
     """The bash commands of the README and its pages (``files``; default :func:`doc_files`):
-    continuation lines joined, comments dropped, ``<placeholders>`` replaced by a word and
-    ``[optional parts]`` removed."""
+    continuation lines joined, comments dropped, ``<placeholders>`` replaced by a word,
+    ``[optional parts]`` and a trailing ``&`` removed."""
     return [c for path in (files or doc_files()) for c in _commands(path.read_text())]
 
 
@@ -132,6 +133,8 @@ def _check_python(argv):
         _compose(name, overrides)
     elif module == "nemo_rlhf.evaluate":
         _compose("eval", args)
+    elif module == "nemo_rlhf.serve_rm":
+        _compose("rm_server", args)
     elif module == "launchers.local":
         from launchers.local import _parser
 
@@ -139,7 +142,7 @@ def _check_python(argv):
         _compose(getattr(ns, "config_name", "ppo"), getattr(ns, "overrides", []))
     elif module == "launchers.demo":
         _check_demo(args)
-    elif module in ("nemo_rlhf.tools.plot_metrics", "nemo_rlhf.tools.real_model"):
+    elif module in ("nemo_rlhf.tools.plot_metrics", "nemo_rlhf.tools.real_model", "nemo_rlhf.tools.rm_edit_probe"):
         main = importlib.import_module(module).main
         _parsed_args(lambda: main(args), args)
     else:
