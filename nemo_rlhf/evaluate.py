@@ -173,7 +173,7 @@ def _checkpoint_config(path: Path) -> dict:
 
 def _tokenizer_dir(path: Path, data: dict) -> str:
     """The checkpoint's own tokenizer copy, else its config's ``data.tokenizer_dir``
-    (:func:`~nemo_rlhf.checkpoint.io.checkpoint_tokenizer_dir`).
+    (:func:`~nemo_rlhf.checkpoint.layout.checkpoint_tokenizer_dir`).
 
     Raises:
         FileNotFoundError: neither exists (names both; ``tokenizer_dir=`` overrides).

@@ -27,7 +27,10 @@ same way (a full disk). Unset in normal runs: no-ops.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import signal
+
+import torch
 
 from nemo_rlhf.distributed.fault_spec import FAULT_ENV, spec_matches as _matches
 
@@ -45,4 +48,24 @@ def maybe_crash(point: str, step: int) -> None:
 def fault_requested(fault: str, step: int) -> bool:
     """Whether ``NEMO_RLHF_FAULT`` asks for ``fault`` (one of :data:`FAULTS`) at this step."""
     return _matches(os.environ.get(FAULT_ENV), fault, step)
+
+
+
+def plant_change(tensors: list) -> None:
+    """Fault ``change_after_digest``: add 1 to the first element of the first floating
+    tensor this rank saves (after its digest was taken)."""
+    for st in tensors:
+        if st.data.is_floating_point() and st.data.numel():
+            with torch.no_grad():
+                st.data.view(-1)[0] += 1
+            return
+
+
+def plant_overwrite(dist_dir: Path) -> None:
+    """Fault ``overwrite_shard``: overwrite 64 bytes at the middle of the largest shard file."""
+    files = sorted(Path(dist_dir).glob("*.distcp"), key=lambda f: f.stat().st_size)
+    if files:
+        with open(files[-1], "r+b") as fh:
+            fh.seek(files[-1].stat().st_size // 2)
+            fh.write(bytes(range(64)))
 

@@ -1,35 +1,20 @@
-"""Distributed, reshardable checkpoints with atomic publication.
+"""Writing and loading distributed, reshardable checkpoints, with atomic publication.
 
-Layout of ``<root>/step_<N>/``::
-
-    dist/                  megatron dist_checkpointing: model (incl. value/reward head) and
-                           optimizer state (Adam moments, fp32 masters; or megatron's
-                           DistributedOptimizer's own layout) as sharded tensors, so a
-                           checkpoint written at one TP/PP/DP loads at another
-    rng/rank_<r>.pt        python, numpy, torch and megatron TP-tracker RNG states per rank
-    trainer_state.json     counters, sampler position, KL controller, reward stats, ...
-    config.yaml            the run's resolved config
-    metadata.json          step, parallel layout, fingerprint, optimizer format and Adam
-                           step counts (per parameter, by layout-independent name), the
-                           files' sizes and sha256
-    digests/rank_<r>.json  sha256 of every tensor shard rank r wrote, taken from memory
-                           (:mod:`.digests`); the written shards are read back and compared
-                           before publication
-    tokenizer/             a copy of the run's tokenizer files
-    COMPLETE               written last, before the rename
+The folder layout, and finding, reading and verifying a checkpoint: :mod:`.layout`. RNG
+states: :mod:`.rng`. The optimizer's sharded state: :mod:`.optimizer_state`.
 
 Publication: every rank writes into ``<root>/.tmp_step_<N>``, reads its shards back and
 compares them with the digests it took from memory (a mismatch on any rank: nothing is
 published, the folder is removed and every rank raises :class:`CheckpointError` naming the
-tensors); after a barrier rank 0 writes ``metadata.json`` and ``COMPLETE``, renames the folder to ``step_<N>`` and then
-replaces ``<root>/latest`` (a one-line text file) by an atomic rename. A crash at any point
-leaves either the previous checkpoint or the new one; a folder without ``COMPLETE`` is
-never picked (:func:`find_latest_checkpoint`).
+tensors); after a barrier rank 0 writes ``metadata.json`` and ``COMPLETE``, renames the folder
+to ``step_<N>`` and then replaces ``<root>/latest`` (a one-line text file) by an atomic
+rename. A crash at any point leaves either the previous checkpoint or the new one; a folder
+without ``COMPLETE`` is never picked (:func:`~.layout.find_latest_checkpoint`).
 
 LoRA (``model.lora.enabled`` with a base checkpoint): ``dist/`` holds the adapters and the
 heads only, and ``metadata.json``'s ``lora_base`` names the base checkpoint (its resolved
-path and :func:`checkpoint_content_hash`); loading one loads that base first and refuses
-a base whose content changed (:func:`load_model_weights`).
+path and :func:`~.layout.checkpoint_content_hash`); loading one loads that base first and
+refuses a base whose content changed (:func:`load_model_weights`).
 
 Simplified: one shared filesystem is assumed (every rank sees ``root``); asynchronous
 saving is not used.
@@ -38,40 +23,30 @@ saving is not used.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from nemo_rlhf.checkpoint.digests import DIGESTS_SUBDIR, read_back_problems, shard_digests, write_rank_digests
-from nemo_rlhf.checkpoint.faults import fault_requested, maybe_crash
+from nemo_rlhf.checkpoint.faults import fault_requested, maybe_crash, plant_change, plant_overwrite
+from nemo_rlhf.checkpoint.layout import (COMPLETE, LATEST, CheckpointError, atomic_write_text,
+                                         checkpoint_content_hash, copy_tokenizer, file_checksums,
+                                         read_metadata, read_trainer_state, resolve_checkpoint, step_dir)
+from nemo_rlhf.checkpoint.optimizer_state import (ADAMW_FORMAT, gather_param_steps, materialize_adam_state,
+                                                  optimizer_format, optimizer_sharded_state_dict,
+                                                  restore_optimizer)
+from nemo_rlhf.checkpoint.rng import rng_state, set_rng_state
 from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.models.lora_keys import has_adapters, is_adapter_param
 
-COMPLETE = "COMPLETE"
-LATEST = "latest"
-TOKENIZER_SUBDIR = "tokenizer"
-"""Folder of a checkpoint holding a copy of the run's tokenizer files
-(:data:`TOKENIZER_FILES`): a checkpoint moved to another folder, filesystem or cluster
-still has its tokenizer (:func:`checkpoint_tokenizer_dir`)."""
-TOKENIZER_FILES = ("tokenizer.json", "special_tokens.json", "tokenizer_config.json",
-                   "special_tokens_map.json", "chat_template.jinja")
-"""The files of a tokenizer folder that :class:`~nemo_rlhf.data.tokenizer.Tokenizer` and the
-HF export read (those present are copied; nothing else of the folder, e.g. model weights)."""
 HEAD_KEYS = ("value_head.", "reward_head.")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not match the run."""
 
 
 def _rank() -> int:
@@ -83,91 +58,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def step_dir(root: Path, step: int) -> Path:
-    """``<root>/step_<step>``."""
-    return Path(root) / f"step_{int(step)}"
-
-
-def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a published checkpoint (has the COMPLETE marker)."""
-    return (Path(path) / COMPLETE).is_file()
-
-
-def list_checkpoints(root: Path) -> list[tuple[int, Path, bool]]:
-    """``(step, path, complete)`` for every ``step_<N>`` folder under ``root``, by step."""
-    root = Path(root)
-    out = []
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit():
-                out.append((int(p.name[5:]), p, is_complete(p)))
-    return sorted(out)
-
-
-def find_latest_checkpoint(root: Path) -> Optional[Path]:
-    """Newest complete checkpoint under ``root`` (``latest`` if it is valid), else None."""
-    root = Path(root)
-    latest = root / LATEST
-    complete = [p for _, p, ok in list_checkpoints(root) if ok]
-    if latest.is_file():
-        named = root / latest.read_text().strip()
-        if is_complete(named) and (not complete or named == complete[-1]):
-            return named
-    return complete[-1] if complete else None
-
-
-# --- RNG ------------------------------------------------------------------------------
-
-def rng_state() -> dict:
-    """Python, numpy, torch CPU (and CUDA) and megatron TP-tracker RNG states."""
-    from megatron.core import tensor_parallel
-
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
-    try:
-        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    except Exception:  # noqa: BLE001 - tracker not initialised (single-process tools)
-        state["tracker"] = None
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Inverse of :func:`rng_state`."""
-    from megatron.core import tensor_parallel
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if state.get("tracker") is not None:
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
 # --- sharded state --------------------------------------------------------------------
-
-ADAMW_FORMAT = "adamw"
-"""``optimizer_format`` of :class:`~nemo_rlhf.trainers.mixed_precision.MixedPrecisionOptimizer`'s
-state (Adam moments and fp32 masters keyed like the model params); megatron's
-DistributedOptimizer writes ``megatron_distributed``."""
-
-
-def _optimizer_format(optimizer) -> str:
-    return getattr(optimizer, "checkpoint_format", ADAMW_FORMAT)
-
 
 CRITIC = "critic"
 """Prefix of a separate critic's tensors (``critic.mode=separate``) and of its optimizer's
@@ -186,15 +77,6 @@ def _model_sharded_state_dict(model, prefix: str = "model.", adapters_only: bool
 def _trainable_key(name: str) -> bool:
     """A LoRA run's trained tensors: adapters and heads (a state-dict name without prefix)."""
     return is_adapter_param(name) or name.startswith(HEAD_KEYS)
-
-
-def checkpoint_content_hash(path: Path) -> str:
-    """The first 16 hex digits of a SHA-256 over a checkpoint's recorded file checksums
-    (``metadata.json`` ``files``): the same for a copy anywhere, independent of the layout
-    it is loaded at; another for any changed shard."""
-    files = read_metadata(path).get("files") or {}
-    digest = hashlib.sha256(json.dumps(sorted((k, v[1]) for k, v in files.items())).encode())
-    return digest.hexdigest()[:16]
 
 
 def lora_base_record(model, base: Optional[str]) -> Optional[dict]:
@@ -217,123 +99,6 @@ def _parts(model, optimizer, critic) -> list[tuple[str, object, object]]:
 
 def _opt_key(name: str) -> str:
     return "optimizer" if name == "model" else f"{name}_optimizer"
-
-
-def _global_param_names(model, params, prefix: str = "") -> list[str]:
-    """Names of ``params`` that do not depend on the layout: the bare model's parameter
-    names with each transformer layer's local index replaced by its global one (a PP
-    stage's ``decoder.layers.0`` is global layer ``layer_number - 1``) and, under expert
-    parallelism, each MoE expert's local index by its global one (EP rank ``r``'s
-    ``local_experts.0`` is expert ``r * E / EP``); TP shards of one parameter share its name."""
-    bare = unwrap(model)
-    prefixes = {}
-    for mname, mod in bare.named_modules():
-        head, _, idx = mname.rpartition(".")
-        if head.endswith("layers") and idx.isdigit() and hasattr(mod, "layer_number"):
-            prefixes[mname + "."] = f"{head}.{int(mod.layer_number) - 1}."
-    experts = {}  # megatron SequentialMLP: "<its name>.local_experts." -> first global index
-    for mname, mod in bare.named_modules():
-        group = getattr(mod, "ep_group", None)
-        if hasattr(mod, "local_experts") and group is not None and dist.get_world_size(group) > 1:
-            experts[mname + ".local_experts."] = dist.get_rank(group) * len(mod.local_experts)
-    by_id = {}
-    for name, p in bare.named_parameters():
-        for local, first in experts.items():
-            if name.startswith(local):
-                idx, _, rest = name[len(local):].partition(".")
-                name = f"{local}{first + int(idx)}.{rest}"
-                break
-        for local, global_ in prefixes.items():
-            if name.startswith(local):
-                name = global_ + name[len(local):]
-                break
-        by_id.setdefault(id(p), name)
-    return [prefix + by_id.get(id(p), f"<unnamed {i}>") for i, p in enumerate(params)]
-
-
-def _gather_param_steps(steps: dict[str, int]) -> dict[str, int]:
-    """Every rank's ``{global parameter name: Adam step count}`` merged (host objects)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return steps
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, steps)
-    merged = {}
-    for part in parts:
-        merged.update(part)
-    return dict(sorted(merged.items()))
-
-
-def _optimizer_sharded_state_dict(model_sd: dict, optimizer, name: str = "model",
-                                  adapters_only: bool = False) -> tuple[dict, dict[str, int]]:
-    """Adam moments and fp32 masters as ShardedTensors keyed like the model params, and
-    this stage's Adam step count per parameter, by :func:`_global_param_names` (0: never
-    stepped, e.g. the backbone during a critic warm-up; a critic's names start with
-    ``critic.``)."""
-    from megatron.core.dist_checkpointing.optimizer import (
-        get_param_id_to_sharded_param_map,
-        make_sharded_optimizer_tensor,
-        optim_state_to_sharding_state,
-    )
-
-    opt = optimizer.optimizer
-    ordered = optimizer.ordered_params
-    id_map = get_param_id_to_sharded_param_map(model_sd, ordered)
-    sd = opt.state_dict()
-    names = _global_param_names(optimizer.model, ordered, "" if name == "model" else f"{name}.")
-    steps = {names[i]: int(sd["state"][i]["step"]) if "step" in sd["state"].get(i, {}) else 0
-             for i in range(len(ordered))}
-    # A parameter not stepped yet (the backbone during a critic warm-up) has no Adam state:
-    # zero moments stand in for it (what AdamW starts from), so the checkpoint covers every
-    # parameter the load template asks for.
-    for i, p in enumerate(ordered):
-        if "exp_avg" not in sd["state"].get(i, {}):
-            sd["state"][i] = {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
-                              "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
-    # Frozen parameters (e.g. rm.freeze_layers) have no optimizer state, but megatron stacks
-    # the layers of one tensor name into one ShardedTensor that must be covered whole: they
-    # get zero moments under ids after the optimizer's own (dropped again on load).
-    # (adapters_only: the frozen base is not in model_sd, nothing to cover)
-    frozen = [] if adapters_only else _frozen_params(optimizer, ordered)
-    # (no frozen parameters: no map; megatron warns about an empty one on every save)
-    frozen_map = get_param_id_to_sharded_param_map(model_sd, frozen) if frozen else {}
-    for j, p in enumerate(frozen):
-        if j in frozen_map:
-            sd["state"][len(ordered) + j] = {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
-                                             "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
-            id_map[len(ordered) + j] = frozen_map[j]
-    optim_state_to_sharding_state(sd, id_map, exclude_keys=("step",))
-    out = {"optimizer": sd}
-    masters = {}
-    for i, (p, m) in enumerate(zip(ordered, optimizer.ordered_masters)):
-        if m is not p and i in id_map:
-            masters[i] = make_sharded_optimizer_tensor(id_map[i], m, prefix="optimizer.master")
-    if masters:
-        # a frozen parameter stands in for the master it would have if trained: only a
-        # bf16/fp16 one (an fp32 parameter is its own master and has no entry, so a layer
-        # stack of fp32 norm weights would be covered only by its frozen layers)
-        for j, p in enumerate(frozen):
-            if len(ordered) + j in id_map and p.dtype != torch.float32:
-                masters[len(ordered) + j] = make_sharded_optimizer_tensor(
-                    id_map[len(ordered) + j], p.detach().float(), prefix="optimizer.master")
-    out["masters"] = masters
-    return out, steps
-
-
-def _frozen_params(optimizer, ordered) -> list:
-    """Model parameters the optimizer does not update (``requires_grad=False``)."""
-    trained = {id(p) for p in ordered}
-    return [p for p in unwrap(optimizer.model).parameters() if id(p) not in trained]
-
-
-def _materialize_adam_state(optimizer) -> None:
-    opt = optimizer.optimizer
-    for group in opt.param_groups:
-        for p in group["params"]:
-            st = opt.state[p]
-            if "exp_avg" not in st:
-                st["step"] = torch.tensor(0.0)  # host, as torch's AdamW keeps it
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def save_checkpoint(
@@ -399,11 +164,11 @@ def save_checkpoint(
         if part_opt is None:
             continue
         key = _opt_key(name)
-        if _optimizer_format(part_opt) == ADAMW_FORMAT:
-            opt_sd, steps = _optimizer_sharded_state_dict(model_sd, part_opt, name, base is not None)
+        if optimizer_format(part_opt) == ADAMW_FORMAT:
+            opt_sd, steps = optimizer_sharded_state_dict(model_sd, part_opt, name, base is not None)
             sharded[key] = opt_sd["optimizer"]
             sharded[f"{key}_masters"] = opt_sd["masters"]
-            steps = _gather_param_steps(steps)
+            steps = gather_param_steps(steps)
             opt_steps = {**(opt_steps or {}), **steps}
             if name == "model":
                 opt_step = max(steps.values(), default=0)
@@ -416,7 +181,7 @@ def save_checkpoint(
             "scaler": part_opt.scaler.state_dict() if part_opt.scaler else None}
     tensors, digests = shard_digests(sharded)
     if fault_requested("change_after_digest", step):
-        _plant_change(tensors)
+        plant_change(tensors)
     failure = None
     maybe_crash("save_shards", step)
     try:
@@ -433,7 +198,7 @@ def save_checkpoint(
         failure = f"rank {_rank()}: {type(exc).__name__}: {_first_line(exc)}"
     _fail_together(failure, tmp, dims, step)
     if fault_requested("overwrite_shard", step) and _rank() == 0:
-        _plant_overwrite(tmp / "dist")
+        plant_overwrite(tmp / "dist")
     if verify:
         _verify_or_discard(tmp, digests, dims, step)
     maybe_crash("save_written", step)
@@ -450,7 +215,7 @@ def save_checkpoint(
                 "optimizer_step": opt_step,
                 "optimizer_param_steps": opt_steps,
                 "has_optimizer": optimizer is not None,
-                "optimizer_format": _optimizer_format(optimizer) if optimizer is not None else None,
+                "optimizer_format": optimizer_format(optimizer) if optimizer is not None else None,
                 "optimizer_extra": part_meta.get("optimizer_extra", {}),
                 "has_critic": critic is not None,
                 "lora_base": base,
@@ -506,7 +271,7 @@ def _fail_together(failure: Optional[str], tmp: Path, dims, step: int) -> None:
 def _publish(root: Path, tmp: Path, final: Path, step: int, config, trainer_state, meta: dict) -> None:
     """Rank 0: write the metadata files into ``tmp``, rename it to ``final`` and point
     ``latest`` at it."""
-    _copy_tokenizer(config, tmp)
+    copy_tokenizer(config, tmp)
     meta["files"] = file_checksums(tmp)
     if fault_requested("enospc_publish", step):
         raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected: NEMO_RLHF_FAULT)")
@@ -516,7 +281,7 @@ def _publish(root: Path, tmp: Path, final: Path, step: int, config, trainer_stat
         from omegaconf import OmegaConf
 
         (tmp / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config)))
-    _atomic_write_text(tmp / COMPLETE, f"{int(step)}\n")
+    atomic_write_text(tmp / COMPLETE, f"{int(step)}\n")
     if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
         trash = root / f".trash_step_{int(step)}_{os.getpid()}"
         os.replace(final, trash)
@@ -525,7 +290,7 @@ def _publish(root: Path, tmp: Path, final: Path, step: int, config, trainer_stat
     else:
         os.replace(tmp, final)
     maybe_crash("save_published", step)
-    _atomic_write_text(root / LATEST, final.name + "\n")
+    atomic_write_text(root / LATEST, final.name + "\n")
 
 
 def _verify_or_discard(tmp: Path, digests: list[dict], dims, step: int) -> None:
@@ -549,139 +314,6 @@ def _verify_or_discard(tmp: Path, digests: list[dict], dims, step: int) -> None:
         f"checkpoint step {int(step)} not published: the written shards differ from the tensors "
         f"saved ({len(found)} shard(s)):\n  " + "\n  ".join(shown)
         + f"\n{tmp.parent / LATEST} still names the previous checkpoint")
-
-
-def _plant_change(tensors: list) -> None:
-    """Fault ``change_after_digest``: add 1 to the first element of the first floating
-    tensor this rank saves (after its digest was taken)."""
-    for st in tensors:
-        if st.data.is_floating_point() and st.data.numel():
-            with torch.no_grad():
-                st.data.view(-1)[0] += 1
-            return
-
-
-def _plant_overwrite(dist_dir: Path) -> None:
-    """Fault ``overwrite_shard``: overwrite 64 bytes at the middle of the largest shard file."""
-    files = sorted(Path(dist_dir).glob("*.distcp"), key=lambda f: f.stat().st_size)
-    if files:
-        with open(files[-1], "r+b") as fh:
-            fh.seek(files[-1].stat().st_size // 2)
-            fh.write(bytes(range(64)))
-
-
-def _copy_tokenizer(config: Optional[dict], ckpt: Path) -> None:
-    """Copy the :data:`TOKENIZER_FILES` of ``config["data"]["tokenizer_dir"]`` (when it names
-    a folder holding ``tokenizer.json``) into ``ckpt/tokenizer``."""
-    src = ((config or {}).get("data") or {}).get("tokenizer_dir")
-    if not src or not (Path(src) / "tokenizer.json").is_file():
-        return
-    dst = ckpt / TOKENIZER_SUBDIR
-    dst.mkdir(exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copyfile(Path(src) / name, dst / name)
-
-
-def checkpoint_tokenizer_dir(path: Path, saved: Optional[str] = None) -> Optional[str]:
-    """The tokenizer folder of the checkpoint at ``path``: its own copy
-    (``path/tokenizer``, written by :func:`save_checkpoint`) when there is one, else the
-    config's ``data.tokenizer_dir`` (``saved``; checkpoints from before the copy) if it is a
-    folder here, else ``<path's parent>/tokenizer`` (``import-hf``'s layout), else None.
-
-    Args:
-        path: a checkpoint folder (``step_<N>``).
-        saved: ``data.tokenizer_dir`` of its ``config.yaml`` (absolute, or relative to the
-            working directory of the run that wrote it).
-    """
-    path = Path(path)
-    if (path / TOKENIZER_SUBDIR / "tokenizer.json").is_file():
-        return str(path / TOKENIZER_SUBDIR)
-    for candidate in (Path(saved) if saved else None, path.parent / TOKENIZER_SUBDIR):
-        if candidate is not None and candidate.is_dir():
-            return str(candidate)
-    return None
-
-
-def file_checksums(path: Path) -> dict[str, list]:
-    """``{relative path: [size in bytes, sha256 hex]}`` of the shard, RNG, digest and
-    tokenizer files."""
-    out = {}
-    for sub in ("dist", "rng", DIGESTS_SUBDIR, TOKENIZER_SUBDIR):
-        for f in sorted((Path(path) / sub).rglob("*")):
-            if f.is_file():
-                h = hashlib.sha256()
-                with open(f, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(1 << 22), b""):
-                        h.update(chunk)
-                out[str(f.relative_to(path))] = [f.stat().st_size, h.hexdigest()]
-    return out
-
-
-def verify_checkpoint(path: Path) -> list[str]:
-    """Problems found in a checkpoint's files (empty list: every file present and intact).
-
-    Compares each file listed in ``metadata.json`` with its recorded size and sha256, and
-    reports files that are missing, truncated, changed, or unlisted.
-    """
-    path = Path(path)
-    try:
-        meta = read_metadata(path)
-    except (CheckpointError, ValueError) as exc:
-        return [str(exc)]
-    recorded = meta.get("files")
-    if recorded is None:
-        return [f"{path}: metadata.json has no file checksums"]
-    problems = []
-    for rel, (size, digest) in recorded.items():
-        f = path / rel
-        if not f.is_file():
-            problems.append(f"missing shard {rel}")
-            continue
-        actual = f.stat().st_size
-        if actual != size:
-            problems.append(f"{rel}: size {actual} bytes, expected {size} (truncated or grown)")
-            continue
-        h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 22), b""):
-                h.update(chunk)
-        if h.hexdigest() != digest:
-            problems.append(f"{rel}: checksum mismatch (content changed)")
-    return problems
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder: ``path`` itself if complete, else the newest one under it, else
-    the newest one under ``path/checkpoints`` (an experiment folder).
-
-    Raises:
-        FileNotFoundError: no complete checkpoint at or under ``path``.
-    """
-    path = Path(path)
-    if is_complete(path):
-        return path
-    found = find_latest_checkpoint(path) or find_latest_checkpoint(path / "checkpoints")
-    if found is None:
-        raise FileNotFoundError(f"{path}: neither a complete checkpoint nor a folder holding one")
-    return found
-
-
-def read_metadata(path: Path) -> dict:
-    """``metadata.json`` of a checkpoint.
-
-    Raises:
-        CheckpointError: not a complete checkpoint.
-    """
-    path = Path(path)
-    if not is_complete(path):
-        raise CheckpointError(f"{path}: not a complete checkpoint (no {COMPLETE} marker)")
-    return json.loads((path / "metadata.json").read_text())
-
-
-def read_trainer_state(path: Path) -> dict:
-    """``trainer_state.json`` of a checkpoint."""
-    return json.loads((Path(path) / "trainer_state.json").read_text())
 
 
 def checkpoint_heads(path: Path, part: str = "model") -> set[str]:
@@ -872,7 +504,7 @@ def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
         sharded.update(model_sd)
         if part_opt is None:
             continue
-        fmt = formats[name] = _optimizer_format(part_opt)
+        fmt = formats[name] = optimizer_format(part_opt)
         saved = meta.get("optimizer_format") or ADAMW_FORMAT
         if saved != fmt:
             raise CheckpointError(
@@ -882,8 +514,8 @@ def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
                 f"with exp_manager.init_from)")
         key = _opt_key(name)
         if fmt == ADAMW_FORMAT:
-            _materialize_adam_state(part_opt)
-            opt_sd, _ = _optimizer_sharded_state_dict(model_sd, part_opt, name, adapters_only)
+            materialize_adam_state(part_opt)
+            opt_sd, _ = optimizer_sharded_state_dict(model_sd, part_opt, name, adapters_only)
             sharded[key] = opt_sd["optimizer"]
             sharded[f"{key}_masters"] = opt_sd["masters"]
         else:
@@ -896,7 +528,7 @@ def load_checkpoint(path: Path, model, optimizer=None, init_heads: bool = False,
         key = _opt_key(name)
         extra = meta.get(f"{key}_extra") or {}
         if formats[name] == ADAMW_FORMAT:
-            _restore_optimizer(part_opt, loaded[key], loaded.get(f"{key}_masters", {}), meta,
+            restore_optimizer(part_opt, loaded[key], loaded.get(f"{key}_masters", {}), meta,
                                extra, "" if name == "model" else f"{name}.")
         else:
             if extra.get("scheduler"):
@@ -917,31 +549,6 @@ def _same_layout(meta: dict) -> bool:
             and layout.get("tp") == ps.get_tensor_model_parallel_world_size()
             and layout.get("pp") == ps.get_pipeline_model_parallel_world_size()
             and layout.get("ep", 1) == ps.get_expert_model_parallel_world_size())
-
-
-def _restore_optimizer(optimizer, sd: dict, masters: dict, meta: dict, extra: dict,
-                       name_prefix: str = "") -> None:
-    opt = optimizer.optimizer
-    n = len(optimizer.ordered_params)
-    # per parameter, by its layout-independent name (one that never stepped restarts from
-    # 0, as it would have); checkpoints without the table hold one count for all
-    table = meta.get("optimizer_param_steps") or {}
-    names = _global_param_names(optimizer.model, optimizer.ordered_params, name_prefix)
-    default = meta.get("optimizer_step", 0)
-    state = {pid: st for pid, st in sd["state"].items() if int(pid) < n}  # not frozen placeholders
-    for pid, st in state.items():
-        step = table.get(names[int(pid)], default)
-        st["step"] = torch.tensor(float(step))  # host, as torch's AdamW keeps it
-    # the saved param_groups carry the learning rate the schedule had reached
-    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
-    with torch.no_grad():
-        for i, m in masters.items():
-            if int(i) < n:
-                optimizer.ordered_masters[int(i)].copy_(m)
-    if extra.get("scheduler"):
-        optimizer.scheduler.load_state_dict(extra["scheduler"])
-    if extra.get("scaler") and optimizer.scaler is not None:
-        optimizer.scaler.load_state_dict(extra["scaler"])
 
 
 def load_full_tensors(path: Path) -> dict:

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from nemo_rlhf.checkpoint.io import (
+from nemo_rlhf.checkpoint.layout import (
     LATEST,
     CheckpointError,
     find_latest_checkpoint,

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from nemo_rlhf.checkpoint.io import checkpoint_tokenizer_dir, resolve_checkpoint
+from nemo_rlhf.checkpoint.layout import checkpoint_tokenizer_dir, resolve_checkpoint
 
 RUN_SETTINGS = ("hidden_dropout", "attention_dropout", "init_method_std", "value_head_init_std", "lora")
 """Model keys that are the job's own settings, never taken from the checkpoint (``lora``:
@@ -200,7 +200,7 @@ def adopt_for_hydra_job(dcfg: DictConfig, job: str) -> list[str]:
 
 
 def _tokenizer_dir(saved: Optional[str], path: Path) -> Optional[str]:
-    """The checkpoint's tokenizer folder (:func:`~nemo_rlhf.checkpoint.io.checkpoint_tokenizer_dir`:
+    """The checkpoint's tokenizer folder (:func:`~nemo_rlhf.checkpoint.layout.checkpoint_tokenizer_dir`:
     its own copy first, so a moved checkpoint keeps its tokenizer)."""
     return checkpoint_tokenizer_dir(path, saved)
 

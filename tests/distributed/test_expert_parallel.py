@@ -77,7 +77,7 @@ def _engine(ep: int, tmp: Path, n_tokens: int, routed_tokens: int) -> dict:
     """Forward-only logits, then one training forward/backward, DP-reduced gradients by
     global name and the gradient norms, at ``ep``."""
     from nemo_rlhf.checkpoint import load_model_weights, save_checkpoint
-    from nemo_rlhf.checkpoint.io import _global_param_names
+    from nemo_rlhf.checkpoint.optimizer_state import global_param_names
     from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
@@ -115,7 +115,7 @@ def _engine(ep: int, tmp: Path, n_tokens: int, routed_tokens: int) -> dict:
                     for n, p in unwrap(ddp).named_parameters()}
     opt = MixedPrecisionOptimizer(ddp, OptimizerConfig(clip_grad=0.0), mp_group=dims.mp_group,
                                   expert_mp_group=dims.expert_mp_group if dims.ep > 1 else None)
-    out["param_names"] = _global_param_names(ddp, opt.ordered_params)  # the Adam step table's
+    out["param_names"] = global_param_names(ddp, opt.ordered_params)  # the Adam step table's
     opt._collect_grads()
     out["grad_norm"] = opt.grad_norm()
     for name, m in zip(opt.names, opt.masters):  # the experts' share alone

@@ -216,7 +216,7 @@ def test_the_distributed_optimizer_is_refused_without_cuda_naming_the_key():
 
 def test_resuming_with_the_other_optimizer_fails_naming_the_key(tmp_path):
     from nemo_rlhf.checkpoint import load_checkpoint, save_checkpoint
-    from nemo_rlhf.checkpoint.io import CheckpointError
+    from nemo_rlhf.checkpoint.layout import CheckpointError
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import load_model_preset
     from nemo_rlhf.models.engine import wrap_ddp
