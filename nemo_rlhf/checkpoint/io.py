@@ -44,10 +44,8 @@ from nemo_rlhf.checkpoint.optimizer_state import (ADAMW_FORMAT, gather_param_ste
 from nemo_rlhf.checkpoint.rng import rng_state, set_rng_state
 from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.models.engine import unwrap
+from nemo_rlhf.models.heads import HEAD_NAMES, is_head_key, is_head_param
 from nemo_rlhf.models.lora_keys import has_adapters, is_adapter_param
-
-HEAD_KEYS = ("value_head.", "reward_head.")
-
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -76,7 +74,7 @@ def _model_sharded_state_dict(model, prefix: str = "model.", adapters_only: bool
 
 def _trainable_key(name: str) -> bool:
     """A LoRA run's trained tensors: adapters and heads (a state-dict name without prefix)."""
-    return is_adapter_param(name) or name.startswith(HEAD_KEYS)
+    return is_adapter_param(name) or is_head_param(name)
 
 
 def lora_base_record(model, base: Optional[str]) -> Optional[dict]:
@@ -320,7 +318,7 @@ def checkpoint_heads(path: Path, part: str = "model") -> set[str]:
     """Names of the heads (``value_head``, ``reward_head``) whose weights the checkpoint
     at ``path`` holds for ``part`` (e.g. ``{"reward_head"}`` for an RM checkpoint)."""
     keys = _checkpoint_keys(path)
-    return {h.rstrip(".") for h in HEAD_KEYS if any(k.startswith(f"{part}.{h}") for k in keys)}
+    return {h for h in HEAD_NAMES if any(k.startswith(f"{part}.{h}.") for k in keys)}
 
 
 def _checkpoint_keys(path: Path) -> set[str]:
@@ -334,7 +332,7 @@ def _drop_missing_heads(sharded: dict, available: set[str], init_heads: bool, pa
 
     missing = [k for k, v in sharded.items()
                if isinstance(v, ShardedTensor) and v.key not in available]
-    heads = [k for k in missing if any(h in k for h in HEAD_KEYS)]
+    heads = [k for k in missing if is_head_key(k)]
     other = [k for k in missing if k not in heads]
     if other:
         raise CheckpointError(
@@ -439,7 +437,7 @@ def load_model_weights(path: Path, model, init_heads: bool = False,
                     v.key = alt
     skipped = []
     if skip_heads:
-        skipped = [k for k in list(sharded) if any(h in k for h in HEAD_KEYS)]
+        skipped = [k for k in list(sharded) if is_head_key(k)]
         for k in skipped:
             sharded.pop(k)
     skipped += _drop_missing_heads(sharded, available, init_heads or skip_heads, path)
@@ -456,7 +454,7 @@ def _copy_into_model(model, loaded: dict, prefix: str = "model.", partial: bool 
         loaded_adapters = any(is_adapter_param(k) for k in state)
         missing = [k for k in missing if is_adapter_param(k) == loaded_adapters]
     missing = [k for k in missing if not k.endswith("_extra_state")
-               and not any(k.startswith(h) for h in HEAD_KEYS)]
+               and not is_head_param(k)]
     if missing or unexpected:
         raise CheckpointError(f"state mismatch: missing {missing[:8]}, unexpected {unexpected[:8]}")
 

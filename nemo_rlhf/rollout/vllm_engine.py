@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.models.engine import unwrap
+from nemo_rlhf.models.heads import is_head_param
 from nemo_rlhf.models.hf_mapping import gather_full_tensors, hf_config, infer_arch, megatron_to_hf
 from nemo_rlhf.models.lora_hf import merge_adapters, split_adapters
 from nemo_rlhf.rollout.config import RolloutConfig
@@ -102,10 +103,6 @@ def _rng_preserved():
         torch.random.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
-
-
-def _is_head(key: str) -> bool:
-    return key.startswith(("value_head", "reward_head"))
 
 
 def _forget_moe_kernels(model) -> int:
@@ -236,7 +233,7 @@ class VLLMRolloutEngine:
         self._wake()
         core = unwrap(model)
         full = gather_full_tensors(core, self.dims.tp_group if self.dims.tp > 1 else None,
-                                   skip=_is_head, ep_group=self.dims.ep_group if self.dims.ep > 1 else None)
+                                   skip=is_head_param, ep_group=self.dims.ep_group if self.dims.ep > 1 else None)
         full, adapters = split_adapters(full)
         if adapters:  # LoRA: the engine serves W + (alpha / r) B A
             full = merge_adapters(full, adapters, self.model_cfg.lora.scale)

@@ -26,6 +26,7 @@ import contextlib
 import torch
 
 from nemo_rlhf.models.engine import unwrap
+from nemo_rlhf.models.heads import is_head_param
 from nemo_rlhf.models.lora import adapters_disabled, has_adapters
 
 
@@ -37,7 +38,7 @@ def _host_buffer(t: torch.Tensor) -> torch.Tensor:
 
 def _backbone_params(model) -> dict[str, torch.nn.Parameter]:
     return {n: p for n, p in unwrap(model).named_parameters()
-            if not n.startswith(("value_head.", "reward_head."))}
+            if not is_head_param(n)}
 
 
 class ReferencePolicy:
