@@ -144,7 +144,9 @@ def main(argv=None) -> dict:
     from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
     from nemo_rlhf.models.actor_critic import build_model
     from nemo_rlhf.models.config import ModelConfig
-    from nemo_rlhf.models.hf_mapping import hf_config, megatron_to_hf, model_full_tensors
+    from nemo_rlhf.models.full_tensors import model_full_tensors
+    from nemo_rlhf.models.hf_config import hf_config
+    from nemo_rlhf.models.hf_mapping import megatron_to_hf
     from nemo_rlhf.rollout import RolloutConfig
     from nemo_rlhf.rollout.engines import MegatronRolloutEngine
     from nemo_rlhf.rollout.vllm_engine import VLLMRolloutEngine

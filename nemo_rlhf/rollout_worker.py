@@ -40,7 +40,7 @@ from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initializ
 from nemo_rlhf.distributed.launch_env import LaunchEnv
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import LoRAConfig
-from nemo_rlhf.models.hf_mapping import fill_model, model_full_tensors
+from nemo_rlhf.models.full_tensors import fill_model, model_full_tensors
 from nemo_rlhf.rollout.engines import build_rollout_engine
 from nemo_rlhf.rollout.remote import RolloutItem, serve_rollout_worker
 from nemo_rlhf.tasks import TASK_CHECKERS  # noqa: F401  (the config's checker names, as the trainer's)

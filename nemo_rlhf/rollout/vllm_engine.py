@@ -62,7 +62,9 @@ import torch.distributed as dist
 from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.models.heads import is_head_param
-from nemo_rlhf.models.hf_mapping import gather_full_tensors, hf_config, infer_arch, megatron_to_hf
+from nemo_rlhf.models.full_tensors import gather_full_tensors
+from nemo_rlhf.models.hf_config import hf_config
+from nemo_rlhf.models.hf_mapping import infer_arch, megatron_to_hf
 from nemo_rlhf.models.lora_hf import merge_adapters, split_adapters
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.generate import RolloutBatch, _check_inputs, left_pad

@@ -27,6 +27,14 @@ from nemo_rlhf.distributed import (
 )
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import ModelConfig
+from nemo_rlhf.models.full_tensors import (  # noqa: F401 (the mapping, re-exported)
+    fill_model,
+    model_full_tensors,
+)
+from nemo_rlhf.models.hf_config import (  # noqa: F401 (the mapping, re-exported)
+    hf_config,
+    model_config_from_hf,
+)
 from nemo_rlhf.models.hf_mapping import (  # noqa: F401 (the mapping, re-exported)
     ARCHS,
     ATTN_NORM_B,
@@ -54,16 +62,12 @@ from nemo_rlhf.models.hf_mapping import (  # noqa: F401 (the mapping, re-exporte
     arch_problems,
     check_shapes,
     ffn_size,
-    fill_model,
     fuse_qkv,
     get_arch,
     head_dim,
-    hf_config,
     hf_to_megatron,
     infer_arch,
     megatron_to_hf,
-    model_config_from_hf,
-    model_full_tensors,
     pad_rows,
     query_groups,
     split_qkv,

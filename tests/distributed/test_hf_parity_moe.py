@@ -63,7 +63,7 @@ def _at_ep2(root: Path, arch: str, dims) -> dict:
 
     from nemo_rlhf.checkpoint import load_model_weights, save_checkpoint
     from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.models.hf_mapping import gather_full_tensors
+    from nemo_rlhf.models.full_tensors import gather_full_tensors
 
     src = root / "imported" / arch / "step_0"
     out = {f"{arch}_ep2": _forward_logits(src, dims)}

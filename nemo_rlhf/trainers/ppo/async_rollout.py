@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.models.engine import unwrap
-from nemo_rlhf.models.hf_mapping import gather_full_tensors
+from nemo_rlhf.models.full_tensors import gather_full_tensors
 from nemo_rlhf.models.lora_hf import merge_adapters, split_adapters
 from nemo_rlhf.rollout.remote import (RolloutController, RolloutItem, RolloutResult, RolloutWorkerError,
                                       batch_from_host)
