@@ -4,7 +4,8 @@ I/O).
 Modules: ``core`` (masked statistics), ``kl`` (KL estimators and coefficient controllers),
 ``rewards`` (per-token rewards), ``gae`` (GAE advantages/returns), ``advantages`` (the
 registry of advantage estimators: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++; group
-bookkeeping), ``losses`` (policy, value, entropy and KL losses, their aggregation modes
+bookkeeping), ``advantages_reference`` (their plain-loop versions, which the tests check
+them against), ``losses`` (policy, value, entropy and KL losses, their aggregation modes
 and stats), ``objective`` (those losses assembled into one micro-batch's loss),
 ``rollout_correction`` (truncated importance sampling and row masking of the
 rollout-vs-train mismatch). See each module's docstring for sources and for what is
@@ -12,7 +13,6 @@ simplified.
 """
 
 from nemo_rlhf.algorithms.ppo.advantages import (
-    ADVANTAGE_ESTIMATOR_REFERENCES,
     ADVANTAGE_ESTIMATORS,
     ESTIMATOR_TRAITS,
     AdvantageConfig,
@@ -72,7 +72,6 @@ from nemo_rlhf.algorithms.ppo.rollout_correction import rollout_correction_weigh
 __all__ = [
     "rollout_correction_weights",
     "ADVANTAGE_ESTIMATORS",
-    "ADVANTAGE_ESTIMATOR_REFERENCES",
     "ESTIMATOR_TRAITS",
     "EstimatorTraits",
     "estimator_traits",

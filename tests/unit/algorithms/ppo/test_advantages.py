@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nemo_rlhf.algorithms.ppo.advantages_reference import ADVANTAGE_ESTIMATOR_REFERENCES
 from nemo_rlhf.algorithms.ppo import (
-    ADVANTAGE_ESTIMATOR_REFERENCES,
     ADVANTAGE_ESTIMATORS,
     AdvantageConfig,
     check_groups_divisible,
