@@ -95,7 +95,9 @@ class RewardModelEnsemble:
     parallel); any member's ``RewardServiceError`` propagates, nothing is filled in.
     :meth:`score` also leaves :attr:`last_spread` (``[batch]``, member 0's units), which
     :meth:`~nemo_rlhf.reward.functions.CombinedReward.fetch` reports as
-    ``reward/rm_ensemble_std``.
+    ``reward/rm_ensemble_std``: the mean of the per-sample spread over the valid samples of
+    every DP rank (sums and counts reduced over the scoring ranks, as the other ``reward/*``
+    means; not a std pooled over samples).
 
     Raises:
         ValueError: fewer than 2 members, or a member without ``reward_mean`` /

@@ -39,6 +39,7 @@ __all__ = [
     "WeightedSource",
     "check_reward_function_spec",
     "get_reward_function",
+    "means_from_sums",
     "register_reward_function",
     "registered_reward_functions",
 ]
@@ -214,17 +215,44 @@ class RewardOutput:
     its scores (a source's ``diagnostics()``, e.g. ``rm_ensemble_std``): not summed,
     reported as their means over the valid samples."""
 
+    def metric_sums(self, prefix: str = "reward/") -> tuple[list[str], torch.Tensor]:
+        """The sums behind :meth:`metrics`, for a reduction over ranks.
+
+        Returns:
+            ``(names, sums)``: the metric names (``{prefix}total``, then per source
+            ``{prefix}{name}`` and ``{prefix}{name}_normalized``, then the diagnostics, in
+            that order: the same on every rank of one config) and a ``[len(names) + 1]``
+            float64 host tensor of their sums over the valid samples, the valid samples'
+            count last. Summed over ranks and divided by the summed count they give the
+            mean over every rank's valid samples (not a mean of the ranks' means).
+        """
+        keep = self.valid if self.valid is not None else torch.ones(len(self.scores), dtype=torch.bool)  # host, as the scores
+        names, columns = [f"{prefix}total"], [self.scores]
+        for name, values in self.per_source.items():
+            names += [f"{prefix}{name}", f"{prefix}{name}_normalized"]
+            columns += [values, self.per_source_normalized[name]]
+        for key, values in self.diagnostics.items():
+            names.append(f"{prefix}{key}")
+            columns.append(values)
+        sums = [c[keep].double().sum() for c in columns]
+        return names, torch.stack([*sums, keep.sum().double()])  # host
+
     def metrics(self, prefix: str = "reward/") -> dict[str, float]:
         """Batch means over the valid samples: ``{prefix}total`` and, per source,
-        ``{prefix}{name}`` (raw) and ``{prefix}{name}_normalized``."""
-        keep = self.valid if self.valid is not None else torch.ones(len(self.scores), dtype=torch.bool)  # host, as the scores
-        out = {f"{prefix}total": self.scores[keep].mean().item()}
-        for name, values in self.per_source.items():
-            out[f"{prefix}{name}"] = values[keep].mean().item()
-            out[f"{prefix}{name}_normalized"] = self.per_source_normalized[name][keep].mean().item()
-        for key, values in self.diagnostics.items():
-            out[f"{prefix}{key}"] = values[keep].mean().item()
-        return out
+        ``{prefix}{name}`` (raw) and ``{prefix}{name}_normalized``, and each diagnostic
+        (e.g. ``{prefix}rm_ensemble_std``: the mean over samples of each sample's spread over
+        the ensemble's members). NaN with no valid sample. This batch alone: the trainer
+        reduces :meth:`metric_sums` over its scoring ranks instead
+        (:func:`~nemo_rlhf.trainers.ppo.scoring.step_scores`)."""
+        names, sums = self.metric_sums(prefix)
+        return means_from_sums(names, sums)
+
+
+def means_from_sums(names: Sequence[str], sums: torch.Tensor) -> dict[str, float]:
+    """``{name: sum / count}`` from :meth:`RewardOutput.metric_sums`' ``(names, sums)`` (or
+    their sums over ranks); NaN where the count is 0."""
+    count = float(sums[-1])
+    return {name: float(sums[i]) / count if count else float("nan") for i, name in enumerate(names)}
 
 
 class CombinedReward:

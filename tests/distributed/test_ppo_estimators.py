@@ -28,8 +28,8 @@ RUNS = {
                 "rollout.n_samples_per_prompt=4", "ppo.loss_agg_mode=seq-mean-token-sum-norm"),
     "rloo": ("ppo.advantage_estimator=rloo", "rollout.n_samples_per_prompt=2"),
     "reinforce_plus_plus": ("ppo.advantage_estimator=reinforce_plus_plus",),
-    "kl_in_loss": ("kl.in_reward=false", "kl.loss_coef=0.1", "kl.loss_estimator=k3",
-                   "ppo.loss_agg_mode=seq-mean-token-mean"),
+    "kl_in_loss": ("kl.in_reward=false", "kl.type=fixed", "kl.init_kl_coef=0.3", "kl.loss_coef=0.1",
+                   "kl.loss_estimator=k3", "ppo.loss_agg_mode=seq-mean-token-mean"),
     "shared_detached": ("critic.mode=shared_detached", "ppo.loss_agg_mode=seq-mean-token-sum"),
     "precision_auto": ("trainer.precision=auto",),
     # the fused chunked output layer (default ppo.logprob_chunk_size) vs the logits path
@@ -229,6 +229,10 @@ def test_kl_in_the_loss_instead_of_the_reward(single):
     assert m[1]["kl_loss"] > 0  # the first update moved the actor off the reference
     # no KL in the reward: the token rewards sum to the score
     assert m[1]["token_reward_sum_mean"] == pytest.approx(m[1]["reward_mean"], rel=1e-5)
+    # the betas logged are the ones applied: none in the reward (not kl.init_kl_coef's 0.3),
+    # kl.loss_coef on the loss's KL term (#50)
+    assert [(s["kl_coef"], s["kl_loss_coef"]) for s in m] == [(0.0, 0.1), (0.0, 0.1)]
+    assert "kl_loss_coef" not in single["shared"]["metrics"][0]
     assert single["shared"]["metrics"][1]["token_reward_sum_mean"] != pytest.approx(
         single["shared"]["metrics"][1]["reward_mean"], rel=1e-5)
 

@@ -4,7 +4,8 @@ With ``reward.normalization=running`` the served RM's scores are normalised with
 running mean/std of every score seen on every DP rank: DP=2 gives the same normalised
 rewards as DP=1 on the same rollouts (greedy decoding, same weights), and a DP=2 run
 resumed from its step-2 checkpoint continues exactly like the uninterrupted run (every
-rank restores the same statistics).
+rank restores the same statistics). The ``reward/*`` metrics are means over every DP
+rank's samples too, not rank 0's (#50).
 """
 
 from __future__ import annotations
@@ -66,6 +67,28 @@ def _dp1(rank: int, tmp: str, url: str):
     return {"scores": seen, "metrics": _metrics(tmp / "dp1")}
 
 
+def _hand_scored(dims, rank: int) -> dict:
+    """:func:`step_scores`' metrics of two ranks that scored differently: rank 0 three
+    samples (the third invalid: left out), rank 1 one; sources ``rm`` (with an ensemble
+    spread) and ``exact``."""
+    from nemo_rlhf.reward.functions import RewardOutput
+    from nemo_rlhf.trainers.ppo.scoring import step_scores
+
+    nan, t = float("nan"), torch.tensor
+    if rank == 0:
+        out = RewardOutput(scores=t([1.0, 2.0, nan]), raw_scores=t([1.0, 2.0, nan]),
+                           per_source={"rm": t([10.0, 20.0, float("inf")]), "exact": t([0.0, 1.0, 0.0])},
+                           per_source_normalized={"rm": t([0.5, 1.5, 0.0]), "exact": t([0.0, 1.0, 0.0])},
+                           diagnostics={"rm_ensemble_std": t([0.2, 0.4, nan])},
+                           valid=t([True, True, False]), invalid=[("rm", 2, float("inf"))], skipping=True)
+    else:
+        out = RewardOutput(scores=t([6.0]), raw_scores=t([6.0]),
+                           per_source={"rm": t([40.0]), "exact": t([1.0])},
+                           per_source_normalized={"rm": t([4.0]), "exact": t([1.0])},
+                           diagnostics={"rm_ensemble_std": t([1.2])}, skipping=True)
+    return step_scores(dims, out, step=1)[1]
+
+
 def _dp2(rank: int, tmp: str, url: str):
     from nemo_rlhf.train_ppo import build
 
@@ -76,6 +99,7 @@ def _dp2(rank: int, tmp: str, url: str):
     cfg = compose_ppo(data, tmp / "full", *args)
     trainer = build(cfg)
     assert trainer.dims.dp == 2
+    hand = _hand_scored(trainer.dims, rank)
     full = _recording(trainer)
     assert trainer.fit() == 0
     full_state = trainer.reward.state_dict()
@@ -91,7 +115,7 @@ def _dp2(rank: int, tmp: str, url: str):
     resumed = _recording(trainer)
     assert trainer.fit() == 0 and trainer.step == STEPS
     out = {"scores": full, "resumed_scores": resumed, "state": full_state,
-           "resumed_state": trainer.reward.state_dict()}
+           "resumed_state": trainer.reward.state_dict(), "hand": hand}
     if rank == 0:
         out["metrics"], out["resumed_metrics"] = _metrics(tmp / "full"), _metrics(tmp / "resumed")
     return out
@@ -126,9 +150,27 @@ def test_dp2_normalises_like_dp1_on_the_same_rollouts(runs):
                                    atol=1e-5, rtol=0, msg=f"step {step + 1}")
     assert torch.tensor(dp1["scores"][1]).std() > 0.1  # normalised rewards with spread
     for step in range(1, STEPS + 1):
-        for key in ("reward_mean", "reward_std", "reward_raw_mean"):
+        for key in ("reward_mean", "reward_std", "reward_raw_mean", "reward/total", "reward/rm",
+                    "reward/rm_normalized"):  # reward/*: every DP rank's samples, not rank 0's (#50)
             a, b = dp2[0]["metrics"][step][key], dp1["metrics"][step][key]
             assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (step, key, a, b)
+
+
+def test_reward_metrics_are_means_over_every_dp_ranks_samples(runs):
+    """Sums and counts reduced over the scoring ranks (#50): the global mean over the 3 valid
+    samples, not rank 0's mean (e.g. reward/total 1.5) nor the ranks' mean of means (3.75);
+    reward/rm_ensemble_std likewise the mean of the per-sample spread over all of them."""
+    _, dp2 = runs
+    want = {"reward/total": (1 + 2 + 6) / 3, "reward/rm": (10 + 20 + 40) / 3,
+            "reward/rm_normalized": (0.5 + 1.5 + 4.0) / 3, "reward/exact": (0 + 1 + 1) / 3,
+            "reward/exact_normalized": (0 + 1 + 1) / 3, "reward/rm_ensemble_std": (0.2 + 0.4 + 1.2) / 3,
+            "reward_raw_mean": 3.0, "reward/invalid_scores": 1.0, "reward/invalid_fraction": 0.25,
+            "reward/excluded_samples": 1.0, "reward/trained_samples": 3.0}
+    for r in (0, 1):
+        got = dp2[r]["hand"]
+        assert got.keys() == want.keys(), r
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-6), (r, key, got[key], value)
 
 
 def test_raw_reward_mean_is_reported_next_to_the_normalised_one(runs):

@@ -237,13 +237,20 @@ def pi_kl_coef(
     at most quadruples or quarters): a step's ``kl_mean`` is noisy, and at small KL its
     log error is noisier still (on the tiny demo's PPO at ``kl.target=0.3`` without the
     bound, KL 0.03 -> 0.21 between two steps multiplied beta by 11, and beta swung between
-    0.05 and 3.9 over the run; docs/algorithms.md has the runs with 2 and 4). ``min_coef`` is the anti-windup floor: while KL is still far
-    below its target (the first steps of a run, where the policy has not moved) a lower
-    beta buys nothing, since the penalty ``beta * KL`` is small anyway, but it would leave
-    beta far too low when KL arrives. On a toy plant of the SmolLM2 demo's KL rise (0 to 7
-    nats in 10 steps at beta 0.02; ``test_kl.py``'s ``_toy_run``) with the defaults
-    (``kp=1.5, ki=0.3, error_clip=2, max_factor=4``): KL peaked at 6.1 against a target of
-    6; without the floor beta first fell 8x and KL peaked at 11.
+    0.05 and 3.9 over the run; docs/algorithms.md has the runs with 2 and 4). ``min_coef`` is a lower bound on beta (a clamp on the controller's state, ``log beta``; not an
+    anti-windup scheme: the integral action is not stopped, beta is only clipped). It keeps
+    beta > 0 -- the rule is multiplicative, so a beta of 0 could never rise again -- and bounds
+    how far beta falls while KL sits below its target, and so how many steps it needs to climb
+    back: at most ``ceil(log(beta_needed / min_coef) / log(max_factor))``. A floor at the
+    initial beta makes the rule one-sided (beta can only rise from its start, and a too-large
+    ``init_kl_coef`` is never corrected), so the default is the small absolute
+    ``PI_DEFAULTS["min_coef"]``. The price: in a run whose KL starts at 0 (the first steps,
+    where the policy has not moved) the integral action lowers beta, which then has to climb
+    back when KL arrives. On a toy plant of the SmolLM2 demo's KL rise (0 to 7 nats in 10
+    steps at beta 0.02; ``test_kl.py``'s ``_toy_run``) with ``kp=1.5, ki=0.3, error_clip=2,
+    max_factor=4``: with the floor at the initial 0.02 (the demo recipe's,
+    ``conf/ppo_smollm2.yaml``) KL peaked at 6.1 against a target of 6; with the default floor
+    beta first fell 8x and KL peaked at 11.2.
 
     Args:
         beta: the current coefficient, finite and > 0.
@@ -256,7 +263,7 @@ def pi_kl_coef(
         ki: integral gain, >= 0.
         error_clip: bound of ``|e|``, > 0 (2.0: KL from 0.14x to 7.4x the target is seen).
         max_factor: the most beta changes in one step, as a factor, > 1.
-        min_coef: the floor of beta, >= 0.
+        min_coef: the floor of beta, >= 0 (0: none, though a beta that reaches 0 stays there).
 
     Returns:
         ``(new_beta, e_t)``.
@@ -303,7 +310,8 @@ class PIKLController:
         kp, ki: proportional and integral gains, >= 0.
         error_clip: bound of the log error, > 0.
         max_factor: the most ``beta`` changes in one step, as a factor, > 1.
-        min_coef: floor of ``beta`` (None: ``init_kl_coef``).
+        min_coef: floor of ``beta``, >= 0 (default ``PI_DEFAULTS["min_coef"]``: see
+            :func:`pi_kl_coef`; give ``init_kl_coef`` for the one-sided rule of old).
 
     Raises:
         ValueError: naming the argument, for any value outside its range.
@@ -315,7 +323,7 @@ class PIKLController:
         if self.value <= 0:
             raise ValueError(f"init_kl_coef must be > 0 for the pi controller (it multiplies beta), "
                              f"got {init_kl_coef}")
-        self.min_coef = self.value if min_coef is None else float(min_coef)
+        self.min_coef = float(PI_DEFAULTS["min_coef"] if min_coef is None else min_coef)
         self.target, self.kp, self.ki = float(target), float(kp), float(ki)
         self.error_clip, self.max_factor = float(error_clip), float(max_factor)
         _check_pi_settings(self.target, self.kp, self.ki, self.error_clip, self.max_factor, self.min_coef)
@@ -364,8 +372,11 @@ KL_CONTROLLERS: Dict[str, Type] = {
 }
 
 #: defaults of the pi controller's settings when :func:`build_kl_controller` is not given them
-#: (the config schema, ``KLConfig``, passes its own).
-PI_DEFAULTS = {"kp": 1.5, "ki": 0.3, "error_clip": 2.0, "max_factor": 4.0}
+#: (the config schema, ``KLConfig``, passes its own). ``min_coef`` 1e-3: beta stays > 0 (the
+#: rule is multiplicative), and at ``max_factor`` 4 it climbs back from the floor to 0.05 in 3
+#: steps and to 1.0 in 5; at the default target of 6 nats the floor's penalty, 0.006 a
+#: sequence, is small against a reward of scale 1, so the floor itself holds no KL.
+PI_DEFAULTS = {"kp": 1.5, "ki": 0.3, "error_clip": 2.0, "max_factor": 4.0, "min_coef": 1e-3}
 
 
 def build_kl_controller(
@@ -383,8 +394,8 @@ def build_kl_controller(
         target: required for ``"adaptive"`` and ``"pi"``; ignored for ``"fixed"``.
         horizon: required for ``"adaptive"``; ignored otherwise (so a config that always
             carries them can be passed through unchanged).
-        pi: ``"pi"``'s ``kp``, ``ki``, ``error_clip``, ``max_factor``, ``min_coef`` (any left out:
-            :data:`PI_DEFAULTS`, ``min_coef`` None = ``init_kl_coef``).
+        pi: ``"pi"``'s ``kp``, ``ki``, ``error_clip``, ``max_factor``, ``min_coef`` (any left out
+            or None: :data:`PI_DEFAULTS`).
 
     Raises:
         ValueError: unknown ``kind`` (the message lists the valid kinds), a missing
@@ -400,8 +411,9 @@ def build_kl_controller(
         raise ValueError(f"the {kind} KL controller needs {', '.join(missing)}")
     if kind == "adaptive":
         return AdaptiveKLController(init_kl_coef, target, horizon)
-    settings = {**PI_DEFAULTS, "min_coef": None, **(pi or {})}
-    unknown = sorted(set(settings) - {*PI_DEFAULTS, "min_coef"})
+    given = {k: v for k, v in (pi or {}).items() if v is not None}
+    unknown = sorted(set(given) - set(PI_DEFAULTS))
     if unknown:
-        raise ValueError(f"unknown pi controller settings {unknown}; valid: {sorted({*PI_DEFAULTS, 'min_coef'})}")
+        raise ValueError(f"unknown pi controller settings {unknown}; valid: {sorted(PI_DEFAULTS)}")
+    settings = {**PI_DEFAULTS, **given}
     return PIKLController(init_kl_coef, target, **settings)

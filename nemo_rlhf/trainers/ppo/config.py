@@ -12,7 +12,7 @@ from typing import Optional
 from nemo_rlhf.algorithms.ppo.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, estimator_traits
 from nemo_rlhf.algorithms.ppo.losses import DEFAULT_KL_LOSS_CLAMP, DEFAULT_LOSS_AGG_MODE
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective
-from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS
+from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS, PI_DEFAULTS
 from nemo_rlhf.algorithms.ppo.losses import LOSS_AGG_MODES
 from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import DataConfig
@@ -217,7 +217,8 @@ class KLConfig:
     type: str = "adaptive"
     """``fixed``, ``adaptive`` (Ziegler et al. 2019: reacts over ``horizon`` samples) or
     ``pi`` (a proportional-integral rule on ``log(KL / target)``, one update per PPO step,
-    for short runs: ``nemo_rlhf.algorithms.ppo.kl.pi_kl_coef``)."""
+    for short runs: ``nemo_rlhf.algorithms.ppo.kl.pi_kl_coef``). The controllers move the
+    reward's beta: with ``in_reward=false`` only ``fixed`` is accepted."""
     init_kl_coef: float = 0.05
     """Initial beta."""
     target: float = 6.0
@@ -232,8 +233,11 @@ class KLConfig:
     """Pi: bound of ``|log(KL / target)|`` (2.0: KL from 0.14x to 7.4x the target is seen)."""
     pi_max_factor: float = 4.0
     """Pi: the most beta changes in one step, as a factor (4.0: at most x4 or /4)."""
-    pi_min_coef: Optional[float] = None
-    """Pi: the lowest beta (anti-windup floor; None: ``init_kl_coef``)."""
+    pi_min_coef: float = PI_DEFAULTS["min_coef"]
+    """Pi: the lowest beta, >= 0 (1e-3: small, so beta can fall below ``init_kl_coef``, and > 0,
+    so the multiplicative rule can raise it again; ``nemo_rlhf.algorithms.ppo.kl.pi_kl_coef``
+    says what it bounds). Set it to ``init_kl_coef`` for a beta that only rises from its start
+    (``conf/ppo_smollm2.yaml`` does: its tables were measured so)."""
     estimator: str = "k1"
     """``k1``, ``k2`` or ``k3``."""
     clamp: Optional[float] = None
@@ -245,7 +249,9 @@ class KLConfig:
     ``unscaled`` (1.0: the InstructGPT objective's KL(pi || pi_ref))."""
     in_reward: bool = True
     """Subtract ``beta * KL_t`` from the token rewards (InstructGPT). False: no KL in the
-    reward (then set ``kl.loss_coef`` for a KL term in the loss, as GRPO recipes do)."""
+    reward (then set ``kl.loss_coef`` for a KL term in the loss, as GRPO recipes do), and
+    ``kl.type`` must be ``fixed``: no controller, the metric ``kl_coef`` reads 0 and
+    ``kl_loss_coef`` the loss's weight."""
     loss_coef: float = 0.0
     """Weight of a KL(actor || reference) term added to the PPO loss (0: off); aggregated
     like the other losses (``ppo.loss_agg_mode``); may be combined with ``in_reward``."""
@@ -260,6 +266,12 @@ class KLConfig:
         check_choice("kl.loss_estimator", self.loss_estimator, sorted(KL_ESTIMATORS))
         if self.loss_coef < 0:
             raise ValueError(f"kl.loss_coef={self.loss_coef}: must be >= 0 (0: off)")
+        if not self.in_reward and self.type != "fixed":
+            raise ValueError(
+                f"kl.type={self.type!r} with kl.in_reward=false: a KL controller moves the reward's "
+                f"beta, which kl.in_reward=false does not use; valid choices with kl.in_reward=false "
+                f"are ['fixed'] (the loss's KL term has the fixed weight kl.loss_coef={self.loss_coef:g}); "
+                f"set kl.type=fixed, or kl.in_reward=true for a controlled KL penalty")
         if self.type == "pi":
             for key, value, ok, rule in (("init_kl_coef", self.init_kl_coef, self.init_kl_coef > 0, "> 0"),
                                          ("target", self.target, self.target > 0, "> 0"),
@@ -267,8 +279,7 @@ class KLConfig:
                                          ("pi_ki", self.pi_ki, self.pi_ki >= 0, ">= 0"),
                                          ("pi_error_clip", self.pi_error_clip, self.pi_error_clip > 0, "> 0"),
                                          ("pi_max_factor", self.pi_max_factor, self.pi_max_factor > 1, "> 1"),
-                                         ("pi_min_coef", self.pi_min_coef,
-                                          self.pi_min_coef is None or self.pi_min_coef >= 0, ">= 0 or null")):
+                                         ("pi_min_coef", self.pi_min_coef, self.pi_min_coef >= 0, ">= 0")):
                 if not ok:
                     raise ValueError(f"kl.{key}={value}: must be {rule} with kl.type=pi")
 

@@ -22,6 +22,7 @@ from nemo_rlhf.reward.functions import (
     RemoteRewardModel,
     RewardFunctionScorer,
     WeightedSource,
+    means_from_sums,
 )
 from nemo_rlhf.reward.normalization import RewardNormalizer
 from nemo_rlhf.trainers.collectives import RankFailure
@@ -149,11 +150,16 @@ def step_scores(dims, out, step: int, n_samples_per_prompt: int = 1,
     Returns:
         ``(scores, metrics)``: ``[B]`` float32 host scores, NaN on the rows excluded from
         the step (the trainer's mark: no advantage, no loss token); the ``reward/*``
-        means (over valid samples), ``reward_raw_mean`` (raw weighted score over every DP
-        rank's valid samples) and, when ``out`` judged scores (``reward.invalid_scores=
-        skip``), ``reward/invalid_scores`` (samples with an invalid score, summed over DP),
-        ``reward/invalid_fraction`` (of all samples) and ``reward/excluded_samples``
-        (rows left out, summed over DP).
+        means over every DP rank's valid samples (:meth:`RewardOutput.metric_sums` summed
+        over the scoring ranks, divided by the summed count: ``reward/total``,
+        ``reward/<source>``, ``reward/<source>_normalized``, and ``reward/rm_ensemble_std``,
+        the mean over all those samples of each sample's spread over the ensemble's
+        members, not a std pooled over samples), ``reward_raw_mean`` (raw weighted score
+        over every DP rank's valid samples) and, when ``out`` judged scores
+        (``reward.invalid_scores=skip``), ``reward/invalid_scores`` (samples with an invalid
+        score, summed over DP), ``reward/invalid_fraction`` (of all samples) and
+        ``reward/excluded_samples`` (rows left out, summed over DP). The same on every
+        scoring rank.
     """
     scores = out.scores
     valid = out.valid
@@ -170,12 +176,13 @@ def step_scores(dims, out, step: int, n_samples_per_prompt: int = 1,
                     "of the step (%d row(s) with their groups): %s%s", step, int((~valid).sum()),
                     len(valid), dims.dp_rank, int((~keep).sum()), shown, more)
     raw = out.raw_scores if valid is None else out.raw_scores[valid]
-    local = torch.tensor([float(raw.sum()), raw.numel(),  # host
-                          0.0 if valid is None else float((~valid).sum()),
-                          0.0 if keep is None else float((~keep).sum()), len(scores)],
-                         dtype=torch.float64, device="cpu")
-    total = gather_over_scoring_ranks(dims, local).sum(0)
-    metrics = {**out.metrics(prefix="reward/"),
+    names, sums = out.metric_sums(prefix="reward/")  # [len(names) + 1] float64 host
+    local = torch.cat([torch.tensor([float(raw.sum()), raw.numel(),  # host
+                                     0.0 if valid is None else float((~valid).sum()),
+                                     0.0 if keep is None else float((~keep).sum()), len(scores)],
+                                    dtype=torch.float64, device="cpu"), sums])
+    total = gather_over_scoring_ranks(dims, local).sum(0)  # one host gather for every metric
+    metrics = {**means_from_sums(names, total[5:]),
                "reward_raw_mean": float(total[0] / total[1]) if total[1] else float("nan")}
     if out.skipping:
         metrics["reward/invalid_scores"] = float(total[2])

@@ -32,7 +32,9 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
     Returns:
         ``(Advantages, metrics)``: ``kl_mean`` in nats per sequence, ``kl_per_token``,
         ``reward_mean/std``, ``response_length``, ``advantages_mean``, ``returns_mean/std``,
-        ``kl_coef`` (the controller's value), each over every DP rank's kept rows.
+        each over every DP rank's kept rows; ``kl_coef``, the beta applied to the token
+        rewards (the controller's value; 0 with ``kl.in_reward=false``) and, when the loss
+        has a KL term, ``kl_loss_coef`` (``kl.loss_coef``, the weight applied to it).
     """
     mask, c = batch.response_mask, cfg
     beta = kl_coef if c.kl.in_reward else 0.0
@@ -72,8 +74,10 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
         "advantages_mean": float(sums["advantage"] / n_tok),
         "returns_mean": float(ret_mean),
         "returns_std": float((sums["return_sq"] / n_tok - ret_mean ** 2).clamp_min(0).sqrt()),
-        "kl_coef": float(kl_coef),
+        "kl_coef": float(beta),  # the beta the token rewards carry
     }
+    if c.kl.loss_coef > 0:
+        metrics["kl_loss_coef"] = float(c.kl.loss_coef)  # the KL loss term's weight
     return Advantages(advantages=adv, returns=ret, kl=kl, loss_mask=mask), metrics
 
 

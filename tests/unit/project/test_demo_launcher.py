@@ -245,3 +245,16 @@ def test_a_refresh_round_is_checked_on_unseen_prompts_before_ppo_uses_its_rm(tmp
 def test_a_negative_min_gain_uses_the_refreshed_rm_unchecked(tmp_path, monkeypatch):
     r, rm, seen, out = _fake_round(tmp_path, monkeypatch, 0.9, 0.1, min_gain=-1.0)
     assert rm == out / "rm_round_1" / "checkpoints" / "step_3" and r["rm_policy_unseen"]["kept_refreshed_rm"]
+
+
+@pytest.mark.parametrize("config_name", ["ppo_smollm2", "ppo_tiny"])
+def test_the_demo_recipes_keep_the_kl_floor_their_tables_were_measured_with(config_name):
+    """docs/demo.md's SmolLM2 tables ran kl.type=pi with the floor at init_kl_coef (the
+    default until #50, now 1e-3): the recipe pins it; the tiny demo does not use pi."""
+    from tests.conf_helpers import typed_job
+
+    kl = typed_job(config_name, []).kl
+    if config_name == "ppo_tiny":
+        assert kl.type == "adaptive"
+    else:
+        assert kl.type == "pi" and kl.pi_min_coef == kl.init_kl_coef == 0.02

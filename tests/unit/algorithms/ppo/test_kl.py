@@ -216,9 +216,9 @@ def test_pi_rule_hand_computed_values(kl, prev, want_beta, want_e):
 def test_pi_controller_keeps_its_previous_error_and_resumes_exactly():
     from nemo_rlhf.algorithms.ppo import PIKLController
 
-    settings = {"kp": 2.0, "ki": 0.5, "error_clip": 1.0, "max_factor": 100.0}
+    settings = {"kp": 2.0, "ki": 0.5, "error_clip": 1.0, "max_factor": 100.0, "min_coef": 0.05}
     ctl = build_kl_controller("pi", 0.05, target=4.0, pi=settings)
-    assert isinstance(ctl, PIKLController) and ctl.min_coef == 0.05  # the floor defaults to init
+    assert isinstance(ctl, PIKLController) and ctl.min_coef == 0.05  # a floor at init: one-sided
     ctl.update(2.0, n_steps=32)  # e = log 0.5, first: integral only -> 0.05 * 0.5^0.5, floored at 0.05
     assert ctl.value == 0.05 and ctl.prev_error == pytest.approx(math.log(0.5))
     ctl.update(8.0, n_steps=32)  # e = log 2, de = log 4: 0.05 * exp(2 log 4 + 0.5 log 2) = x 22.6
@@ -232,6 +232,36 @@ def test_pi_controller_keeps_its_previous_error_and_resumes_exactly():
     restored.load_state_dict(AdaptiveKLController(0.2, 6.0, 100).state_dict())
     restored.update(8.0, n_steps=32)
     assert restored.value == pytest.approx(0.2 * 2 ** 0.5, rel=1e-12)
+
+
+def test_pi_beta_falls_below_its_start_down_to_the_default_floor():
+    """The default floor is PI_DEFAULTS' absolute 1e-3, not init_kl_coef (#50): with KL at 0
+    (the error clipped at -2) and the default gains, each step multiplies beta by
+    exp(0.3 * -2) = 0.548812 (no proportional kick: the error does not change), from 0.05:
+    0.027441, 0.015060, 0.008265, 0.004536, 0.002489, 0.001366, then 0.000750 < 1e-3: the
+    floor. Then KL at 4x the target: e = log 4 = 1.386, step = 1.5 * (1.386 + 2) + 0.3 * 1.386
+    = 5.50, bounded at log 4: x4."""
+    from nemo_rlhf.algorithms.ppo import PIKLController
+    from nemo_rlhf.algorithms.ppo.kl import PI_DEFAULTS
+
+    assert PI_DEFAULTS["min_coef"] == 1e-3
+    for ctl in (build_kl_controller("pi", 0.05, target=6.0),
+                PIKLController(0.05, 6.0, kp=1.5, ki=0.3, error_clip=2.0, max_factor=4.0)):
+        assert ctl.min_coef == 1e-3
+        betas = []
+        for _ in range(8):
+            ctl.update(0.0, n_steps=32)
+            betas.append(ctl.value)
+        want = [0.05 * math.exp(-0.6 * k) for k in range(1, 7)] + [1e-3, 1e-3]
+        assert betas == pytest.approx(want, rel=1e-12)
+        assert betas[:6] == pytest.approx([0.0274405818, 0.0150597106, 0.0082649444, 0.0045358977,
+                                           0.0024893534, 0.0013661861], rel=1e-7)
+        ctl.update(24.0, n_steps=32)
+        assert ctl.value == pytest.approx(4e-3, rel=1e-12)
+    # the one-sided rule of old is still there for the asking: a floor at init_kl_coef
+    held = build_kl_controller("pi", 0.05, target=6.0, pi={"min_coef": 0.05})
+    held.update(0.0, n_steps=32)
+    assert held.value == 0.05
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -270,20 +300,34 @@ def _toy_run(ctl, steps: int, v0: float = 0.33, c: float = 1.2) -> list[float]:
 
 
 def test_on_a_toy_run_the_pi_controller_holds_the_band_where_ziegler_cannot():
-    """Target 6, beta 0.02, 32 samples a step (conf/ppo_smollm2.yaml's): Ziegler's rule with
-    the demo's horizon of 1000 barely moves beta, and the KL runs on past the target (and
-    past ``guards.kl_over_target``'s 1.25x); the pi rule with its defaults settles at it."""
+    """Target 6, beta 0.02, 32 samples a step and the floor at beta's start
+    (conf/ppo_smollm2.yaml's): Ziegler's rule with the demo's horizon of 1000 barely moves
+    beta, and the KL runs on past the target (and past ``guards.kl_over_target``'s 1.25x);
+    the pi rule with its default gains settles at it."""
+    held = {"min_coef": 0.02}  # the demo's pinned floor (= its init_kl_coef)
     zieg = _toy_run(AdaptiveKLController(0.02, target=6.0, horizon=1000), 20)
     assert zieg[9] > 7.0 and zieg[-1] > 20.0
-    pi = _toy_run(build_kl_controller("pi", 0.02, target=6.0), 20)
+    pi = _toy_run(build_kl_controller("pi", 0.02, target=6.0, pi=held), 20)
     assert max(pi) < 1.25 * 6.0 and max(pi) == pytest.approx(6.08, abs=0.01)
     assert abs(pi[-1] - 6.0) < 0.3
     for faster in (0.5, 0.7):  # a policy that moves faster: the band still holds
-        assert max(_toy_run(build_kl_controller("pi", 0.02, target=6.0), 20, v0=faster)) < 1.05 * 6.0
+        assert max(_toy_run(build_kl_controller("pi", 0.02, target=6.0, pi=held), 20, v0=faster)) < 1.05 * 6.0
     # with beta at most doubling a step, the fastest reaches the band's edge
-    doubling = build_kl_controller("pi", 0.02, target=6.0, pi={"max_factor": 2.0})
+    doubling = build_kl_controller("pi", 0.02, target=6.0, pi={**held, "max_factor": 2.0})
     assert 1.2 * 6.0 < max(_toy_run(doubling, 20, v0=0.7)) < 1.26 * 6.0
-    # without the floor, beta winds down while KL is still small, and KL overshoots
-    nofloor = build_kl_controller("pi", 0.02, target=6.0, pi={"min_coef": 0.0})
-    kls = _toy_run(nofloor, 20)
-    assert max(kls) > 1.8 * 6.0
+    # with the library's default floor (1e-3, far below 0.02) or none, beta falls while KL
+    # is still small (8x, to 0.0025), and KL overshoots: the price of a two-sided rule
+    for floor in ({}, {"min_coef": 0.0}):
+        kls = _toy_run(build_kl_controller("pi", 0.02, target=6.0, pi=floor), 20)
+        assert max(kls) == pytest.approx(11.19, abs=0.01)
+
+
+def test_on_a_toy_run_with_too_high_a_start_only_the_default_floor_lets_kl_reach_its_target():
+    """The other side (#50): beta started above what holds KL at the target (the toy's
+    KL at the target needs beta ~0.11: 4.5x less). With the floor at the start, beta can never come
+    down and KL stays at a twentieth of its target (0.30); with the default floor it does
+    (5.96 at step 30)."""
+    held = _toy_run(build_kl_controller("pi", 0.5, target=6.0, pi={"min_coef": 0.5}), 30)
+    assert max(held) < 0.4
+    free = _toy_run(build_kl_controller("pi", 0.5, target=6.0), 30)
+    assert abs(free[-1] - 6.0) < 0.5

@@ -59,13 +59,40 @@ def test_async_settings_that_cannot_work_are_refused_naming_the_keys(overrides, 
     (["kl.type=pi", "kl.pi_kp=-1"], "kl.pi_kp=-1.0: must be >= 0 with kl.type=pi"),
     (["kl.type=pi", "kl.pi_error_clip=0"], "kl.pi_error_clip=0.0: must be > 0 with kl.type=pi"),
     (["kl.type=pi", "kl.init_kl_coef=0"], "kl.init_kl_coef=0.0: must be > 0 with kl.type=pi"),
-    (["kl.type=pi", "kl.pi_min_coef=-0.5"], "kl.pi_min_coef=-0.5: must be >= 0 or null with kl.type=pi"),
+    (["kl.type=pi", "kl.pi_min_coef=-0.5"], "kl.pi_min_coef=-0.5: must be >= 0 with kl.type=pi"),
     (["kl.type=pi", "kl.pi_max_factor=1"], "kl.pi_max_factor=1.0: must be > 1 with kl.type=pi"),
 ])
 def test_bad_kl_controller_settings_are_refused_naming_the_key(overrides, needle):
     with pytest.raises(ValueError) as err:
         typed_job("ppo", overrides)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "pi"])
+def test_a_kl_controller_without_the_kl_in_the_reward_is_refused_naming_the_keys(kind):
+    """kl.in_reward=false: the controller's beta would move with nothing using it (#50)."""
+    with pytest.raises(ValueError) as err:
+        typed_job("ppo", ["kl.in_reward=false", "kl.loss_coef=0.04", f"kl.type={kind}"])
+    assert str(err.value).startswith(
+        f"kl.type='{kind}' with kl.in_reward=false: a KL controller moves the reward's beta, which "
+        f"kl.in_reward=false does not use; valid choices with kl.in_reward=false are ['fixed'] "
+        f"(the loss's KL term has the fixed weight kl.loss_coef=0.04)")
+    # the schema's default kind is a controller: a KL-in-the-loss config names kl.type=fixed
+    with pytest.raises(ValueError, match="kl.type='adaptive' with kl.in_reward=false"):
+        typed_job("ppo", ["kl.in_reward=false"])
+    assert typed_job("ppo", ["kl.in_reward=false", "kl.type=fixed", "kl.loss_coef=0.04"]).kl.loss_coef == 0.04
+
+
+def test_the_pi_floor_defaults_to_a_small_absolute_value_not_the_initial_beta():
+    """One default (kl.PI_DEFAULTS' min_coef, the field's value): beta can fall below its
+    start, by the controller the trainer builds from the config (#50)."""
+    from nemo_rlhf.algorithms.ppo.kl import PI_DEFAULTS, build_kl_controller
+
+    kl = typed_job("ppo", ["kl.type=pi", "kl.init_kl_coef=0.05"]).kl
+    assert kl.pi_min_coef == PI_DEFAULTS["min_coef"] == 1e-3
+    ctl = build_kl_controller(kl.type, kl.init_kl_coef, kl.target, kl.horizon, kl.pi_settings())
+    ctl.update(0.0, n_steps=32)  # KL 0: e = -2 (clipped), step = 0.3 * -2: beta * exp(-0.6)
+    assert ctl.value == pytest.approx(0.05 * 0.548811636, rel=1e-8) and ctl.value < kl.init_kl_coef
 
 
 def test_async_with_the_decoupled_correction_or_on_policy_is_taken():
