@@ -218,7 +218,9 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
         precision: ``trainer.precision`` (``32``, ``bf16-mixed``, ``fp16-mixed``).
         kind: ``actor_critic``, ``reward`` or ``critic`` (:class:`CriticModel`).
         seed: if given, re-seed megatron's TP RNG tracker first, so two builds give the
-            same weights (tests; reference copies).
+            same weights (tests; reference copies); with ``model.lora.enabled`` also the
+            run's seed of the adapters' ``A`` (:func:`nemo_rlhf.models.lora.adapter_seed`;
+            None: ``A`` from the adapter's name alone).
 
     A MoE model at ``dims.ep`` > 1 holds ``num_moe_experts / ep`` experts per layer (its
     expert-parallel rank's); its token dispatchers are
@@ -252,7 +254,7 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
     # [vocab, hidden] gradient (nemo_rlhf.models.embedding)
     use_main_grad_lookup(model)
     if model_cfg.lora.enabled:  # adapters added, all but them and the head frozen
-        apply_lora(model, model_cfg.lora, gated_fc1=model_cfg.activation == "swiglu")
+        apply_lora(model, model_cfg.lora, gated_fc1=model_cfg.activation == "swiglu", seed=seed)
     return model.to(dims.device)
 
 

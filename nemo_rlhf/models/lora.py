@@ -21,9 +21,11 @@ Tensor parallelism (``x``: the base's input, ``tp``: the TP size):
   partial products are before its bias.
 
 ``B`` starts at zero (the adapted model equals the base), ``A`` Kaiming-uniform (as
-``torch.nn.Linear``), drawn for the full matrix from a generator seeded by the module's
-name with the layer's global number (:func:`global_module_name`), so every TP layout slices
-the same full A and every PP stage draws its layers' A as one stage would. Frozen base parameters have
+``torch.nn.Linear``), drawn for the full matrix from a generator seeded by the run's seed
+(``trainer.seed``, through :func:`~nemo_rlhf.models.actor_critic.build_model`) and the
+module's name with the layer's global number (:func:`global_module_name`;
+:func:`adapter_seed`), so two seeds draw different A's, every TP layout slices the same full
+A and every PP stage draws its layers' A as one stage would. Frozen base parameters have
 ``requires_grad=False``: megatron's DDP gives them no grad buffer and the optimizers
 (:mod:`nemo_rlhf.trainers.mixed_precision`, :mod:`nemo_rlhf.trainers.optimizers`) no state.
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from megatron.core import tensor_parallel
@@ -56,6 +58,25 @@ HEAD_NAMES = ("value_head", "reward_head")
 """Top-level modules that stay trainable beside the adapters."""
 
 
+def adapter_seed(seed: Optional[int], name: str) -> int:
+    """The seed of the generator that draws the full ``A`` of the adapter ``name``.
+
+    Args:
+        seed: the run's seed (``trainer.seed``), or None for a build whose adapters are
+            loaded next (checkpoint tools, conversions): the name alone then, as ``seed=0``.
+        name: the base linear's module name with the layer's global number
+            (:func:`global_module_name`), so each adapter of a model draws its own ``A`` and
+            the same one at any TP / PP layout.
+
+    Returns:
+        the CRC-32 of ``name`` started from ``seed mod 2**32`` (``zlib.crc32(name, seed)``):
+        32 bits, as torch's CPU generator keeps only the low 32 bits of a seed; for one name,
+        distinct for seeds that differ mod ``2**32`` (the CRC of fixed data is a bijection
+        of its start value); ``seed=0`` is ``crc32(name)``.
+    """
+    return zlib.crc32(name.encode(), (0 if seed is None else seed) & 0xFFFFFFFF)
+
+
 def _tp(base) -> tuple[int, int]:
     group = getattr(base, "tp_group", None)
     if group is None or not torch.distributed.is_initialized():
@@ -69,16 +90,18 @@ class LoRAAdapter(torch.nn.Module):
     Args:
         base: the megatron ``ColumnParallelLinear`` / ``RowParallelLinear``.
         cfg: ``model.lora``.
-        name: the base's module name with the layer's global number (seeds A's generator;
-            :func:`global_module_name`).
+        name: the base's module name with the layer's global number (seeds A's generator
+            with ``seed``: :func:`adapter_seed`; :func:`global_module_name`).
         gated: the base is a gated MLP's ``linear_fc1`` (each rank's output rows are
             ``[gate_i; up_i]``; :meth:`load_full` and checkpoints follow that layout).
+        seed: the run's seed (``trainer.seed``); None: A from the name alone.
 
     Parameters: ``lora_a [r, in]`` and ``lora_b [out/tp, r]`` (column) or
     ``lora_a [r, in/tp]`` and ``lora_b [out, r]`` (row), in the base weight's dtype.
     """
 
-    def __init__(self, base, cfg: LoRAConfig, name: str, gated: bool = False):
+    def __init__(self, base, cfg: LoRAConfig, name: str, gated: bool = False,
+                 seed: Optional[int] = None):
         super().__init__()
         if getattr(base, "sequence_parallel", False):
             raise ValueError(f"model.lora on {name}: sequence parallelism is not supported")
@@ -97,7 +120,7 @@ class LoRAAdapter(torch.nn.Module):
         self.out_full = out_local * self.tp_size if self.column else out_local
         r = cfg.rank
         a_full = torch.empty(r, self.in_full, dtype=torch.float32)
-        gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        gen = torch.Generator().manual_seed(adapter_seed(seed, name))
         bound = 1.0 / math.sqrt(self.in_full)  # kaiming_uniform_(a=sqrt(5)), torch.nn.Linear's
         a_full.uniform_(-bound, bound, generator=gen)
         a = a_full if self.column else a_full.chunk(self.tp_size, dim=1)[self.tp_rank]
@@ -189,13 +212,16 @@ def global_module_name(model: torch.nn.Module, name: str) -> str:
     return ".".join(parts)
 
 
-def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, gated_fc1: bool) -> list[str]:
+def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, gated_fc1: bool,
+               seed: Optional[int] = None) -> list[str]:
     """Add adapters to ``model``'s targeted linears and freeze all but adapters and heads.
 
     Args:
         model: a bare (not DDP-wrapped) GPT stage.
         cfg: ``model.lora`` (``enabled``).
         gated_fc1: the MLP is gated (swiglu): ``linear_fc1``'s output is ``[gate; up]``.
+        seed: the run's seed (``trainer.seed``), with each adapter's global name the seed of
+            its ``A`` (:func:`adapter_seed`); None: the name alone (adapters loaded next).
 
     Returns:
         the adapted linears' module names.
@@ -214,7 +240,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, gated_fc1: bool) -> list
             continue
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         adapter = LoRAAdapter(module, cfg, global_module_name(model, name),
-                              gated=gated_fc1 and leaf == "linear_fc1")
+                              gated=gated_fc1 and leaf == "linear_fc1", seed=seed)
         parent.add_module(leaf + ADAPTER_SUFFIX, adapter)
         module.register_forward_hook(_hook(adapter), with_kwargs=True)
         # a plain attribute, not a submodule (no second state-dict entry): the decode

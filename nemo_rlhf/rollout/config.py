@@ -74,7 +74,7 @@ class RolloutConfig:
     max_staleness: int = 1
     """``mode=async``: how many policy versions a sample may lag the policy it trains (0:
     on-policy, the synchronous schedule with generation on the workers); >= 0. Above 0 the
-    samples are off-policy: set ``ppo.rollout_is_cap`` (the decoupled objective). It also
+    samples are off-policy: ``ppo.rollout_is_cap`` is required (the decoupled objective). It also
     bounds the rollout buffer: at most ``max_staleness + 1`` steps' samples are in flight
     or waiting (a worker waits for the weights its next step needs)."""
     num_workers: int = 1

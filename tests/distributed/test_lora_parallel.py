@@ -1,6 +1,8 @@
-"""LoRA under TP=2 on 2 gloo ranks equals one rank: with the same full (random) adapter
-weights the logits and values agree within 1e-5 (fp32), every adapter's gradient is this
-rank's shard of the TP=1 gradient, and the frozen base has no gradient.
+"""LoRA under TP=2 on 2 gloo ranks equals one rank: the A matrices drawn at build (from
+the run's seed and each layer's global index) are the TP=1 ones, sliced at TP=2 and by
+global layer at PP=2; with the same full (random) adapter weights the logits and values
+agree within 1e-5 (fp32), every adapter's gradient is this rank's shard of the TP=1
+gradient, and the frozen base has no gradient.
 
 PPO with LoRA from a base checkpoint at DP=2, TP=2 and PP=2 against one rank (the 2-rank
 checks share one spawn, the reference has its own): the first step's metrics within 1e-5, the second's within 1e-4, and the
@@ -62,6 +64,15 @@ def _run(model, dims, ids, mask):
             "base_grads": base_grads}
 
 
+def _built_a(model) -> dict:
+    """Each adapter's ``A`` as drawn at build, by its global name (a PP stage's local layer
+    index replaced by the layer's global one)."""
+    from nemo_rlhf.models.lora import adapters, global_module_name
+
+    return {global_module_name(model, n): m.lora_a.detach().clone() for n, m in model.named_modules()
+            if m in set(adapters(model))}
+
+
 def _worker(rank: int):
     from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
     from nemo_rlhf.models.actor_critic import build_model
@@ -72,14 +83,25 @@ def _worker(rank: int):
     ids, mask = _batch()
     out = {}
     dims = initialize_distributed(ParallelConfig(), seed=3, num_layers=cfg.num_layers)
-    out["tp1"] = _run(build_model(cfg, dims, seed=11).eval(), dims, ids, mask)
+    model = build_model(cfg, dims, seed=11).eval()
+    a_tp1 = _built_a(model)
+    out["tp1"] = _run(model, dims, ids, mask)
     dims = initialize_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=3)
     model = build_model(cfg, dims, seed=11).eval()
+    mods = dict(model.named_modules())
+    # the built A at TP=2 against this rank's slice of the TP=1 one (B: a placeholder)
+    out["a_tp2"] = {n: (a, mods[n].shard_of(a_tp1[n], torch.zeros(mods[n].out_full, 4))[0])
+                    for n, a in _built_a(model).items()}
     out["tp2"] = _run(model, dims, ids, mask)
-    mods = dict(model.named_modules())  # this rank's shards of the TP=1 gradients
+    # this rank's shards of the TP=1 gradients
     out["tp1_grad_shards"] = {n: mods[n].shard_of(*g) for n, g in out["tp1"]["grads"].items()}
     out["sharded"] = {n: (tuple(m.lora_a.shape), tuple(m.lora_b.shape), m.column)
                       for n, m in mods.items() if n in out["tp1"]["grads"]}
+    # PP=2: each stage draws its layers' A as the one-stage model did (global layer index)
+    dims = initialize_distributed(ParallelConfig(pipeline_model_parallel_size=2), seed=3,
+                                  num_layers=cfg.num_layers)
+    out["a_pp2"] = {n: (a, a_tp1.get(n)) for n, a in _built_a(build_model(cfg, dims, seed=11)).items()}
+    out["a_tp1_names"] = sorted(a_tp1)
     return out
 
 
@@ -99,6 +121,22 @@ def _both(rank: int, tmp: str):
 @pytest.fixture(scope="module")
 def results(spawned):
     return [r["tp"] for r in spawned[1]]
+
+
+def test_the_built_a_matrices_are_the_one_rank_ones_at_tp2_and_pp2(results):
+    """The same ``trainer.seed`` (``build_model``'s seed) gives the same full A at TP=1,
+    TP=2 (column linears: A replicated; row linears: A sliced along the input) and PP=2
+    (each stage its own layers, drawn by their global index)."""
+    pp_names = set()
+    for r in results:
+        assert len(r["a_tp1_names"]) == 8 and r["a_tp2"].keys() == set(r["a_tp1_names"])
+        for n, (got, want) in r["a_tp2"].items():
+            assert torch.equal(got, want), f"TP=2 {n}"
+        assert r["a_pp2"] and len(r["a_pp2"]) == 4  # tiny: 2 layers, 1 a stage, 4 targets each
+        for n, (got, want) in r["a_pp2"].items():
+            assert want is not None and torch.equal(got, want), f"PP=2 {n}"
+        pp_names |= set(r["a_pp2"])
+    assert pp_names == set(results[0]["a_tp1_names"])  # the two stages hold every layer once
 
 
 def test_tp2_lora_forward_equals_tp1_with_the_same_full_adapters(results):

@@ -61,6 +61,8 @@ RUNS = {
     "recompute_separate_packed": VARIED + ("critic.mode=separate", *PACKED, "model.recompute_granularity=selective",
                                            "model.recompute_modules=[core_attn,mlp]"),
     "tis": ("ppo.rollout_is_cap=1.0",),
+    # AReaL's rule: the tokens whose weight exceeds the cap dropped instead of truncated
+    "tis_mask": ("ppo.rollout_is_cap=1.0", "ppo.rollout_is_mode=mask"),
     "mask_all": ("ppo.rollout_mask_threshold=1e-12", "ppo.value_loss_coef=0.0"),
 }
 # one mini-batch, no shuffle: every layout sees the same samples in the same update (grpo
@@ -331,6 +333,13 @@ def test_rollout_correction_weights_the_policy_loss_and_reports_its_metrics(sing
         assert m["rollout_correction/is_weight_max"] <= 1.0 and m["rollout_correction/masked_fraction"] == 0
         assert m["rollout_correction/is_weight"] == pytest.approx(1.0, abs=1e-3)
     assert tis[0]["policy_loss"] == pytest.approx(plain[0]["policy_loss"], rel=1e-2, abs=1e-4)
+    # mask mode: the same first rollout (same seed), its tokens above the cap dropped, not
+    # truncated: the share truncated above is the share dropped here; the others keep rho ~ 1
+    cap_mask = single["tis_mask"]["metrics"][0]
+    dropped = cap_mask["rollout_correction/is_masked_fraction"]
+    assert "rollout_correction/is_truncated_fraction" not in cap_mask
+    assert dropped == tis[0]["rollout_correction/is_truncated_fraction"] and 0 < dropped < 1
+    assert cap_mask["rollout_correction/is_weight"] == pytest.approx(1.0 - dropped, abs=1e-3)
     masked = single["mask_all"]["metrics"]
     assert masked[0]["rollout_correction/masked_fraction"] > 0.5  # the last bits exceed 1e-12 nats
     assert masked[0]["grad_norm"] < plain[0]["grad_norm"]

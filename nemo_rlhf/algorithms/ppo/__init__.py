@@ -7,8 +7,8 @@ registry of advantage estimators: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++; group
 bookkeeping), ``advantages_reference`` (their plain-loop versions, which the tests check
 them against), ``losses`` (policy, value, entropy and KL losses, their aggregation modes
 and stats), ``objective`` (those losses assembled into one micro-batch's loss),
-``rollout_correction`` (truncated importance sampling and row masking of the
-rollout-vs-train mismatch). See each module's docstring for sources and for what is
+``rollout_correction`` (importance weights, truncated or masked at a cap, and row
+masking of the rollout-vs-train mismatch). See each module's docstring for sources and for what is
 simplified.
 """
 

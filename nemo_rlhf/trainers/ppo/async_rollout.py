@@ -15,7 +15,8 @@ Every trainer rank holds an :class:`AsyncRollout`; global rank 0 also holds the
   ``s - 1``); the samples' own log-probs (the behaviour policy's) feed
   ``ppo.rollout_is_cap`` / ``ppo.rollout_mask_threshold``: the decoupled PPO objective of
   AReaL (Fu et al. 2025, eq. 5: the clipped ratio against the recomputed proximal policy,
-  weighted by the truncated proximal-over-behaviour ratio).
+  weighted by the proximal-over-behaviour ratio, limited at the cap by
+  ``ppo.rollout_is_mode``: truncated, or masked above it as AReaL's code does).
 
 Checkpoints: :meth:`AsyncRollout.state_dict` (rank 0) holds the samples of the steps
 ``s + 1 .. s + max_staleness``, which the resumed run cannot regenerate (they were made by

@@ -14,6 +14,7 @@ from nemo_rlhf.algorithms.ppo.losses import DEFAULT_KL_LOSS_CLAMP, DEFAULT_LOSS_
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective
 from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS, PI_DEFAULTS
 from nemo_rlhf.algorithms.ppo.losses import LOSS_AGG_MODES
+from nemo_rlhf.algorithms.ppo.rollout_correction import IS_MODES
 from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import DataConfig
 from nemo_rlhf.distributed.parallel import ParallelConfig
@@ -125,10 +126,17 @@ class PPOAlgoConfig:
     shuffle: bool = True
     """Shuffle the rollout before splitting it into mini-batches."""
     rollout_is_cap: Optional[float] = None
-    """Truncated importance sampling of the rollout-vs-train mismatch (Yao et al. 2025): each
-    token's policy loss is weighted by ``min(exp(old_logprob - rollout_logprob), cap)``, the
-    training engine's old log-prob over the rollout engine's (>= 1, e.g. 2.0; None: off);
-    :mod:`nemo_rlhf.algorithms.ppo.rollout_correction`. Metrics ``rollout_correction/*``."""
+    """Importance weights of the rollout-vs-train mismatch (and, with ``rollout.mode=async``,
+    of the samples' older behaviour policy): each token's policy loss is weighted by
+    ``rho = exp(old_logprob - rollout_logprob)``, the training engine's old (proximal)
+    log-prob over the rollout engine's, limited at this cap as ``rollout_is_mode`` says
+    (>= 1, e.g. 2.0; None: off); :mod:`nemo_rlhf.algorithms.ppo.rollout_correction`.
+    Metrics ``rollout_correction/*``."""
+    rollout_is_mode: str = "truncate"
+    """How ``rollout_is_cap`` limits the weight: ``truncate`` -- ``min(rho, cap)``, truncated
+    importance sampling (Yao et al. 2025; verl's ``rollout_is`` truncate mode); ``mask`` --
+    ``rho`` where ``rho <= cap``, else the token is dropped from the policy loss (AReaL's
+    decoupled objective, ``behav_imp_weight_cap``). Needs ``rollout_is_cap``."""
     rollout_mask_threshold: Optional[float] = None
     """Drop from the policy loss every row with a token whose ``|old_logprob -
     rollout_logprob|`` exceeds this many nats (> 0; None: off)."""
@@ -178,6 +186,11 @@ class PPOAlgoConfig:
                 raise ValueError(f"ppo.{key}={getattr(self, key)}: must be >= 1")
         if self.rollout_is_cap is not None and not self.rollout_is_cap >= 1.0:
             raise ValueError(f"ppo.rollout_is_cap={self.rollout_is_cap}: must be >= 1 (null: off)")
+        check_choice("ppo.rollout_is_mode", self.rollout_is_mode, IS_MODES)
+        if self.rollout_is_mode == "mask" and self.rollout_is_cap is None:
+            raise ValueError("ppo.rollout_is_mode=mask drops the tokens whose importance weight "
+                             "exceeds ppo.rollout_is_cap, which is null: set ppo.rollout_is_cap "
+                             "(e.g. 2.0) or ppo.rollout_is_mode=truncate")
         if self.rollout_mask_threshold is not None and not self.rollout_mask_threshold > 0.0:
             raise ValueError(f"ppo.rollout_mask_threshold={self.rollout_mask_threshold}: must be > 0 "
                              f"nats (null: off)")
@@ -555,17 +568,21 @@ class PPOConfig:
 
     def _check_async(self) -> None:
         """``rollout.mode=async``: the trainer recomputes the old log-probs, and off-policy
-        samples need the decoupled objective's importance weights."""
+        samples need the decoupled objective's importance weights (``ppo.rollout_is_cap``;
+        ``ppo.rollout_mask_threshold`` alone only rejects rows)."""
         r, p = self.rollout, self.ppo
         if p.old_logprobs_from_rollout:
             raise ValueError("rollout.mode=async with ppo.old_logprobs_from_rollout=true: the rollout workers' "
                              "log-probs are the behaviour policy's, not the policy the update starts from; the "
                              "trainer recomputes them: set ppo.old_logprobs_from_rollout=false")
-        if r.max_staleness > 0 and p.rollout_is_cap is None and p.rollout_mask_threshold is None:
+        if r.max_staleness > 0 and p.rollout_is_cap is None:
+            # the row mask alone only rejects rows: the kept ones would train with weight 1,
+            # not the pi_prox / pi_behav factor their older policy needs
             raise ValueError(f"rollout.mode=async with rollout.max_staleness={r.max_staleness} trains on samples "
-                             f"of older policies: set ppo.rollout_is_cap (e.g. 2.0; the decoupled objective's "
-                             f"truncated importance weights) and/or ppo.rollout_mask_threshold, or "
-                             f"rollout.max_staleness=0")
+                             f"of older policies, which need importance weights: set ppo.rollout_is_cap (e.g. "
+                             f"2.0; ppo.rollout_is_mode=truncate or mask), with or without "
+                             f"ppo.rollout_mask_threshold={p.rollout_mask_threshold} (the row mask only "
+                             f"rejects rows), or rollout.max_staleness=0")
 
     def _resolve_reference_mode(self) -> None:
         """``reference.mode`` null -> ``adapters_off`` with LoRA, else ``offload``; LoRA

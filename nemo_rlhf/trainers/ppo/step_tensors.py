@@ -100,7 +100,7 @@ def training_tensors(cfg, critic, collectives, batch, fwd: Optional[ForwardResul
     if c.rollout_is_cap is not None or c.rollout_mask_threshold is not None:
         tensors["rollout_weights"], rc = P.rollout_correction_weights(
             fwd.old_logprobs, batch.logprobs, batch.response_mask,
-            tis_cap=c.rollout_is_cap, mask_threshold=c.rollout_mask_threshold)
+            tis_cap=c.rollout_is_cap, mask_threshold=c.rollout_mask_threshold, is_mode=c.rollout_is_mode)
         correction = {f"rollout_correction/{k}": v for k, v in
                       P.finalize_token_stats(collectives.dp_reduce_stats(rc)).items() if k != "valid_tokens"}
     tensors.update(critic.training_tensors(fwd, adv))

@@ -1,6 +1,7 @@
 """LoRA (``model.lora``): config refusals, B=0 and disabled adapters give the base logits
-exactly, the adapter's delta is ``scale * B A x`` on every target, gradients reach only the
-adapters and the value head, and the optimizer holds state for nothing else."""
+exactly, A follows the run's seed, the adapter's delta is ``scale * B A x`` on every target,
+gradients reach only the adapters and the value head, and the optimizer holds state for
+nothing else."""
 
 from __future__ import annotations
 
@@ -90,6 +91,28 @@ def test_zero_b_gives_exactly_the_base_logits_and_adapters_sit_on_every_target(d
     lb, vb = _logits(base)
     la, va = _logits(adapted)
     assert torch.equal(lb, la) and torch.equal(vb, va)
+
+
+def test_the_a_matrices_follow_the_runs_seed(dims):
+    """``A`` is drawn from ``trainer.seed`` (``build_model``'s ``seed``) and the adapter's
+    global name: two seeds give different A's on every adapter, the same seed the same, and
+    the adapters of one model differ from each other."""
+    from nemo_rlhf.models.actor_critic import build_model
+
+    cfg = load_model_preset("tiny", vocab_size=VOCAB, lora={"enabled": True, "rank": 4})
+
+    def a_of(seed):
+        model = build_model(cfg, dims, "32", seed=seed)
+        return {n: m.lora_a.detach().clone() for n, m in model.named_modules()
+                if type(m).__name__ == "LoRAAdapter"}
+
+    a3, a4, again = a_of(3), a_of(4), a_of(3)
+    assert a3.keys() == a4.keys() and len(a3) == 8
+    differ = [n for n in a3 if not torch.equal(a3[n], a4[n])]
+    assert differ == list(a3), f"the same A under trainer.seed 3 and 4: {sorted(set(a3) - set(differ))}"
+    assert all(torch.equal(a3[n], again[n]) for n in a3)
+    first = next(iter(a3.values()))
+    assert sum(torch.equal(first, a) for a in a3.values() if a.shape == first.shape) == 1
 
 
 def test_adapters_change_the_logits_and_disabled_adapters_give_the_base_exactly(dims):

@@ -23,6 +23,7 @@ CHOICES = [  # (job, override, the message names: key=value, and the valid value
     ("ppo", "trainer.precision=bf16", "trainer.precision='bf16': valid choices are ['32', 'bf16-mixed'"),
     ("ppo", "ppo.advantage_estimator=ppo", "ppo.advantage_estimator='ppo': valid choices are ['gae', 'grpo'"),
     ("ppo", "ppo.loss_agg_mode=mean", "ppo.loss_agg_mode='mean': valid choices are ['token-mean'"),
+    ("ppo", "ppo.rollout_is_mode=clip", "ppo.rollout_is_mode='clip': valid choices are ['truncate', 'mask']"),
     ("ppo", "reference.mode=shared", "reference.mode='shared': valid choices are ['offload', 'colocated', 'adapters_off']"),
     ("ppo", "critic.mode=own", "critic.mode='own': valid choices are ['shared', 'shared_detached', 'separate']"),
     ("ppo", "guards.action=halt", "guards.action='halt': valid choices are ['off', 'warn', 'stop']"),

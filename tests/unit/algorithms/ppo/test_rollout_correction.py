@@ -1,5 +1,5 @@
-"""Rollout-vs-train mismatch correction (truncated IS, row masking) against hand-computed
-weights, and its effect on the policy loss."""
+"""Rollout-vs-train mismatch correction (truncated IS, AReaL's cap mask, row masking)
+against hand-computed weights, and its effect on the policy loss."""
 
 from __future__ import annotations
 
@@ -67,6 +67,46 @@ def test_weights_scale_each_token_loss_and_its_gradient_but_not_the_denominator(
         policy_loss(lp, TRAIN, adv, MASK, 7, token_weights=w[:, :2])
 
 
+def test_the_mask_mode_drops_the_tokens_above_the_cap_and_keeps_the_others_untruncated():
+    w, stats = rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=1.1, is_mode="mask")
+    # row 0: exp 1.2214 > 1.1 -> dropped, 0.3679, 1; padding 0
+    # row 1: exp 1.1052 > 1.1 -> dropped, 0.9048, 1, 1
+    expected = torch.tensor([[0.0, math.exp(-1.0), 1.0, 0.0], [0.0, math.exp(-0.1), 1.0, 1.0]])
+    torch.testing.assert_close(w, expected)
+    out = finalize_token_stats(stats)
+    assert out["is_masked_fraction"] == pytest.approx(2 / 7) and "is_truncated_fraction" not in out
+    assert out["is_weight"] == pytest.approx((math.exp(-1.0) + 1 + math.exp(-0.1) + 2) / 7, rel=1e-6)
+    assert out["is_weight_max"] == pytest.approx(1.0)  # over the tokens left in the loss
+    assert out["masked_fraction"] == 0.0
+    # a cap above every weight: the raw weights, exactly (truncate gives the same then)
+    w_hi, _ = rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=1.3, is_mode="mask")
+    torch.testing.assert_close(w_hi, torch.tensor([[math.exp(0.2), math.exp(-1.0), 1.0, 0.0],
+                                                   [math.exp(0.1), math.exp(-0.1), 1.0, 1.0]]))
+    assert torch.equal(w_hi, rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=1.3)[0])
+    # with the row mask: row 0 (|-1.0| > 0.5) dropped whole, row 1's first token by the cap
+    w, stats = rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=1.1, mask_threshold=0.5,
+                                          is_mode="mask")
+    torch.testing.assert_close(w, torch.tensor([[0.0] * 4, [0.0, math.exp(-0.1), 1.0, 1.0]]))
+    out = finalize_token_stats(stats)
+    assert out["masked_fraction"] == pytest.approx(3 / 7) and out["is_masked_fraction"] == pytest.approx(1 / 7)
+
+
+def test_the_mask_mode_loss_keeps_the_global_token_count_as_its_denominator():
+    """The dropped tokens count as zero losses over the 7 valid tokens of the mini-batch (and
+    its 11 when a second micro-batch holds 4 more), as in AReaL; their gradient is 0."""
+    adv = torch.tensor([[1.0, -2.0, 0.5, 3.0], [0.3, 0.2, -0.1, 1.0]])
+    w, _ = rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=1.1, is_mode="mask")
+    lp = TRAIN.clone().requires_grad_(True)
+    loss, _ = policy_loss(lp, TRAIN.detach(), adv, MASK, 11, token_weights=w)
+    # at ratio 1: -A * w over the kept tokens: row 0: 2 e^-1 - 0.5, row 1: -0.2 e^-0.1 + 0.1 - 1
+    by_hand = (2 * math.exp(-1.0) - 0.5 - 0.2 * math.exp(-0.1) + 0.1 - 1.0) / 11
+    assert float(loss.detach()) == pytest.approx(by_hand, rel=1e-6)
+    loss.backward()
+    grad = torch.tensor([[0.0, 2 * math.exp(-1.0), -0.5, 0.0], [0.0, -0.2 * math.exp(-0.1), 0.1, -1.0]]) / 11
+    torch.testing.assert_close(lp.grad, grad)
+    assert lp.grad[0, 0] == 0 and lp.grad[1, 0] == 0  # the tokens above the cap
+
+
 def test_bad_arguments_name_the_problem():
     with pytest.raises(ValueError, match="tis_cap=0.5"):
         rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=0.5)
@@ -74,3 +114,7 @@ def test_bad_arguments_name_the_problem():
         rollout_correction_weights(TRAIN, ROLLOUT, MASK, mask_threshold=0.0)
     with pytest.raises(ValueError, match="same shape"):
         rollout_correction_weights(TRAIN, ROLLOUT[:, :2], MASK)
+    with pytest.raises(ValueError, match=r"is_mode='clip': valid choices are \['truncate', 'mask'\]"):
+        rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=2.0, is_mode="clip")
+    with pytest.raises(ValueError, match="is_mode='mask' .* set tis_cap"):
+        rollout_correction_weights(TRAIN, ROLLOUT, MASK, is_mode="mask")

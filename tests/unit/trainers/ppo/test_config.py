@@ -44,7 +44,16 @@ def test_vllm_rollouts_of_a_mixture_of_experts_model_are_accepted():
     (["rollout.mode=async", "rollout.num_workers=0"], "rollout.num_workers=0: must be an integer >= 1"),
     (["rollout.mode=async", "rollout.worker_timeout_s=0"], "rollout.worker_timeout_s=0.0: must be > 0"),
     (["rollout.mode=async", "rollout.max_staleness=1"],
-     "rollout.mode=async with rollout.max_staleness=1 trains on samples of older policies: set ppo.rollout_is_cap"),
+     "rollout.mode=async with rollout.max_staleness=1 trains on samples of older policies, which need "
+     "importance weights: set ppo.rollout_is_cap"),
+    # the row mask alone rejects rows but leaves the kept ones at weight 1
+    (["rollout.mode=async", "rollout.max_staleness=2", "ppo.rollout_mask_threshold=1.0"],
+     "set ppo.rollout_is_cap (e.g. 2.0; ppo.rollout_is_mode=truncate or mask), with or without "
+     "ppo.rollout_mask_threshold=1.0 (the row mask only rejects rows)"),
+    (["ppo.rollout_is_mode=clip", "ppo.rollout_is_cap=2.0"],
+     "ppo.rollout_is_mode='clip': valid choices are ['truncate', 'mask']"),
+    (["ppo.rollout_is_mode=mask"], "ppo.rollout_is_mode=mask drops the tokens whose importance weight "
+     "exceeds ppo.rollout_is_cap, which is null: set ppo.rollout_is_cap"),
     (["rollout.mode=async", "rollout.max_staleness=0", "ppo.old_logprobs_from_rollout=true"],
      "rollout.mode=async with ppo.old_logprobs_from_rollout=true"),
 ])
@@ -96,8 +105,13 @@ def test_the_pi_floor_defaults_to_a_small_absolute_value_not_the_initial_beta():
 
 
 def test_async_with_the_decoupled_correction_or_on_policy_is_taken():
-    cfg = typed_job("ppo", ["rollout.mode=async", "rollout.max_staleness=2", "ppo.rollout_mask_threshold=1.0"])
+    cfg = typed_job("ppo", ["rollout.mode=async", "rollout.max_staleness=2", "ppo.rollout_is_cap=2.0",
+                            "ppo.rollout_mask_threshold=1.0"])
     assert cfg.rollout.mode == "async" and cfg.rollout.max_staleness == 2
+    assert cfg.ppo.rollout_is_mode == "truncate"  # the default: today's truncated weights
+    cfg = typed_job("ppo", ["rollout.mode=async", "rollout.max_staleness=1", "ppo.rollout_is_cap=2.0",
+                            "ppo.rollout_is_mode=mask"])
+    assert (cfg.ppo.rollout_is_cap, cfg.ppo.rollout_is_mode) == (2.0, "mask")
     assert typed_job("ppo", ["rollout.mode=async", "rollout.max_staleness=0"]).rollout.num_workers == 1
 
 
