@@ -52,10 +52,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from nemo_rlhf.models.config import LoRAConfig
+from nemo_rlhf.models.heads import is_head_param
 from nemo_rlhf.models.lora_keys import ADAPTER_SUFFIX, has_adapters, is_adapter_param
-
-HEAD_NAMES = ("value_head", "reward_head")
-"""Top-level modules that stay trainable beside the adapters."""
 
 
 def adapter_seed(seed: Optional[int], name: str) -> int:
@@ -253,7 +251,7 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig, gated_fc1: bool,
         raise ValueError(f"model.lora.target_modules: {sorted(missing)} not found in the model; "
                          f"its linears are {sorted(found) or 'none'}")
     for n, p in model.named_parameters():
-        if not is_adapter_param(n) and n.split(".", 1)[0] not in HEAD_NAMES:
+        if not is_adapter_param(n) and not is_head_param(n):
             p.requires_grad_(False)
     return names
 
@@ -298,5 +296,5 @@ def adapters_disabled(model: torch.nn.Module):
             a.enabled = was
 
 
-__all__ = ["ADAPTER_SUFFIX", "HEAD_NAMES", "LoRAAdapter", "adapters", "adapters_disabled", "apply_lora",
+__all__ = ["ADAPTER_SUFFIX", "LoRAAdapter", "adapters", "adapters_disabled", "apply_lora",
            "global_module_name", "has_adapters", "has_lora", "is_adapter_param", "merged_weight"]
