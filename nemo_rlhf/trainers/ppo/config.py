@@ -12,7 +12,7 @@ from typing import Optional
 from nemo_rlhf.algorithms.ppo.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, estimator_traits
 from nemo_rlhf.algorithms.ppo.losses import DEFAULT_KL_LOSS_CLAMP, DEFAULT_LOSS_AGG_MODE
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective
-from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS, PI_DEFAULTS
+from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS, PI_DEFAULTS, check_pi_settings
 from nemo_rlhf.algorithms.ppo.losses import LOSS_AGG_MODES
 from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import DataConfig
@@ -225,13 +225,13 @@ class KLConfig:
     """Adaptive: target KL per sequence (nats, summed over the response)."""
     horizon: int = 10000
     """Adaptive: horizon in samples."""
-    pi_kp: float = 1.5
+    pi_kp: float = PI_DEFAULTS["kp"]
     """Pi: proportional gain on the step's change of ``log(KL / target)``."""
-    pi_ki: float = 0.3
+    pi_ki: float = PI_DEFAULTS["ki"]
     """Pi: integral gain (beta is multiplied by ``(KL / target) ** pi_ki`` each step)."""
-    pi_error_clip: float = 2.0
+    pi_error_clip: float = PI_DEFAULTS["error_clip"]
     """Pi: bound of ``|log(KL / target)|`` (2.0: KL from 0.14x to 7.4x the target is seen)."""
-    pi_max_factor: float = 4.0
+    pi_max_factor: float = PI_DEFAULTS["max_factor"]
     """Pi: the most beta changes in one step, as a factor (4.0: at most x4 or /4)."""
     pi_min_coef: float = PI_DEFAULTS["min_coef"]
     """Pi: the lowest beta, >= 0 (1e-3: small, so beta can fall below ``init_kl_coef``, and > 0,
@@ -272,21 +272,16 @@ class KLConfig:
                 f"beta, which kl.in_reward=false does not use; valid choices with kl.in_reward=false "
                 f"are ['fixed'] (the loss's KL term has the fixed weight kl.loss_coef={self.loss_coef:g}); "
                 f"set kl.type=fixed, or kl.in_reward=true for a controlled KL penalty")
-        if self.type == "pi":
-            for key, value, ok, rule in (("init_kl_coef", self.init_kl_coef, self.init_kl_coef > 0, "> 0"),
-                                         ("target", self.target, self.target > 0, "> 0"),
-                                         ("pi_kp", self.pi_kp, self.pi_kp >= 0, ">= 0"),
-                                         ("pi_ki", self.pi_ki, self.pi_ki >= 0, ">= 0"),
-                                         ("pi_error_clip", self.pi_error_clip, self.pi_error_clip > 0, "> 0"),
-                                         ("pi_max_factor", self.pi_max_factor, self.pi_max_factor > 1, "> 1"),
-                                         ("pi_min_coef", self.pi_min_coef, self.pi_min_coef >= 0, ">= 0")):
-                if not ok:
-                    raise ValueError(f"kl.{key}={value}: must be {rule} with kl.type=pi")
+        if self.type == "pi":  # the ranges are the controller's (kl.PI_RANGES), named by key
+            check_pi_settings({"init_kl_coef": self.init_kl_coef, "target": self.target, **self.pi_settings()},
+                              keys={"init_kl_coef": "kl.init_kl_coef", "target": "kl.target",
+                                    **{name: f"kl.pi_{name}" for name in PI_DEFAULTS}},
+                              where=" with kl.type=pi")
 
     def pi_settings(self) -> dict:
-        """The pi controller's settings (``build_kl_controller``'s ``pi``)."""
-        return {"kp": self.pi_kp, "ki": self.pi_ki, "error_clip": self.pi_error_clip,
-                "max_factor": self.pi_max_factor, "min_coef": self.pi_min_coef}
+        """The pi controller's settings (``build_kl_controller``'s ``pi``): ``{name: kl.pi_<name>}``
+        for each name of ``PI_DEFAULTS``."""
+        return {name: getattr(self, f"pi_{name}") for name in PI_DEFAULTS}
 
 
 @dataclass

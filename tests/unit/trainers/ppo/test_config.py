@@ -83,6 +83,25 @@ def test_a_kl_controller_without_the_kl_in_the_reward_is_refused_naming_the_keys
     assert typed_job("ppo", ["kl.in_reward=false", "kl.type=fixed", "kl.loss_coef=0.04"]).kl.loss_coef == 0.04
 
 
+def test_the_pi_fields_take_their_one_default_and_ranges_from_the_controller():
+    """One default per knob (#50): each ``kl.pi_<name>`` field's default is
+    ``PI_DEFAULTS[name]`` and there is one field per setting; the config's range check is
+    the controller's (``PI_RANGES``), named by the config key, non-finite values included."""
+    import dataclasses
+
+    from nemo_rlhf.algorithms.ppo.kl import PI_DEFAULTS, PI_RANGES
+    from nemo_rlhf.trainers.ppo.config import KLConfig
+
+    defaults = {f.name[len("pi_"):]: f.default for f in dataclasses.fields(KLConfig) if f.name.startswith("pi_")}
+    assert defaults == PI_DEFAULTS
+    assert KLConfig().pi_settings() == PI_DEFAULTS
+    assert set(PI_DEFAULTS) < set(PI_RANGES)
+    with pytest.raises(ValueError, match=r"^kl.pi_ki=nan: must be finite with kl.type=pi$"):
+        typed_job("ppo", ["kl.type=pi", "kl.pi_ki=nan"])
+    with pytest.raises(ValueError, match=r"^kl.target=0.0: must be > 0 with kl.type=pi$"):
+        typed_job("ppo", ["kl.type=pi", "kl.target=0"])
+
+
 def test_the_pi_floor_defaults_to_a_small_absolute_value_not_the_initial_beta():
     """One default (kl.PI_DEFAULTS' min_coef, the field's value): beta can fall below its
     start, by the controller the trainer builds from the config (#50)."""
