@@ -60,6 +60,7 @@ from nemo_rlhf.checkpoint import (
     read_trainer_state,
     resolve_checkpoint,
 )
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import encode_prompt, encode_response, pad_right
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.models.actor_critic import build_model, gather_last_token
@@ -106,14 +107,10 @@ class RMScorerConfig:
         if self.max_seq_length is not None and self.max_seq_length < 1:
             raise ValueError(f"max_seq_length={self.max_seq_length}: must be >= 1 or null "
                              f"(null: the model's max_position_embeddings)")
-        if self.overlong_policy not in OVERLONG_POLICIES:
-            raise ValueError(f"overlong_policy={self.overlong_policy!r}: valid choices are "
-                             f"{list(OVERLONG_POLICIES)}")
+        check_choice("overlong_policy", self.overlong_policy, OVERLONG_POLICIES)
         if self.precision is not None:
             self.precision = str(self.precision)
-            if self.precision not in PRECISIONS:
-                raise ValueError(f"precision={self.precision!r}: valid choices are "
-                                 f"{list(PRECISIONS)} or null (the checkpoint's)")
+            check_choice("precision", self.precision, PRECISIONS, note=" or null (the checkpoint's)")
 
 
 @dataclass(frozen=True)

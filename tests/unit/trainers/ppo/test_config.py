@@ -39,7 +39,7 @@ def test_vllm_rollouts_of_a_mixture_of_experts_model_are_accepted():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["rollout.mode=asynchronous"], "rollout.mode='asynchronous': valid choices are sync, async"),
+    (["rollout.mode=asynchronous"], "rollout.mode='asynchronous': valid choices are ['sync', 'async']"),
     (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness=-1: must be an integer >= 0"),
     (["rollout.mode=async", "rollout.num_workers=0"], "rollout.num_workers=0: must be an integer >= 1"),
     (["rollout.mode=async", "rollout.worker_timeout_s=0"], "rollout.worker_timeout_s=0.0: must be > 0"),
