@@ -102,6 +102,23 @@ def test_the_pi_fields_take_their_one_default_and_ranges_from_the_controller():
         typed_job("ppo", ["kl.type=pi", "kl.target=0"])
 
 
+def test_the_reward_group_is_the_reward_packages_schema():
+    """``RewardConfig`` lives beside the reward code (#50); the PPO job still exposes it as
+    its ``reward`` group, checked at config time."""
+    import dataclasses
+
+    from nemo_rlhf.reward.config import RewardConfig, RMEnsembleConfig, RewardFunctionSpec
+    from nemo_rlhf.trainers.ppo.config import PPOConfig
+
+    assert {f.name: f.default_factory for f in dataclasses.fields(PPOConfig)}["reward"] is RewardConfig
+    cfg = typed_job("ppo", ["reward.functions=[{name: 'no_such_module:fn', weight: 0.5}]",
+                            "reward.ensemble.std_coef=2"])
+    assert isinstance(cfg.reward, RewardConfig) and isinstance(cfg.reward.ensemble, RMEnsembleConfig)
+    assert cfg.reward.functions == [RewardFunctionSpec(name="no_such_module:fn", weight=0.5)]
+    with pytest.raises(ValueError, match=r"^reward.normalization='z': valid choices are"):
+        typed_job("ppo", ["reward.normalization=z"])
+
+
 def test_the_pi_floor_defaults_to_a_small_absolute_value_not_the_initial_beta():
     """One default (kl.PI_DEFAULTS' min_coef, the field's value): beta can fall below its
     start, by the controller the trainer builds from the config (#50)."""
