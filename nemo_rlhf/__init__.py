@@ -19,7 +19,10 @@ checkpoint, data    distributed checkpoints and resume; datasets, tokenizer, tem
 models              GPT + heads, model plumbing (DDP, forward/backward through megatron's
                     schedules, masks), log-probs, KV-cache decode layers
 foundations         ``algorithms`` (pure PPO math), ``distributed`` (process groups,
-                    device), ``metrics`` (sinks, FLOPs), ``config`` (schema plumbing)
+                    device), ``metrics`` (sinks, FLOPs)
+config plumbing     ``config`` (schema plumbing: ``to_typed``, ``check_choice``, renamed
+                    keys), below the foundations so that their schemas check closed
+                    choices through it
 ==================  =====================================================================
 
 Outside the package and above it: ``launchers/`` (local and SLURM), ``benchmarks/``,
@@ -33,6 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("engines and services", ("rollout", "reward")),
     ("state and data", ("checkpoint", "data")),
     ("models", ("models",)),
-    ("foundations", ("algorithms", "distributed", "metrics", "config")),
+    ("foundations", ("algorithms", "distributed", "metrics")),
+    ("config plumbing", ("config",)),
 )
 """``(layer, top-level names under nemo_rlhf)``, top to bottom."""

@@ -63,6 +63,7 @@ from nemo_rlhf.data.templates import check_template
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import destroy_distributed
 from nemo_rlhf.distributed.parallel import ParallelConfig, validate_parallel_layout
+from nemo_rlhf.distributed.split import chunks, dp_shard, dp_slice
 from nemo_rlhf.metrics.steps_table import markdown_table, plot_metrics, require_matplotlib, table_columns
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import PRECISIONS, ModelConfig, agree_on_precision
@@ -72,7 +73,7 @@ from nemo_rlhf.reward.functions import check_reward_function_spec, get_reward_fu
 from nemo_rlhf.reward.rm_scorer import RMScorerConfig, RewardModelScorer, read_rm_checkpoint
 from nemo_rlhf.tasks import TASK_CHECKERS  # noqa: F401  (registers the demo tasks' checkers by name)
 from nemo_rlhf.rollout import RolloutConfig, generate
-from nemo_rlhf.trainers.common import chunks, dp_shard, setup_run
+from nemo_rlhf.trainers.common import setup_run
 from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
 from nemo_rlhf.trainers.ppo.roles import ForwardPasses, PolicyRole
 
@@ -388,8 +389,9 @@ def rm_scores(scorer, dims, prompts: list[str], responses: list[str], where: str
     except ValueError as exc:
         raise ValueError(f"{where}: the reward model refuses a response: {exc}") from None
     n = len(seqs)
-    lo, hi = n * dims.dp_rank // dims.dp, n * (dims.dp_rank + 1) // dims.dp
-    local = scorer.forward_scores(seqs[lo:hi])  # every stage of the replica: the same rows
+    mine = dp_slice(n, dims.dp_rank, dims.dp)
+    lo = mine.start
+    local = scorer.forward_scores(seqs[mine])  # every stage of the replica: the same rows
     if dims.world_size == 1:
         return list(local)
     share = (lo, local) if local is not None and dims.tp_rank == 0 else None

@@ -49,15 +49,22 @@ def to_typed(dcfg: DictConfig, schema: type[T]) -> T:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
 
 
-def check_choice(key: str, value, valid: Iterable) -> None:
-    """Refuse ``value`` of the closed choice ``key`` unless it is one of ``valid``.
+def check_choice(key: str, value, valid: Iterable, note: str = "") -> None:
+    """Refuse ``value`` of the closed choice ``key`` unless it is one of ``valid``: the one
+    check of every closed choice of the config schemas, so their messages have one shape.
+
+    Args:
+        key: the full config key (``"rollout.mode"``).
+        value: the value given.
+        valid: the valid values, listed in this order.
+        note: appended to the message (e.g. ``" or null (the checkpoint's)"``).
 
     Raises:
-        ValueError: ``"<key>=<value!r>: valid choices are [...]"``.
+        ValueError: ``"<key>=<value!r>: valid choices are [...]<note>"``.
     """
     valid = list(valid)
     if value not in valid:
-        raise ValueError(f"{key}={value!r}: valid choices are {valid}")
+        raise ValueError(f"{key}={value!r}: valid choices are {valid}{note}")
 
 
 def check_renamed_keys(overrides: Sequence[str]) -> None:

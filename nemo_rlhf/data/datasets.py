@@ -27,6 +27,7 @@ from typing import Generic, Optional, Sequence, TypeVar
 import torch
 from omegaconf import MISSING
 
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.jsonl import DataError, LoadReport, check_field_map
 from nemo_rlhf.data.tables import read_rows
 from nemo_rlhf.data.templates import check_template, format_prompt
@@ -67,9 +68,7 @@ class DataConfig:
         if self.system_prompt and self.chat_template is None:
             raise ValueError("data.system_prompt is set but data.chat_template is null; "
                              "set data.chat_template=chatml or model")
-        if self.overlong_policy not in OVERLONG_POLICIES:
-            raise ValueError(f"data.overlong_policy={self.overlong_policy!r}: valid choices "
-                             f"are {list(OVERLONG_POLICIES)}")
+        check_choice("data.overlong_policy", self.overlong_policy, OVERLONG_POLICIES)
         check_field_map(dict(self.fields))
         if self.max_seq_length < 2:
             raise ValueError(f"data.max_seq_length={self.max_seq_length}: must be >= 2")

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+from nemo_rlhf.config import check_choice
+
 CHAT_TEMPLATES = (None, "chatml", "model")
 
 
 def check_template(template: Optional[str], key: str = "data.chat_template") -> None:
     """Raise ``ValueError`` naming ``key`` when ``template`` is not a known template."""
-    if template not in CHAT_TEMPLATES:
-        raise ValueError(f"{key}={template!r}: valid choices are {list(CHAT_TEMPLATES)}")
+    check_choice(key, template, CHAT_TEMPLATES)
 
 
 def format_prompt(prompt: str, template: Optional[str] = None,

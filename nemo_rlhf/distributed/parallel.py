@@ -21,8 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.distributed import cpu_compat, device_guard, phase
 from nemo_rlhf.distributed.launch_env import LaunchEnv, read_launch_env
+
+
+BACKENDS = ("auto", "gloo", "nccl")
+"""The choices of ``parallel.backend``."""
 
 
 @dataclass
@@ -58,10 +63,7 @@ class ParallelConfig:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"parallel.timeout_minutes={value!r}: must be a number of minutes > 0 "
                              f"(e.g. 30, or 0.5 for 30 s)")
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(
-                f"parallel.backend={self.backend!r}: valid choices are 'auto', 'gloo', 'nccl'"
-            )
+        check_choice("parallel.backend", self.backend, BACKENDS)
 
 
 def resolve_backend(backend: str, cuda: bool) -> str:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from nemo_rlhf.config import check_choice
+
 log = logging.getLogger(__name__)
 
 WANDB_MODES = ("offline", "online")
@@ -57,8 +59,7 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.mode not in WANDB_MODES:
-            raise ValueError(f"logger.wandb.mode={self.mode!r}: valid choices are {list(WANDB_MODES)}")
+        check_choice("logger.wandb.mode", self.mode, WANDB_MODES)
         _check_installed(self.enabled, "wandb", "logger.wandb.enabled")
 
 

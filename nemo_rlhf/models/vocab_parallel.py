@@ -26,6 +26,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from nemo_rlhf.distributed.split import chunk_slices
+
 _NEG = -1e30  # finite "minus infinity": keeps p * logp = 0 instead of NaN on masked rows
 
 
@@ -171,8 +173,7 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
         n = hidden.shape[0]
         f32 = dict(dtype=torch.float32, device=hidden.device)
         logprobs, entropy, lse_full = (torch.empty(n, **f32) for _ in range(3))  # on hidden.device
-        for s in range(0, n, chunk_size):
-            e = min(n, s + chunk_size)
+        for s, e in ((c.start, c.stop) for c in chunk_slices(n, chunk_size)):
             z = torch.nn.functional.linear(hidden[s:e], weight).float().div_(temperature)
             lse, lp, ent, _, _, zmax = _softmax_stats(z, target[s:e], vocab_start, vocab_size,
                                                       tp_group, compute_entropy)
@@ -197,8 +198,7 @@ class _ChunkedLinearLogprobEntropy(torch.autograd.Function):
         if ctx.needs_input_grad[1] and into is None:
             grad_weight = into = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         v_local = weight.shape[0]
-        for s in range(0, hidden.shape[0], chunk_size):
-            e = min(hidden.shape[0], s + chunk_size)
+        for s, e in ((c.start, c.stop) for c in chunk_slices(hidden.shape[0], chunk_size)):
             z = torch.nn.functional.linear(hidden[s:e], weight).float().div_(temperature)
             _mask_padded_rows(z, vocab_start, vocab_size)
             local, in_range = _target_index(target[s:e], vocab_start, v_local)

@@ -22,6 +22,10 @@ _EXPORTS = {
     "RMServerConfig": "server",
     "serve": "server",
     "build_app": "server",
+    # config.py: the reward group of the PPO config
+    "RMEnsembleConfig": "config",
+    "RewardConfig": "config",
+    "RewardFunctionSpec": "config",
     # client.py
     "RewardModelClient": "client",
     "RewardServiceError": "client",

@@ -43,6 +43,7 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
+from nemo_rlhf.distributed.split import chunk_slices
 from nemo_rlhf.reward.batching import ScoreItem
 
 __all__ = ["RewardModelClient", "RewardServiceError"]
@@ -282,8 +283,8 @@ class RewardModelClient:
         wire = [it.to_json() if isinstance(it, ScoreItem) else dict(it) for it in items]
         step = self.chunk_size or max(len(wire), 1)
         scores: list[float] = []
-        for lo in range(0, len(wire), step):
-            scores.extend(self._score_chunk(wire[lo : lo + step]))
+        for s in chunk_slices(len(wire), step):
+            scores.extend(self._score_chunk(wire[s]))
         return scores
 
     def score_texts(self, prompts: Sequence[str], responses: Sequence[str]) -> list[float]:

@@ -34,6 +34,8 @@ from typing import Any, Sequence
 
 import torch
 
+from nemo_rlhf.config import check_choice
+
 ENSEMBLE_AGGREGATES = ("mean", "min", "mean_minus_std")
 
 __all__ = ["ENSEMBLE_AGGREGATES", "RewardModelEnsemble", "aggregate_ensemble"]
@@ -59,8 +61,7 @@ def aggregate_ensemble(scores: torch.Tensor, means: torch.Tensor, stds: torch.Te
         ValueError: a bad ``aggregate`` (naming the choices), ``std_coef < 0``, a
             non-positive std, or mismatched shapes.
     """
-    if aggregate not in ENSEMBLE_AGGREGATES:
-        raise ValueError(f"reward.ensemble.aggregate={aggregate!r}: valid choices are {list(ENSEMBLE_AGGREGATES)}")
+    check_choice("reward.ensemble.aggregate", aggregate, ENSEMBLE_AGGREGATES)
     if not std_coef >= 0:
         raise ValueError(f"reward.ensemble.std_coef={std_coef}: must be >= 0")
     if scores.dim() != 2 or means.shape != (scores.shape[0],) or stds.shape != (scores.shape[0],):

@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.answers import check_lengths
 from nemo_rlhf.reward.normalization import RewardNormalizer
 
@@ -274,9 +275,7 @@ class CombinedReward:
                  max_abs_score: float | None = None, invalid_scores: str = "error") -> None:
         if max_abs_score is not None and not max_abs_score > 0:
             raise ValueError(f"reward.max_abs_score={max_abs_score}: must be > 0 (or null: off)")
-        if invalid_scores not in INVALID_SCORE_ACTIONS:
-            raise ValueError(f"reward.invalid_scores={invalid_scores!r}: valid choices are "
-                             f"{list(INVALID_SCORE_ACTIONS)}")
+        check_choice("reward.invalid_scores", invalid_scores, INVALID_SCORE_ACTIONS)
         self.max_abs_score = max_abs_score
         """A raw source value with ``|value| > max_abs_score`` is invalid (None: no limit)."""
         self.invalid_scores = invalid_scores

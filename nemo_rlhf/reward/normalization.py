@@ -23,6 +23,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from nemo_rlhf.config import check_choice
+
 __all__ = ["NORMALIZATION_MODES", "RewardNormalizationConfig", "RewardNormalizer"]
 
 NORMALIZATION_MODES = ("none", "fixed", "running")
@@ -38,10 +40,7 @@ class RewardNormalizationConfig:
     """Clip normalised rewards to [-clip, clip]; None: no clipping."""
 
     def __post_init__(self) -> None:
-        if self.mode not in NORMALIZATION_MODES:
-            raise ValueError(
-                f"RewardNormalizationConfig.mode={self.mode!r} is invalid; valid: {', '.join(NORMALIZATION_MODES)}"
-            )
+        check_choice("RewardNormalizationConfig.mode", self.mode, NORMALIZATION_MODES)
         clip = self.clip
         if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
             raise ValueError(f"RewardNormalizationConfig.clip={self.clip!r} is invalid; valid: None or a number > 0")

@@ -60,8 +60,10 @@ from nemo_rlhf.checkpoint import (
     read_trainer_state,
     resolve_checkpoint,
 )
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import encode_prompt, encode_response, pad_right
 from nemo_rlhf.data.tokenizer import Tokenizer
+from nemo_rlhf.distributed.split import chunk_slices, dp_slice
 from nemo_rlhf.models.actor_critic import build_model, gather_last_token
 from nemo_rlhf.models.config import PRECISIONS, ModelConfig, agree_on_precision
 from nemo_rlhf.models.engine import forward_backward
@@ -106,14 +108,10 @@ class RMScorerConfig:
         if self.max_seq_length is not None and self.max_seq_length < 1:
             raise ValueError(f"max_seq_length={self.max_seq_length}: must be >= 1 or null "
                              f"(null: the model's max_position_embeddings)")
-        if self.overlong_policy not in OVERLONG_POLICIES:
-            raise ValueError(f"overlong_policy={self.overlong_policy!r}: valid choices are "
-                             f"{list(OVERLONG_POLICIES)}")
+        check_choice("overlong_policy", self.overlong_policy, OVERLONG_POLICIES)
         if self.precision is not None:
             self.precision = str(self.precision)
-            if self.precision not in PRECISIONS:
-                raise ValueError(f"precision={self.precision!r}: valid choices are "
-                                 f"{list(PRECISIONS)} or null (the checkpoint's)")
+            check_choice("precision", self.precision, PRECISIONS, note=" or null (the checkpoint's)")
 
 
 @dataclass(frozen=True)
@@ -352,9 +350,10 @@ class RewardModelScorer:
         """
         dims = self.dims
         n = len(seqs)
-        lo, hi = n * dims.dp_rank // dims.dp, n * (dims.dp_rank + 1) // dims.dp
+        mine = dp_slice(n, dims.dp_rank, dims.dp)
+        lo = mine.start
         try:
-            local: Any = ("ok", lo, self.forward_scores(seqs[lo:hi]))
+            local: Any = ("ok", lo, self.forward_scores(seqs[mine]))
         except Exception as exc:  # noqa: BLE001 - reported to rank 0 through the gather
             if dims.world_size == 1:
                 raise
@@ -399,9 +398,8 @@ class RewardModelScorer:
         input_ids_BS, mask_BS = pad_right(rows, self.tokenizer.pad_id)
         input_ids_BS, mask_BS = input_ids_BS.to(self.dims.device), mask_BS.to(self.dims.device)
         micro_batches = [
-            {"input_ids": input_ids_BS[i:i + mbs], "attention_mask": mask_BS[i:i + mbs],
-             "lengths": mask_BS[i:i + mbs].sum(-1)}
-            for i in range(0, len(rows), mbs)
+            {"input_ids": input_ids_BS[s], "attention_mask": mask_BS[s], "lengths": mask_BS[s].sum(-1)}
+            for s in chunk_slices(len(rows), mbs)
         ]
 
         def read_scores(rewards_BS, mb):

@@ -57,6 +57,7 @@ from urllib.parse import urlsplit
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.reward.batching import (
     BatcherStopped,
     DynamicBatcher,
@@ -136,8 +137,7 @@ class RMServerConfig:
             raise bad("auth_token_env", "None or an environment variable NAME such as NEMO_RLHF_RM_TOKEN")
         if self.address_file is not None and (not isinstance(self.address_file, str) or not self.address_file):
             raise bad("address_file", "None or a file path")
-        if self.log_level not in _LOG_LEVELS:
-            raise bad("log_level", ", ".join(_LOG_LEVELS))
+        check_choice("server.log_level", self.log_level, _LOG_LEVELS)
 
 
 class RequestError(Exception):

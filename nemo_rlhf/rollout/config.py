@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nemo_rlhf.config import check_choice
+
 ENGINES = ("megatron", "vllm")
 MODES = ("sync", "async")
 
@@ -133,13 +135,11 @@ class RolloutConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "num_workers" else 0):
                 raise ValueError(f"rollout.{key}={value!r}: must be an integer >= "
                                  f"{1 if key == 'num_workers' else 0}")
-        if self.mode not in MODES:
-            raise ValueError(f"rollout.mode={self.mode!r}: valid choices are {', '.join(MODES)}")
+        check_choice("rollout.mode", self.mode, MODES)
         for key in ("worker_timeout_s", "worker_start_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"rollout.{key}={getattr(self, key)}: must be > 0")
-        if self.engine not in ENGINES:
-            raise ValueError(f"rollout.engine={self.engine!r}: valid choices are {', '.join(ENGINES)}")
+        check_choice("rollout.engine", self.engine, ENGINES)
         v = self.vllm
         if isinstance(v.tensor_parallel_size, bool) or not isinstance(v.tensor_parallel_size, int) \
                 or v.tensor_parallel_size < 1:

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.distributed.device import to_device
+from nemo_rlhf.distributed.split import dp_slice
 from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.models.heads import is_head_param
 from nemo_rlhf.models.full_tensors import gather_full_tensors
@@ -299,7 +300,8 @@ class VLLMRolloutEngine:
         B = len(prompts)
         n_engines = self.dims.tp // self.vtp
         engine = self.dims.tp_rank // self.vtp
-        rows = range(engine * B // n_engines, (engine + 1) * B // n_engines)
+        mine = dp_slice(B, engine, n_engines)  # this engine's contiguous share of the rows
+        rows = range(mine.start, mine.stop)
         ids: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         ended = [False] * B

@@ -3,7 +3,9 @@
 
 * :func:`setup_run`: distributed init + seeds + the model config's vocabulary from the
   tokenizer, in one call at the start of a run;
-* batching: :func:`dp_shard` (this DP rank's contiguous slice), :func:`chunks`;
+* batching: :func:`forward_calls` (the chunker and the DP split are
+  :mod:`nemo_rlhf.distributed.split`'s :func:`~nemo_rlhf.distributed.split.chunks` and
+  :func:`~nemo_rlhf.distributed.split.dp_shard`);
 * the collectives (:func:`~nemo_rlhf.trainers.collectives.reduce_from_last_stage` among
   them) are :mod:`nemo_rlhf.trainers.collectives`';
 * :func:`to_plain`: a config as a plain dict (``config.yaml``, checkpoints).
@@ -16,6 +18,7 @@ from typing import Sequence
 
 
 from nemo_rlhf.distributed import initialize_distributed
+from nemo_rlhf.distributed.split import chunks
 
 
 def to_plain(cfg) -> dict:
@@ -49,18 +52,6 @@ def setup_run(parallel, model_cfg, tokenizer, seed: int):
 
 
 # --------------------------------------------------------------------------- batching
-def dp_shard(items: Sequence, dp_rank: int, dp_size: int) -> list:
-    """This DP rank's contiguous slice (sizes differ by at most one)."""
-    n = len(items)
-    lo, hi = n * dp_rank // dp_size, n * (dp_rank + 1) // dp_size
-    return list(items[lo:hi])
-
-
-def chunks(items: Sequence, size: int) -> list[list]:
-    """Consecutive slices of ``size`` (the last may be shorter)."""
-    return [list(items[i:i + size]) for i in range(0, len(items), size)]
-
-
 def forward_calls(items: Sequence, micro_batch_size: int, expert_parallel: bool) -> list[tuple[list[list], bool]]:
     """This rank's items as ``forward_backward`` calls: ``(micro-batch groups, variable_shapes)``
     per call.

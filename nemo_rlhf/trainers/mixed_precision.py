@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.models.engine import unwrap
 
 DECAY_STYLES = ("constant", "linear", "cosine")
@@ -83,16 +84,10 @@ class OptimizerConfig:
     CUDA tensors and gloo has no reduce-scatter)."""
 
     def __post_init__(self) -> None:
-        if self.decay_style not in DECAY_STYLES:
-            raise ValueError(
-                f"optim.decay_style={self.decay_style!r}: valid choices are {list(DECAY_STYLES)}"
-            )
+        check_choice("optim.decay_style", self.decay_style, DECAY_STYLES)
         if self.lr < 0 or self.min_lr < 0:
             raise ValueError(f"optim.lr={self.lr} / optim.min_lr={self.min_lr} must be >= 0")
-        if self.adam_impl not in ADAM_IMPLS:
-            raise ValueError(
-                f"optim.adam_impl={self.adam_impl!r}: valid choices are {list(ADAM_IMPLS)}"
-            )
+        check_choice("optim.adam_impl", self.adam_impl, ADAM_IMPLS)
         if self.clip_grad < 0:
             raise ValueError(f"optim.clip_grad={self.clip_grad} must be >= 0 (0 disables)")
         if self.warmup_steps < 0 or self.decay_steps < 0:

@@ -37,13 +37,14 @@ from nemo_rlhf.data.datasets import (
     preference_length,
 )
 from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.distributed.split import dp_shard
 from nemo_rlhf.models.actor_critic import gather_last_token
 from nemo_rlhf.metrics.trackers import LoggerConfig
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
 from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
 from nemo_rlhf.trainers.collectives import reduce_from_last_stage
-from nemo_rlhf.trainers.common import dp_shard, forward_calls
+from nemo_rlhf.trainers.common import forward_calls
 from nemo_rlhf.trainers.supervised import (
     SupervisedExpManagerConfig,
     SupervisedTrainer,

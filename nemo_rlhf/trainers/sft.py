@@ -27,6 +27,7 @@ from nemo_rlhf.data.datasets import (
     sft_length,
 )
 from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.distributed.split import dp_shard
 from nemo_rlhf.metrics.trackers import LoggerConfig
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.models.engine import forward_backward
@@ -34,7 +35,7 @@ from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
 from nemo_rlhf.trainers.collectives import reduce_from_last_stage
-from nemo_rlhf.trainers.common import dp_shard, forward_calls
+from nemo_rlhf.trainers.common import forward_calls
 from nemo_rlhf.trainers.supervised import (
     SupervisedExpManagerConfig,
     SupervisedTrainer,

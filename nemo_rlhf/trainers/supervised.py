@@ -21,12 +21,13 @@ from nemo_rlhf.checkpoint import checkpoint_content_hash, load_checkpoint, resol
 from nemo_rlhf.checkpoint.policy import prune, resume_run
 from nemo_rlhf.data.sampler import ResumableSampler
 from nemo_rlhf.data.tokenizer import Tokenizer
+from nemo_rlhf.distributed.split import dp_shard
 from nemo_rlhf.metrics.logger import MetricsLogger
 from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import agree_on_precision
 from nemo_rlhf.models.engine import finalize_grads, wrap_ddp
-from nemo_rlhf.trainers.common import dp_shard, setup_run, to_plain
+from nemo_rlhf.trainers.common import setup_run, to_plain
 from nemo_rlhf.trainers.config import ExpManagerConfig, TrainerConfig
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
 from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer

@@ -15,7 +15,7 @@ import nemo_rlhf.train_rm  # noqa: F401 - registers rm_schema
 import nemo_rlhf.train_sft  # noqa: F401 - registers sft_schema
 from nemo_rlhf.data.sampler import ResumableSampler
 from nemo_rlhf.evaluate import EvalConfig
-from nemo_rlhf.trainers.common import chunks, dp_shard
+from nemo_rlhf.distributed.split import chunks, dp_shard
 from nemo_rlhf.trainers.rm import RMRunConfig
 from nemo_rlhf.trainers.sft import SFTRunConfig
 from nemo_rlhf.trainers.supervised import SupervisedTrainerConfig

@@ -87,6 +87,7 @@ from nemo_rlhf.algorithms.ppo.core import (
     masked_whiten,
 )
 from nemo_rlhf.algorithms.ppo.gae import compute_gae
+from nemo_rlhf.config import check_choice
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -470,11 +471,7 @@ class AdvantageConfig:
     """> 0; ``grpo``: added to the group std; ``reinforce_plus_plus``: to the batch variance."""
 
     def __post_init__(self) -> None:
-        if self.estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"advantage.estimator={self.estimator!r}: unknown; valid names: "
-                f"{sorted(ADVANTAGE_ESTIMATORS)}"
-            )
+        check_choice("advantage.estimator", self.estimator, sorted(ADVANTAGE_ESTIMATORS))
         for key in ("gamma", "lam"):
             value = getattr(self, key)
             if not 0.0 <= value <= 1.0:

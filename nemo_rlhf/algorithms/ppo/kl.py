@@ -38,8 +38,11 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "K3_LOG_RATIO_CLAMP",
+    "PI_DEFAULTS",
+    "PI_RANGES",
     "PIKLController",
     "build_kl_controller",
+    "check_pi_settings",
     "kl_penalty",
     "pi_kl_coef",
 ]
@@ -280,7 +283,8 @@ def pi_kl_coef(
     current_kl = float(current_kl)
     if not math.isfinite(current_kl):
         raise ValueError(f"current_kl must be finite, got {current_kl}")
-    _check_pi_settings(target, kp, ki, error_clip, max_factor, min_coef)
+    check_pi_settings({"target": target, "kp": kp, "ki": ki, "error_clip": error_clip,
+                       "max_factor": max_factor, "min_coef": min_coef})
     ratio = current_kl / target
     error = math.log(ratio) if ratio > math.exp(-error_clip) else -error_clip
     error = min(max(error, -error_clip), error_clip)
@@ -290,15 +294,47 @@ def pi_kl_coef(
     return max(float(min_coef), float(beta) * math.exp(step)), error
 
 
-def _check_pi_settings(target: float, kp: float, ki: float, error_clip: float, max_factor: float,
-                       min_coef: float) -> None:
-    for name, value, ok, rule in (("target", target, target > 0, "> 0"), ("kp", kp, kp >= 0, ">= 0"),
-                                  ("ki", ki, ki >= 0, ">= 0"),
-                                  ("error_clip", error_clip, error_clip > 0, "> 0"),
-                                  ("max_factor", max_factor, max_factor > 1, "> 1"),
-                                  ("min_coef", min_coef, min_coef >= 0, ">= 0")):
-        if not math.isfinite(float(value)) or not ok:
-            raise ValueError(f"{name} must be a finite number {rule}, got {value}")
+#: the pi controller's ranges, ``name -> (test, rule)``: the only place they are written
+#: (:class:`PIKLController`, :func:`pi_kl_coef` and the config schema's ``KLConfig`` check
+#: through :func:`check_pi_settings`). ``init_kl_coef`` > 0: the rule is multiplicative.
+PI_RANGES: Dict[str, Tuple[Callable[[float], bool], str]] = {
+    "init_kl_coef": (lambda v: v > 0, "> 0"),
+    "target": (lambda v: v > 0, "> 0"),
+    "kp": (lambda v: v >= 0, ">= 0"),
+    "ki": (lambda v: v >= 0, ">= 0"),
+    "error_clip": (lambda v: v > 0, "> 0"),
+    "max_factor": (lambda v: v > 1, "> 1"),
+    "min_coef": (lambda v: v >= 0, ">= 0"),
+}
+
+
+def check_pi_settings(settings: Dict[str, float], keys: Optional[Dict[str, str]] = None,
+                      where: str = "") -> None:
+    """Refuse pi controller settings outside :data:`PI_RANGES`, in the table's order.
+
+    Args:
+        settings: ``{name: value}`` for names of :data:`PI_RANGES` (any subset).
+        keys: the name to give each setting in the message (e.g. ``{"kp": "kl.pi_kp"}``;
+            default: the setting's own name).
+        where: appended to the message (e.g. ``" with kl.type=pi"``).
+
+    Raises:
+        ValueError: ``"<key>=<value>: must be finite<where>"`` or ``"<key>=<value>: must be
+            <rule><where>"`` for the first bad setting; a name outside :data:`PI_RANGES`.
+    """
+    unknown = sorted(set(settings) - set(PI_RANGES))
+    if unknown:
+        raise ValueError(f"unknown pi controller settings {unknown}; valid: {sorted(PI_RANGES)}")
+    keys = keys or {}
+    for name, (ok, rule) in PI_RANGES.items():
+        if name not in settings:
+            continue
+        value = float(settings[name])
+        key = keys.get(name, name)
+        if not math.isfinite(value):
+            raise ValueError(f"{key}={value}: must be finite{where}")
+        if not ok(value):
+            raise ValueError(f"{key}={value}: must be {rule}{where}")
 
 
 class PIKLController:
@@ -314,19 +350,18 @@ class PIKLController:
             :func:`pi_kl_coef`; give ``init_kl_coef`` for the one-sided rule of old).
 
     Raises:
-        ValueError: naming the argument, for any value outside its range.
+        ValueError: naming the argument, for any value outside its range
+            (:func:`check_pi_settings`).
     """
 
     def __init__(self, init_kl_coef: float, target: float, kp: float, ki: float, error_clip: float,
                  max_factor: float, min_coef: Optional[float] = None) -> None:
-        self.value = _check_kl_coef(init_kl_coef, "init_kl_coef")
-        if self.value <= 0:
-            raise ValueError(f"init_kl_coef must be > 0 for the pi controller (it multiplies beta), "
-                             f"got {init_kl_coef}")
-        self.min_coef = float(PI_DEFAULTS["min_coef"] if min_coef is None else min_coef)
+        min_coef = PI_DEFAULTS["min_coef"] if min_coef is None else min_coef
+        check_pi_settings({"init_kl_coef": init_kl_coef, "target": target, "kp": kp, "ki": ki,
+                           "error_clip": error_clip, "max_factor": max_factor, "min_coef": min_coef})
+        self.value, self.min_coef = float(init_kl_coef), float(min_coef)
         self.target, self.kp, self.ki = float(target), float(kp), float(ki)
         self.error_clip, self.max_factor = float(error_clip), float(max_factor)
-        _check_pi_settings(self.target, self.kp, self.ki, self.error_clip, self.max_factor, self.min_coef)
         self.prev_error: Optional[float] = None
 
     def update(self, current_kl: float, n_steps: int) -> None:
@@ -371,8 +406,9 @@ KL_CONTROLLERS: Dict[str, Type] = {
     "pi": PIKLController,
 }
 
-#: defaults of the pi controller's settings when :func:`build_kl_controller` is not given them
-#: (the config schema, ``KLConfig``, passes its own). ``min_coef`` 1e-3: beta stays > 0 (the
+#: the one default of each pi controller setting: :func:`build_kl_controller` fills those it
+#: is not given from here, and the config schema's ``KLConfig.pi_*`` fields take theirs from
+#: here (ranges: :data:`PI_RANGES`). ``min_coef`` 1e-3: beta stays > 0 (the
 #: rule is multiplicative), and at ``max_factor`` 4 it climbs back from the floor to 0.05 in 3
 #: steps and to 1.0 in 5; at the default target of 6 nats the floor's penalty, 0.006 a
 #: sequence, is small against a reward of scale 1, so the floor itself holds no KL.

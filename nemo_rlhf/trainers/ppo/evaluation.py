@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.data.sample_rows import sample_row
+from nemo_rlhf.distributed.split import chunk_slices
 from nemo_rlhf.reward.client import RewardModelClient
 from nemo_rlhf.reward.functions import get_reward_function
 from nemo_rlhf.trainers.ppo.step_metrics import response_repetition
@@ -227,8 +228,8 @@ def reward_auc(items: list[dict], score_key: str = "score", label_key: str = "co
     scores = torch.tensor([float(x[score_key]) for x in items], dtype=torch.float64)
     labels = torch.tensor([float(x[label_key]) for x in items], dtype=torch.float64)
     agree = pairs = 0.0
-    for start in range(0, len(items), chunk):
-        s, lab = scores[start:start + chunk, None], labels[start:start + chunk, None]
+    for rows in chunk_slices(len(items), chunk):
+        s, lab = scores[rows, None], labels[rows, None]
         ordered = lab > labels[None, :]  # [chunk, n]: pairs the checker orders, row item better
         pairs += float(ordered.sum())
         agree += float(((s > scores[None, :]).double() + 0.5 * (s == scores[None, :]).double())[ordered].sum())

@@ -37,12 +37,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from nemo_rlhf.distributed.split import chunk_slices
 from nemo_rlhf.models.packing import first_fit_decreasing, pack_rows
-
-
-def chunk_slices(n: int, size: int) -> list[slice]:
-    """``[0, n)`` in consecutive slices of ``size`` (the last may be shorter)."""
-    return [slice(i, i + size) for i in range(0, n, size)]
 
 
 @dataclass(frozen=True)

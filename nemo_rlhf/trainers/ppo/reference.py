@@ -25,9 +25,11 @@ import contextlib
 
 import torch
 
+from nemo_rlhf.config import check_choice
 from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.models.heads import is_head_param
 from nemo_rlhf.models.lora import adapters_disabled, has_adapters
+from nemo_rlhf.trainers.ppo.config import REFERENCE_MODES
 
 
 def _host_buffer(t: torch.Tensor) -> torch.Tensor:
@@ -61,9 +63,7 @@ class ReferencePolicy:
     """
 
     def __init__(self, model, mode: str = "offload", build_fn=None, zero_copy=None, device=None):
-        if mode not in ("offload", "colocated", "adapters_off"):
-            raise ValueError(f"reference.mode={mode!r}: valid choices are ['offload', 'colocated', "
-                             f"'adapters_off']")
+        check_choice("reference.mode", mode, REFERENCE_MODES)
         self.mode = mode
         self.model = model
         self.zero_copy = False

@@ -24,10 +24,10 @@ from typing import Callable, Optional
 import torch
 
 from nemo_rlhf.algorithms import ppo as P
+from nemo_rlhf.distributed.split import chunk_slices
 from nemo_rlhf.models.engine import finalize_grads, forward_backward
 from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs, response_values
-from nemo_rlhf.trainers.ppo.micro_batches import (chunk_slices, plan_micro_batches, row_extents, scatter_rows,
-                                                  take)
+from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, scatter_rows, take
 
 
 @contextmanager

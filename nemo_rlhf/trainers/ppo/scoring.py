@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.reward.client import RewardModelClient
+from nemo_rlhf.reward.config import RewardConfig
 from nemo_rlhf.reward.ensemble import RewardModelEnsemble
 from nemo_rlhf.reward.functions import (
     CombinedReward,
@@ -26,7 +27,6 @@ from nemo_rlhf.reward.functions import (
 )
 from nemo_rlhf.reward.normalization import RewardNormalizer
 from nemo_rlhf.trainers.collectives import RankFailure
-from nemo_rlhf.trainers.ppo.config import RewardConfig
 
 
 log = logging.getLogger("nemo_rlhf.ppo")

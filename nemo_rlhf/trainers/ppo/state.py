@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from nemo_rlhf.checkpoint import checkpoint_content_hash, resolve_checkpoint
+from nemo_rlhf.distributed.split import dp_slice
 from nemo_rlhf.trainers.collectives import bcast_text
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 
@@ -72,8 +73,7 @@ def dp_group_slice(global_idx: list[int], dp_rank: int, dp: int, n_samples_per_p
     """
     if len(global_idx) % dp:
         raise ValueError(f"{len(global_idx)} prompts do not split over {dp} data-parallel ranks")
-    per = len(global_idx) // dp
-    mine = global_idx[dp_rank * per:(dp_rank + 1) * per]
+    mine = global_idx[dp_slice(len(global_idx), dp_rank, dp)]  # dp divides it: per = n // dp each
     return [i for i in mine for _ in range(n_samples_per_prompt)]
 
 

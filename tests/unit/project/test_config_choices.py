@@ -40,7 +40,7 @@ CHOICES = [  # (job, override, the message names: key=value, and the valid value
     ("sft", "model.recompute_method=even", "model.recompute_method='even': valid choices are ['uniform', 'block']"),
     ("rm", "model.recompute_modules=[layernorm]",
      "model.recompute_modules='layernorm': valid choices are ['core_attn', 'mlp']"),
-    ("sft", "parallel.backend=mpi", "parallel.backend='mpi': valid choices are 'auto', 'gloo', 'nccl'"),
+    ("sft", "parallel.backend=mpi", "parallel.backend='mpi': valid choices are ['auto', 'gloo', 'nccl']"),
     ("rm", "optim.decay_style=step", "optim.decay_style='step': valid choices are ['constant', 'linear', 'cosine']"),
     ("eval", "checker=exact", "checker='exact': valid choices are ['arithmetic_exact_match'"),
     ("eval", "extra_checkers=[format]", "extra_checkers[0]='format': valid choices are ["),
@@ -48,7 +48,12 @@ CHOICES = [  # (job, override, the message names: key=value, and the valid value
     ("eval", "precision=16", "precision='16': valid choices are ['32'"),
     ("rm_server", "overlong_policy=cut", "overlong_policy='cut': valid choices are ['error', 'truncate']"),
     ("rm_server", "precision=16", "precision='16': valid choices are ['32'"),
-    ("rm_server", "server.log_level=loud", "log_level='loud' is invalid; valid: critical, error, warning"),
+    ("rm_server", "precision=16", "precision='16': valid choices are ['32', 'bf16-mixed', 'fp16-mixed', 'auto'] or null (the checkpoint's)"),
+    ("ppo", "rollout.engine=hf", "rollout.engine='hf': valid choices are ['megatron', 'vllm']"),
+    ("ppo", "rollout.mode=asynchronous", "rollout.mode='asynchronous': valid choices are ['sync', 'async']"),
+    ("rm", "optim.adam_impl=apex", "optim.adam_impl='apex': valid choices are ["),
+    ("ppo", "logger.wandb.mode=cloud", "logger.wandb.mode='cloud': valid choices are ['offline', 'online']"),
+    ("rm_server", "server.log_level=loud", "server.log_level='loud': valid choices are ['critical', 'error', 'warning'"),
 ]
 
 
@@ -90,3 +95,20 @@ def test_more_recomputed_layers_than_a_pipeline_stage_holds_is_refused_naming_th
         build_transformer_config(cfg.model, tp=1, pp=2)
     with pytest.raises(ValueError, match=r"model.recompute_num_layers=0: must be >= 1"):
         typed_job("ppo", ["model.recompute_num_layers=0"])
+
+
+@pytest.mark.parametrize("build, needle", [
+    (lambda: __import__("nemo_rlhf.algorithms.ppo.advantages", fromlist=["x"]).AdvantageConfig(estimator="ppo"),
+     "advantage.estimator='ppo': valid choices are ['gae', 'grpo'"),
+    (lambda: __import__("nemo_rlhf.reward.normalization", fromlist=["x"]).RewardNormalizationConfig(mode="runing"),
+     "RewardNormalizationConfig.mode='runing': valid choices are ['none', 'fixed', 'running']"),
+    (lambda: __import__("nemo_rlhf.reward.ensemble", fromlist=["x"]).aggregate_ensemble(
+        __import__("torch").zeros(2, 1), __import__("torch").zeros(2), __import__("torch").ones(2), aggregate="median"),
+     "reward.ensemble.aggregate='median': valid choices are ["),
+])
+def test_closed_choices_outside_the_job_schemas_have_the_same_message_shape(build, needle):
+    """Every closed choice goes through ``nemo_rlhf.config.check_choice`` (#50): one shape,
+    ``<key>=<value!r>: valid choices are [...]``, also where a schema is built by code."""
+    with pytest.raises(ValueError) as err:
+        build()
+    assert needle in str(err.value)

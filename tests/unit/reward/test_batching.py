@@ -220,7 +220,7 @@ def test_parse_rejects_token_items_for_a_text_only_scorer():
         ("max_wait_ms", -1, "RMServerConfig.max_wait_ms=-1"),
         ("max_body_bytes", 1.5, "RMServerConfig.max_body_bytes=1.5"),
         ("auth_token_env", "not a name", "environment variable NAME"),
-        ("log_level", "loud", "valid: critical, error, warning"),
+        ("log_level", "loud", "server.log_level='loud': valid choices are ['critical', 'error', 'warning'"),
         ("address_file", "", "RMServerConfig.address_file"),
     ],
 )

@@ -97,7 +97,7 @@ def test_an_invalid_member_score_makes_the_sample_invalid_under_skip():
 
 
 def test_reward_config_refuses_members_without_a_primary_rm_and_bad_rules():
-    from nemo_rlhf.trainers.ppo.config import RewardConfig, RMEnsembleConfig
+    from nemo_rlhf.reward.config import RewardConfig, RMEnsembleConfig
 
     with pytest.raises(ValueError, match=r"reward.ensemble lists 1 more RM\(s\) but no primary RM"):
         RewardConfig(ensemble=RMEnsembleConfig(rm_urls=["http://b:1"]))

@@ -151,7 +151,8 @@ def test_the_library_registers_no_task_checker():
     """The registry of the library alone is empty; the demo tasks' checkers come with
     :mod:`nemo_rlhf.tasks` (``tests/unit/tasks/test_checkers.py``)."""
     code = ("from nemo_rlhf.reward.functions import registered_reward_functions as r; "
-            "from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig, RewardFunctionSpec; "
+            "from nemo_rlhf.reward.config import RewardFunctionSpec; "
+            "from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig; "
             "print(r(), PPOTrainerConfig().eval_checker, repr(RewardFunctionSpec().name))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["[]", "None", "''"], out

@@ -325,7 +325,7 @@ def test_local_launcher_serves_an_rm_ensemble_and_the_trainer_scores_with_its_ru
     script, out, exp = tmp / "fake_trainer.py", tmp / "out.json", tmp / "exp"
     script.write_text(
         "import json, sys\n"
-        "from nemo_rlhf.trainers.ppo.config import RMEnsembleConfig, RewardConfig\n"
+        "from nemo_rlhf.reward.config import RMEnsembleConfig, RewardConfig\n"
         "from nemo_rlhf.trainers.ppo.scoring import build_reward\n"
         "args = dict(a.split('=', 1) for a in sys.argv[1:])\n"
         "files = args['reward.ensemble.rm_address_files'].strip('[]').split(',')\n"

@@ -94,7 +94,7 @@ def test_logprob_diff_stats_worked_example():
 
 
 def test_an_unknown_engine_lists_the_choices():
-    with pytest.raises(ValueError, match="valid choices are megatron, vllm"):
+    with pytest.raises(ValueError, match=r"^rollout.engine='hf': valid choices are \['megatron', 'vllm'\]$"):
         RolloutConfig(engine="hf")
 
 

@@ -39,7 +39,7 @@ def test_vllm_rollouts_of_a_mixture_of_experts_model_are_accepted():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["rollout.mode=asynchronous"], "rollout.mode='asynchronous': valid choices are sync, async"),
+    (["rollout.mode=asynchronous"], "rollout.mode='asynchronous': valid choices are ['sync', 'async']"),
     (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness=-1: must be an integer >= 0"),
     (["rollout.mode=async", "rollout.num_workers=0"], "rollout.num_workers=0: must be an integer >= 1"),
     (["rollout.mode=async", "rollout.worker_timeout_s=0"], "rollout.worker_timeout_s=0.0: must be > 0"),
@@ -90,6 +90,42 @@ def test_a_kl_controller_without_the_kl_in_the_reward_is_refused_naming_the_keys
     with pytest.raises(ValueError, match="kl.type='adaptive' with kl.in_reward=false"):
         typed_job("ppo", ["kl.in_reward=false"])
     assert typed_job("ppo", ["kl.in_reward=false", "kl.type=fixed", "kl.loss_coef=0.04"]).kl.loss_coef == 0.04
+
+
+def test_the_pi_fields_take_their_one_default_and_ranges_from_the_controller():
+    """One default per knob (#50): each ``kl.pi_<name>`` field's default is
+    ``PI_DEFAULTS[name]`` and there is one field per setting; the config's range check is
+    the controller's (``PI_RANGES``), named by the config key, non-finite values included."""
+    import dataclasses
+
+    from nemo_rlhf.algorithms.ppo.kl import PI_DEFAULTS, PI_RANGES
+    from nemo_rlhf.trainers.ppo.config import KLConfig
+
+    defaults = {f.name[len("pi_"):]: f.default for f in dataclasses.fields(KLConfig) if f.name.startswith("pi_")}
+    assert defaults == PI_DEFAULTS
+    assert KLConfig().pi_settings() == PI_DEFAULTS
+    assert set(PI_DEFAULTS) < set(PI_RANGES)
+    with pytest.raises(ValueError, match=r"^kl.pi_ki=nan: must be finite with kl.type=pi$"):
+        typed_job("ppo", ["kl.type=pi", "kl.pi_ki=nan"])
+    with pytest.raises(ValueError, match=r"^kl.target=0.0: must be > 0 with kl.type=pi$"):
+        typed_job("ppo", ["kl.type=pi", "kl.target=0"])
+
+
+def test_the_reward_group_is_the_reward_packages_schema():
+    """``RewardConfig`` lives beside the reward code (#50); the PPO job still exposes it as
+    its ``reward`` group, checked at config time."""
+    import dataclasses
+
+    from nemo_rlhf.reward.config import RewardConfig, RMEnsembleConfig, RewardFunctionSpec
+    from nemo_rlhf.trainers.ppo.config import PPOConfig
+
+    assert {f.name: f.default_factory for f in dataclasses.fields(PPOConfig)}["reward"] is RewardConfig
+    cfg = typed_job("ppo", ["reward.functions=[{name: 'no_such_module:fn', weight: 0.5}]",
+                            "reward.ensemble.std_coef=2"])
+    assert isinstance(cfg.reward, RewardConfig) and isinstance(cfg.reward.ensemble, RMEnsembleConfig)
+    assert cfg.reward.functions == [RewardFunctionSpec(name="no_such_module:fn", weight=0.5)]
+    with pytest.raises(ValueError, match=r"^reward.normalization='z': valid choices are"):
+        typed_job("ppo", ["reward.normalization=z"])
 
 
 def test_the_pi_floor_defaults_to_a_small_absolute_value_not_the_initial_beta():

@@ -10,7 +10,8 @@ import pytest
 
 from nemo_rlhf.reward.functions import register_reward_function
 from nemo_rlhf.trainers.ppo import evaluation
-from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig, RewardConfig
+from nemo_rlhf.reward.config import RewardConfig
+from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig
 
 
 @register_reward_function("test_evaluation_judge")
