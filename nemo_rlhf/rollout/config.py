@@ -85,6 +85,11 @@ class RolloutConfig:
     worker_start_timeout_s: float = 900.0
     """``mode=async``: how long the trainer waits for its workers to connect (their start-up:
     imports and model build) before it stops naming the missing ones (> 0)."""
+    wait_timeout_s: float = 3600.0
+    """``mode=async``: how long the trainer waits for one step's samples (and, when it
+    saves a checkpoint, for the buffered steps' samples) while the workers are alive; past
+    it the job stops naming the steps, DP ranks and what each worker was doing (> 0). A
+    wait for samples that were never requested fails at once."""
     controller_port: int = 0
     """``mode=async``: TCP port of the controller on the trainer's rank 0 (0: a free one,
     written to ``<exp_dir>/rollout_controller`` for the workers)."""
@@ -135,7 +140,7 @@ class RolloutConfig:
                                  f"{1 if key == 'num_workers' else 0}")
         if self.mode not in MODES:
             raise ValueError(f"rollout.mode={self.mode!r}: valid choices are {', '.join(MODES)}")
-        for key in ("worker_timeout_s", "worker_start_timeout_s"):
+        for key in ("worker_timeout_s", "worker_start_timeout_s", "wait_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"rollout.{key}={getattr(self, key)}: must be > 0")
         if self.engine not in ENGINES:

@@ -28,7 +28,7 @@ from tests.ppo_helpers import end_session, make_demo_data, read_metrics, read_pr
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 VOLATILE = ("timing/", "_per_s", "async/trainer_wait_s", "async/worker_idle_s", "async/weight_sync_s",
-            "async/generate_s")
+            "async/generate_s", "async/step_generate_s")
 TIMEOUT_S = 240
 
 
@@ -103,6 +103,14 @@ def test_on_policy_async_equals_sync_for_the_same_seed(data, tmp_path):
         only_async = {k for k in a[step] if k.startswith("async/")}
         assert {k: v for k, v in a[step].items() if k not in only_async} == s[step]
     assert _prompt_ids(exp) == _prompt_ids(sync)
+    # generated_tokens_per_s: the step's tokens (the sync run's: the same samples) over the
+    # worker's generation seconds (one worker, on-policy: async/generate_s is this step's item's),
+    # not over the trainer's wait for a ready item (#50)
+    raw_a, raw_s = read_metrics(exp, ()), read_metrics(sync, ())
+    for step in a:
+        tokens = raw_s[step]["generated_tokens_per_s"] * raw_s[step]["timing/rollout_s"]
+        assert raw_a[step]["generated_tokens_per_s"] == pytest.approx(tokens / raw_a[step]["async/generate_s"],
+                                                                      rel=1e-6), (step, tokens, raw_a[step])
 
 
 def test_the_local_launcher_runs_an_async_job_at_tp2(data, tmp_path):
