@@ -63,9 +63,9 @@ class FakeWorker:
 
 
 def _controller(tmp_path, workers: int, k: int, timeout_s: float = 20.0,
-                wait_timeout_s: float = 60.0) -> RolloutController:
-    ctl = RolloutController(tmp_path, workers, k, k + 1, timeout_s, torch.device("cpu"),
-                            wait_timeout_s=wait_timeout_s)
+                wait_timeout_s: float | None = None) -> RolloutController:
+    kw = {} if wait_timeout_s is None else {"wait_timeout_s": wait_timeout_s}  # None: timeout_s
+    ctl = RolloutController(tmp_path, workers, k, k + 1, timeout_s, torch.device("cpu"), **kw)
     return ctl
 
 
@@ -101,7 +101,7 @@ def started(tmp_path):
     """``(controller, workers)`` after the start; closed afterwards."""
     made = []
 
-    def make(workers=2, k=1, delay_s=0.0, fail_at=None, timeout_s=20.0, wait_timeout_s=60.0):
+    def make(workers=2, k=1, delay_s=0.0, fail_at=None, timeout_s=20.0, wait_timeout_s=None):
         ctl = _controller(tmp_path, workers, k, timeout_s, wait_timeout_s)
         fakes = [FakeWorker(i, tmp_path, delay_s, fail_at) for i in range(workers)]
         ctl.start()
@@ -189,7 +189,7 @@ def test_workers_that_never_come_are_reported_with_the_timeout_and_how_to_start_
 def test_a_silent_worker_is_reported_dead_within_the_timeout(started, monkeypatch):
     import nemo_rlhf.rollout.remote as remote
 
-    ctl, fakes = started(workers=1, k=0, timeout_s=1.5)
+    ctl, fakes = started(workers=1, k=0, timeout_s=1.5, wait_timeout_s=60.0)
     ctl.publish(0, _weights(0))
     ctl.submit(_item(1, 0, 0))
     ctl.submit(_item(1, 1, 0))

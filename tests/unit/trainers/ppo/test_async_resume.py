@@ -31,7 +31,7 @@ STEPS = 3
 def _cfg(exp_dir, samples=8, n=1, k=1) -> SimpleNamespace:
     return SimpleNamespace(
         rollout=RolloutConfig(mode="async", max_staleness=k, num_workers=1, worker_timeout_s=20.0,
-                              wait_timeout_s=60.0, n_samples_per_prompt=n),
+                              n_samples_per_prompt=n),
         ppo=SimpleNamespace(num_rollout_samples=samples), trainer=SimpleNamespace(max_steps=STEPS),
         exp_manager=SimpleNamespace(exp_dir=exp_dir),
         model=SimpleNamespace(lora=SimpleNamespace(enabled=False, scale=1.0)))
@@ -103,7 +103,6 @@ CHANGES = [  # (before, after, what the log names)
 def test_a_resume_with_another_layout_regenerates_the_buffered_steps(tmp_path, caplog, before, after, logged):
     kw = lambda d: {k: v for k, v in d.items() if k != "dp"}  # noqa: E731
     sd, sampler_sd, log1, _ = _run(tmp_path, "first", kw(before), before["dp"], until=1)
-    assert sd["layout"]["dp"] == before["dp"]
     assert sorted(b["step"] for b in sd["buffered"]) == [2] * before["dp"]  # version 0's step 2
     assert {(b["step"], b["version"]) for b in sd["buffered"]} == {(2, 0)}
     with caplog.at_level(logging.WARNING, logger="nemo_rlhf.ppo"):
