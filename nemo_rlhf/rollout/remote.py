@@ -276,6 +276,14 @@ class RolloutController:
             self.versions[version] = [tensors, manifest, None]
             self.cond.notify_all()
 
+    def begin_at(self, step: int) -> None:
+        """The run starts (or resumes) after step ``step``: steps up to it count as taken, so
+        the back-pressure bound (``buffer_size`` steps after the last taken) lets the next
+        steps' items through. Call before the first :meth:`submit`."""
+        with self.cond:
+            self.taken_step = step
+            self.cond.notify_all()
+
     def retain_from(self, version: int) -> None:
         """No item submitted from now on needs a version below ``version``: such versions
         are freed once no queued item needs them."""

@@ -177,3 +177,34 @@ def test_worker_and_trainer_killed_then_resumed_bit_identical(data, uninterrupte
     assert ids == _prompt_ids(uninterrupted) and sorted(ids) == list(range(1, STEPS + 1))
     flat = [i for s in sorted(ids) for i in ids[s]]
     assert len(flat) == len(set(flat))  # 4 steps x 8 prompts of 64: none twice
+
+
+@pytest.mark.timeout(TIMEOUT_S + 240)
+def test_resumed_at_another_dp_size_the_buffered_step_is_regenerated(data, uninterrupted, tmp_path):
+    """The uninterrupted run's (DP=1) checkpoint after step 2 carries step 3's samples (made by
+    version 1) for one DP rank; resumed at DP=2 under ``launchers.local --nproc 2`` they are
+    dropped, logged naming the change, and step 3 is regenerated from the checkpoint's weights:
+    the run ends (on 7fb6bc5 it waited forever for DP rank 1's item of step 3) (#50)."""
+    import json
+    import shutil
+
+    exp = tmp_path / "dp2"
+    for step in (1, 2):
+        shutil.copytree(uninterrupted / "checkpoints" / f"step_{step}", exp / "checkpoints" / f"step_{step}")
+    cmd = [sys.executable, "-m", "launchers.local", "--no-rm", "--nproc", "2", "--config-name", "ppo_tiny", "--",
+           *_overrides(data, exp, *ASYNC1)]
+    proc = _start(cmd, tmp_path / "launcher.log")
+    code = _finish(proc, timeout=TIMEOUT_S + 60)
+    text = (tmp_path / "launcher.log").read_text()
+    assert code == 0, text[-4000:]
+    assert "resumed from" in text and "trainer finished" in text, text[-4000:]
+    assert "buffered samples (steps [3]) are dropped and regenerated from its weights: DP size 1 -> 2" in text, \
+        text[-4000:]
+    m = _metrics(exp)
+    assert sorted(m) == [3, 4]
+    # step 3 from the checkpoint's weights (version 2: fresher than the bound), step 4 one version old
+    assert [m[s]["async/staleness_max"] for s in (3, 4)] == [0, 1]
+    rows = [json.loads(line) for line in (exp / "prompt_log.jsonl").read_text().splitlines()]
+    ids = {s: [i for r in sorted((r for r in rows if r["step"] == s), key=lambda r: r["dp_rank"])
+               for i in r["prompt_ids"]] for s in (3, 4)}
+    assert ids == {s: _prompt_ids(uninterrupted)[s] for s in (3, 4)}  # the same prompts, split over 2 ranks

@@ -130,6 +130,7 @@ class AsyncRollout:
         trainer.collectives.raise_together(failure, "starting the rollout workers", RolloutWorkerError)
         self.start_version = self.submitted = trainer.step
         if self.controller is not None:
+            self.controller.begin_at(trainer.step)  # (a resumed run's back-pressure counts from there)
             self.lookahead = copy.deepcopy(trainer.sampler)
             self._check_restored_prompts(trainer)
             if self._restored:

@@ -25,7 +25,7 @@ from nemo_rlhf.trainers.ppo.state import dp_group_slice
 from tests.unit.rollout.test_remote import FakeWorker, _weights
 
 PROMPTS = 64
-STEPS = 3
+STEPS = 4
 
 
 def _cfg(exp_dir, samples=8, n=1, k=1) -> SimpleNamespace:
@@ -95,33 +95,35 @@ CHANGES = [  # (before, after, what the log names)
     (dict(dp=1), dict(dp=1, samples=16), "ppo.num_rollout_samples 8 -> 16"),
     (dict(dp=1), dict(dp=1, n=2), "rollout.n_samples_per_prompt 1 -> 2"),
     (dict(dp=2, n=2), dict(dp=1, samples=4, n=2), "DP size 2 -> 1, ppo.num_rollout_samples 8 -> 4"),
+    (dict(dp=1), dict(dp=1, k=2), "rollout.max_staleness 1 -> 2"),
 ]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("before,after,logged", CHANGES, ids=["dp1to2", "dp2to1", "samples", "n", "dp_and_samples"])
+@pytest.mark.parametrize("before,after,logged", CHANGES, ids=["dp1to2", "dp2to1", "samples", "n", "dp_and_samples",
+                                                                      "staleness"])
 def test_a_resume_with_another_layout_regenerates_the_buffered_steps(tmp_path, caplog, before, after, logged):
     kw = lambda d: {k: v for k, v in d.items() if k != "dp"}  # noqa: E731
-    sd, sampler_sd, log1, _ = _run(tmp_path, "first", kw(before), before["dp"], until=1)
-    assert sorted(b["step"] for b in sd["buffered"]) == [2] * before["dp"]  # version 0's step 2
-    assert {(b["step"], b["version"]) for b in sd["buffered"]} == {(2, 0)}
+    sd, sampler_sd, log1, _ = _run(tmp_path, "first", kw(before), before["dp"], until=2)
+    assert sorted(b["step"] for b in sd["buffered"]) == [3] * before["dp"]  # version 1's step 3
+    assert {(b["step"], b["version"]) for b in sd["buffered"]} == {(3, 1)}
     with caplog.at_level(logging.WARNING, logger="nemo_rlhf.ppo"):
         _, _, log2, _ = _run(tmp_path, "resumed", kw(after), after["dp"], until=STEPS, sd=sd,
-                             trainer=_Trainer(1, sampler_sd))
+                             trainer=_Trainer(2, sampler_sd))
     assert any(logged in r.getMessage() and "dropped and regenerated" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
-    # step 2 regenerated from the checkpoint's weights (version 1), step 3 from version 1 too
-    assert sorted(log2) == [(s, r, 1) for s in (2, 3) for r in range(after["dp"])]
+    # step 3 regenerated from the checkpoint's weights (version 2), step 4 from version 2 too
+    assert sorted(log2) == [(s, r, 2) for s in (3, 4) for r in range(after["dp"])]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dp", [1, 2])
 def test_a_resume_with_the_same_layout_keeps_the_buffered_steps(tmp_path, caplog, dp):
-    sd, sampler_sd, _, _ = _run(tmp_path, "first", {}, dp, until=1)
+    sd, sampler_sd, _, _ = _run(tmp_path, "first", {}, dp, until=2)
     with caplog.at_level(logging.WARNING, logger="nemo_rlhf.ppo"):
-        _, _, log2, metrics = _run(tmp_path, "resumed", {}, dp, until=STEPS, sd=sd, trainer=_Trainer(1, sampler_sd))
+        _, _, log2, metrics = _run(tmp_path, "resumed", {}, dp, until=STEPS, sd=sd, trainer=_Trainer(2, sampler_sd))
     assert not [r for r in caplog.records if "dropped" in r.getMessage()]
-    assert sorted(log2) == [(3, r, 1) for r in range(dp)]  # step 2: the checkpoint's (version 0)
+    assert sorted(log2) == [(4, r, 2) for r in range(dp)]  # step 3: the checkpoint's (version 1)
     assert metrics[0][0]["async/staleness_max"] == 1.0
     assert metrics[0][0]["async/step_generate_s"] > 0  # the seconds travel with the samples
 
@@ -129,12 +131,24 @@ def test_a_resume_with_the_same_layout_keeps_the_buffered_steps(tmp_path, caplog
 @pytest.mark.timeout(120)
 def test_a_buffered_step_whose_prompts_the_sampler_does_not_draw_is_regenerated(tmp_path, caplog):
     """The same layout, another order of prompts (here: the sampler's state moved on)."""
-    sd, sampler_sd, _, _ = _run(tmp_path, "first", {}, 1, until=1)
+    sd, sampler_sd, _, _ = _run(tmp_path, "first", {}, 1, until=2)
     sampler_sd = {**sampler_sd, "consumed_samples": sampler_sd["consumed_samples"] + 8}
     with caplog.at_level(logging.WARNING, logger="nemo_rlhf.ppo"):
-        _, _, log2, _ = _run(tmp_path, "resumed", {}, 1, until=STEPS, sd=sd, trainer=_Trainer(1, sampler_sd))
+        _, _, log2, _ = _run(tmp_path, "resumed", {}, 1, until=STEPS, sd=sd, trainer=_Trainer(2, sampler_sd))
     assert any("not the prompts this run's sampler draws" in r.getMessage() for r in caplog.records)
-    assert sorted(log2) == [(2, 0, 1), (3, 0, 1)]
+    assert sorted(log2) == [(3, 0, 2), (4, 0, 2)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_resume_that_generates_its_next_step_itself_is_not_held_back(tmp_path, k):
+    """Resumed at step 2 from a checkpoint without buffered samples (written in sync mode,
+    or whose samples were dropped): the new controller's back-pressure counts from step 2,
+    so step 3's items are dispatched (on 7fb6bc5 they waited for a step 0 + max_staleness + 1
+    that was never taken)."""
+    _, sampler_sd, _, _ = _run(tmp_path, "first", {"k": k}, 1, until=2)
+    _, _, log2, _ = _run(tmp_path, "resumed", {"k": k}, 1, until=STEPS, sd={}, trainer=_Trainer(2, sampler_sd))
+    assert sorted(log2) == [(3, 0, 2), (4, 0, 2 if k else 3)]
 
 
 @pytest.mark.timeout(120)
