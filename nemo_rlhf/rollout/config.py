@@ -87,6 +87,11 @@ class RolloutConfig:
     worker_start_timeout_s: float = 900.0
     """``mode=async``: how long the trainer waits for its workers to connect (their start-up:
     imports and model build) before it stops naming the missing ones (> 0)."""
+    wait_timeout_s: float = 3600.0
+    """``mode=async``: how long the trainer waits for one step's samples (and, when it
+    saves a checkpoint, for the buffered steps' samples) while the workers are alive; past
+    it the job stops naming the steps, DP ranks and what each worker was doing (> 0). A
+    wait for samples that were never requested fails at once."""
     controller_port: int = 0
     """``mode=async``: TCP port of the controller on the trainer's rank 0 (0: a free one,
     written to ``<exp_dir>/rollout_controller`` for the workers)."""
@@ -136,7 +141,7 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{key}={value!r}: must be an integer >= "
                                  f"{1 if key == 'num_workers' else 0}")
         check_choice("rollout.mode", self.mode, MODES)
-        for key in ("worker_timeout_s", "worker_start_timeout_s"):
+        for key in ("worker_timeout_s", "worker_start_timeout_s", "wait_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"rollout.{key}={getattr(self, key)}: must be > 0")
         check_choice("rollout.engine", self.engine, ENGINES)

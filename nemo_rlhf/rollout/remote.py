@@ -193,6 +193,8 @@ class RolloutController:
         device: where the weights live (``dims.device``): picks NCCL or gloo.
         port: ``rollout.controller_port`` (0: any free port).
         start_timeout_s: ``rollout.worker_start_timeout_s`` (None: ``worker_timeout_s``).
+        wait_timeout_s: ``rollout.wait_timeout_s`` (None: ``worker_timeout_s``): how long
+            :meth:`take` and :meth:`results_for` wait for the items they need.
 
     :meth:`start` opens the store, writes the address file and waits for every worker
     (up to ``start_timeout_s``); the main thread then calls :meth:`publish` after each
@@ -201,19 +203,25 @@ class RolloutController:
     :meth:`preload` carry generated samples through a checkpoint.
 
     Raises (from :meth:`start`, :meth:`take`, :meth:`results_for`):
-    :class:`RolloutWorkerError` naming the worker, what happened and the timeout.
+    :class:`RolloutWorkerError` naming the worker, what happened and the timeout; from
+    :meth:`take` and :meth:`results_for` also when an item they need was never submitted
+    (at once) or did not arrive within ``wait_timeout_s`` (naming the steps, DP ranks and
+    what the workers were doing).
     """
 
     def __init__(self, exp_dir, num_workers: int, max_staleness: int, buffer_size: int,
                  worker_timeout_s: float, device: torch.device, port: int = 0,
-                 start_timeout_s: Optional[float] = None):
+                 start_timeout_s: Optional[float] = None, wait_timeout_s: Optional[float] = None):
         self.start_timeout_s = worker_timeout_s if start_timeout_s is None else start_timeout_s
+        self.wait_timeout_s = worker_timeout_s if wait_timeout_s is None else wait_timeout_s
         self.exp_dir, self.num_workers = Path(exp_dir), num_workers
         self.max_staleness, self.buffer_size = max_staleness, buffer_size
         self.timeout_s, self.device, self.port = worker_timeout_s, device, port
         self.cond = threading.Condition()
         self.pending: deque[RolloutItem] = deque()
         self.results: dict[tuple[int, int], RolloutResult] = {}
+        self.expected: set[tuple[int, int]] = set()
+        """``(step, dp_rank)`` of every item submitted or preloaded and not yet taken."""
         self.taken_step = 0
         """The last step :meth:`take` returned (items up to it are consumed)."""
         self.versions: dict[int, list] = {}
@@ -268,6 +276,14 @@ class RolloutController:
             self.versions[version] = [tensors, manifest, None]
             self.cond.notify_all()
 
+    def begin_at(self, step: int) -> None:
+        """The run starts (or resumes) after step ``step``: steps up to it count as taken, so
+        the back-pressure bound (``buffer_size`` steps after the last taken) lets the next
+        steps' items through. Call before the first :meth:`submit`."""
+        with self.cond:
+            self.taken_step = step
+            self.cond.notify_all()
+
     def retain_from(self, version: int) -> None:
         """No item submitted from now on needs a version below ``version``: such versions
         are freed once no queued item needs them."""
@@ -284,6 +300,7 @@ class RolloutController:
         """Queue an item (steps in order)."""
         with self.cond:
             self.pending.append(item)
+            self.expected.add((item.step, item.dp_rank))
             self.cond.notify_all()
 
     def preload(self, results: list[RolloutResult]) -> None:
@@ -292,32 +309,69 @@ class RolloutController:
         with self.cond:
             for r in results:
                 self.results[(r.item.step, r.item.dp_rank)] = r
+                self.expected.add((r.item.step, r.item.dp_rank))
             self.cond.notify_all()
 
-    def _wait(self, keys: list[tuple[int, int]]) -> None:
+    def _wait(self, keys: list[tuple[int, int]], what: str) -> None:
+        """Until every ``(step, dp_rank)`` of ``keys`` is in :attr:`results` (``self.cond``
+        held). Raises :class:`RolloutWorkerError` at once for a key never submitted (it
+        would never come), when a worker failed, and after ``wait_timeout_s``."""
+        never = [k for k in keys if k not in self.results and k not in self.expected]
+        if self.error:
+            raise RolloutWorkerError(self.error)
+        if never:
+            raise RolloutWorkerError(
+                f"rollout.mode=async: {what} needs the items (step, DP rank) {never}, which were never "
+                f"submitted (submitted and not taken: {sorted(self.expected)[:8]}): the trainer's layout "
+                f"(DP size, ppo.num_rollout_samples, rollout.n_samples_per_prompt) is not the one the "
+                f"items were made for")
+        t0 = time.monotonic()
+        deadline = t0 + self.wait_timeout_s
         while not all(k in self.results for k in keys):
             if self.error:
                 raise RolloutWorkerError(self.error)
-            self.cond.wait(timeout=0.5)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RolloutWorkerError(self._late(keys, what, time.monotonic() - t0))
+            self.cond.wait(timeout=min(0.5, left))
+
+    def _late(self, keys: list[tuple[int, int]], what: str, waited: float) -> str:
+        """The message of a wait past ``wait_timeout_s``: what is missing and where it is."""
+        missing = [k for k in keys if k not in self.results]
+        busy = [f"worker {w.index}: step {w.busy.step} DP rank {w.busy.dp_rank} (weights version "
+                f"{w.busy.version})" if w.busy is not None else f"worker {w.index}: idle"
+                for w in self.workers]
+        queued = [f"step {it.step} DP rank {it.dp_rank} (weights version {it.version}"
+                  f"{'' if it.version in self.versions else ', not published yet'})"
+                  for it in list(self.pending)[:4]]
+        return (f"rollout.mode=async: {what} waited {waited:.1f} s for the items (step, DP rank) {missing} "
+                f"(rollout.wait_timeout_s={self.wait_timeout_s:g}); {'; '.join(busy)}; queued: "
+                f"{', '.join(queued) or 'none'}; raise rollout.wait_timeout_s if generating a step's "
+                f"samples takes longer")
 
     def results_for(self, steps: range, dp: int) -> list[RolloutResult]:
         """The generated items of ``steps`` (every DP rank), waiting for those in flight;
         left in the buffer (a checkpoint's copy)."""
         keys = [(s, r) for s in steps for r in range(dp)]
         with self.cond:
-            self._wait(keys)
+            self._wait(keys, f"saving the rollout buffer (steps {list(steps)})")
             return [self.results[k] for k in keys]
 
     def take(self, step: int, dp: int) -> tuple[list[RolloutResult], dict]:
         """The ``dp`` items of ``step`` (DP rank order), once generated, and the step's
-        ``async/*`` metrics. Blocks; raises :class:`RolloutWorkerError` when a worker failed
-        or a sample is past the staleness bound."""
+        ``async/*`` metrics and ``generated_tokens_per_s``: the step's generated (response)
+        tokens over the generation seconds its items' workers reported, summed over the items
+        (``async/step_generate_s``): one worker's throughput, not the wait's; NaN when an item's
+        seconds are unknown (restored from a checkpoint written before they were kept). Blocks;
+        raises :class:`RolloutWorkerError` when a worker failed, a sample is past the staleness
+        bound, or an item was never submitted or is late (:meth:`_wait`)."""
         t0 = time.perf_counter()
         keys = [(step, r) for r in range(dp)]
         with self.cond:
-            self._wait(keys)
+            self._wait(keys, f"taking step {step}")
             depth = len({s for s, _ in self.results})  # steps ready, this one included
             out = [self.results.pop(k) for k in keys]
+            self.expected.difference_update(keys)
             self.taken_step = step
             stats = dict(self.stats)
             self.stats = dict.fromkeys(self.stats, 0.0)
@@ -328,9 +382,14 @@ class RolloutController:
                                      f"(the trainer holds version {step - 1}): outside 0 .. "
                                      f"rollout.max_staleness={self.max_staleness}")
         rows = [r.batch["input_ids"].shape[0] for r in out]
+        gen_s = sum(r.generate_s for r in out)
+        tokens = sum(float(r.batch["response_mask"].sum()) for r in out)
+        known = all(r.generate_s > 0 for r in out)
         metrics = {"async/staleness_mean": sum(s * n for s, n in zip(stale, rows)) / sum(rows),
                    "async/staleness_max": float(max(stale)), "async/buffer_depth": float(depth),
-                   "async/trainer_wait_s": time.perf_counter() - t0}
+                   "async/trainer_wait_s": time.perf_counter() - t0,
+                   "async/step_generate_s": gen_s if known else float("nan"),
+                   "generated_tokens_per_s": tokens / gen_s if known else float("nan")}
         metrics.update({f"async/{k}": v for k, v in stats.items()})
         return out, metrics
 

@@ -28,7 +28,7 @@ from tests.ppo_helpers import end_session, make_demo_data, read_metrics, read_pr
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 VOLATILE = ("timing/", "_per_s", "async/trainer_wait_s", "async/worker_idle_s", "async/weight_sync_s",
-            "async/generate_s")
+            "async/generate_s", "async/step_generate_s")
 TIMEOUT_S = 240
 
 
@@ -103,6 +103,14 @@ def test_on_policy_async_equals_sync_for_the_same_seed(data, tmp_path):
         only_async = {k for k in a[step] if k.startswith("async/")}
         assert {k: v for k, v in a[step].items() if k not in only_async} == s[step]
     assert _prompt_ids(exp) == _prompt_ids(sync)
+    # generated_tokens_per_s: the step's tokens (the sync run's: the same samples) over the
+    # worker's generation seconds (one worker, on-policy: async/generate_s is this step's item's),
+    # not over the trainer's wait for a ready item (#50)
+    raw_a, raw_s = read_metrics(exp, ()), read_metrics(sync, ())
+    for step in a:
+        tokens = raw_s[step]["generated_tokens_per_s"] * raw_s[step]["timing/rollout_s"]
+        assert raw_a[step]["generated_tokens_per_s"] == pytest.approx(tokens / raw_a[step]["async/generate_s"],
+                                                                      rel=1e-6), (step, tokens, raw_a[step])
 
 
 def test_the_local_launcher_runs_an_async_job_at_tp2(data, tmp_path):
@@ -169,3 +177,34 @@ def test_worker_and_trainer_killed_then_resumed_bit_identical(data, uninterrupte
     assert ids == _prompt_ids(uninterrupted) and sorted(ids) == list(range(1, STEPS + 1))
     flat = [i for s in sorted(ids) for i in ids[s]]
     assert len(flat) == len(set(flat))  # 4 steps x 8 prompts of 64: none twice
+
+
+@pytest.mark.timeout(TIMEOUT_S + 240)
+def test_resumed_at_another_dp_size_the_buffered_step_is_regenerated(data, uninterrupted, tmp_path):
+    """The uninterrupted run's (DP=1) checkpoint after step 2 carries step 3's samples (made by
+    version 1) for one DP rank; resumed at DP=2 under ``launchers.local --nproc 2`` they are
+    dropped, logged naming the change, and step 3 is regenerated from the checkpoint's weights:
+    the run ends (on 7fb6bc5 it waited forever for DP rank 1's item of step 3) (#50)."""
+    import json
+    import shutil
+
+    exp = tmp_path / "dp2"
+    for step in (1, 2):
+        shutil.copytree(uninterrupted / "checkpoints" / f"step_{step}", exp / "checkpoints" / f"step_{step}")
+    cmd = [sys.executable, "-m", "launchers.local", "--no-rm", "--nproc", "2", "--config-name", "ppo_tiny", "--",
+           *_overrides(data, exp, *ASYNC1)]
+    proc = _start(cmd, tmp_path / "launcher.log")
+    code = _finish(proc, timeout=TIMEOUT_S + 60)
+    text = (tmp_path / "launcher.log").read_text()
+    assert code == 0, text[-4000:]
+    assert "resumed from" in text and "trainer finished" in text, text[-4000:]
+    assert "buffered samples (steps [3]) are dropped and regenerated from its weights: DP size 1 -> 2" in text, \
+        text[-4000:]
+    m = _metrics(exp)
+    assert sorted(m) == [3, 4]
+    # step 3 from the checkpoint's weights (version 2: fresher than the bound), step 4 one version old
+    assert [m[s]["async/staleness_max"] for s in (3, 4)] == [0, 1]
+    rows = [json.loads(line) for line in (exp / "prompt_log.jsonl").read_text().splitlines()]
+    ids = {s: [i for r in sorted((r for r in rows if r["step"] == s), key=lambda r: r["dp_rank"])
+               for i in r["prompt_ids"]] for s in (3, 4)}
+    assert ids == {s: _prompt_ids(uninterrupted)[s] for s in (3, 4)}  # the same prompts, split over 2 ranks

@@ -22,7 +22,12 @@ Checkpoints: :meth:`AsyncRollout.state_dict` (rank 0) holds the samples of the s
 ``s + 1 .. s + max_staleness``, which the resumed run cannot regenerate (they were made by
 versions before ``s``); steps after those are regenerated from the checkpoint's weights
 (version ``s``), exactly as the uninterrupted run generated them. A resume is therefore
-bit-identical to the uninterrupted run, and every prompt is trained on once.
+bit-identical to the uninterrupted run, and every prompt is trained on once. The state also
+records the layout that keys the buffered items (:meth:`AsyncRollout.layout`: the DP size,
+``ppo.num_rollout_samples``, ``rollout.n_samples_per_prompt``, ``rollout.max_staleness``);
+a run resumed with another layout, or whose sampler draws other prompts for those steps,
+drops them and regenerates them from the checkpoint's weights (fresher than the bound
+asks), logging what changed.
 """
 
 from __future__ import annotations
@@ -95,7 +100,8 @@ class AsyncRollout:
         self.k = r.max_staleness
         self.controller = (RolloutController(cfg.exp_manager.exp_dir, r.num_workers, r.max_staleness, r.max_staleness + 1,
                                              r.worker_timeout_s, dims.device, r.controller_port,
-                                             start_timeout_s=r.worker_start_timeout_s)
+                                             start_timeout_s=r.worker_start_timeout_s,
+                                             wait_timeout_s=r.wait_timeout_s)
                            if dims.rank == 0 else None)
         self.started = False
         self.start_version = 0
@@ -103,6 +109,13 @@ class AsyncRollout:
         self.lookahead = None
         self._restored: list[RolloutResult] = []
         self.metrics: dict = {}
+
+    def layout(self) -> dict:
+        """What keys the buffered items (``(step, dp_rank)``, each with its share of the
+        step's prompts, made by the version :meth:`version_for` names): stored in
+        :meth:`state_dict` and compared at :meth:`load_state_dict`."""
+        return {"dp": self.dims.dp, "num_rollout_samples": self.cfg.ppo.num_rollout_samples,
+                "n_samples_per_prompt": self.cfg.rollout.n_samples_per_prompt, "max_staleness": self.k}
 
     # --- set-up ----------------------------------------------------------------------------
     def start(self, trainer) -> None:
@@ -118,7 +131,9 @@ class AsyncRollout:
         trainer.collectives.raise_together(failure, "starting the rollout workers", RolloutWorkerError)
         self.start_version = self.submitted = trainer.step
         if self.controller is not None:
+            self.controller.begin_at(trainer.step)  # (a resumed run's back-pressure counts from there)
             self.lookahead = copy.deepcopy(trainer.sampler)
+            self._check_restored_prompts(trainer)
             if self._restored:
                 self.controller.preload(self._restored)
                 self.submitted = max(r.item.step for r in self._restored)
@@ -127,6 +142,24 @@ class AsyncRollout:
                 self._restored = []
         self.started = True
         self.publish(trainer, trainer.step)
+
+    def _check_restored_prompts(self, trainer) -> None:
+        """Drop the restored items (logged) unless they are exactly the items this run would
+        submit for their steps: every DP rank's, with the prompts the sampler draws."""
+        if not self._restored:
+            return
+        n, dp = self.cfg.rollout.n_samples_per_prompt, self.dims.dp
+        got = {(r.item.step, r.item.dp_rank): r.item.prompt_indices for r in self._restored}
+        probe, want = copy.deepcopy(trainer.sampler), {}
+        for step in range(trainer.step + 1, max(s for s, _ in got) + 1):
+            idx = probe.next_global_batch(self._batch_prompts())
+            want.update({(step, r): dp_group_slice(idx, r, dp, n) for r in range(dp)})
+        if got != want:
+            log.warning("rollout.mode=async resume: the checkpoint's %d buffered samples (steps %s) are not "
+                        "the prompts this run's sampler draws for those steps (DP size %d): dropped and "
+                        "regenerated from the checkpoint's weights (version %d)", len(got),
+                        sorted({s for s, _ in got}), dp, trainer.step)
+            self._restored = []
 
     def _batch_prompts(self) -> int:
         return self.cfg.ppo.num_rollout_samples // self.cfg.rollout.n_samples_per_prompt
@@ -214,28 +247,42 @@ class AsyncRollout:
         for r in results:
             out.append({"step": r.item.step, "dp_rank": r.item.dp_rank, "version": r.version,
                         "prompt_indices": r.item.prompt_indices, "item_version": r.item.version,
+                        "generate_s": r.generate_s,
                         "batch": {k: ({"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
                                        "data": v.reshape(-1).tolist()} if torch.is_tensor(v) else v)
                                   for k, v in r.batch.items()}})
-        return {"max_staleness": self.k, "buffered": out}
+        return {"max_staleness": self.k, "layout": self.layout(), "buffered": out}
 
     def load_state_dict(self, sd: dict, encoded: list) -> None:
         """Samples a checkpoint carried (rank 0 keeps them for :meth:`start`). A checkpoint
-        written with another ``rollout.max_staleness`` (or in sync mode) carries none: the
-        steps after it are generated from its weights (fresher than the bound asks)."""
-        if self.controller is None or not sd or sd.get("max_staleness") != self.k:
-            if sd and sd.get("buffered"):
-                log.warning("rollout.max_staleness=%d: the checkpoint's %d buffered samples (max_staleness=%s) "
-                            "are dropped and regenerated", self.k, len(sd["buffered"]), sd.get("max_staleness"))
-            return
+        written in sync mode carries none; one written with another :meth:`layout` (DP size,
+        ``ppo.num_rollout_samples``, ``rollout.n_samples_per_prompt``,
+        ``rollout.max_staleness``; a checkpoint from before the layout was stored: its
+        ``max_staleness``) has its samples dropped, logged naming each change ``old -> new``:
+        the steps after it are generated from its weights (fresher than the bound asks).
+        :meth:`start` drops them too when the sampler draws other prompts for their steps."""
         self._restored = []
-        for b in sd.get("buffered", []):
+        if self.controller is None or not sd or not sd.get("buffered"):
+            return
+        old = sd.get("layout") or {"max_staleness": sd.get("max_staleness")}
+        names = {"dp": "DP size", "num_rollout_samples": "ppo.num_rollout_samples",
+                 "n_samples_per_prompt": "rollout.n_samples_per_prompt", "max_staleness": "rollout.max_staleness"}
+        changed = [f"{names[k]} {old[k]} -> {v}" for k, v in self.layout().items() if k in old and old[k] != v]
+        outside = sorted({i for b in sd["buffered"] for i in b["prompt_indices"] if not 0 <= i < len(encoded)})
+        if outside:
+            changed.append(f"prompt indices {outside[:4]} outside the {len(encoded)} prompts of data.train_file")
+        if changed:
+            log.warning("rollout.mode=async resume: the checkpoint's %d buffered samples (steps %s) are dropped "
+                        "and regenerated from its weights: %s", len(sd["buffered"]),
+                        sorted({b["step"] for b in sd["buffered"]}), ", ".join(changed))
+            return
+        for b in sd["buffered"]:
             batch = {k: (torch.tensor(v["data"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
                          if isinstance(v, dict) and "dtype" in v else v) for k, v in b["batch"].items()}
             item = RolloutItem(step=b["step"], dp_rank=b["dp_rank"], prompt_indices=b["prompt_indices"],
                                prompts=[encoded[i] for i in b["prompt_indices"]], version=b["item_version"])
             self._restored.append(RolloutResult(item=item, version=b["version"], batch=batch, worker=-1,
-                                                generate_s=0.0))
+                                                generate_s=b.get("generate_s", 0.0)))
 
     def close(self) -> None:
         if self.controller is not None:

@@ -340,7 +340,9 @@ class PPOTrainer:
             metrics.update(self.async_rollout.metrics)
         elapsed = time.perf_counter() - t0
         metrics["timing/step_s"] = elapsed
-        metrics["generated_tokens_per_s"] = float(gen_tokens) / max(metrics.get("timing/rollout_s", elapsed), 1e-9)
+        # (rollout.mode=async: the controller's, over the workers' generation seconds, not the wait)
+        metrics.setdefault("generated_tokens_per_s",
+                           float(gen_tokens) / max(metrics.get("timing/rollout_s", elapsed), 1e-9))
         metrics["episodes_per_s"] = self.cfg.ppo.num_rollout_samples / elapsed
         metrics["consumed_samples"] = self.sampler.consumed_samples
         if self.reward_changed and not self._source_change_logged:

@@ -26,6 +26,7 @@ from nemo_rlhf.rollout.config import VLLMConfig
         (dict(stop_token_ids=[3, -1]), "rollout.stop_token_ids[1]", "-1"),
         (dict(stop_strings=[""]), "rollout.stop_strings[0]", "''"),
         (dict(engine="sglang"), "rollout.engine", "'sglang'"),
+        (dict(wait_timeout_s=0.0), "rollout.wait_timeout_s", "0.0"),
         (dict(vllm=VLLMConfig(tensor_parallel_size=0)), "rollout.vllm.tensor_parallel_size", "0"),
         (dict(vllm=VLLMConfig(gpu_memory_utilization=1.5)), "rollout.vllm.gpu_memory_utilization", "1.5"),
         (dict(vllm=VLLMConfig(kv_cache_space_gib=0)), "rollout.vllm.kv_cache_space_gib", "0"),

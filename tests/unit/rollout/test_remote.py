@@ -8,6 +8,7 @@ reported naming the worker."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -61,8 +62,10 @@ class FakeWorker:
         self.code = serve_rollout_worker(self.index, exp_dir, 20.0, torch.device("cpu"), load, generate)
 
 
-def _controller(tmp_path, workers: int, k: int, timeout_s: float = 20.0) -> RolloutController:
-    ctl = RolloutController(tmp_path, workers, k, k + 1, timeout_s, torch.device("cpu"))
+def _controller(tmp_path, workers: int, k: int, timeout_s: float = 20.0,
+                wait_timeout_s: float | None = None) -> RolloutController:
+    kw = {} if wait_timeout_s is None else {"wait_timeout_s": wait_timeout_s}  # None: timeout_s
+    ctl = RolloutController(tmp_path, workers, k, k + 1, timeout_s, torch.device("cpu"), **kw)
     return ctl
 
 
@@ -98,8 +101,8 @@ def started(tmp_path):
     """``(controller, workers)`` after the start; closed afterwards."""
     made = []
 
-    def make(workers=2, k=1, delay_s=0.0, fail_at=None, timeout_s=20.0):
-        ctl = _controller(tmp_path, workers, k, timeout_s)
+    def make(workers=2, k=1, delay_s=0.0, fail_at=None, timeout_s=20.0, wait_timeout_s=None):
+        ctl = _controller(tmp_path, workers, k, timeout_s, wait_timeout_s)
         fakes = [FakeWorker(i, tmp_path, delay_s, fail_at) for i in range(workers)]
         ctl.start()
         made.append((ctl, fakes))
@@ -186,11 +189,13 @@ def test_workers_that_never_come_are_reported_with_the_timeout_and_how_to_start_
 def test_a_silent_worker_is_reported_dead_within_the_timeout(started, monkeypatch):
     import nemo_rlhf.rollout.remote as remote
 
-    ctl, fakes = started(workers=1, k=0, timeout_s=1.5)
+    ctl, fakes = started(workers=1, k=0, timeout_s=1.5, wait_timeout_s=60.0)
     ctl.publish(0, _weights(0))
     ctl.submit(_item(1, 0, 0))
     ctl.submit(_item(1, 1, 0))
     ctl.take(1, DP)
+    for r in range(DP):  # version 1 is never published: the trainer waits on items in the queue
+        ctl.submit(RolloutItem(step=2, dp_rank=r, prompt_indices=[20 + r], prompts=[[2, r, 1]], version=1))
     monkeypatch.setattr(remote, "HEARTBEAT_S", 1000.0)  # the next beat never comes
     t0 = time.monotonic()
     with pytest.raises(RolloutWorkerError, match=r"rollout worker 0 .* sent no heartbeat for \d+ s"):
@@ -232,3 +237,42 @@ def test_batches_cross_the_host_boundary_unchanged_and_checksums_see_every_bit()
     flipped["half"][2] = -flipped["half"][2]
     assert bits_checksum(moved) != base and bits_checksum(flipped) != base
     assert bits_checksum({k: v for k, v in w.items() if k != "half"}) != base
+
+
+@pytest.mark.timeout(60)
+def test_a_step_later_than_the_wait_timeout_is_reported_naming_it_and_the_workers(started):
+    """Every wait has a deadline (rollout.wait_timeout_s): a live worker that takes too long
+    stops the wait, naming the step, the DP ranks, what each worker does and the key (#50)."""
+    ctl, _ = started(workers=1, k=0, delay_s=4.0, wait_timeout_s=0.5)
+    ctl.publish(0, _weights(0))
+    ctl.submit(_item(1, 0, 0))
+    ctl.submit(_item(1, 1, 0))
+    t0 = time.monotonic()
+    with pytest.raises(RolloutWorkerError) as err:
+        ctl.take(1, DP)
+    assert time.monotonic() - t0 < 3
+    msg = str(err.value)
+    assert re.search(r"taking step 1 waited 0\.\d s for the items \(step, DP rank\) \[\(1, 0\), \(1, 1\)\] "
+                     r"\(rollout.wait_timeout_s=0.5\)", msg), msg
+    assert "worker 0: step 1 DP rank 0 (weights version 0)" in msg and "queued: step 1 DP rank 1" in msg, msg
+    assert "raise rollout.wait_timeout_s" in msg
+    with pytest.raises(RolloutWorkerError, match=r"saving the rollout buffer \(steps \[1\]\) waited 0\.\d s .*"
+                                                  r"rollout.wait_timeout_s=0.5"):
+        ctl.results_for(range(1, 2), DP)
+
+
+@pytest.mark.timeout(60)
+def test_waiting_for_an_item_never_submitted_fails_at_once_naming_it(started):
+    """A take of a (step, DP rank) nobody submitted (a resume at another DP size before
+    #50) would wait forever while the heartbeats go on: it fails at once."""
+    ctl, _ = started(workers=1, k=1)
+    ctl.publish(0, _weights(0))
+    ctl.submit(_item(1, 0, 1))
+    ctl.take(1, 1)  # one DP rank's item was made
+    ctl.submit(_item(2, 0, 1))
+    t0 = time.monotonic()
+    with pytest.raises(RolloutWorkerError, match=r"taking step 2 needs the items \(step, DP rank\) \[\(2, 1\)\], "
+                                                  r"which were never submitted .*DP size, ppo.num_rollout_samples, "
+                                                  r"rollout.n_samples_per_prompt"):
+        ctl.take(2, 2)
+    assert time.monotonic() - t0 < 1
