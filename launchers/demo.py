@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -61,11 +62,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(cmd: list[str], log: Path) -> None:
-    """Run a stage, tee its output to ``log``; raise with the log's tail on failure."""
+    """Run a stage in the working directory (as the PPO stage runs: a relative path in an
+    override means what it means to the user), tee its output to ``log``; raise with the
+    log's tail on failure."""
     print(f"$ {' '.join(cmd)}", flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, bufsize=1)
         for line in proc.stdout:
             f.write(line)
@@ -616,8 +619,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=sorted(PROFILES), default=None,
                     help="package.module:TASK only: the model the recipe starts from: smollm2 (default) "
                          "or tiny (random weights and a character tokenizer: it learns by SFT first)")
-    ap.add_argument("--out", default=None, help="experiment root (default experiments/<task>)")
-    ap.add_argument("--data", default=None, help="dataset folder (default data/addition, data/reversal, "
+    ap.add_argument("--out", default=None, help="experiment root; relative: to the working directory "
+                                                "(default: the repository's experiments/<task>)")
+    ap.add_argument("--data", default=None, help="dataset folder; relative: to the working directory "
+                                                 "(default: the repository's data/addition, data/reversal, "
                                                  "or <out>/data for package.module:TASK)")
     ap.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
     ap.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default=None,
@@ -680,11 +685,19 @@ def main(argv=None) -> int:
     ap.add_argument("--refresh-replay", type=float, default=1.0,
                     help="old pairs replayed per new pair in each refresh (against forgetting)")
     ap.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
-                    metavar="KEY=VALUE", help="tiny: a Hydra override of the SFT job (repeatable)")
+                    metavar="KEY=VALUE", help="tiny: a Hydra override of the SFT job (repeatable; a relative "
+                                                "path in it: to the working directory, where every stage "
+                                                "runs)")
     ap.add_argument("--rm-override", dest="rm_overrides", action="append", default=[],
-                    metavar="KEY=VALUE", help="tiny: a Hydra override of the RM job(s) (repeatable)")
-    ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job")
+                    metavar="KEY=VALUE", help="tiny: a Hydra override of the RM job(s) (repeatable; "
+                                                "paths as in --sft-override)")
+    ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job (paths "
+                                                     "as in --sft-override)")
     a = ap.parse_args(argv)
+    for flag in ("out", "data"):  # the user's paths are theirs: relative to where they ran the demo
+        value = getattr(a, flag)
+        if value is not None:
+            setattr(a, flag, os.path.abspath(os.path.expanduser(value)))
     a.ppo_recipe = []
     custom = a.task not in ("smollm2", "tiny")
     if custom and ":" not in a.task:

@@ -187,3 +187,31 @@ def test_a_custom_tasks_ppo_arguments_compose_into_the_ppo_job(tmp_path, monkeyp
     assert cfg.trainer.eval_checker == "pkg_upper_task:TASK.score" and cfg.trainer.eval_extra_checkers == []
     assert [f.name for f in cfg.reward.functions] == ["pkg_upper_task:TASK.score"]
     assert (cfg.data.max_seq_length, cfg.rollout.max_new_tokens, cfg.guards.gold_window) == (64, 8, 1)
+
+
+def test_relative_out_and_data_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    """Run from the folder holding the task (docs/tasks.md), ``--out run --data d`` write
+    there, not into the repository (issue 54: they were ``REPO / a.out``)."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _custom(tmp_path, monkeypatch)
+    argv[argv.index("--out") + 1] = "run_rel"
+    monkeypatch.chdir(tmp_path)
+    assert demo.main([*argv, "--data", "data_rel"]) == 0
+    assert (tmp_path / "run_rel" / "summary.json").is_file()
+    assert (tmp_path / "data_rel" / "ppo_prompts.jsonl").is_file()
+    assert not (demo.REPO / "run_rel").exists() and not (demo.REPO / "data_rel").exists()
+    assert f"data.train_file={tmp_path}/data_rel/ppo_prompts.jsonl" in fake.ppo[0]["args"]
+    assert all(f"exp_manager.exp_dir={tmp_path}/run_rel/rm" in c for c in fake.cmds if "nemo_rlhf.train_rm" in c)
+
+
+def test_the_tiny_demo_and_its_stages_take_relative_paths_from_the_working_directory(tmp_path, monkeypatch):
+    import sys
+
+    seen = {}
+    monkeypatch.setattr(demo, "run_tiny", lambda a: seen.update(vars(a)) or 0)
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--task", "tiny", "--out", "o", "--data", "~/d"]) == 0
+    assert (seen["out"], seen["data"]) == (str(tmp_path / "o"), str(Path.home() / "d"))
+    # a stage (its relative override paths) runs there too, as the PPO stage does
+    demo._run([sys.executable, "-c", "import os; print('cwd=' + os.getcwd())"], tmp_path / "stage.log")
+    assert f"cwd={tmp_path}" in (tmp_path / "stage.log").read_text()
