@@ -193,11 +193,11 @@ def run_tiny(a) -> int:
     times["eval_ppo"] = time.time() - t
 
     rm_acc = _rm_accuracy(rm.parent.parent)
-    kl = _last_metric(ppo_exp, "kl_mean")
+    kl = _kl_summary(ppo_exp)
     summary = {
         "sft_accuracy": baseline["accuracy"], "ppo_accuracy": final["accuracy"],
         "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
-        "rm_heldout_pair_accuracy": rm_acc, "final_kl_mean": kl,
+        "rm_heldout_pair_accuracy": rm_acc, **kl,
         "heldout_accuracy_by_step": _metric_by_step(ppo_exp, "eval/accuracy"),
         "reward_auc_by_step": _metric_by_step(ppo_exp, "eval/reward_auc"),
         "refresh_rounds": rounds,
@@ -215,7 +215,7 @@ def run_tiny(a) -> int:
           f"({summary['improvement_points']:+.1f} points)")
     print(f"RM held-out preference accuracy   : "
           f"{'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'}")
-    print(f"final kl_mean (nats/sequence)     : {kl}")
+    print(f"final kl_mean (nats/sequence)     : {_kl_line(kl)}")
     _print_reward_auc(summary["reward_auc_by_step"])
     _print_rounds(rounds)
     print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
@@ -600,6 +600,41 @@ def _metric_by_step(exp: Path, key: str) -> dict[int, float]:
             if key in row:
                 out[int(row["step"])] = row[key]
     return out
+
+
+def _kl_target(ppo_exp: Path) -> tuple:
+    """``(kl.type, kl.target)`` of the PPO run, from its resolved ``<ppo_exp>/config.yaml``;
+    the target is None with ``kl.type=fixed`` (a fixed coefficient aims at no KL), and both
+    are None when the run wrote no config."""
+    path = ppo_exp / "config.yaml"
+    if not path.is_file():
+        return None, None
+    from omegaconf import OmegaConf
+
+    kl = OmegaConf.to_container(OmegaConf.load(path)).get("kl") or {}
+    kind, target = kl.get("type"), kl.get("target")
+    return kind, (float(target) if kind in ("adaptive", "pi") and target is not None else None)
+
+
+def _kl_summary(ppo_exp: Path) -> dict:
+    """The PPO run's final ``kl_mean`` (nats per sequence), its controller's ``kl.type`` and
+    ``kl.target``, and the ratio of the two (rounded to 0.01; None without a target)."""
+    kl = _last_metric(ppo_exp, "kl_mean")
+    kind, target = _kl_target(ppo_exp)
+    ratio = round(kl / target, 2) if kl is not None and target else None
+    return {"final_kl_mean": kl, "kl_type": kind, "kl_target": target, "final_kl_to_target": ratio}
+
+
+def _kl_line(k: dict) -> str:
+    """One line of :func:`_kl_summary`: ``6.30 (kl.target 6 of kl.type=pi: 1.05x)``."""
+    if k["final_kl_mean"] is None:
+        return "n/a"
+    line = f"{k['final_kl_mean']:.2f}"
+    if k["kl_target"]:
+        line += f" (kl.target {k['kl_target']:g} of kl.type={k['kl_type']}: {k['final_kl_to_target']:.2f}x)"
+    elif k["kl_type"]:
+        line += f" (kl.type={k['kl_type']}: no target)"
+    return line
 
 
 def _system_prompt() -> str:

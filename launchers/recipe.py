@@ -391,20 +391,27 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     if baseline is None:
         baseline = demo._evaluate(Path(policy), data, out / "baseline_eval.json", logs / "eval.log",
                                   *stage_args, "num_examples=8")
-    final = demo._ppo_evaluation(ppo_exp, int(last.name.split("_")[-1]))
+    ppo_step = int(last.name.split("_")[-1])
+    final = demo._ppo_evaluation(ppo_exp, ppo_step)
     if final is None:
         final = demo._evaluate(last, data, out / "ppo_eval.json", logs / "eval.log", *stage_args, "num_examples=8")
+    original = None
+    if sft is not None:  # PPO started from the SFT model: the original model's held-out numbers, once
+        original = demo._evaluate(Path(ckpt), data, out / "original_eval.json", logs / "eval.log", *stage_args,
+                                  "num_examples=0")
     times["eval"] = time.time() - t
     return _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
-                   len(samples_train), baseline, final, pair_counts, rounds, times)
+                   len(samples_train), baseline, final, pair_counts, rounds, times, original, ppo_step)
 
 
 def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right, n_samples,
-            baseline, final, pair_counts, rounds, times) -> int:
-    """``<out>/summary.json`` and the printed before / after table."""
+            baseline, final, pair_counts, rounds, times, original=None, ppo_step=None) -> int:
+    """``<out>/summary.json`` and the printed before / after table. ``baseline`` is PPO's
+    starting policy at step 0 (the SFT model when ``sft``, else the original model);
+    ``original``: the original model's held-out evaluation when SFT came first (else None)."""
     rm_acc = demo._rm_accuracy(rm_exp)
     rm_same_form = demo._rm_accuracy(rm_exp, "val_same_form/accuracy")
-    kl = demo._last_metric(ppo_exp, "kl_mean")
+    kl = demo._kl_summary(ppo_exp)
     fmt = task.extra_checkers[0] if task.extra_checkers else None
     default = a.task == "smollm2"
     summary = {
@@ -412,6 +419,11 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
         **({} if default else {"model": profile.name, "sft_first": sft is not None,
                                "initial_sample_accuracy": probe_acc,
                                "rm_sample_accuracy": right / n_samples if n_samples else None}),
+        "baseline_model": "sft" if sft is not None else "original",
+        **({} if original is None else {
+            "original_accuracy": original["accuracy"],
+            "original_mean_response_length": original.get("mean_response_length"),
+            **({} if fmt is None else {"original_format_compliance": original.get(fmt)})}),
         "baseline_accuracy": baseline["accuracy"], "ppo_accuracy": final["accuracy"],
         "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
         **({} if fmt is None and not default else {
@@ -419,7 +431,7 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
         "baseline_mean_response_length": baseline.get("mean_response_length"),
         "ppo_mean_response_length": final.get("mean_response_length"),
         "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc,
-        "rm_heldout_same_form_accuracy": rm_same_form, "final_kl_mean": kl,
+        "rm_heldout_same_form_accuracy": rm_same_form, **kl,
         "heldout_accuracy_by_step": demo._metric_by_step(ppo_exp, "eval/accuracy"),
         "kl_mean_by_step": demo._metric_by_step(ppo_exp, "kl_mean"),
         "reward_auc_by_step": demo._metric_by_step(ppo_exp, "eval/reward_auc"), "refresh_rounds": rounds,
@@ -438,17 +450,22 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
     if sft is not None:
         print(f"SFT first (the model got 0 sampled answers right): {right}/{n_samples} right after SFT")
     label = (fmt or "").replace("_", " ")
-    print(f"baseline held-out accuracy : {100 * baseline['accuracy']:.1f}%"
-          + (f" (format: {label} {100 * baseline.get(fmt, 0):.1f}%)" if fmt else ""))
-    print(f"PPO policy held-out accuracy: {100 * final['accuracy']:.1f}% "
-          f"({summary['improvement_points']:+.1f} points"
-          + (f"; format {100 * final.get(fmt, 0):.1f}%)" if fmt else ")"))
-    print(f"mean response length        : {baseline['mean_response_length']:.1f} -> "
-          f"{final['mean_response_length']:.1f} tokens")
+    rows = [("original model (before SFT)", original, None)] if original is not None else []
+    rows += [("SFT model (PPO's start, step 0)" if sft is not None else "original model (PPO's start, step 0)",
+              baseline, None),
+             (f"PPO policy (step {ppo_step})" if ppo_step is not None else "PPO policy",
+              final, f"{summary['improvement_points']:+.1f} points over PPO's start")]
+    width = max(len(name) for name, _, _ in rows)
+    print("held-out accuracy (greedy, the task's checker):")
+    for name, ev, note in rows:
+        notes = [n for n in (note, f"format: {label} {100 * ev.get(fmt, 0):.1f}%" if fmt else None,
+                             f"mean length {ev['mean_response_length']:.1f} tokens"
+                             if ev.get("mean_response_length") is not None else None) if n]
+        print(f"  {name:<{width}} : {100 * ev['accuracy']:5.1f}% ({'; '.join(notes)})")
     print(f"RM held-out pair accuracy   : {'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'} "
           f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong answer, same "
           f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
-    print(f"final kl_mean (nats/seq)    : {kl}")
+    print(f"final kl_mean (nats/seq)    : {demo._kl_line(kl)}")
     demo._print_reward_auc(summary["reward_auc_by_step"])
     demo._print_rounds(rounds)
     print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))

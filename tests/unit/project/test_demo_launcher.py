@@ -245,3 +245,23 @@ def test_a_refresh_round_is_checked_on_unseen_prompts_before_ppo_uses_its_rm(tmp
 def test_a_negative_min_gain_uses_the_refreshed_rm_unchecked(tmp_path, monkeypatch):
     r, rm, seen, out = _fake_round(tmp_path, monkeypatch, 0.9, 0.1, min_gain=-1.0)
     assert rm == out / "rm_round_1" / "checkpoints" / "step_3" and r["rm_policy_unseen"]["kept_refreshed_rm"]
+
+
+def test_the_kl_summary_names_the_runs_target_and_the_ratio(tmp_path):
+    """From the PPO run's own config.yaml: a target only for the adaptive and pi
+    controllers; the ratio rounded to 0.01 (issue 54)."""
+    import launchers.demo as demo
+
+    exp = tmp_path / "ppo"
+    exp.mkdir()
+    assert demo._kl_summary(exp) == {"final_kl_mean": None, "kl_type": None, "kl_target": None,
+                                     "final_kl_to_target": None}
+    (exp / "metrics.jsonl").write_text('{"step": 1, "kl_mean": 0.5}\n{"step": 2, "kl_mean": 0.987}\n')
+    (exp / "config.yaml").write_text("kl:\n  type: adaptive\n  target: 1.0\n")
+    k = demo._kl_summary(exp)
+    assert (k["final_kl_mean"], k["kl_target"], k["final_kl_to_target"]) == (0.987, 1.0, 0.99)
+    assert demo._kl_line(k) == "0.99 (kl.target 1 of kl.type=adaptive: 0.99x)"
+    (exp / "config.yaml").write_text("kl:\n  type: fixed\n  target: 1.0\n")
+    k = demo._kl_summary(exp)
+    assert k["kl_target"] is None and k["final_kl_to_target"] is None
+    assert demo._kl_line(k) == "0.99 (kl.type=fixed: no target)"

@@ -58,6 +58,10 @@ class FakeStages:
                     wrong = str(int(answer) + 1) if answer.isdigit() else answer.lower()
                     out.append(sample_row(row["prompt"], answer if ok else wrong, float(ok), 2, extras, sample=k))
             Path(args["samples_out"]).write_text("".join(json.dumps(r) + "\n" for r in out))
+        elif "out" in args and "nemo_rlhf.evaluate" in cmd:  # a greedy held-out evaluation
+            Path(args["out"]).write_text(json.dumps({"checkpoint": args["checkpoint"], "examples": [],
+                                                     "accuracy": self.right(args["checkpoint"]),
+                                                     "mean_response_length": 3.0}))
 
     def latest(self, exp):
         exp = str(exp)
@@ -69,6 +73,9 @@ class FakeStages:
 
     def ppo_stage(self, ppo_args, rm, ppo_exp, config_name, nproc, max_steps):
         self.ppo.append({"args": list(ppo_args), "rm": str(rm), "config": config_name, "steps": max_steps})
+        ppo_exp.mkdir(parents=True, exist_ok=True)  # what the trainer writes: its config, its metrics
+        (ppo_exp / "config.yaml").write_text("kl:\n  type: pi\n  target: 6.0\n")
+        (ppo_exp / "metrics.jsonl").write_text(json.dumps({"step": max_steps, "kl_mean": 6.3012}) + "\n")
 
     def modules(self):
         return [c[1] if c[0] == "-m" else c[0] for c in self.cmds]
@@ -142,7 +149,8 @@ def test_a_task_the_model_cannot_do_gets_sft_on_its_demonstrations_first(tmp_pat
     assert demo.main(_custom(tmp_path, monkeypatch)) == 0
     out = tmp_path / "out"
     assert fake.modules() == ["launchers.recipe", "nemo_rlhf.evaluate", "nemo_rlhf.train_sft", "nemo_rlhf.evaluate",
-                              "nemo_rlhf.evaluate", "nemo_rlhf.train_rm"]
+                              "nemo_rlhf.evaluate", "nemo_rlhf.train_rm",
+                              "nemo_rlhf.evaluate"]  # the original model's held-out accuracy
     assert "the model cannot do task 'upper': 0 of 24 sampled answers" in capsys.readouterr().out
     sft = f"{out}/sft/checkpoints/step_1"
     assert f"sft.init_from={out}/model/checkpoints/step_0" in fake.cmds[2] and "trainer.max_steps=7" in fake.cmds[2]
@@ -215,3 +223,43 @@ def test_the_tiny_demo_and_its_stages_take_relative_paths_from_the_working_direc
     # a stage (its relative override paths) runs there too, as the PPO stage does
     demo._run([sys.executable, "-c", "import os; print('cwd=' + os.getcwd())"], tmp_path / "stage.log")
     assert f"cwd={tmp_path}" in (tmp_path / "stage.log").read_text()
+
+
+def test_with_sft_first_the_summary_has_the_original_the_sft_and_the_ppo_rows(tmp_path, monkeypatch, capsys):
+    """PPO's step 0 is the SFT model; the original model's held-out accuracy is measured
+    once (one greedy ``nemo_rlhf.evaluate`` of it, reused by a rerun) and every row says
+    what it is; the KL line names the target and the ratio (issue 54)."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0 if ckpt.endswith("/model/checkpoints/step_0") else 0.5)
+    monkeypatch.setattr(demo, "_ppo_evaluation", lambda exp, step, num_examples=8: {
+        "accuracy": 0.5 if step == 0 else 0.75, "mean_response_length": 2.0, "examples": []})
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    out = tmp_path / "out"
+    greedy = [c for c in fake.cmds if c[1] == "nemo_rlhf.evaluate" and not any("samples_out" in x for x in c)]
+    assert len(greedy) == 1 and f"checkpoint={out}/model/checkpoints/step_0" in greedy[0]
+    assert f"data={out}/data/eval.jsonl" in greedy[0]
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["baseline_model"], s["original_accuracy"], s["baseline_accuracy"], s["ppo_accuracy"]) == (
+        "sft", 0.0, 0.5, 0.75)
+    assert (s["final_kl_mean"], s["kl_type"], s["kl_target"], s["final_kl_to_target"]) == (6.3012, "pi", 6.0, 1.05)
+    text = capsys.readouterr().out
+    table = text[text.index("held-out accuracy (greedy"):].splitlines()[1:4]
+    assert [row.split(":")[0].strip() for row in table] == [
+        "original model (before SFT)", "SFT model (PPO's start, step 0)", "PPO policy (step 60)"]
+    assert [row.split(":")[1].split("%")[0].strip() for row in table] == ["0.0", "50.0", "75.0"]
+    assert "+25.0 points over PPO's start" in table[2]
+    assert "final kl_mean (nats/seq)    : 6.30 (kl.target 6 of kl.type=pi: 1.05x)" in text
+    # a rerun reuses the original model's evaluation
+    fake.cmds.clear()
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    assert not [c for c in fake.cmds if c[1] == "nemo_rlhf.evaluate"]
+
+
+def test_without_sft_the_summary_says_the_baseline_is_the_original_model(tmp_path, monkeypatch, capsys):
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["baseline_model"] == "original" and "original_accuracy" not in s
+    text = capsys.readouterr().out
+    table = text[text.index("held-out accuracy (greedy"):].splitlines()[1:3]
+    assert [row.split(":")[0].strip() for row in table] == ["original model (PPO's start, step 0)",
+                                                            "PPO policy (step 60)"]
