@@ -61,10 +61,62 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+_processes_started = 0
+"""Stage processes started by this process (:class:`StageTimes` tells a stage that did its
+work from one whose outputs existed)."""
+
+
+def _note_process() -> None:
+    """Count a stage process as started (:func:`_run`, :func:`_ppo_stage`)."""
+    global _processes_started
+    _processes_started += 1
+
+
+class StageTimes:
+    """Wall time (s) of each demo stage, for ``summary.json``'s ``wall_time_s``.
+
+    A stage that started no process (every output it makes existed: a rerun) keeps the time
+    the run that did its work recorded, from ``summary``'s previous ``wall_time_s``
+    (:attr:`kept` names those stages); without a previous value its own (short) time counts.
+
+    Args:
+        summary: ``<out>/summary.json`` (absent or unreadable: nothing to keep).
+    """
+
+    def __init__(self, summary: Path):
+        self.times: dict[str, float] = {}
+        self.kept: list[str] = []
+        try:
+            self.previous = dict(json.loads(summary.read_text()).get("wall_time_s") or {})
+        except (OSError, ValueError, AttributeError):
+            self.previous = {}
+        self.start()
+
+    def start(self) -> None:
+        """A stage starts now."""
+        self._t, self._n = time.time(), _processes_started
+
+    def stop(self, name: str) -> None:
+        """Stage ``name`` (started by the last :meth:`start`) ends now."""
+        if _processes_started == self._n and name in self.previous:
+            self.times[name] = float(self.previous[name])
+            self.kept.append(name)
+        else:
+            self.times[name] = time.time() - self._t
+
+    def line(self) -> str:
+        """The printed ``wall time (s)`` line, naming the kept stages."""
+        text = "wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in self.times.items())
+        if self.kept:
+            text += f" ({', '.join(self.kept)}: kept from the run that did the work; this run skipped them)"
+        return text
+
+
 def _run(cmd: list[str], log: Path) -> None:
     """Run a stage in the working directory (as the PPO stage runs: a relative path in an
     override means what it means to the user), tee its output to ``log``; raise with the
     log's tail on failure."""
+    _note_process()
     print(f"$ {' '.join(cmd)}", flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as f:
@@ -127,8 +179,7 @@ def run_tiny(a) -> int:
     """The tiny synthetic pipeline (``--task tiny``)."""
     out, data = REPO / (a.out or "experiments/demo"), REPO / (a.data or "data/reversal")
     logs = out / "logs"
-    times: dict[str, float] = {}
-    t = time.time()
+    clock = StageTimes(out / "summary.json")
 
     from nemo_rlhf.tasks.reversal import ReversalTaskConfig, make_reversal_dataset
 
@@ -136,9 +187,9 @@ def run_tiny(a) -> int:
         make_reversal_dataset(data, ReversalTaskConfig())
     except FileExistsError as exc:
         raise SystemExit(f"--data: {exc}") from None
-    times["data"] = time.time() - t
+    clock.stop("data")
 
-    t = time.time()
+    clock.start()
     if _latest(out / "sft") is None:
         _run([sys.executable, "-m", "nemo_rlhf.train_sft", "--config-name", "sft_tiny",
               f"exp_manager.exp_dir={out / 'sft'}",
@@ -146,9 +197,9 @@ def run_tiny(a) -> int:
               f"data.tokenizer_dir={data / 'tokenizer'}", f"trainer.precision={a.precision}",
               *a.sft_overrides], logs / "sft.log")
     sft = _latest(out / "sft")
-    times["sft"] = time.time() - t
+    clock.stop("sft")
 
-    t = time.time()
+    clock.start()
 
     def train_rm(exp: Path, init_from, train_file: Path, steps, extra=()) -> None:
         _run([sys.executable, "-m", "nemo_rlhf.train_rm", "--config-name", "rm_tiny", f"exp_manager.exp_dir={exp}",
@@ -162,22 +213,22 @@ def run_tiny(a) -> int:
     if _latest(out / "rm") is None:  # from the SFT model, as InstructGPT's RM (sec. 3.5)
         train_rm(out / "rm", sft, data / "preference.jsonl", None)
     rm = _latest(out / "rm")
-    times["rm"] = time.time() - t
+    clock.stop("rm")
 
-    t = time.time()
+    clock.start()
     baseline = _evaluate(sft, data, out / "sft_eval.json", logs / "eval.log", f"precision={a.precision}")
-    times["eval_sft"] = time.time() - t
+    clock.stop("eval_sft")
 
-    t = time.time()
+    clock.start()
     ppo_exp = out / "ppo"
     ppo_args = [f"exp_manager.init_from={sft}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={data / 'tokenizer'}",
                 "reward.normalization=fixed", f"trainer.precision={a.precision}", *a.ppo_overrides]
     base_steps = _first_stage_steps(a, _ppo_max_steps("ppo_tiny", a.ppo_overrides))
     _ppo_stage(ppo_args, rm, ppo_exp, "ppo_tiny", a.nproc, base_steps)
-    times["ppo"] = time.time() - t
+    clock.stop("ppo")
 
-    t = time.time()
+    clock.start()
     rounds = []
     if a.refresh_rounds:
         rounds, rm = _refresh_rounds(
@@ -185,12 +236,12 @@ def run_tiny(a) -> int:
             config_name="ppo_tiny", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
             base_pairs=data / "preference.jsonl", train_rm=train_rm,
             rm_batch=_rm_global_batch(a.rm_overrides), eval_args=[f"precision={a.precision}"])
-    times["refresh"] = time.time() - t
+    clock.stop("refresh")
 
-    t = time.time()
+    clock.start()
     final = _evaluate(_latest(ppo_exp), data, out / "ppo_eval.json", logs / "eval.log",
                       f"precision={a.precision}")
-    times["eval_ppo"] = time.time() - t
+    clock.stop("eval_ppo")
 
     rm_acc = _rm_accuracy(rm.parent.parent)
     kl = _kl_summary(ppo_exp)
@@ -203,7 +254,7 @@ def run_tiny(a) -> int:
         "refresh_rounds": rounds,
         "sft_mean_response_length": baseline.get("mean_response_length"),
         "ppo_mean_response_length": final.get("mean_response_length"),
-        "wall_time_s": {k: round(v, 1) for k, v in times.items()},
+        "wall_time_s": {k: round(v, 1) for k, v in clock.times.items()}, "wall_time_s_kept": clock.kept,
         "checkpoints": {"sft": str(sft), "rm": str(rm), "first_rm": str(_latest(out / "rm")),
                         "ppo": str(_latest(ppo_exp))},
         "tensorboard": str(ppo_exp / "tensorboard"),
@@ -218,7 +269,7 @@ def run_tiny(a) -> int:
     print(f"final kl_mean (nats/sequence)     : {_kl_line(kl)}")
     _print_reward_auc(summary["reward_auc_by_step"])
     _print_rounds(rounds)
-    print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    print(clock.line())
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
     return 0
 
@@ -397,6 +448,7 @@ def _ppo_stage(ppo_args: list, rm, ppo_exp: Path, config_name: str, nproc: int, 
     done = _latest(ppo_exp)
     if done is not None and int(read_metadata(done).get("step", 0)) >= max_steps:
         return  # a rerun of a finished stage: not even a resume (it would record this stage's RM)
+    _note_process()
     code = run_ppo_with_rm(
         [*ppo_args, f"trainer.max_steps={max_steps}"],
         LocalRunConfig(rm_checkpoint=None if rm is None else str(rm), nproc=nproc,

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -239,10 +238,11 @@ def _sft_first(a, task, profile: ModelProfile, out: Path, data: Path, policy, to
 
 
 def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, ckpt, tok, stage_args: list,
-                        times: dict, t: float) -> tuple:
+                        clock: "demo.StageTimes") -> tuple:
     """Stage 3 (module docstring): the policy the RM data comes from (the model, or the SFT
-    model when the model got no sampled answer right) and the RM's pairs. Records
-    ``times["sft"]`` (with SFT) and ``times["rm_samples"]`` (since ``t``).
+    model when the model got no sampled answer right) and the RM's pairs. Records on
+    ``clock`` (started by the caller) ``first_samples_and_sft`` (with SFT: the original
+    model's samples, which showed it cannot do the task, and SFT) and ``rm_samples``.
 
     Returns:
         ``(policy, sft checkpoint or None, initial sample accuracy (0.0 with SFT, else
@@ -266,8 +266,8 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
         probe_acc = 0.0
     if sft is not None:
         policy = sft
-        times["sft"] = time.time() - t
-        t = time.time()
+        clock.stop("first_samples_and_sft")
+        clock.start()
     samples_train = _sample(a, policy, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args,
                             logs / "rm_samples.log")
     _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
@@ -290,7 +290,7 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
             task.edit_answer is not None and pair_counts["val_same_form"] == 0):
         raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
                          f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
-    times["rm_samples"] = time.time() - t
+    clock.stop("rm_samples")
     return policy, sft, probe_acc, samples_train, pair_counts
 
 
@@ -303,26 +303,26 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     out = REPO / (a.out or ("experiments/smollm2" if default else f"experiments/{task.name}"))
     data = REPO / a.data if a.data else (REPO / "data/addition" if default else out / "data")
     logs = out / "logs"
-    times: dict[str, float] = {}
+    clock = demo.StageTimes(out / "summary.json")
     py = sys.executable
     new_tokens = f"max_new_tokens={task.max_new_tokens or profile.max_new_tokens}"
     checkers = [f"checker={checker}",
                 *([f"extra_checkers=[{','.join(task.extra_checkers)}]"] if task.extra_checkers else []),
                 f"precision={a.precision}"]
 
-    t = time.time()
+    clock.start()
     model = prepare_model(profile, out, a.model_seed)
     ckpt, tok = model["checkpoint"], model["tokenizer_dir"]
-    times["model_setup"] = time.time() - t
+    clock.stop("model_setup")
 
-    t = time.time()
+    clock.start()
     try:
         write_prompt_files(task, data, n_rm=a.rm_prompts, n_rm_val=a.rm_val_prompts, n_ppo=a.ppo_prompts)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    times["data"] = time.time() - t
+    clock.stop("data")
 
-    t = time.time()
+    clock.start()
     rm_data = out / "rm_data"
     settings = {
         "rm_prompts": a.rm_prompts, "rm_samples_per_prompt": a.rm_samples_per_prompt,
@@ -335,10 +335,10 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     demo._check_stage_settings(rm_data / "settings.json", settings)
     stage_args = [new_tokens, *checkers]
     policy, sft, probe_acc, samples_train, pair_counts = _policy_and_rm_data(
-        a, task, profile, out, data, ckpt, tok, stage_args, times, t)
+        a, task, profile, out, data, ckpt, tok, stage_args, clock)
     right = count_right(samples_train)
 
-    t = time.time()
+    clock.start()
     rm_exp = out / "rm"
 
     def train_rm(exp: Path, init_from: str, train_file: Path, steps: int, extra=()) -> None:
@@ -351,9 +351,9 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         train_rm(rm_exp, policy, rm_data / "preference_train.jsonl",
                  max(1, int(a.rm_epochs * pair_counts["train"] // 16)))
     rm = demo._latest(rm_exp)
-    times["rm"] = time.time() - t
+    clock.stop("rm")
 
-    t = time.time()
+    clock.start()
     ppo_exp = out / "ppo"
     reward = {"rm": [], "checker": ["reward.rm_weight=0", f"reward.functions=[{{name: '{checker}'}}]"],
               "both": [f"reward.functions=[{{name: '{checker}'}}]"]}[a.reward]
@@ -370,9 +370,9 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     base_steps = demo._first_stage_steps(a, demo._ppo_max_steps(profile.ppo_config, a.ppo_overrides))
     demo._ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, profile.ppo_config, a.nproc,
                     base_steps)
-    times["ppo"] = time.time() - t
+    clock.stop("ppo")
 
-    t = time.time()
+    clock.start()
     rounds = []
     if a.refresh_rounds:
         rounds, rm = demo._refresh_rounds(
@@ -380,12 +380,12 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
             config_name=profile.ppo_config, base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
             base_pairs=rm_data / "preference_train.jsonl", train_rm=train_rm, rm_batch=16,
             eval_args=stage_args, task=task if task.edit_answer is not None else None)
-    times["refresh"] = time.time() - t
+    clock.stop("refresh")
 
     # before / after: the PPO run's own greedy evaluations of step 0 and of its last step
     # (the held-out set, the same checkers); a separate `nemo_rlhf.evaluate` only when the
     # run did not evaluate (it would repeat the same decoding: 52 s of the 25-minute demo)
-    t = time.time()
+    clock.start()
     last = demo._latest(ppo_exp)
     baseline = demo._ppo_evaluation(ppo_exp, 0)
     if baseline is None:
@@ -399,13 +399,13 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     if sft is not None:  # PPO started from the SFT model: the original model's held-out numbers, once
         original = demo._evaluate(Path(ckpt), data, out / "original_eval.json", logs / "eval.log", *stage_args,
                                   "num_examples=0")
-    times["eval"] = time.time() - t
+    clock.stop("eval")
     return _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
-                   len(samples_train), baseline, final, pair_counts, rounds, times, original, ppo_step)
+                   len(samples_train), baseline, final, pair_counts, rounds, clock, original, ppo_step)
 
 
 def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right, n_samples,
-            baseline, final, pair_counts, rounds, times, original=None, ppo_step=None) -> int:
+            baseline, final, pair_counts, rounds, clock, original=None, ppo_step=None) -> int:
     """``<out>/summary.json`` and the printed before / after table. ``baseline`` is PPO's
     starting policy at step 0 (the SFT model when ``sft``, else the original model);
     ``original``: the original model's held-out evaluation when SFT came first (else None)."""
@@ -435,7 +435,7 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
         "heldout_accuracy_by_step": demo._metric_by_step(ppo_exp, "eval/accuracy"),
         "kl_mean_by_step": demo._metric_by_step(ppo_exp, "kl_mean"),
         "reward_auc_by_step": demo._metric_by_step(ppo_exp, "eval/reward_auc"), "refresh_rounds": rounds,
-        "wall_time_s": {k: round(v, 1) for k, v in times.items()},
+        "wall_time_s": {k: round(v, 1) for k, v in clock.times.items()}, "wall_time_s_kept": clock.kept,
         "checkpoints": {"policy_init": str(ckpt), **({"sft": str(sft)} if sft is not None else {}),
                         "rm": str(rm), "first_rm": str(demo._latest(rm_exp)), "ppo": str(demo._latest(ppo_exp))},
         "tensorboard": str(ppo_exp / "tensorboard"),
@@ -468,7 +468,7 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
     print(f"final kl_mean (nats/seq)    : {demo._kl_line(kl)}")
     demo._print_reward_auc(summary["reward_auc_by_step"])
     demo._print_rounds(rounds)
-    print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    print(clock.line())
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
     return 0
 

@@ -45,6 +45,7 @@ class FakeStages:
                                                                "tokenizer_dir": "/MODEL/tokenizer"})
 
     def run(self, cmd, log):
+        demo._note_process()  # as the real _run: a stage process started
         self.cmds.append([str(c) for c in cmd[1:]])
         args = dict(c.split("=", 1) for c in cmd if "=" in c and not c.startswith(("-", "+")))
         if "samples_out" in args:
@@ -72,6 +73,9 @@ class FakeStages:
         return Path(exp) / "checkpoints" / ("step_0" if exp.endswith("model") else "step_1") if made else None
 
     def ppo_stage(self, ppo_args, rm, ppo_exp, config_name, nproc, max_steps):
+        if self.ppo and self.ppo[-1]["steps"] >= max_steps:
+            return  # as the real stage: a finished run is not even resumed
+        demo._note_process()
         self.ppo.append({"args": list(ppo_args), "rm": str(rm), "config": config_name, "steps": max_steps})
         ppo_exp.mkdir(parents=True, exist_ok=True)  # what the trainer writes: its config, its metrics
         (ppo_exp / "config.yaml").write_text("kl:\n  type: pi\n  target: 6.0\n")
@@ -263,3 +267,30 @@ def test_without_sft_the_summary_says_the_baseline_is_the_original_model(tmp_pat
     table = text[text.index("held-out accuracy (greedy"):].splitlines()[1:3]
     assert [row.split(":")[0].strip() for row in table] == ["original model (PPO's start, step 0)",
                                                             "PPO policy (step 60)"]
+
+
+def test_a_rerun_that_skips_every_stage_keeps_the_timings_of_the_run_that_did_the_work(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Issue 54: the rerun's summary had zeros for every stage. The SFT stage's time is
+    labelled as including the first sampling (of the model that could not do the task)."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0 if ckpt.endswith("/model/checkpoints/step_0") else 0.5)
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    path = tmp_path / "out" / "summary.json"
+    first = json.loads(path.read_text())
+    assert list(first["wall_time_s"]) == ["model_setup", "data", "first_samples_and_sft", "rm_samples", "rm",
+                                          "ppo", "refresh", "eval"]
+    assert first["wall_time_s_kept"] == []
+    worked = {k: 100.0 + i for i, k in enumerate(first["wall_time_s"])}  # what a real run would have taken
+    path.write_text(json.dumps({**first, "wall_time_s": worked}))
+    n_cmds, n_ppo = len(fake.cmds), len(fake.ppo)
+    capsys.readouterr()
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    assert (len(fake.cmds), len(fake.ppo)) == (n_cmds, n_ppo)  # every stage skipped
+    again = json.loads(path.read_text())
+    assert again["wall_time_s"] == worked and again["wall_time_s_kept"] == list(worked)
+    assert "kept from the run that did the work" in capsys.readouterr().out
+    # a rerun that does some work (a longer PPO) times that stage anew and keeps the others
+    assert demo.main([*_custom(tmp_path, monkeypatch), "trainer.max_steps=70"]) == 0
+    third = json.loads(path.read_text())
+    assert third["wall_time_s_kept"] == [k for k in worked if k != "ppo"]
+    assert third["wall_time_s"]["ppo"] < 100.0 and third["wall_time_s"]["rm"] == worked["rm"]
