@@ -698,88 +698,98 @@ def _system_prompt() -> str:
 def main(argv=None) -> int:
     from launchers.recipe import PROFILES
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Flags are grouped by where they apply. Words after the flags: overrides of the PPO job.")
     ap.add_argument("--task", default="smollm2", metavar="smollm2|tiny|package.module:TASK",
                     help="smollm2: SmolLM2-135M-Instruct on two-digit addition (default); "
                          "tiny: the synthetic demo on a tiny model; package.module:TASK: the recipe on "
                          "your task, a nemo_rlhf.tasks.task.Task (docs/tasks.md), with --model")
-    ap.add_argument("--model", choices=sorted(PROFILES), default=None,
-                    help="package.module:TASK only: the model the recipe starts from: smollm2 (default) "
-                         "or tiny (random weights and a character tokenizer: it learns by SFT first)")
-    ap.add_argument("--out", default=None, help="experiment root; relative: to the working directory "
+    every = ap.add_argument_group("every task")
+    every.add_argument("--out", default=None, help="experiment root; relative: to the working directory "
                                                 "(default: the repository's experiments/<task>)")
-    ap.add_argument("--data", default=None, help="dataset folder; relative: to the working directory "
+    every.add_argument("--data", default=None, help="dataset folder; relative: to the working directory "
                                                  "(default: the repository's data/addition, data/reversal, "
                                                  "or <out>/data for package.module:TASK)")
-    ap.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
-    ap.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default=None,
+    every.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
+    every.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default=None,
                     help="trainer.precision of every stage (samples, RM, RM server, PPO, evaluation), "
-                         "resolved once here; auto (smollm2's default): bf16-mixed where the CPU has bf16 "
-                         "instructions that torch uses (AMX or AVX-512 BF16; a CUDA GPU with bf16), "
+                         "resolved once here; auto (the SmolLM2 model's default): bf16-mixed where the CPU "
+                         "has bf16 instructions that torch uses (AMX or AVX-512 BF16; a CUDA GPU with bf16), "
                          "and with it the bf16 recipe (SMOLLM2_RECIPE). "
-                         "tiny's default: 32. Log-probs, KL, advantages and losses stay fp32 either way")
-    ap.add_argument("--reward", choices=["rm", "checker", "both"], default="rm",
-                    help="smollm2: PPO reward from the served RM (default; the checker only labels its "
-                         "pairs and evaluates), the rule-based checker, or their sum (docs/demo.md: measured)")
-    ap.add_argument("--rm-prompts", type=int, default=256, help="smollm2: prompts sampled for RM pairs")
-    ap.add_argument("--rm-samples-per-prompt", type=int, default=4, help="smollm2: answers sampled per RM prompt")
-    ap.add_argument("--rm-temperature", type=float, default=0.7, help="smollm2: sampling temperature of RM data")
-    ap.add_argument("--rm-epochs", type=float, default=None,
-                    help="smollm2: passes over the RM pairs (may be fractional; default: the "
-                         "precision's recipe, SMOLLM2_RECIPE)")
-    ap.add_argument("--rm-lr", type=float, default=1.0e-4, help="smollm2: peak learning rate of the RM")
-    ap.add_argument("--rm-edit-pairs", type=int, default=4,
-                    help="smollm2 and package.module:TASK: minimal pairs per RM prompt that differ only in "
-                         "the stated answer (Task.edit_answer; addition: the number); 0 = only natural pairs")
-    ap.add_argument("--rm-val-prompts", type=int, default=64,
-                    help="smollm2 and package.module:TASK: prompts whose samples are the RM's held-out pairs")
-    ap.add_argument("--ppo-prompts", type=int, default=4096,
-                    help="smollm2 and package.module:TASK: PPO prompts at most (the rest of the train problems)")
-    ap.add_argument("--sft-steps", type=int, default=None,
-                    help="package.module:TASK: SFT steps when the model gets no sampled answer right "
-                         "(default: the model profile's, launchers/recipe.py)")
-    ap.add_argument("--sft-rows", type=int, default=2000,
-                    help="package.module:TASK: demonstrations (Task.demonstrate) of the PPO prompts for that SFT")
-    ap.add_argument("--model-seed", type=int, default=0,
-                    help="package.module:TASK --model tiny: seed of the random initial weights")
-    ap.add_argument("--rm-freeze-layers", type=int, default=10,
-                    help="smollm2: lower transformer layers of the RM kept at the pretrained weights")
-    ap.add_argument("--refresh-rounds", type=int, default=0,
-                    help="rounds of bad-case replay after PPO: the policy's samples on which the RM "
-                         "contradicts the checker become new RM pairs, the RM continues from its "
-                         "checkpoint on them, PPO resumes against the refreshed RM (needs the RM reward)")
-    ap.add_argument("--refresh-ppo-steps", type=int, default=None,
-                    help="PPO steps after each refresh (default: trainer.max_steps split evenly over "
-                         "the rounds + 1 stages, so the PPO total stays trainer.max_steps)")
-    ap.add_argument("--refresh-prompts", type=int, default=128,
-                    help="PPO prompts the policy answers for each refresh")
-    ap.add_argument("--refresh-heldout-prompts", type=int, default=128,
-                    help="PPO prompts after --refresh-prompts that the policy also answers and no round "
-                         "trains on: the labeller's pairs of those answers check the refreshed RM")
-    ap.add_argument("--refresh-min-gain", type=float, default=0.05,
-                    help="the refreshed RM replaces the current one only if it is right on that many more "
-                         "of the check pairs (0.05 = 5 points); otherwise PPO continues against the current "
-                         "RM; negative: always replace (unchecked)")
-    ap.add_argument("--refresh-samples-per-prompt", type=int, default=4,
-                    help="sampled answers per refresh prompt (at --rm-temperature)")
-    ap.add_argument("--refresh-pairs-per-prompt", type=int, default=2,
-                    help="disagreement pairs (and, smollm2, same-wording edits) kept per prompt")
-    ap.add_argument("--refresh-rm-steps", type=int, default=None,
-                    help="RM steps of each refresh, continuing the RM (default: --refresh-rm-epochs "
-                         "passes over the round's new + replayed pairs)")
-    ap.add_argument("--refresh-rm-epochs", type=float, default=2.0,
-                    help="passes over the round's RM data when --refresh-rm-steps is not given")
-    ap.add_argument("--refresh-replay", type=float, default=1.0,
-                    help="old pairs replayed per new pair in each refresh (against forgetting)")
-    ap.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
-                    metavar="KEY=VALUE", help="tiny: a Hydra override of the SFT job (repeatable; a relative "
-                                                "path in it: to the working directory, where every stage "
-                                                "runs)")
-    ap.add_argument("--rm-override", dest="rm_overrides", action="append", default=[],
-                    metavar="KEY=VALUE", help="tiny: a Hydra override of the RM job(s) (repeatable; "
-                                                "paths as in --sft-override)")
-    ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job (paths "
-                                                     "as in --sft-override)")
+                         "The tiny model's default: 32. Log-probs, KL, advantages and losses stay fp32 either way")
+    ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job (a relative "
+                                                     "path in one: to the working directory)")
+    recipe = ap.add_argument_group("the recipe (--task smollm2 and --task package.module:TASK)")
+    recipe.add_argument("--reward", choices=["rm", "checker", "both"], default="rm",
+                        help="PPO reward from the served RM (default; the checker only labels its pairs and "
+                             "evaluates), the rule-based checker, or their sum (docs/demo.md: measured); "
+                             "--task tiny: always the RM")
+    recipe.add_argument("--rm-prompts", type=int, default=256, help="prompts sampled for RM pairs")
+    recipe.add_argument("--rm-samples-per-prompt", type=int, default=4, help="answers sampled per RM prompt")
+    recipe.add_argument("--rm-temperature", type=float, default=0.7,
+                        help="sampling temperature of the RM data (and, every task, of the refresh rounds' samples)")
+    recipe.add_argument("--rm-epochs", type=float, default=None,
+                        help="passes over the RM pairs (may be fractional; default: the SmolLM2 model's "
+                             "precision recipe, SMOLLM2_RECIPE; the tiny model's 0.6)")
+    recipe.add_argument("--rm-edit-pairs", type=int, default=4,
+                        help="minimal pairs per RM prompt that differ only in the stated answer "
+                             "(Task.edit_answer; addition: the number); 0 = only natural pairs")
+    recipe.add_argument("--rm-val-prompts", type=int, default=64,
+                        help="prompts whose samples are the RM's held-out pairs")
+    recipe.add_argument("--ppo-prompts", type=int, default=4096,
+                        help="PPO prompts at most (the rest of the train problems)")
+    smollm2 = ap.add_argument_group("the SmolLM2 model's RM (--task smollm2, or --task package.module:TASK "
+                                    "--model smollm2)")
+    smollm2.add_argument("--rm-lr", type=float, default=1.0e-4, help="peak learning rate of the RM")
+    smollm2.add_argument("--rm-freeze-layers", type=int, default=10,
+                         help="lower transformer layers of the RM kept at the pretrained weights")
+    custom = ap.add_argument_group("--task package.module:TASK only")
+    custom.add_argument("--model", choices=sorted(PROFILES), default=None,
+                        help="the model the recipe starts from: smollm2 (default) or tiny (random weights "
+                             "and a character tokenizer: it learns by SFT first)")
+    custom.add_argument("--sft-steps", type=int, default=None,
+                        help="SFT steps when the model gets no sampled answer right "
+                             "(default: the model profile's, launchers/recipe.py)")
+    custom.add_argument("--sft-rows", type=int, default=2000,
+                        help="demonstrations (Task.demonstrate) of the PPO prompts for that SFT")
+    custom.add_argument("--model-seed", type=int, default=0, help="--model tiny: seed of the random initial weights")
+    tiny = ap.add_argument_group("--task tiny only")
+    tiny.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
+                      metavar="KEY=VALUE", help="a Hydra override of the SFT job (repeatable; a relative "
+                                                "path in it: to the working directory, where every stage runs)")
+    tiny.add_argument("--rm-override", dest="rm_overrides", action="append", default=[],
+                      metavar="KEY=VALUE", help="a Hydra override of the RM job(s) (repeatable; paths as in "
+                                                "--sft-override)")
+    refresh = ap.add_argument_group("the refresh rounds (every task; needs the RM reward)")
+    refresh.add_argument("--refresh-rounds", type=int, default=0,
+                         help="rounds of bad-case replay after PPO: the policy's samples on which the RM "
+                              "contradicts the checker become new RM pairs, the RM continues from its "
+                              "checkpoint on them, PPO resumes against the refreshed RM")
+    refresh.add_argument("--refresh-ppo-steps", type=int, default=None,
+                         help="PPO steps after each refresh (default: trainer.max_steps split evenly over "
+                              "the rounds + 1 stages, so the PPO total stays trainer.max_steps)")
+    refresh.add_argument("--refresh-prompts", type=int, default=128,
+                         help="PPO prompts the policy answers for each refresh")
+    refresh.add_argument("--refresh-heldout-prompts", type=int, default=128,
+                         help="PPO prompts after --refresh-prompts that the policy also answers and no round "
+                              "trains on: the labeller's pairs of those answers check the refreshed RM")
+    refresh.add_argument("--refresh-min-gain", type=float, default=0.05,
+                         help="the refreshed RM replaces the current one only if it is right on that many more "
+                              "of the check pairs (0.05 = 5 points); otherwise PPO continues against the current "
+                              "RM; negative: always replace (unchecked)")
+    refresh.add_argument("--refresh-samples-per-prompt", type=int, default=4,
+                         help="sampled answers per refresh prompt (at --rm-temperature)")
+    refresh.add_argument("--refresh-pairs-per-prompt", type=int, default=2,
+                         help="disagreement pairs (and, for the recipe's tasks with Task.edit_answer, "
+                              "same-wording edits) kept per prompt")
+    refresh.add_argument("--refresh-rm-steps", type=int, default=None,
+                         help="RM steps of each refresh, continuing the RM (default: --refresh-rm-epochs "
+                              "passes over the round's new + replayed pairs)")
+    refresh.add_argument("--refresh-rm-epochs", type=float, default=2.0,
+                         help="passes over the round's RM data when --refresh-rm-steps is not given")
+    refresh.add_argument("--refresh-replay", type=float, default=1.0,
+                         help="old pairs replayed per new pair in each refresh (against forgetting)")
     a = ap.parse_args(argv)
     for flag in ("out", "data"):  # the user's paths are theirs: relative to where they ran the demo
         value = getattr(a, flag)

@@ -294,3 +294,58 @@ def test_a_rerun_that_skips_every_stage_keeps_the_timings_of_the_run_that_did_th
     third = json.loads(path.read_text())
     assert third["wall_time_s_kept"] == [k for k in worked if k != "ppo"]
     assert third["wall_time_s"]["ppo"] < 100.0 and third["wall_time_s"]["rm"] == worked["rm"]
+
+
+def _help_groups(capsys) -> dict[str, str]:
+    """``--help``: each flag -> the title of the group it is listed under."""
+    import re
+
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    groups, group = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            group = line[:-1]
+        m = re.match(r"  (--[a-z0-9-]+)", line)
+        if m and group:
+            groups[m.group(1)] = group
+    return groups
+
+
+RECIPE_GROUP = "the recipe (--task smollm2 and --task package.module:TASK)"
+SMOLLM2_GROUP = "the SmolLM2 model's RM (--task smollm2, or --task package.module:TASK --model smollm2)"
+
+
+def test_help_labels_the_flags_by_where_they_apply_and_they_do_apply_there(tmp_path, monkeypatch, capsys):
+    """Issue 54: --help marked flags "smollm2:" that a package.module:TASK run uses too.
+    The recipe's flags change a custom task's stages (tiny model); the SmolLM2 RM's
+    flags change a custom task's RM job on that model."""
+    groups = _help_groups(capsys)
+    for flag in ("--reward", "--rm-prompts", "--rm-samples-per-prompt", "--rm-temperature", "--rm-epochs",
+                 "--rm-edit-pairs", "--rm-val-prompts", "--ppo-prompts"):
+        assert groups[flag] == RECIPE_GROUP, flag
+    assert groups["--rm-lr"] == groups["--rm-freeze-layers"] == SMOLLM2_GROUP
+    assert {groups[f] for f in ("--model", "--sft-steps", "--sft-rows", "--model-seed")} == {
+        "--task package.module:TASK only"}
+    assert groups["--sft-override"] == groups["--rm-override"] == "--task tiny only"
+    assert {g for f, g in groups.items() if f.startswith("--refresh-")} == {
+        "the refresh rounds (every task; needs the RM reward)"}
+    assert {groups[f] for f in ("--out", "--data", "--nproc", "--precision")} == {"every task"}
+
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _custom(tmp_path, monkeypatch)
+    assert demo.main([*argv, "--rm-samples-per-prompt", "3", "--rm-temperature", "0.9", "--rm-epochs", "2",
+                      "--reward", "both"]) == 0
+    samples = [c for c in fake.cmds if any(x.startswith("samples_out=") for x in c)]
+    assert samples and all("num_samples=3" in c and "temperature=0.9" in c for c in samples)
+    pairs = sum(1 for _ in (tmp_path / "out" / "rm_data" / "preference_train.jsonl").open())
+    (rm,) = [c for c in fake.cmds if c[1] == "nemo_rlhf.train_rm"]
+    assert f"trainer.max_steps={max(1, int(2 * pairs // 16))}" in rm
+    assert "reward.functions=[{name: 'pkg_upper_task:TASK.score'}]" in fake.ppo[0]["args"]
+
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv[argv.index("--model") + 1] = "smollm2"
+    argv[argv.index("--out") + 1] = str(tmp_path / "out_smollm2")
+    assert demo.main([*argv, "--precision", "32", "--rm-lr", "2e-4", "--rm-freeze-layers", "3"]) == 0
+    (rm,) = [c for c in fake.cmds if c[1] == "nemo_rlhf.train_rm"]
+    assert "optim.lr=0.0002" in rm and "rm.freeze_layers=3" in rm
