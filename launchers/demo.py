@@ -131,6 +131,43 @@ def _run(cmd: list[str], log: Path) -> None:
         raise SystemExit(f"stage failed (exit {code}): {' '.join(cmd)}\nsee {log}")
 
 
+def prune_finished_stages(out: Path) -> list[str]:
+    """``--keep-last-checkpoint``, once the run has finished (every stage done, each later
+    stage having loaded what it took): every stage's ``checkpoints/`` folder under ``out``
+    keeps only its newest complete checkpoint, which is what every later stage took
+    (:func:`_latest`) and what a rerun resumes from. A folder is pruned only when that
+    checkpoint verifies (:func:`~nemo_rlhf.checkpoint.io.verify_checkpoint`: every file at its
+    recorded size and sha256), since it is then the only one left: the jobs themselves refuse
+    ``exp_manager.keep_last=1`` for that reason. Incomplete step folders are not touched
+    (:func:`~nemo_rlhf.checkpoint.policy.prune_plan`). Returns one line per pruned or kept folder."""
+    from nemo_rlhf.checkpoint.io import find_latest_checkpoint, list_checkpoints, verify_checkpoint
+    from nemo_rlhf.checkpoint.policy import prune, prune_plan
+
+    lines = []
+    for root in sorted(p for p in out.rglob("checkpoints") if p.is_dir()):
+        newest = find_latest_checkpoint(root)
+        if newest is None or sum(ok for _, _, ok in list_checkpoints(root)) < 2:
+            continue
+        problems = verify_checkpoint(newest)
+        if problems:
+            lines.append(f"{root}: kept every checkpoint, the newest ({newest.name}) does not verify: "
+                         f"{problems[0]}")
+            continue
+        delete, _ = prune_plan(root, 1)
+        freed = sum(f.stat().st_size for p, _ in delete for f in Path(p).rglob("*") if f.is_file())
+        deleted = prune(root, 1)
+        lines.append(f"{root}: kept {newest.name}, deleted {', '.join(p.name for p in deleted)} "
+                     f"({freed / 1e9:.2f} GB)")
+    return lines
+
+
+def _keep_last_checkpoint(a, out: Path) -> None:
+    """:func:`prune_finished_stages` with ``--keep-last-checkpoint``, printed."""
+    if getattr(a, "keep_last_checkpoint", False):
+        for line in prune_finished_stages(out):
+            print(f"--keep-last-checkpoint: {line}", flush=True)
+
+
 def _latest(exp: Path):
     from nemo_rlhf.checkpoint import find_latest_checkpoint
 
@@ -271,6 +308,7 @@ def run_tiny(a) -> int:
     _print_rounds(rounds)
     print(clock.line())
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
+    _keep_last_checkpoint(a, out)
     return 0
 
 
@@ -441,7 +479,9 @@ def _first_stage_steps(a, total: int) -> int:
 
 def _ppo_stage(ppo_args: list, rm, ppo_exp: Path, config_name: str, nproc: int, max_steps: int) -> None:
     """PPO to ``max_steps`` against ``rm`` (served as its own process; None: no RM). The run
-    auto-resumes from ``ppo_exp``: after an RM refresh it continues with the new RM."""
+    auto-resumes from ``ppo_exp``: after an RM refresh it continues with the new RM. Its
+    output is also appended to ``<ppo_exp>/../logs/<ppo_exp name>.log`` (``<out>/logs/ppo.log``,
+    beside the other stages' logs)."""
     from launchers.local import LocalRunConfig, run_ppo_with_rm
     from nemo_rlhf.checkpoint import read_metadata
 
@@ -452,7 +492,8 @@ def _ppo_stage(ppo_args: list, rm, ppo_exp: Path, config_name: str, nproc: int, 
     code = run_ppo_with_rm(
         [*ppo_args, f"trainer.max_steps={max_steps}"],
         LocalRunConfig(rm_checkpoint=None if rm is None else str(rm), nproc=nproc,
-                       exp_dir=str(ppo_exp), config_name=config_name))
+                       exp_dir=str(ppo_exp), config_name=config_name,
+                       trainer_log=str(ppo_exp.parent / "logs" / f"{ppo_exp.name}.log")))
     if code != 0:
         raise SystemExit(f"PPO stage exited with {code}; see {ppo_exp}")
 
@@ -712,6 +753,10 @@ def main(argv=None) -> int:
                                                  "(default: the repository's data/addition, data/reversal, "
                                                  "or <out>/data for package.module:TASK)")
     every.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
+    every.add_argument("--keep-last-checkpoint", action="store_true",
+                       help="once the run has finished, each stage (SFT, RM, refresh RMs, PPO) keeps "
+                            "only its newest complete checkpoint, the one later stages took and a rerun "
+                            "resumes from, if it verifies (docs/tasks.md: SmolLM2, 1.6 GB a checkpoint)")
     every.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default=None,
                     help="trainer.precision of every stage (samples, RM, RM server, PPO, evaluation), "
                          "resolved once here; auto (the SmolLM2 model's default): bf16-mixed where the CPU "

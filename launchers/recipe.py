@@ -400,8 +400,10 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         original = demo._evaluate(Path(ckpt), data, out / "original_eval.json", logs / "eval.log", *stage_args,
                                   "num_examples=0")
     clock.stop("eval")
-    return _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
+    code = _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
                    len(samples_train), baseline, final, pair_counts, rounds, clock, original, ppo_step)
+    demo._keep_last_checkpoint(a, out)  # the run has finished: nothing later needs the older ones
+    return code
 
 
 def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right, n_samples,

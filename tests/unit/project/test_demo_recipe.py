@@ -349,3 +349,92 @@ def test_help_labels_the_flags_by_where_they_apply_and_they_do_apply_there(tmp_p
     assert demo.main([*argv, "--precision", "32", "--rm-lr", "2e-4", "--rm-freeze-layers", "3"]) == 0
     (rm,) = [c for c in fake.cmds if c[1] == "nemo_rlhf.train_rm"]
     assert "optim.lr=0.0002" in rm and "rm.freeze_layers=3" in rm
+
+
+FAKE_TRAINER = """
+import sys
+print("fake trainer stdout", " ".join(sys.argv[1:]))
+print("fake trainer stderr", file=sys.stderr)
+"""
+
+
+def test_the_ppo_stage_log_sits_in_out_logs_with_the_other_stages(tmp_path, monkeypatch, capsys):
+    """Issue 54: the PPO trainer's output went to the console only. The real PPO stage
+    (launchers.local, no RM) with a stand-in trainer script."""
+    import dataclasses
+
+    import launchers.local as local
+
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    real = local.run_ppo_with_rm
+    monkeypatch.setattr(local, "run_ppo_with_rm", lambda overrides, cfg: real(
+        overrides, dataclasses.replace(cfg, trainer_module=str(script))))
+    demo._ppo_stage(["+probe=1"], None, tmp_path / "out" / "ppo", "ppo_tiny", 1, 2)
+    log = (tmp_path / "out" / "logs" / "ppo.log").read_text()
+    assert log.startswith("# ") and "fake_trainer.py --config-name ppo_tiny +probe=1" in log.splitlines()[0]
+    assert "fake trainer stdout --config-name ppo_tiny +probe=1" in log and "fake trainer stderr" in log
+    assert "fake trainer stdout" in capsys.readouterr().out  # and on the console, as before
+
+
+def _checkpoint(root: Path, step: int, complete: bool = True, corrupt: bool = False) -> Path:
+    """A ``step_<step>`` folder of one 1000-byte file with its recorded size and sha256
+    (``corrupt``: the file changed after the save), ``COMPLETE`` when ``complete``; ``latest``
+    names it."""
+    import hashlib
+
+    path = root / f"step_{step}"
+    path.mkdir(parents=True)
+    data = bytes(range(200)) * 5
+    (path / "model.bin").write_bytes(data)
+    (path / "metadata.json").write_text(json.dumps(
+        {"step": step, "files": {"model.bin": [len(data), hashlib.sha256(data).hexdigest()]}}))
+    if corrupt:
+        (path / "model.bin").write_bytes(data[::-1])
+    if complete:
+        (path / "COMPLETE").write_text("")
+        (root / "latest").write_text(path.name)
+    return path
+
+
+def _stage_folders(out: Path) -> dict:
+    ppo, rm, bad = out / "ppo" / "checkpoints", out / "rm" / "checkpoints", out / "refresh" / "round_1" / "rm" / "checkpoints"
+    for step in (5, 10):
+        _checkpoint(ppo, step)
+    _checkpoint(ppo, 12, complete=False)  # a save in progress: never touched
+    _checkpoint(rm, 3)
+    _checkpoint(bad, 1)
+    _checkpoint(bad, 2, corrupt=True)
+    return {"ppo": ppo, "rm": rm, "bad": bad}
+
+
+def test_keep_last_checkpoint_keeps_each_stages_newest_verified_checkpoint(tmp_path, monkeypatch, capsys):
+    """``--keep-last-checkpoint``: after the run, each stage folder keeps its newest complete
+    checkpoint (what later stages took, what a rerun resumes from), and only when it
+    verifies; an incomplete save and a folder whose newest does not verify stay as they are."""
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _custom(tmp_path, monkeypatch)
+    f = _stage_folders(tmp_path / "out")
+    assert demo.main([*argv, "--keep-last-checkpoint"]) == 0
+    names = lambda root: sorted(p.name for p in root.iterdir())  # noqa: E731
+    assert names(f["ppo"]) == ["latest", "step_10", "step_12"]
+    assert names(f["rm"]) == ["latest", "step_3"]
+    assert names(f["bad"]) == ["latest", "step_1", "step_2"]
+    text = capsys.readouterr().out
+    assert f"--keep-last-checkpoint: {f['ppo']}: kept step_10, deleted step_5 (0.00 GB)" in text
+    assert f"{f['bad']}: kept every checkpoint, the newest (step_2) does not verify: model.bin: checksum mismatch" in text
+
+
+def test_without_keep_last_checkpoint_nothing_is_deleted(tmp_path, monkeypatch):
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    f = _stage_folders(tmp_path / "out")
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    assert sorted(p.name for p in f["ppo"].iterdir()) == ["latest", "step_10", "step_12", "step_5"]
+
+
+def test_the_tiny_demo_prunes_with_keep_last_checkpoint(tmp_path, monkeypatch):
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    f = _stage_folders(tmp_path / "out")
+    assert demo.main(["--task", "tiny", "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"),
+                      "--keep-last-checkpoint"]) == 0
+    assert sorted(p.name for p in f["ppo"].iterdir()) == ["latest", "step_10", "step_12"]
