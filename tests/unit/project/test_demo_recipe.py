@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import launchers.demo as demo
+import launchers.stages as stages
 from nemo_rlhf.data.sample_rows import sample_row
 
 TASK_MODULE = '''
@@ -28,16 +29,16 @@ TASK = Task(name="upper", train=PROBLEMS[4:], heldout=PROBLEMS[:4], prompt_templ
 
 
 class FakeStages:
-    """``demo._run`` / ``_latest`` / ``_ppo_stage`` / the model set-up, recorded. An
-    ``nemo_rlhf.evaluate`` stage writes ``num_samples`` rows per prompt, the first
-    ``right(checkpoint) * num_samples`` of them right."""
+    """``stages.run_stage`` / ``latest_checkpoint`` / ``ppo_stage`` / ``ppo_evaluation`` / the
+    model set-up, recorded. An ``nemo_rlhf.evaluate`` stage writes ``num_samples`` rows per
+    prompt, the first ``right(checkpoint) * num_samples`` of them right."""
 
     def __init__(self, monkeypatch, right):
         self.cmds, self.ppo, self.right = [], [], right
-        monkeypatch.setattr(demo, "_run", self.run)
-        monkeypatch.setattr(demo, "_latest", self.latest)
-        monkeypatch.setattr(demo, "_ppo_stage", self.ppo_stage)
-        monkeypatch.setattr(demo, "_ppo_evaluation", lambda exp, step, num_examples=8: {
+        monkeypatch.setattr(stages, "run_stage", self.run)
+        monkeypatch.setattr(stages, "latest_checkpoint", self.latest)
+        monkeypatch.setattr(stages, "ppo_stage", self.ppo_stage)
+        monkeypatch.setattr(stages, "ppo_evaluation", lambda exp, step, num_examples=8: {
             "accuracy": 0.5, "mean_response_length": 2.0, "examples": []})
         import nemo_rlhf.tools.real_model as real_model
 
@@ -45,7 +46,7 @@ class FakeStages:
                                                                "tokenizer_dir": "/MODEL/tokenizer"})
 
     def run(self, cmd, log):
-        demo._note_process()  # as the real _run: a stage process started
+        stages.note_process()  # as the real run_stage: a stage process started
         self.cmds.append([str(c) for c in cmd[1:]])
         args = dict(c.split("=", 1) for c in cmd if "=" in c and not c.startswith(("-", "+")))
         if "samples_out" in args:
@@ -75,7 +76,7 @@ class FakeStages:
     def ppo_stage(self, ppo_args, rm, ppo_exp, config_name, nproc, max_steps):
         if self.ppo and self.ppo[-1]["steps"] >= max_steps:
             return  # as the real stage: a finished run is not even resumed
-        demo._note_process()
+        stages.note_process()
         self.ppo.append({"args": list(ppo_args), "rm": str(rm), "config": config_name, "steps": max_steps})
         ppo_exp.mkdir(parents=True, exist_ok=True)  # what the trainer writes: its config, its metrics
         (ppo_exp / "config.yaml").write_text("kl:\n  type: pi\n  target: 6.0\n")
@@ -211,7 +212,7 @@ def test_relative_out_and_data_resolve_against_the_working_directory(tmp_path, m
     assert demo.main([*argv, "--data", "data_rel"]) == 0
     assert (tmp_path / "run_rel" / "summary.json").is_file()
     assert (tmp_path / "data_rel" / "ppo_prompts.jsonl").is_file()
-    assert not (demo.REPO / "run_rel").exists() and not (demo.REPO / "data_rel").exists()
+    assert not (stages.REPO / "run_rel").exists() and not (stages.REPO / "data_rel").exists()
     assert f"data.train_file={tmp_path}/data_rel/ppo_prompts.jsonl" in fake.ppo[0]["args"]
     assert all(f"exp_manager.exp_dir={tmp_path}/run_rel/rm" in c for c in fake.cmds if "nemo_rlhf.train_rm" in c)
 
@@ -225,7 +226,7 @@ def test_the_tiny_demo_and_its_stages_take_relative_paths_from_the_working_direc
     assert demo.main(["--task", "tiny", "--out", "o", "--data", "~/d"]) == 0
     assert (seen["out"], seen["data"]) == (str(tmp_path / "o"), str(Path.home() / "d"))
     # a stage (its relative override paths) runs there too, as the PPO stage does
-    demo._run([sys.executable, "-c", "import os; print('cwd=' + os.getcwd())"], tmp_path / "stage.log")
+    stages.run_stage([sys.executable, "-c", "import os; print('cwd=' + os.getcwd())"], tmp_path / "stage.log")
     assert f"cwd={tmp_path}" in (tmp_path / "stage.log").read_text()
 
 
@@ -234,7 +235,7 @@ def test_with_sft_first_the_summary_has_the_original_the_sft_and_the_ppo_rows(tm
     once (one greedy ``nemo_rlhf.evaluate`` of it, reused by a rerun) and every row says
     what it is; the KL line names the target and the ratio (issue 54)."""
     fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0 if ckpt.endswith("/model/checkpoints/step_0") else 0.5)
-    monkeypatch.setattr(demo, "_ppo_evaluation", lambda exp, step, num_examples=8: {
+    monkeypatch.setattr(stages, "ppo_evaluation", lambda exp, step, num_examples=8: {
         "accuracy": 0.5 if step == 0 else 0.75, "mean_response_length": 2.0, "examples": []})
     assert demo.main(_custom(tmp_path, monkeypatch)) == 0
     out = tmp_path / "out"
@@ -370,7 +371,7 @@ def test_the_ppo_stage_log_sits_in_out_logs_with_the_other_stages(tmp_path, monk
     real = local.run_ppo_with_rm
     monkeypatch.setattr(local, "run_ppo_with_rm", lambda overrides, cfg: real(
         overrides, dataclasses.replace(cfg, trainer_module=str(script))))
-    demo._ppo_stage(["+probe=1"], None, tmp_path / "out" / "ppo", "ppo_tiny", 1, 2)
+    stages.ppo_stage(["+probe=1"], None, tmp_path / "out" / "ppo", "ppo_tiny", 1, 2)
     log = (tmp_path / "out" / "logs" / "ppo.log").read_text()
     assert log.startswith("# ") and "fake_trainer.py --config-name ppo_tiny +probe=1" in log.splitlines()[0]
     assert "fake trainer stdout --config-name ppo_tiny +probe=1" in log and "fake trainer stderr" in log
