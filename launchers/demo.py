@@ -28,10 +28,10 @@ the RM's preference pairs and scores the held-out set (the "gold" metric):
    RM's reward rising while the checker's accuracy falls stops the run);
 6. optional closed loop (``--refresh-rounds N``): the policy's samples on which the RM
    contradicts the checker become new RM pairs, the RM continues from its checkpoint on
-   them and PPO resumes against the refreshed RM (:func:`_refresh_rounds`);
+   them and PPO resumes against the refreshed RM (:func:`launchers.stages.refresh_rounds`);
 7. before / after: the PPO run's own greedy held-out evaluations of the initial policy
    (step 0) and of the last step (accuracy by the checker, answer-format compliance,
-   length), and a table of samples (:func:`_ppo_evaluation`).
+   length), and a table of samples (:func:`launchers.stages.ppo_evaluation`).
 
 ``--task tiny`` (about 5 minutes): number reversal taught by a sloppy demonstrator
 (``nemo_rlhf/tasks/reversal.py``: the SFT rows copy the number 60% of the time, the
@@ -50,82 +50,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
-import subprocess
+import os
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(cmd: list[str], log: Path) -> None:
-    """Run a stage, tee its output to ``log``; raise with the log's tail on failure."""
-    print(f"$ {' '.join(cmd)}", flush=True)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
-        for line in proc.stdout:
-            f.write(line)
-            if "Warning" not in line and "warnings.warn" not in line:
-                sys.stdout.write(line)
-        code = proc.wait()
-    if code != 0:
-        raise SystemExit(f"stage failed (exit {code}): {' '.join(cmd)}\nsee {log}")
-
-
-def _latest(exp: Path):
-    from nemo_rlhf.checkpoint import find_latest_checkpoint
-
-    return find_latest_checkpoint(exp / "checkpoints")
-
-
-def _evaluate(ckpt: Path, data: Path, out: Path, log: Path, *args: str) -> dict:
-    """``nemo_rlhf.evaluate`` of ``ckpt`` on ``data/eval.jsonl`` into ``out``, reused only
-    when ``out`` is the evaluation of that very checkpoint (a PPO run continued by a refresh
-    round has a newer final checkpoint than the file)."""
-    if out.exists():
-        done = json.loads(out.read_text())
-        if Path(done.get("checkpoint", "")).resolve() == Path(ckpt).resolve():
-            return done
-    _run([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={ckpt}",
-          f"data={data / 'eval.jsonl'}", f"out={out}", *args], log)
-    return json.loads(out.read_text())
-
-
-def _ppo_evaluation(exp: Path, step: int, num_examples: int = 8) -> dict | None:
-    """The PPO run's own held-out evaluation of ``step`` (greedy, written by the trainer to
-    ``<exp>/eval_samples/step_<step>.jsonl``) in the form of ``nemo_rlhf.evaluate``'s
-    output: ``accuracy`` (the ``correct`` column: ``trainer.eval_checker``),
-    ``just_the_number`` when that checker ran, ``mean_response_length`` (tokens) and the
-    first ``num_examples`` rows as ``examples`` (``correct``: the checker's). ``None`` when
-    the run did not evaluate that step (``trainer.val_check_interval=0``): the caller then
-    runs ``nemo_rlhf.evaluate`` itself. The demo measured both on the same checkpoints:
-    14.0% / 14.385 tokens at step 0 and 53.5% / 11.815 at step 10 from each."""
-    path = exp / "eval_samples" / f"step_{step:06d}.jsonl"
-    if not path.is_file():
-        return None
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
-        return None
-    out = {"checkpoint": f"{exp} step {step}", "source": str(path), "num_responses": len(rows),
-           "accuracy": sum(r["correct"] for r in rows) / len(rows),
-           "mean_response_length": sum(r["length"] for r in rows) / len(rows),
-           "examples": [{"prompt": r["prompt"], "response": r["response"], "correct": r["correct"]}
-                        for r in rows[:num_examples]]}
-    if all("just_the_number" in r for r in rows):
-        out["just_the_number"] = sum(r["just_the_number"] for r in rows) / len(rows)
-    return out
-
+from launchers import stages
+from launchers.recipe import PROFILES, importable, run_recipe
 
 def run_tiny(a) -> int:
     """The tiny synthetic pipeline (``--task tiny``)."""
-    out, data = REPO / (a.out or "experiments/demo"), REPO / (a.data or "data/reversal")
+    out, data = stages.REPO / (a.out or "experiments/demo"), stages.REPO / (a.data or "data/reversal")
     logs = out / "logs"
-    times: dict[str, float] = {}
-    t = time.time()
+    clock = stages.StageTimes(out / "summary.json")
 
     from nemo_rlhf.tasks.reversal import ReversalTaskConfig, make_reversal_dataset
 
@@ -133,76 +69,78 @@ def run_tiny(a) -> int:
         make_reversal_dataset(data, ReversalTaskConfig())
     except FileExistsError as exc:
         raise SystemExit(f"--data: {exc}") from None
-    times["data"] = time.time() - t
+    clock.stop("data")
 
-    t = time.time()
-    if _latest(out / "sft") is None:
-        _run([sys.executable, "-m", "nemo_rlhf.train_sft", "--config-name", "sft_tiny",
-              f"exp_manager.exp_dir={out / 'sft'}",
-              f"data.train_file={data / 'sft.jsonl'}", f"data.val_file={data / 'sft_val.jsonl'}",
-              f"data.tokenizer_dir={data / 'tokenizer'}", f"trainer.precision={a.precision}",
-              *a.sft_overrides], logs / "sft.log")
-    sft = _latest(out / "sft")
-    times["sft"] = time.time() - t
+    clock.start()
+    if stages.latest_checkpoint(out / "sft") is None:
+        stages.run_stage([sys.executable, "-m", "nemo_rlhf.train_sft", "--config-name", "sft_tiny",
+                          f"exp_manager.exp_dir={out / 'sft'}",
+                          f"data.train_file={data / 'sft.jsonl'}", f"data.val_file={data / 'sft_val.jsonl'}",
+                          f"data.tokenizer_dir={data / 'tokenizer'}", f"trainer.precision={a.precision}",
+                          *a.sft_overrides], logs / "sft.log")
+    sft = stages.latest_checkpoint(out / "sft")
+    clock.stop("sft")
 
-    t = time.time()
+    clock.start()
 
     def train_rm(exp: Path, init_from, train_file: Path, steps, extra=()) -> None:
-        _run([sys.executable, "-m", "nemo_rlhf.train_rm", "--config-name", "rm_tiny", f"exp_manager.exp_dir={exp}",
-              f"data.train_file={train_file}", f"data.val_file={data / 'preference_val.jsonl'}",
-              f"data.tokenizer_dir={data / 'tokenizer'}", f"trainer.precision={a.precision}",
-              *([f"rm.init_from={init_from}"] if init_from else []),
-              *([f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
-                 f"optim.warmup_steps={min(3, steps - 1)}"] if steps else []),
-              *extra, *a.rm_overrides], logs / f"{exp.name}.log")
+        stages.run_stage([sys.executable, "-m", "nemo_rlhf.train_rm", "--config-name", "rm_tiny",
+                          f"exp_manager.exp_dir={exp}",
+                          f"data.train_file={train_file}", f"data.val_file={data / 'preference_val.jsonl'}",
+                          f"data.tokenizer_dir={data / 'tokenizer'}", f"trainer.precision={a.precision}",
+                          *([f"rm.init_from={init_from}"] if init_from else []),
+                          *([f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
+                             f"optim.warmup_steps={min(3, steps - 1)}"] if steps else []),
+                          *extra, *a.rm_overrides], logs / f"{exp.name}.log")
 
-    if _latest(out / "rm") is None:  # from the SFT model, as InstructGPT's RM (sec. 3.5)
+    if stages.latest_checkpoint(out / "rm") is None:  # from the SFT model, as InstructGPT's RM (sec. 3.5)
         train_rm(out / "rm", sft, data / "preference.jsonl", None)
-    rm = _latest(out / "rm")
-    times["rm"] = time.time() - t
+    rm = stages.latest_checkpoint(out / "rm")
+    clock.stop("rm")
 
-    t = time.time()
-    baseline = _evaluate(sft, data, out / "sft_eval.json", logs / "eval.log", f"precision={a.precision}")
-    times["eval_sft"] = time.time() - t
+    clock.start()
+    baseline = stages.evaluate_checkpoint(sft, data, out / "sft_eval.json", logs / "eval.log",
+                                          f"precision={a.precision}")
+    clock.stop("eval_sft")
 
-    t = time.time()
+    clock.start()
     ppo_exp = out / "ppo"
     ppo_args = [f"exp_manager.init_from={sft}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={data / 'tokenizer'}",
                 "reward.normalization=fixed", f"trainer.precision={a.precision}", *a.ppo_overrides]
-    base_steps = _first_stage_steps(a, _ppo_max_steps("ppo_tiny", a.ppo_overrides))
-    _ppo_stage(ppo_args, rm, ppo_exp, "ppo_tiny", a.nproc, base_steps)
-    times["ppo"] = time.time() - t
+    base_steps = stages.first_stage_steps(a, stages.ppo_max_steps("ppo_tiny", a.ppo_overrides))
+    stages.ppo_stage(ppo_args, rm, ppo_exp, "ppo_tiny", a.nproc, base_steps)
+    clock.stop("ppo")
 
-    t = time.time()
+    clock.start()
     rounds = []
     if a.refresh_rounds:
-        rounds, rm = _refresh_rounds(
+        rounds, rm = stages.refresh_rounds(
             a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
             config_name="ppo_tiny", base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
             base_pairs=data / "preference.jsonl", train_rm=train_rm,
-            rm_batch=_rm_global_batch(a.rm_overrides), eval_args=[f"precision={a.precision}"])
-    times["refresh"] = time.time() - t
+            rm_batch=stages.rm_global_batch(a.rm_overrides), eval_args=[f"precision={a.precision}"])
+    clock.stop("refresh")
 
-    t = time.time()
-    final = _evaluate(_latest(ppo_exp), data, out / "ppo_eval.json", logs / "eval.log",
-                      f"precision={a.precision}")
-    times["eval_ppo"] = time.time() - t
+    clock.start()
+    final = stages.evaluate_checkpoint(stages.latest_checkpoint(ppo_exp), data, out / "ppo_eval.json",
+                                       logs / "eval.log", f"precision={a.precision}")
+    clock.stop("eval_ppo")
 
-    rm_acc = _rm_accuracy(rm.parent.parent)
-    kl = _last_metric(ppo_exp, "kl_mean")
+    rm_acc = stages.rm_accuracy(rm.parent.parent)
+    kl = stages.kl_summary(ppo_exp)
     summary = {
         "sft_accuracy": baseline["accuracy"], "ppo_accuracy": final["accuracy"],
         "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
-        "rm_heldout_pair_accuracy": rm_acc, "final_kl_mean": kl,
-        "heldout_accuracy_by_step": _metric_by_step(ppo_exp, "eval/accuracy"),
-        "reward_auc_by_step": _metric_by_step(ppo_exp, "eval/reward_auc"),
+        "rm_heldout_pair_accuracy": rm_acc, **kl,
+        "heldout_accuracy_by_step": stages.metric_by_step(ppo_exp, "eval/accuracy"),
+        "reward_auc_by_step": stages.metric_by_step(ppo_exp, "eval/reward_auc"),
         "refresh_rounds": rounds,
         "sft_mean_response_length": baseline.get("mean_response_length"),
         "ppo_mean_response_length": final.get("mean_response_length"),
-        "wall_time_s": {k: round(v, 1) for k, v in times.items()},
-        "checkpoints": {"sft": str(sft), "rm": str(rm), "first_rm": str(_latest(out / "rm")),
-                        "ppo": str(_latest(ppo_exp))},
+        "wall_time_s": {k: round(v, 1) for k, v in clock.times.items()}, "wall_time_s_kept": clock.kept,
+        "checkpoints": {"sft": str(sft), "rm": str(rm), "first_rm": str(stages.latest_checkpoint(out / "rm")),
+                        "ppo": str(stages.latest_checkpoint(ppo_exp))},
         "tensorboard": str(ppo_exp / "tensorboard"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -212,11 +150,12 @@ def run_tiny(a) -> int:
           f"({summary['improvement_points']:+.1f} points)")
     print(f"RM held-out preference accuracy   : "
           f"{'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'}")
-    print(f"final kl_mean (nats/sequence)     : {kl}")
-    _print_reward_auc(summary["reward_auc_by_step"])
-    _print_rounds(rounds)
-    print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    print(f"final kl_mean (nats/sequence)     : {stages.kl_line(kl)}")
+    stages.print_reward_auc(summary["reward_auc_by_step"])
+    stages.print_rounds(rounds)
+    print(clock.line())
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
+    stages.keep_last_checkpoint(a, out)
     return 0
 
 
@@ -250,54 +189,9 @@ def _resolve_demo_precision(precision: str) -> str:
     return choice
 
 
-SMOLLM2_MAX_NEW_TOKENS = 24
-"""Response budget of the SmolLM2 demo in tokens (rollout, evaluation and RM samples)."""
-
-
-SAME_FORM_PER_PROMPT = 4
-"""Held-out same-form pairs per RM validation prompt: a sample against itself with only the
-stated number changed (right vs wrong sum in the same wording)."""
-
-
-def _pairs_from_samples(task, samples: Path, out: Path, max_pairs_per_prompt: int, edit_pairs: int) -> int:
-    """Write the preference pairs of a samples file: up to ``max_pairs_per_prompt`` natural
-    pairs (a right sample against a wrong one of the same prompt) and ``edit_pairs``
-    counterfactual pairs per prompt (``task.edit_answer``:
-    :func:`nemo_rlhf.tasks.task.edit_pairs`); return the pair count."""
-    from nemo_rlhf.tasks.task import build_preference_pairs, edit_pairs as make_edit_pairs
-
-    if not out.exists():
-        rows = [json.loads(line) for line in samples.read_text().splitlines() if line.strip()]
-        pairs = build_preference_pairs(rows, max_pairs_per_prompt=max_pairs_per_prompt) \
-            if max_pairs_per_prompt else []
-        if edit_pairs:
-            pairs += make_edit_pairs(task, rows, per_prompt=edit_pairs)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-        tmp.rename(out)
-    return sum(1 for line in out.read_text().splitlines() if line.strip())
-
-
-def _check_stage_settings(path: Path, settings: dict) -> None:
-    """Record the RM stages' settings; refuse to continue an output folder made with others
-    (its pairs and RM would be reused silently)."""
-    if path.exists():
-        before = {"precision": "32", **json.loads(path.read_text())}  # fp32 before the flag existed
-        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
-        if changed:
-            diff = ", ".join(f"{'--' + k.replace('_', '-') if k.startswith('rm_') else k} {old} -> {new}"
-                             for k, (old, new) in changed.items())
-            raise SystemExit(f"{path.parent.parent} holds RM data and an RM made with other settings "
-                             f"({diff}); pass a new --out (nothing there is overwritten)")
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(settings, indent=2))
-
-
 def run_smollm2(a) -> int:
     """The real-model pipeline (``--task smollm2``, the default): the recipe
     (:func:`launchers.recipe.run_recipe`) on two-digit addition and SmolLM2."""
-    from launchers.recipe import PROFILES, run_recipe
     from nemo_rlhf.tasks.addition import TASK
 
     return run_recipe(a, TASK, "two_digit_addition", PROFILES["smollm2"])
@@ -305,386 +199,118 @@ def run_smollm2(a) -> int:
 
 def run_task(a) -> int:
     """The recipe on the task ``a.task`` names (``package.module:ATTRIBUTE``) with ``a.model``."""
-    from launchers.recipe import PROFILES, _importable, run_recipe
     from nemo_rlhf.tasks.task import load_task
 
     try:
         task, checker = load_task(a.task)
     except (ValueError, ImportError, AttributeError) as exc:
         raise SystemExit(str(exc)) from None
-    _importable(a.task)
+    importable(a.task)
     return run_recipe(a, task, checker, PROFILES[a.model])
 
 
-def smollm2_rm_overrides(a, exp: Path, init_from, train_file: Path, steps: int, rm_data: Path,
-                         tokenizer_dir) -> list[str]:
-    """The Hydra overrides of the SmolLM2 demo's RM job (``python -m nemo_rlhf.train_rm``):
-    ``steps`` steps of 16 pairs from ``init_from`` (the imported model, or an RM to
-    continue), validated at the end on the held-out pairs and the same-form pairs."""
-    return ["model=smollm2_135m", f"exp_manager.exp_dir={exp}",
-            f"rm.init_from={init_from}", f"rm.freeze_layers={a.rm_freeze_layers}",
-            f"data.train_file={train_file}",
-            f"data.val_file={rm_data / 'preference_val.jsonl'}", f"data.tokenizer_dir={tokenizer_dir}",
-            # '+': a new key of the (struct) dict; `rm.extra_val_files={...}` is refused by Hydra
-            f"+rm.extra_val_files.same_form={rm_data / 'same_form_val.jsonl'}",
-            "data.chat_template=chatml", f"data.system_prompt='{_system_prompt()}'",
-            "data.max_seq_length=96", f"trainer.max_steps={steps}", "trainer.global_batch_size=16",
-            "trainer.micro_batch_size=8", f"trainer.val_check_interval={steps}",
-            "trainer.log_every_n_steps=5", f"optim.lr={a.rm_lr}", f"optim.min_lr={a.rm_lr / 10}",
-            "optim.warmup_steps=3", "model.value_head_init_std=0.02",
-            f"rm.reward_stats_max_pairs={RM_STATS_PAIRS}", f"trainer.precision={a.precision}"]
-
-
-RM_STATS_PAIRS = 256
-"""Training pairs the SmolLM2 RM's final reward mean/std are computed over
-(``rm.reward_stats_max_pairs``; the whole set costs minutes on 2 cores)."""
-
-
-def _ppo_max_steps(config_name: str, overrides) -> int:
-    """``trainer.max_steps`` of the PPO stage: the last override of it, else the config's."""
-    for o in reversed(list(overrides)):
-        if o.startswith("trainer.max_steps="):
-            return int(o.split("=", 1)[1])
-    return int(_composed(config_name).trainer.max_steps)
-
-
-def _rm_global_batch(overrides) -> int:
-    """``trainer.global_batch_size`` of the tiny RM job: the last override, else conf/rm_tiny.yaml's."""
-    for o in reversed(list(overrides)):
-        if o.startswith("trainer.global_batch_size="):
-            return int(o.split("=", 1)[1])
-    return int(_composed("rm_tiny").trainer.global_batch_size)
-
-
-def _composed(config_name: str):
-    """The values of ``conf/<config_name>.yaml`` over its parent job configs (its
-    ``defaults`` entries naming another file of ``conf/``), as a plain OmegaConf merge:
-    enough for the scalar keys the demo reads, without importing the trainers."""
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.load(REPO / "conf" / f"{config_name}.yaml")
-    parents = [d for d in raw.get("defaults", []) if isinstance(d, str)
-               and (REPO / "conf" / f"{d}.yaml").is_file()]
-    own = OmegaConf.masked_copy(raw, [k for k in raw if k not in ("defaults", "hydra")])
-    return OmegaConf.merge(*(_composed(p) for p in parents), own)
-
-
-def _first_stage_steps(a, total: int) -> int:
-    """PPO steps before the first RM refresh: ``total`` (``trainer.max_steps``) less
-    ``a.refresh_rounds * a.refresh_ppo_steps``; ``a.refresh_ppo_steps`` is set here when
-    None (the total split evenly over the rounds). Raises ``SystemExit`` naming the flags
-    when nothing is left for the first stage."""
-    if not a.refresh_rounds:
-        return total
-    if a.refresh_ppo_steps is None:
-        a.refresh_ppo_steps = max(1, total // (a.refresh_rounds + 1))
-    first = total - a.refresh_rounds * a.refresh_ppo_steps
-    if first < 1 or a.refresh_ppo_steps < 1:
-        raise SystemExit(f"trainer.max_steps={total} leaves no PPO step before the first refresh with "
-                         f"--refresh-rounds {a.refresh_rounds} --refresh-ppo-steps {a.refresh_ppo_steps}")
-    return first
-
-
-def _ppo_stage(ppo_args: list, rm, ppo_exp: Path, config_name: str, nproc: int, max_steps: int) -> None:
-    """PPO to ``max_steps`` against ``rm`` (served as its own process; None: no RM). The run
-    auto-resumes from ``ppo_exp``: after an RM refresh it continues with the new RM."""
-    from launchers.local import LocalRunConfig, run_ppo_with_rm
-    from nemo_rlhf.checkpoint import read_metadata
-
-    done = _latest(ppo_exp)
-    if done is not None and int(read_metadata(done).get("step", 0)) >= max_steps:
-        return  # a rerun of a finished stage: not even a resume (it would record this stage's RM)
-    code = run_ppo_with_rm(
-        [*ppo_args, f"trainer.max_steps={max_steps}"],
-        LocalRunConfig(rm_checkpoint=None if rm is None else str(rm), nproc=nproc,
-                       exp_dir=str(ppo_exp), config_name=config_name))
-    if code != 0:
-        raise SystemExit(f"PPO stage exited with {code}; see {ppo_exp}")
-
-
-def _refresh_rounds(a, *, out: Path, logs: Path, first_rm: Path, ppo_exp: Path, ppo_args: list,
-                    config_name: str, base_steps: int, prompts: Path, base_pairs: Path, train_rm,
-                    rm_batch: int, eval_args: list, task=None) -> tuple[list[dict], Path]:
-    """The closed loop: ``a.refresh_rounds`` rounds of bad-case replay and RM refresh.
-
-    Each round: the current policy samples ``a.refresh_samples_per_prompt`` answers to the
-    first ``a.refresh_prompts`` PPO prompts; the labeller (the task's checker) scores them
-    and the current RM scores them (``nemo_rlhf.evaluate rm_checkpoint=...``); the pairs on
-    which the RM contradicts the labeller (``nemo_rlhf.data.bad_cases``), plus, with a
-    ``task`` (its ``edit_answer``), same-wording edits of those samples
-    (:func:`nemo_rlhf.tasks.task.edit_pairs`), are the
-    round's new pairs; the RM continues from its checkpoint (``rm.init_from`` an RM loads
-    its head too) on the new pairs mixed with ``a.refresh_replay`` times as many replayed
-    old ones (against forgetting), for ``a.refresh_rm_steps`` steps (default
-    ``a.refresh_rm_epochs`` passes of ``rm_batch`` pairs); the pool of all pairs grows by
-    the new ones (the next round replays from it). With no new pair the RM is kept.
-
-    The round is checked before PPO uses it: the policy also answers the next
-    ``a.refresh_heldout_prompts`` PPO prompts, which no round trains on, and the
-    labeller's pairs of those answers (:func:`nemo_rlhf.data.bad_cases.labelled_pairs`)
-    are validated by the RM job before its first step and after its last
-    (``trainer.val_at_start``, ``rm.extra_val_files.policy_unseen``). The refreshed RM
-    replaces the current one only when it ranks those pairs better by at least
-    ``a.refresh_min_gain`` (:func:`refresh_verdict`); otherwise the current RM stays (the
-    round's pairs still join the pool). Why: a round that does not improve the RM on the
-    policy's own answers only perturbs the reward, and PPO spends its steps on what moved
-    (docs/demo.md measured one such round at -7.5 points against a control, and a round
-    on old pairs alone at -6.5). PPO resumes from its last checkpoint against the RM kept
-    for ``a.refresh_ppo_steps`` more steps (a new RM's identity restarts the trainer's
-    reward normalisation, logged).
-
-    Returns ``(rounds, last RM checkpoint)``: per round the disagreement statistics, the
-    pairs added, the RM's held-out numbers before and after, the check on the unseen
-    prompts and its verdict, and the PPO held-out accuracy at the round's last step.
-    """
-    from nemo_rlhf.data.bad_cases import disagreement_pairs, labelled_pairs
-    from nemo_rlhf.tasks.task import edit_pairs
-
-    py, rm, pairs_file = sys.executable, first_rm, base_pairs
-    rounds = []
-    for r in range(1, a.refresh_rounds + 1):
-        rdir = out / "refresh" / f"round_{r}"
-        rdir.mkdir(parents=True, exist_ok=True)
-        policy = _latest(ppo_exp)
-        subset = rdir / "prompts.jsonl"
-        all_lines = [ln for ln in prompts.read_text().splitlines() if ln.strip()]
-        lines = all_lines[:a.refresh_prompts + a.refresh_heldout_prompts]
-        if not subset.exists():
-            subset.write_text("".join(ln + "\n" for ln in lines))
-        train_prompts = {json.loads(ln)["prompt"] for ln in lines[:a.refresh_prompts]}
-        unseen_prompts = {json.loads(ln)["prompt"] for ln in lines[a.refresh_prompts:]} - train_prompts
-        samples = rdir / "samples.jsonl"
-        if not samples.exists():
-            _run([py, "-m", "nemo_rlhf.evaluate", f"checkpoint={policy}", f"data={subset}",
-                  f"out={rdir / 'samples.json'}", *eval_args, f"rm_checkpoint={rm}",
-                  f"temperature={a.rm_temperature}", f"num_samples={a.refresh_samples_per_prompt}",
-                  f"samples_out={samples}", f"seed={100 + r}", "num_examples=0", "batch_size=128"],
-                 logs / "refresh.log")
-        all_rows = [json.loads(ln) for ln in samples.read_text().splitlines() if ln.strip()]
-        rows = [x for x in all_rows if x["prompt"] in train_prompts]
-        found, stats = disagreement_pairs(rows, max_pairs_per_prompt=a.refresh_pairs_per_prompt,
-                                          extra_keys=("answer",), seed=r)
-        unseen = labelled_pairs([x for x in all_rows if x["prompt"] in unseen_prompts],
-                                max_pairs_per_prompt=a.refresh_pairs_per_prompt, extra_keys=("answer",), seed=r)
-        unseen_file = rdir / "policy_unseen_pairs.jsonl"  # the round's check set
-        if not unseen_file.exists():
-            _write_atomic(unseen_file, "".join(json.dumps(p) + "\n" for p in unseen))
-        new = [{k: v for k, v in p.items() if not k.endswith("_rm_score")} for p in found]
-        if task is not None:
-            involved = {(p["prompt"], x) for p in found for x in (p["chosen"], p["rejected"])}
-            new += edit_pairs(task, [x for x in rows if (x["prompt"], x["response"]) in involved],
-                              per_prompt=a.refresh_pairs_per_prompt, seed=r)
-        pool = rdir / "preference_pool.jsonl"  # every pair so far: the next rounds' replay
-        refresh = rdir / "rm_refresh_train.jsonl"  # this round's RM data: new + replayed old
-        if not refresh.exists():
-            old_pairs = [ln for ln in pairs_file.read_text().splitlines() if ln.strip()]
-            replay = random.Random(r).sample(old_pairs, min(len(old_pairs),
-                                                            round(a.refresh_replay * len(new))))
-            lines = [json.dumps(p) for p in new] + replay
-            random.Random(r).shuffle(lines)
-            _write_atomic(pool, "".join(ln + "\n" for ln in old_pairs + [json.dumps(p) for p in new]))
-            _write_atomic(refresh, "".join(ln + "\n" for ln in lines))
-        refresh_pairs = sum(1 for _ in refresh.open())
-        before = _rm_numbers(rm.parent.parent)
-        rm_exp = out / f"rm_round_{r}"
-        check = {"pairs": len(unseen), "before": None, "after": None, "min_gain": a.refresh_min_gain,
-                 "kept_refreshed_rm": False}
-        if new and _latest(rm_exp) is None:
-            steps = a.refresh_rm_steps or max(2, math.ceil(a.refresh_rm_epochs * refresh_pairs / rm_batch))
-            train_rm(rm_exp, str(rm), refresh, steps,
-                     extra=["trainer.val_at_start=true"]
-                     + ([f"+rm.extra_val_files.policy_unseen={unseen_file}"] if unseen else []))
-        if new:
-            by_step = _metric_by_step(rm_exp, "val_policy_unseen/accuracy")
-            if by_step:
-                check["before"], check["after"] = by_step[min(by_step)], by_step[max(by_step)]
-            keep, why = refresh_verdict(check["before"], check["after"], len(unseen), a.refresh_min_gain)
-            check["kept_refreshed_rm"], check["verdict"] = keep, why
-            print(f"refresh round {r}: {why}", flush=True)
-            if keep:
-                rm = _latest(rm_exp)
-        else:
-            check["verdict"] = "the RM agrees with the labeller on every pair; it is kept"
-            print(f"refresh round {r}: {check['verdict']}", flush=True)
-        pairs_file = pool
-        steps = base_steps + r * a.refresh_ppo_steps
-        _ppo_stage(ppo_args, rm, ppo_exp, config_name, a.nproc, steps)
-        record = {"round": r, "policy_checkpoint": str(policy), "rm_checkpoint": str(rm),
-                  "policy_samples": len(rows), "disagreement": stats.as_dict(),
-                  "pairs_added": len(new), "rm_refresh_pairs": refresh_pairs,
-                  "rm_pool_pairs": sum(1 for _ in pool.open()),
-                  "rm_before": before, "rm_after": _rm_numbers(rm_exp) if new else before,
-                  "rm_policy_unseen": check, "ppo_step": steps,
-                  "ppo_heldout_accuracy": _metric_by_step(ppo_exp, "eval/accuracy").get(steps),
-                  "ppo_heldout_accuracy_before": _metric_by_step(ppo_exp, "eval/accuracy").get(
-                      steps - a.refresh_ppo_steps)}
-        print(f"refresh round {r}: {stats.disagreements}/{stats.candidate_pairs} candidate pairs "
-              f"disagreed ({100 * stats.disagreement_rate:.1f}%), {len(new)} pairs added; RM "
-              f"{before} -> {record['rm_after']}; PPO held-out at step {steps}: "
-              f"{record['ppo_heldout_accuracy']}", flush=True)
-        rounds.append(record)
-    return rounds, rm
-
-
-def refresh_verdict(before, after, pairs: int, min_gain: float) -> tuple[bool, str]:
-    """Whether a refresh round's RM replaces the current one, and why (one line).
-
-    Args:
-        before / after: the current and the refreshed RM's accuracy (0-1) on the round's
-            check pairs (the policy's answers to prompts no round trains on); None when not
-            measured.
-        pairs: how many check pairs there were.
-        min_gain: the least ``after - before`` that keeps the refreshed RM; negative keeps
-            it whatever the check says (the demo's behaviour before the check existed).
-
-    Returns:
-        ``(keep, reason)``.
-    """
-    if min_gain < 0:
-        return True, f"the refreshed RM is used (--refresh-min-gain {min_gain} < 0: not checked)"
-    if not pairs or before is None or after is None:
-        return False, ("no right-vs-wrong pair among the answers to the unseen prompts: the refreshed RM "
-                       "cannot be checked, the current RM is kept (more --refresh-heldout-prompts, or "
-                       "--refresh-min-gain -1 to use it unchecked)")
-    verdict = (f"on {pairs} pairs of the policy's answers to unseen prompts the refreshed RM is right on "
-               f"{100 * after:.1f}%, the current one on {100 * before:.1f}% ({100 * (after - before):+.1f} "
-               f"points; --refresh-min-gain {100 * min_gain:.1f})")
-    if after - before >= min_gain:
-        return True, verdict + ": the refreshed RM is used"
-    return False, verdict + ": the current RM is kept"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    tmp.rename(path)
-
-
-def _rm_numbers(rm_exp: Path) -> dict:
-    """An RM's last held-out pair accuracy and same-form pair accuracy (None if not logged)."""
-    return {"pair_accuracy": _rm_accuracy(rm_exp),
-            "same_form_accuracy": _rm_accuracy(rm_exp, "val_same_form/accuracy")}
-
-
-def _print_reward_auc(by_step: dict[int, float]) -> None:
-    """The line on ``eval/reward_auc`` (:func:`nemo_rlhf.trainers.ppo.evaluation.reward_auc`):
-    how well the reward told right held-out answers from wrong ones, first and last
-    evaluation; nothing when the run logged none."""
-    if by_step:
-        first, last = min(by_step), max(by_step)
-        values = (f"{by_step[first]:.2f} (step {first}) -> " if first != last else "") + \
-            f"{by_step[last]:.2f} (step {last})"
-        print(f"reward's right-vs-wrong AUC on the policy's held-out answers: {values}; 0.5: it no "
-              f"longer tells them apart")
-
-
-def _print_rounds(rounds: list[dict]) -> None:
-    for r in rounds:
-        d = r["disagreement"]
-        print(f"refresh round {r['round']}: disagreement {100 * d['disagreement_rate']:.1f}% "
-              f"({d['disagreements']}/{d['candidate_pairs']} pairs of {r['policy_samples']} samples), "
-              f"+{r['pairs_added']} pairs; RM pair/same-form accuracy {r['rm_before']} -> "
-              f"{r['rm_after']}; {r['rm_policy_unseen']['verdict']}; PPO held-out "
-              f"{r['ppo_heldout_accuracy_before']} -> {r['ppo_heldout_accuracy']} (step {r['ppo_step']})")
-
-
-def _metric_by_step(exp: Path, key: str) -> dict[int, float]:
-    """``{step: value}`` of ``key`` in ``exp/metrics.jsonl`` (the last value of a step)."""
-    path, out = exp / "metrics.jsonl", {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if key in row:
-                out[int(row["step"])] = row[key]
-    return out
-
-
-def _system_prompt() -> str:
-    from nemo_rlhf.tasks.addition import SMOLLM2_SYSTEM_PROMPT
-
-    return SMOLLM2_SYSTEM_PROMPT
-
-
 def main(argv=None) -> int:
-    from launchers.recipe import PROFILES
-
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Flags are grouped by where they apply. Words after the flags: overrides of the PPO job.")
     ap.add_argument("--task", default="smollm2", metavar="smollm2|tiny|package.module:TASK",
                     help="smollm2: SmolLM2-135M-Instruct on two-digit addition (default); "
                          "tiny: the synthetic demo on a tiny model; package.module:TASK: the recipe on "
                          "your task, a nemo_rlhf.tasks.task.Task (docs/tasks.md), with --model")
-    ap.add_argument("--model", choices=sorted(PROFILES), default=None,
-                    help="package.module:TASK only: the model the recipe starts from: smollm2 (default) "
-                         "or tiny (random weights and a character tokenizer: it learns by SFT first)")
-    ap.add_argument("--out", default=None, help="experiment root (default experiments/<task>)")
-    ap.add_argument("--data", default=None, help="dataset folder (default data/addition, data/reversal, "
+    every = ap.add_argument_group("every task")
+    every.add_argument("--out", default=None, help="experiment root; relative: to the working directory "
+                                                "(default: the repository's experiments/<task>)")
+    every.add_argument("--data", default=None, help="dataset folder; relative: to the working directory "
+                                                 "(default: the repository's data/addition, data/reversal, "
                                                  "or <out>/data for package.module:TASK)")
-    ap.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
-    ap.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default=None,
+    every.add_argument("--nproc", type=int, default=1, help="PPO trainer ranks (torchrun)")
+    every.add_argument("--keep-last-checkpoint", action="store_true",
+                       help="once the run has finished, each stage (SFT, RM, refresh RMs, PPO) keeps "
+                            "only its newest complete checkpoint, the one later stages took and a rerun "
+                            "resumes from, if it verifies (docs/tasks.md: SmolLM2, 1.6 GB a checkpoint)")
+    every.add_argument("--precision", choices=["32", "bf16-mixed", "auto"], default=None,
                     help="trainer.precision of every stage (samples, RM, RM server, PPO, evaluation), "
-                         "resolved once here; auto (smollm2's default): bf16-mixed where the CPU has bf16 "
-                         "instructions that torch uses (AMX or AVX-512 BF16; a CUDA GPU with bf16), "
+                         "resolved once here; auto (the SmolLM2 model's default): bf16-mixed where the CPU "
+                         "has bf16 instructions that torch uses (AMX or AVX-512 BF16; a CUDA GPU with bf16), "
                          "and with it the bf16 recipe (SMOLLM2_RECIPE). "
-                         "tiny's default: 32. Log-probs, KL, advantages and losses stay fp32 either way")
-    ap.add_argument("--reward", choices=["rm", "checker", "both"], default="rm",
-                    help="smollm2: PPO reward from the served RM (default; the checker only labels its "
-                         "pairs and evaluates), the rule-based checker, or their sum (docs/demo.md: measured)")
-    ap.add_argument("--rm-prompts", type=int, default=256, help="smollm2: prompts sampled for RM pairs")
-    ap.add_argument("--rm-samples-per-prompt", type=int, default=4, help="smollm2: answers sampled per RM prompt")
-    ap.add_argument("--rm-temperature", type=float, default=0.7, help="smollm2: sampling temperature of RM data")
-    ap.add_argument("--rm-epochs", type=float, default=None,
-                    help="smollm2: passes over the RM pairs (may be fractional; default: the "
-                         "precision's recipe, SMOLLM2_RECIPE)")
-    ap.add_argument("--rm-lr", type=float, default=1.0e-4, help="smollm2: peak learning rate of the RM")
-    ap.add_argument("--rm-edit-pairs", type=int, default=4,
-                    help="smollm2 and package.module:TASK: minimal pairs per RM prompt that differ only in "
-                         "the stated answer (Task.edit_answer; addition: the number); 0 = only natural pairs")
-    ap.add_argument("--rm-val-prompts", type=int, default=64,
-                    help="smollm2 and package.module:TASK: prompts whose samples are the RM's held-out pairs")
-    ap.add_argument("--ppo-prompts", type=int, default=4096,
-                    help="smollm2 and package.module:TASK: PPO prompts at most (the rest of the train problems)")
-    ap.add_argument("--sft-steps", type=int, default=None,
-                    help="package.module:TASK: SFT steps when the model gets no sampled answer right "
-                         "(default: the model profile's, launchers/recipe.py)")
-    ap.add_argument("--sft-rows", type=int, default=2000,
-                    help="package.module:TASK: demonstrations (Task.demonstrate) of the PPO prompts for that SFT")
-    ap.add_argument("--model-seed", type=int, default=0,
-                    help="package.module:TASK --model tiny: seed of the random initial weights")
-    ap.add_argument("--rm-freeze-layers", type=int, default=10,
-                    help="smollm2: lower transformer layers of the RM kept at the pretrained weights")
-    ap.add_argument("--refresh-rounds", type=int, default=0,
-                    help="rounds of bad-case replay after PPO: the policy's samples on which the RM "
-                         "contradicts the checker become new RM pairs, the RM continues from its "
-                         "checkpoint on them, PPO resumes against the refreshed RM (needs the RM reward)")
-    ap.add_argument("--refresh-ppo-steps", type=int, default=None,
-                    help="PPO steps after each refresh (default: trainer.max_steps split evenly over "
-                         "the rounds + 1 stages, so the PPO total stays trainer.max_steps)")
-    ap.add_argument("--refresh-prompts", type=int, default=128,
-                    help="PPO prompts the policy answers for each refresh")
-    ap.add_argument("--refresh-heldout-prompts", type=int, default=128,
-                    help="PPO prompts after --refresh-prompts that the policy also answers and no round "
-                         "trains on: the labeller's pairs of those answers check the refreshed RM")
-    ap.add_argument("--refresh-min-gain", type=float, default=0.05,
-                    help="the refreshed RM replaces the current one only if it is right on that many more "
-                         "of the check pairs (0.05 = 5 points); otherwise PPO continues against the current "
-                         "RM; negative: always replace (unchecked)")
-    ap.add_argument("--refresh-samples-per-prompt", type=int, default=4,
-                    help="sampled answers per refresh prompt (at --rm-temperature)")
-    ap.add_argument("--refresh-pairs-per-prompt", type=int, default=2,
-                    help="disagreement pairs (and, smollm2, same-wording edits) kept per prompt")
-    ap.add_argument("--refresh-rm-steps", type=int, default=None,
-                    help="RM steps of each refresh, continuing the RM (default: --refresh-rm-epochs "
-                         "passes over the round's new + replayed pairs)")
-    ap.add_argument("--refresh-rm-epochs", type=float, default=2.0,
-                    help="passes over the round's RM data when --refresh-rm-steps is not given")
-    ap.add_argument("--refresh-replay", type=float, default=1.0,
-                    help="old pairs replayed per new pair in each refresh (against forgetting)")
-    ap.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
-                    metavar="KEY=VALUE", help="tiny: a Hydra override of the SFT job (repeatable)")
-    ap.add_argument("--rm-override", dest="rm_overrides", action="append", default=[],
-                    metavar="KEY=VALUE", help="tiny: a Hydra override of the RM job(s) (repeatable)")
-    ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job")
+                         "The tiny model's default: 32. Log-probs, KL, advantages and losses stay fp32 either way")
+    ap.add_argument("ppo_overrides", nargs="*", help="extra Hydra overrides for the PPO job (a relative "
+                                                     "path in one: to the working directory)")
+    recipe = ap.add_argument_group("the recipe (--task smollm2 and --task package.module:TASK)")
+    recipe.add_argument("--reward", choices=["rm", "checker", "both"], default="rm",
+                        help="PPO reward from the served RM (default; the checker only labels its pairs and "
+                             "evaluates), the rule-based checker, or their sum (docs/demo.md: measured); "
+                             "--task tiny: always the RM")
+    recipe.add_argument("--rm-prompts", type=int, default=256, help="prompts sampled for RM pairs")
+    recipe.add_argument("--rm-samples-per-prompt", type=int, default=4, help="answers sampled per RM prompt")
+    recipe.add_argument("--rm-temperature", type=float, default=0.7,
+                        help="sampling temperature of the RM data (and, every task, of the refresh rounds' samples)")
+    recipe.add_argument("--rm-epochs", type=float, default=None,
+                        help="passes over the RM pairs (may be fractional; default: the SmolLM2 model's "
+                             "precision recipe, SMOLLM2_RECIPE; the tiny model's 0.6)")
+    recipe.add_argument("--rm-edit-pairs", type=int, default=4,
+                        help="minimal pairs per RM prompt that differ only in the stated answer "
+                             "(Task.edit_answer; addition: the number); 0 = only natural pairs")
+    recipe.add_argument("--rm-val-prompts", type=int, default=64,
+                        help="prompts whose samples are the RM's held-out pairs")
+    recipe.add_argument("--ppo-prompts", type=int, default=4096,
+                        help="PPO prompts at most (the rest of the train problems)")
+    smollm2 = ap.add_argument_group("the SmolLM2 model's RM (--task smollm2, or --task package.module:TASK "
+                                    "--model smollm2)")
+    smollm2.add_argument("--rm-lr", type=float, default=1.0e-4, help="peak learning rate of the RM")
+    smollm2.add_argument("--rm-freeze-layers", type=int, default=10,
+                         help="lower transformer layers of the RM kept at the pretrained weights")
+    custom = ap.add_argument_group("--task package.module:TASK only")
+    custom.add_argument("--model", choices=sorted(PROFILES), default=None,
+                        help="the model the recipe starts from: smollm2 (default) or tiny (random weights "
+                             "and a character tokenizer: it learns by SFT first)")
+    custom.add_argument("--sft-steps", type=int, default=None,
+                        help="SFT steps when the model gets no sampled answer right "
+                             "(default: the model profile's, launchers/recipe.py)")
+    custom.add_argument("--sft-rows", type=int, default=2000,
+                        help="demonstrations (Task.demonstrate) of the PPO prompts for that SFT")
+    custom.add_argument("--model-seed", type=int, default=0, help="--model tiny: seed of the random initial weights")
+    tiny = ap.add_argument_group("--task tiny only")
+    tiny.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
+                      metavar="KEY=VALUE", help="a Hydra override of the SFT job (repeatable; a relative "
+                                                "path in it: to the working directory, where every stage runs)")
+    tiny.add_argument("--rm-override", dest="rm_overrides", action="append", default=[],
+                      metavar="KEY=VALUE", help="a Hydra override of the RM job(s) (repeatable; paths as in "
+                                                "--sft-override)")
+    refresh = ap.add_argument_group("the refresh rounds (every task; needs the RM reward)")
+    refresh.add_argument("--refresh-rounds", type=int, default=0,
+                         help="rounds of bad-case replay after PPO: the policy's samples on which the RM "
+                              "contradicts the checker become new RM pairs, the RM continues from its "
+                              "checkpoint on them, PPO resumes against the refreshed RM")
+    refresh.add_argument("--refresh-ppo-steps", type=int, default=None,
+                         help="PPO steps after each refresh (default: trainer.max_steps split evenly over "
+                              "the rounds + 1 stages, so the PPO total stays trainer.max_steps)")
+    refresh.add_argument("--refresh-prompts", type=int, default=128,
+                         help="PPO prompts the policy answers for each refresh")
+    refresh.add_argument("--refresh-heldout-prompts", type=int, default=128,
+                         help="PPO prompts after --refresh-prompts that the policy also answers and no round "
+                              "trains on: the labeller's pairs of those answers check the refreshed RM")
+    refresh.add_argument("--refresh-min-gain", type=float, default=0.05,
+                         help="the refreshed RM replaces the current one only if it is right on that many more "
+                              "of the check pairs (0.05 = 5 points); otherwise PPO continues against the current "
+                              "RM; negative: always replace (unchecked)")
+    refresh.add_argument("--refresh-samples-per-prompt", type=int, default=4,
+                         help="sampled answers per refresh prompt (at --rm-temperature)")
+    refresh.add_argument("--refresh-pairs-per-prompt", type=int, default=2,
+                         help="disagreement pairs (and, for the recipe's tasks with Task.edit_answer, "
+                              "same-wording edits) kept per prompt")
+    refresh.add_argument("--refresh-rm-steps", type=int, default=None,
+                         help="RM steps of each refresh, continuing the RM (default: --refresh-rm-epochs "
+                              "passes over the round's new + replayed pairs)")
+    refresh.add_argument("--refresh-rm-epochs", type=float, default=2.0,
+                         help="passes over the round's RM data when --refresh-rm-steps is not given")
+    refresh.add_argument("--refresh-replay", type=float, default=1.0,
+                         help="old pairs replayed per new pair in each refresh (against forgetting)")
     a = ap.parse_args(argv)
+    for flag in ("out", "data"):  # the user's paths are theirs: relative to where they ran the demo
+        value = getattr(a, flag)
+        if value is not None:
+            setattr(a, flag, os.path.abspath(os.path.expanduser(value)))
     a.ppo_recipe = []
     custom = a.task not in ("smollm2", "tiny")
     if custom and ":" not in a.task:
@@ -711,22 +337,6 @@ def ppo_config_name(a) -> str:
     if a.task == "tiny" or (a.task != "smollm2" and a.model == "tiny"):
         return "ppo_tiny"
     return "ppo_smollm2"
-
-
-def _rm_accuracy(rm_exp: Path, key: str = "val/accuracy"):
-    """The RM's last validation accuracy (``key``), from its metrics log if it wrote one."""
-    return _last_metric(rm_exp, key)
-
-
-def _last_metric(exp: Path, key: str):
-    path = exp / "metrics.jsonl"
-    value = None
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            if key in row:
-                value = row[key]
-    return value
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ Steps (:func:`run_ppo_with_rm`):
    passed as ``reward.ensemble.rm_address_files`` (:mod:`nemo_rlhf.reward.ensemble`);
 3. the trainer, ``python -m nemo_rlhf.train_ppo reward.rm_address_file=<file> <overrides>``
    under ``torchrun --standalone --nproc_per_node N`` (plain python when N == 1), in its
-   own process group, its output streamed as is;
+   own process group, its output streamed as is (``--trainer-log FILE``: and appended to FILE);
 4. with ``rollout.mode=async``: once the trainer's controller wrote
    ``<exp_dir>/rollout_controller`` (``host:port num_workers``), the rollout workers,
    ``python -m nemo_rlhf.rollout_worker --worker-index i <the trainer's overrides>``, each
@@ -96,6 +96,10 @@ class LocalRunConfig:
     """Trainer entry: a module run with ``-m``, or a path to a ``.py`` script."""
     python: str = sys.executable
     """Python interpreter of the child processes."""
+    trainer_log: Optional[str] = None
+    """A file the trainer's output (stdout and stderr) is also appended to, as it goes to
+    the console (the demo: ``<out>/logs/ppo.log``, beside its other stages' logs); None: the
+    console only."""
 
     def __post_init__(self) -> None:
         for key in ("nproc", "rm_nproc"):
@@ -254,6 +258,35 @@ class _RMServer:
         self._pump.join(5.0)
         self._log.close()
         _say(f"RM server stopped (exit code {code})")
+
+
+class _Tee:
+    """The trainer's output copied, line by line, to the console and to ``path`` (appended,
+    after a ``# <time> <command>`` line)."""
+
+    def __init__(self, path: Path, cmd: list[str]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")
+        self._file.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
+        self._file.flush()
+        self._pump: Optional[threading.Thread] = None
+
+    def start(self, stream: IO[str]) -> None:
+        self._pump = threading.Thread(target=self._copy, args=(stream,), name="trainer-log", daemon=True)
+        self._pump.start()
+
+    def _copy(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._file.write(line)
+            self._file.flush()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    def close(self) -> None:
+        """After the trainer exited: the rest of its output, then the file closed."""
+        if self._pump is not None:
+            self._pump.join(10.0)
+        self._file.close()
 
 
 def _visible_gpus() -> list[str]:
@@ -423,6 +456,7 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
     exp_dir.mkdir(parents=True, exist_ok=True)
     servers: list[_RMServer] = []
     trainer: Optional[subprocess.Popen] = None
+    tee: Optional[_Tee] = None
     workers = _RolloutWorkers(cfg, exp_dir, overrides)
     sigterm = _SigtermForwarder()
     try:
@@ -440,7 +474,14 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
             cmd += ["--config-name", cfg.config_name]
         cmd += overrides
         _say(f"starting the trainer: {' '.join(cmd)}")
-        trainer = _start_group(cmd)
+        if cfg.trainer_log:
+            tee = _Tee(Path(cfg.trainer_log), cmd)
+            trainer = _start_group(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   bufsize=1, errors="replace",
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})  # lines as they come
+            tee.start(trainer.stdout)
+        else:
+            trainer = _start_group(cmd)
         sigterm.trainer = trainer
         code = _wait_trainer(trainer, servers, workers)
         _report_exit(code)
@@ -463,6 +504,8 @@ def run_ppo_with_rm(trainer_overrides: Sequence[str] = (), cfg: Optional[LocalRu
             _stop_group(trainer, signal.SIGTERM, cfg.stop_grace_s)
         elif trainer is not None:
             _signal_group(trainer, signal.SIGKILL)  # stragglers of an exited group
+        if tee is not None:
+            tee.close()
         workers.stop(cfg.stop_grace_s)
         for server in servers:
             server.stop(cfg.stop_grace_s)
@@ -509,7 +552,7 @@ def _parser() -> argparse.ArgumentParser:
     rm.add_argument("--no-rm", dest="no_rm", action="store_true", help="no RM server (reward functions only)")
     for name, kind in (("nproc", int), ("rm_nproc", int), ("rm_start_timeout_s", float),
                        ("stop_grace_s", float), ("exp_dir", str), ("config_name", str),
-                       ("trainer_module", str)):
+                       ("trainer_module", str), ("trainer_log", str)):
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind,
                        help=f"default {defaults[name]}")
     p.add_argument("--rm-ensemble-checkpoint", dest="rm_ensemble_checkpoints", action="append",

@@ -33,18 +33,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
-import launchers.demo as demo
-from launchers.demo import REPO
-
-DEFAULT_RM_VAL_PROMPTS = 64
-"""Prompts whose samples become the RM's held-out pairs (``--rm-val-prompts``)."""
-DEFAULT_PPO_PROMPTS = 4096
-"""PPO prompts at most (``--ppo-prompts``)."""
+import launchers.stages as stages
+from launchers.stages import REPO
 
 
 @dataclass(frozen=True)
@@ -70,7 +64,7 @@ class ModelProfile:
 
 
 def _smollm2_rm(a, exp, init_from, train_file, steps, rm_data, tok, profile) -> list[str]:
-    return demo.smollm2_rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok)
+    return stages.smollm2_rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok)
 
 
 def _smollm2_sft(a, exp, init_from, sft_data: Path, steps: int, tok, profile) -> list[str]:
@@ -79,7 +73,7 @@ def _smollm2_sft(a, exp, init_from, sft_data: Path, steps: int, tok, profile) ->
     return ["model=smollm2_135m", f"exp_manager.exp_dir={exp}", f"sft.init_from={init_from}",
             f"data.train_file={sft_data / 'sft.jsonl'}", f"data.val_file={sft_data / 'sft_val.jsonl'}",
             f"data.tokenizer_dir={tok}", "data.chat_template=chatml",
-            f"data.system_prompt='{demo._system_prompt()}'", f"data.max_seq_length={profile.max_seq_length}",
+            f"data.system_prompt='{stages.system_prompt()}'", f"data.max_seq_length={profile.max_seq_length}",
             f"trainer.max_steps={steps}", "trainer.global_batch_size=16", "trainer.micro_batch_size=8",
             f"trainer.val_check_interval={steps}", "optim.lr=1.0e-5", "optim.min_lr=1.0e-6",
             f"optim.warmup_steps={min(3, steps - 1)}", "exp_manager.save_interval=0",
@@ -93,7 +87,7 @@ def _tiny_rm(a, exp, init_from, train_file, steps, rm_data, tok, profile) -> lis
             f"data.tokenizer_dir={tok}", f"data.max_seq_length={profile.max_seq_length}",
             f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}",
             f"trainer.log_every_n_steps={max(1, steps // 4)}", f"optim.warmup_steps={min(20, steps - 1)}",
-            f"rm.reward_stats_max_pairs={demo.RM_STATS_PAIRS}", f"trainer.precision={a.precision}"]
+            f"rm.reward_stats_max_pairs={stages.RM_STATS_PAIRS}", f"trainer.precision={a.precision}"]
 
 
 def _tiny_sft(a, exp, init_from, sft_data: Path, steps: int, tok, profile) -> list[str]:
@@ -106,7 +100,7 @@ def _tiny_sft(a, exp, init_from, sft_data: Path, steps: int, tok, profile) -> li
 
 
 PROFILES = {
-    "smollm2": ModelProfile("smollm2", "ppo_smollm2", demo.SMOLLM2_MAX_NEW_TOKENS, 96, 50,
+    "smollm2": ModelProfile("smollm2", "ppo_smollm2", stages.SMOLLM2_MAX_NEW_TOKENS, 96, 50,
                             _smollm2_rm, _smollm2_sft),
     "tiny": ModelProfile("tiny", "ppo_tiny", 8, 64, 600, _tiny_rm, _tiny_sft,
                          ("reward.normalization=fixed", "guards.gold_window=1")),
@@ -126,9 +120,9 @@ def prepare_model(profile: ModelProfile, out: Path, seed: int) -> dict:
             raise SystemExit(f"model set-up failed: {exc}") from None
     folder = out / "model"
     ckpt = folder / "checkpoints" / "step_0"
-    if demo._latest(folder) is None:
-        demo._run([sys.executable, "-m", "launchers.recipe", "init-tiny", str(folder), str(seed)],
-                  out / "logs" / "model.log")
+    if stages.latest_checkpoint(folder) is None:
+        stages.run_stage([sys.executable, "-m", "launchers.recipe", "init-tiny", str(folder), str(seed)],
+                         out / "logs" / "model.log")
     return {"checkpoint": str(ckpt), "tokenizer_dir": str(ckpt / "tokenizer")}
 
 
@@ -173,7 +167,7 @@ def write_tiny_model(folder: Path, seed: int) -> Path:
         destroy_distributed()
 
 
-def _importable(spec: str) -> None:
+def importable(spec: str) -> None:
     """Put the folder the task's module came from on ``PYTHONPATH``, so the stages (other
     processes, run from the repository) import it too."""
     module_name = spec.partition(":")[0]
@@ -193,10 +187,10 @@ def _sample(a, policy, prompts: Path, out_stem: Path, seed: int, stage_args: lis
     checker (``nemo_rlhf.evaluate``), written once to ``<out_stem>.jsonl``; its rows."""
     samples = out_stem.with_suffix(".jsonl")
     if not samples.exists():
-        demo._run([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={policy}", f"data={prompts}",
-                   f"out={out_stem.with_suffix('.json')}", *stage_args, f"temperature={a.rm_temperature}",
-                   f"num_samples={a.rm_samples_per_prompt}", f"samples_out={samples}", f"seed={seed}",
-                   "num_examples=0", "batch_size=128"], log)
+        stages.run_stage([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={policy}", f"data={prompts}",
+                          f"out={out_stem.with_suffix('.json')}", *stage_args, f"temperature={a.rm_temperature}",
+                          f"num_samples={a.rm_samples_per_prompt}", f"samples_out={samples}", f"seed={seed}",
+                          "num_examples=0", "batch_size=128"], log)
     return _read_rows(samples)
 
 
@@ -226,23 +220,24 @@ def _sft_first(a, task, profile: ModelProfile, out: Path, data: Path, policy, to
             except ValueError as exc:
                 raise SystemExit(str(exc)) from None
         sft_data.mkdir(parents=True, exist_ok=True)
-        demo._write_atomic(sft_data / "sft_val.jsonl",
-                           "".join(json.dumps(r) + "\n" for r in rows("rm_val_prompts.jsonl", 64)))
-        demo._write_atomic(sft_data / "sft.jsonl",
-                           "".join(json.dumps(r) + "\n" for r in rows("ppo_prompts.jsonl", a.sft_rows)))
+        stages.write_atomic(sft_data / "sft_val.jsonl",
+                            "".join(json.dumps(r) + "\n" for r in rows("rm_val_prompts.jsonl", 64)))
+        stages.write_atomic(sft_data / "sft.jsonl",
+                            "".join(json.dumps(r) + "\n" for r in rows("ppo_prompts.jsonl", a.sft_rows)))
     exp = out / "sft"
-    if demo._latest(exp) is None:
-        demo._run([sys.executable, "-m", "nemo_rlhf.train_sft",
-                   *profile.sft_overrides(a, exp, policy, sft_data, a.sft_steps, tok, profile)],
-                  out / "logs" / "sft.log")
-    return demo._latest(exp)
+    if stages.latest_checkpoint(exp) is None:
+        stages.run_stage([sys.executable, "-m", "nemo_rlhf.train_sft",
+                          *profile.sft_overrides(a, exp, policy, sft_data, a.sft_steps, tok, profile)],
+                         out / "logs" / "sft.log")
+    return stages.latest_checkpoint(exp)
 
 
 def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, ckpt, tok, stage_args: list,
-                        times: dict, t: float) -> tuple:
+                        clock: "stages.StageTimes") -> tuple:
     """Stage 3 (module docstring): the policy the RM data comes from (the model, or the SFT
-    model when the model got no sampled answer right) and the RM's pairs. Records
-    ``times["sft"]`` (with SFT) and ``times["rm_samples"]`` (since ``t``).
+    model when the model got no sampled answer right) and the RM's pairs. Records on
+    ``clock`` (started by the caller) ``first_samples_and_sft`` (with SFT: the original
+    model's samples, which showed it cannot do the task, and SFT) and ``rm_samples``.
 
     Returns:
         ``(policy, sft checkpoint or None, initial sample accuracy (0.0 with SFT, else
@@ -253,7 +248,7 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     rm_data, logs = out / "rm_data", out / "logs"
     policy, sft, probe_acc = ckpt, None, None
     initial = rm_data / "initial_samples_train.jsonl"  # the initial model's, when it got none right
-    if demo._latest(out / "sft") is None:
+    if stages.latest_checkpoint(out / "sft") is None:
         probe = _read_rows(initial) if initial.exists() else _sample(
             a, ckpt, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args, logs / "rm_samples.log")
         if count_right(probe) == 0:
@@ -262,12 +257,12 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
                 (rm_data / "samples_train.jsonl").rename(initial)
             sft = _sft_first(a, task, profile, out, data, ckpt, tok, probe)
     else:
-        sft = demo._latest(out / "sft")
+        sft = stages.latest_checkpoint(out / "sft")
         probe_acc = 0.0
     if sft is not None:
         policy = sft
-        times["sft"] = time.time() - t
-        t = time.time()
+        clock.stop("first_samples_and_sft")
+        clock.start()
     samples_train = _sample(a, policy, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args,
                             logs / "rm_samples.log")
     _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
@@ -279,18 +274,18 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     edits = a.rm_edit_pairs if task.edit_answer is not None else 0
     pair_counts = {}
     for split in ("train", "val"):  # held-out: the natural pairs only; the same-form ones are their own file
-        pair_counts[split] = demo._pairs_from_samples(task, rm_data / f"samples_{split}.jsonl",
-                                                      rm_data / f"preference_{split}.jsonl", 4,
-                                                      edits if split == "train" else 0)
-    pair_counts["val_same_form"] = demo._pairs_from_samples(
+        pair_counts[split] = stages.pairs_from_samples(task, rm_data / f"samples_{split}.jsonl",
+                                                       rm_data / f"preference_{split}.jsonl", 4,
+                                                       edits if split == "train" else 0)
+    pair_counts["val_same_form"] = stages.pairs_from_samples(
         task, rm_data / "samples_val.jsonl", rm_data / "same_form_val.jsonl", 0,
-        demo.SAME_FORM_PER_PROMPT if task.edit_answer is not None else 0)
+        stages.SAME_FORM_PER_PROMPT if task.edit_answer is not None else 0)
     print(f"RM pairs from the model's own samples: {pair_counts}", flush=True)
     if min(pair_counts["train"], pair_counts["val"]) == 0 or (
             task.edit_answer is not None and pair_counts["val_same_form"] == 0):
         raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
                          f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
-    times["rm_samples"] = time.time() - t
+    clock.stop("rm_samples")
     return policy, sft, probe_acc, samples_train, pair_counts
 
 
@@ -303,26 +298,26 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     out = REPO / (a.out or ("experiments/smollm2" if default else f"experiments/{task.name}"))
     data = REPO / a.data if a.data else (REPO / "data/addition" if default else out / "data")
     logs = out / "logs"
-    times: dict[str, float] = {}
+    clock = stages.StageTimes(out / "summary.json")
     py = sys.executable
     new_tokens = f"max_new_tokens={task.max_new_tokens or profile.max_new_tokens}"
     checkers = [f"checker={checker}",
                 *([f"extra_checkers=[{','.join(task.extra_checkers)}]"] if task.extra_checkers else []),
                 f"precision={a.precision}"]
 
-    t = time.time()
+    clock.start()
     model = prepare_model(profile, out, a.model_seed)
     ckpt, tok = model["checkpoint"], model["tokenizer_dir"]
-    times["model_setup"] = time.time() - t
+    clock.stop("model_setup")
 
-    t = time.time()
+    clock.start()
     try:
         write_prompt_files(task, data, n_rm=a.rm_prompts, n_rm_val=a.rm_val_prompts, n_ppo=a.ppo_prompts)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    times["data"] = time.time() - t
+    clock.stop("data")
 
-    t = time.time()
+    clock.start()
     rm_data = out / "rm_data"
     settings = {
         "rm_prompts": a.rm_prompts, "rm_samples_per_prompt": a.rm_samples_per_prompt,
@@ -332,79 +327,89 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     if not default:  # (the default's settings file predates these keys: it stays as it was)
         settings.update({"task": task.name, "model": profile.name, "rm_val_prompts": a.rm_val_prompts,
                          "sft_steps": a.sft_steps, "sft_rows": a.sft_rows})
-    demo._check_stage_settings(rm_data / "settings.json", settings)
+    stages.check_stage_settings(rm_data / "settings.json", settings)
     stage_args = [new_tokens, *checkers]
     policy, sft, probe_acc, samples_train, pair_counts = _policy_and_rm_data(
-        a, task, profile, out, data, ckpt, tok, stage_args, times, t)
+        a, task, profile, out, data, ckpt, tok, stage_args, clock)
     right = count_right(samples_train)
 
-    t = time.time()
+    clock.start()
     rm_exp = out / "rm"
 
     def train_rm(exp: Path, init_from: str, train_file: Path, steps: int, extra=()) -> None:
         overrides = [*profile.rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok, profile), *extra]
         if task.edit_answer is None:  # no same-form pairs to validate on
             overrides = [o for o in overrides if not o.startswith("+rm.extra_val_files.same_form=")]
-        demo._run([py, "-m", "nemo_rlhf.train_rm", *overrides], logs / f"{exp.name}.log")
+        stages.run_stage([py, "-m", "nemo_rlhf.train_rm", *overrides], logs / f"{exp.name}.log")
 
-    if demo._latest(rm_exp) is None:  # from the policy, as InstructGPT's RM (sec. 3.5)
+    if stages.latest_checkpoint(rm_exp) is None:  # from the policy, as InstructGPT's RM (sec. 3.5)
         train_rm(rm_exp, policy, rm_data / "preference_train.jsonl",
                  max(1, int(a.rm_epochs * pair_counts["train"] // 16)))
-    rm = demo._latest(rm_exp)
-    times["rm"] = time.time() - t
+    rm = stages.latest_checkpoint(rm_exp)
+    clock.stop("rm")
 
-    t = time.time()
+    clock.start()
     ppo_exp = out / "ppo"
     reward = {"rm": [], "checker": ["reward.rm_weight=0", f"reward.functions=[{{name: '{checker}'}}]"],
               "both": [f"reward.functions=[{{name: '{checker}'}}]"]}[a.reward]
-    if default:  # the command line of the runs docs/demo.md measured
+    if default:  # the command line of the runs docs/stages.md measured
         reward = {"rm": [], "checker": ["reward.rm_weight=0", "reward.functions=[{name: two_digit_addition}]"],
                   "both": ["reward.functions=[{name: two_digit_addition}]"]}[a.reward]
-    task_args = [] if default else [  # the default's command line is the one docs/demo.md measured
+    task_args = [] if default else [  # the default's command line is the one docs/stages.md measured
         f"trainer.eval_checker='{checker}'", f"trainer.eval_extra_checkers=[{','.join(task.extra_checkers)}]",
         f"data.max_seq_length={profile.max_seq_length}"]
     ppo_args = [f"exp_manager.init_from={policy}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
                 f"rollout.{new_tokens}", f"trainer.precision={a.precision}", *task_args, *profile.ppo_overrides,
                 *a.ppo_recipe, *reward, *a.ppo_overrides]
-    base_steps = demo._first_stage_steps(a, demo._ppo_max_steps(profile.ppo_config, a.ppo_overrides))
-    demo._ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, profile.ppo_config, a.nproc,
-                    base_steps)
-    times["ppo"] = time.time() - t
+    base_steps = stages.first_stage_steps(a, stages.ppo_max_steps(profile.ppo_config, a.ppo_overrides))
+    stages.ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, profile.ppo_config, a.nproc,
+                     base_steps)
+    clock.stop("ppo")
 
-    t = time.time()
+    clock.start()
     rounds = []
     if a.refresh_rounds:
-        rounds, rm = demo._refresh_rounds(
+        rounds, rm = stages.refresh_rounds(
             a, out=out, logs=logs, first_rm=rm, ppo_exp=ppo_exp, ppo_args=ppo_args,
             config_name=profile.ppo_config, base_steps=base_steps, prompts=data / "ppo_prompts.jsonl",
             base_pairs=rm_data / "preference_train.jsonl", train_rm=train_rm, rm_batch=16,
             eval_args=stage_args, task=task if task.edit_answer is not None else None)
-    times["refresh"] = time.time() - t
+    clock.stop("refresh")
 
     # before / after: the PPO run's own greedy evaluations of step 0 and of its last step
     # (the held-out set, the same checkers); a separate `nemo_rlhf.evaluate` only when the
     # run did not evaluate (it would repeat the same decoding: 52 s of the 25-minute demo)
-    t = time.time()
-    last = demo._latest(ppo_exp)
-    baseline = demo._ppo_evaluation(ppo_exp, 0)
+    clock.start()
+    last = stages.latest_checkpoint(ppo_exp)
+    baseline = stages.ppo_evaluation(ppo_exp, 0)
     if baseline is None:
-        baseline = demo._evaluate(Path(policy), data, out / "baseline_eval.json", logs / "eval.log",
-                                  *stage_args, "num_examples=8")
-    final = demo._ppo_evaluation(ppo_exp, int(last.name.split("_")[-1]))
+        baseline = stages.evaluate_checkpoint(Path(policy), data, out / "baseline_eval.json", logs / "eval.log",
+                                              *stage_args, "num_examples=8")
+    ppo_step = int(last.name.split("_")[-1])
+    final = stages.ppo_evaluation(ppo_exp, ppo_step)
     if final is None:
-        final = demo._evaluate(last, data, out / "ppo_eval.json", logs / "eval.log", *stage_args, "num_examples=8")
-    times["eval"] = time.time() - t
-    return _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
-                   len(samples_train), baseline, final, pair_counts, rounds, times)
+        final = stages.evaluate_checkpoint(last, data, out / "ppo_eval.json", logs / "eval.log", *stage_args,
+                                           "num_examples=8")
+    original = None
+    if sft is not None:  # PPO started from the SFT model: the original model's held-out numbers, once
+        original = stages.evaluate_checkpoint(Path(ckpt), data, out / "original_eval.json", logs / "eval.log",
+                                              *stage_args, "num_examples=0")
+    clock.stop("eval")
+    code = _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
+                   len(samples_train), baseline, final, pair_counts, rounds, clock, original, ppo_step)
+    stages.keep_last_checkpoint(a, out)  # the run has finished: nothing later needs the older ones
+    return code
 
 
 def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right, n_samples,
-            baseline, final, pair_counts, rounds, times) -> int:
-    """``<out>/summary.json`` and the printed before / after table."""
-    rm_acc = demo._rm_accuracy(rm_exp)
-    rm_same_form = demo._rm_accuracy(rm_exp, "val_same_form/accuracy")
-    kl = demo._last_metric(ppo_exp, "kl_mean")
+            baseline, final, pair_counts, rounds, clock, original=None, ppo_step=None) -> int:
+    """``<out>/summary.json`` and the printed before / after table. ``baseline`` is PPO's
+    starting policy at step 0 (the SFT model when ``sft``, else the original model);
+    ``original``: the original model's held-out evaluation when SFT came first (else None)."""
+    rm_acc = stages.rm_accuracy(rm_exp)
+    rm_same_form = stages.rm_accuracy(rm_exp, "val_same_form/accuracy")
+    kl = stages.kl_summary(ppo_exp)
     fmt = task.extra_checkers[0] if task.extra_checkers else None
     default = a.task == "smollm2"
     summary = {
@@ -412,6 +417,11 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
         **({} if default else {"model": profile.name, "sft_first": sft is not None,
                                "initial_sample_accuracy": probe_acc,
                                "rm_sample_accuracy": right / n_samples if n_samples else None}),
+        "baseline_model": "sft" if sft is not None else "original",
+        **({} if original is None else {
+            "original_accuracy": original["accuracy"],
+            "original_mean_response_length": original.get("mean_response_length"),
+            **({} if fmt is None else {"original_format_compliance": original.get(fmt)})}),
         "baseline_accuracy": baseline["accuracy"], "ppo_accuracy": final["accuracy"],
         "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
         **({} if fmt is None and not default else {
@@ -419,13 +429,14 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
         "baseline_mean_response_length": baseline.get("mean_response_length"),
         "ppo_mean_response_length": final.get("mean_response_length"),
         "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc,
-        "rm_heldout_same_form_accuracy": rm_same_form, "final_kl_mean": kl,
-        "heldout_accuracy_by_step": demo._metric_by_step(ppo_exp, "eval/accuracy"),
-        "kl_mean_by_step": demo._metric_by_step(ppo_exp, "kl_mean"),
-        "reward_auc_by_step": demo._metric_by_step(ppo_exp, "eval/reward_auc"), "refresh_rounds": rounds,
-        "wall_time_s": {k: round(v, 1) for k, v in times.items()},
+        "rm_heldout_same_form_accuracy": rm_same_form, **kl,
+        "heldout_accuracy_by_step": stages.metric_by_step(ppo_exp, "eval/accuracy"),
+        "kl_mean_by_step": stages.metric_by_step(ppo_exp, "kl_mean"),
+        "reward_auc_by_step": stages.metric_by_step(ppo_exp, "eval/reward_auc"), "refresh_rounds": rounds,
+        "wall_time_s": {k: round(v, 1) for k, v in clock.times.items()}, "wall_time_s_kept": clock.kept,
         "checkpoints": {"policy_init": str(ckpt), **({"sft": str(sft)} if sft is not None else {}),
-                        "rm": str(rm), "first_rm": str(demo._latest(rm_exp)), "ppo": str(demo._latest(ppo_exp))},
+                        "rm": str(rm), "first_rm": str(stages.latest_checkpoint(rm_exp)),
+                        "ppo": str(stages.latest_checkpoint(ppo_exp))},
         "tensorboard": str(ppo_exp / "tensorboard"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -438,20 +449,25 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
     if sft is not None:
         print(f"SFT first (the model got 0 sampled answers right): {right}/{n_samples} right after SFT")
     label = (fmt or "").replace("_", " ")
-    print(f"baseline held-out accuracy : {100 * baseline['accuracy']:.1f}%"
-          + (f" (format: {label} {100 * baseline.get(fmt, 0):.1f}%)" if fmt else ""))
-    print(f"PPO policy held-out accuracy: {100 * final['accuracy']:.1f}% "
-          f"({summary['improvement_points']:+.1f} points"
-          + (f"; format {100 * final.get(fmt, 0):.1f}%)" if fmt else ")"))
-    print(f"mean response length        : {baseline['mean_response_length']:.1f} -> "
-          f"{final['mean_response_length']:.1f} tokens")
+    rows = [("original model (before SFT)", original, None)] if original is not None else []
+    rows += [("SFT model (PPO's start, step 0)" if sft is not None else "original model (PPO's start, step 0)",
+              baseline, None),
+             (f"PPO policy (step {ppo_step})" if ppo_step is not None else "PPO policy",
+              final, f"{summary['improvement_points']:+.1f} points over PPO's start")]
+    width = max(len(name) for name, _, _ in rows)
+    print("held-out accuracy (greedy, the task's checker):")
+    for name, ev, note in rows:
+        notes = [n for n in (note, f"format: {label} {100 * ev.get(fmt, 0):.1f}%" if fmt else None,
+                             f"mean length {ev['mean_response_length']:.1f} tokens"
+                             if ev.get("mean_response_length") is not None else None) if n]
+        print(f"  {name:<{width}} : {100 * ev['accuracy']:5.1f}% ({'; '.join(notes)})")
     print(f"RM held-out pair accuracy   : {'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'} "
           f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong answer, same "
           f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
-    print(f"final kl_mean (nats/seq)    : {kl}")
-    demo._print_reward_auc(summary["reward_auc_by_step"])
-    demo._print_rounds(rounds)
-    print("wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+    print(f"final kl_mean (nats/seq)    : {stages.kl_line(kl)}")
+    stages.print_reward_auc(summary["reward_auc_by_step"])
+    stages.print_rounds(rounds)
+    print(clock.line())
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
     return 0
 

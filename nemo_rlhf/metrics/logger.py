@@ -29,6 +29,13 @@ output), ``reward_mean`` the same after ``reward.normalization`` (about 0 with `
 CONSOLE_KEYS = PPO_CONSOLE_KEYS
 
 
+def console_name(key: str) -> str:
+    """A metric's name on the console line: the key as logged (its prefix tells
+    ``val/accuracy`` from ``val_same_form/accuracy``), less a ``timing/`` prefix (PPO's
+    ``step_s``)."""
+    return key[len("timing/"):] if key.startswith("timing/") else key
+
+
 class MetricsLogger:
     """Writes metrics only where ``enabled`` (the reporting rank); a no-op elsewhere.
 
@@ -84,8 +91,7 @@ class MetricsLogger:
         self.jsonl.write(json.dumps({"step": step, **{k: v for k, v in metrics.items()
                                                       if isinstance(v, (int, float))}}) + "\n")
         self.jsonl.flush()
-        parts = [f"{k if k.startswith(('eval/', 'val/', 'train/')) else k.split('/')[-1]}="
-                 f"{metrics[k]:.4g}" for k in self._keys(metrics)
+        parts = [f"{console_name(k)}={metrics[k]:.4g}" for k in self._keys(metrics)
                  if isinstance(metrics[k], (int, float))]
         if step > self.bar.n:
             self.bar.update(step - self.bar.n)

@@ -10,7 +10,7 @@ a save are. A job is an object with:
 * ``resume()`` (the checkpoint ``exp_manager.resume`` selects, via
   :mod:`nemo_rlhf.checkpoint.policy`), ``open_logs()`` (the metrics sink, after resume),
   ``on_fit_start() -> dict`` (metrics logged at the starting step, e.g. PPO's step-0
-  evaluation), ``train_step() -> dict``, ``check_health()`` (raise to stop, e.g. too many
+  evaluation; when not empty they also go to ``stop_reason``), ``train_step() -> dict``, ``check_health()`` (raise to stop, e.g. too many
   non-finite updates), ``validate_now(last) -> bool``, ``validate() -> dict``,
   ``final_metrics() -> dict`` (the last step's extras), ``log(metrics)``,
   ``stop_reason(metrics) -> str | None`` (a guard that saves and stops), ``save()``,
@@ -95,9 +95,16 @@ def fit(job) -> int:
     start = time.time()
     job.resume()
     job.open_logs()
-    job.log(job.on_fit_start())
+    start_metrics = job.on_fit_start()
+    job.log(start_metrics)
     code = 0
-    while job.step < t.max_steps:
+    # the guards see every evaluation, the starting one (PPO's step 0) included
+    stop = job.stop_reason(start_metrics) if start_metrics else None
+    if stop:
+        job.save()
+        log.error("stopping: %s", stop)
+        code = GUARD_EXIT_CODE
+    while code == 0 and job.step < t.max_steps:
         metrics = job.train_step()
         job.step += 1
         last = job.step == t.max_steps

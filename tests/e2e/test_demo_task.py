@@ -89,6 +89,11 @@ def test_a_task_the_model_cannot_do_gets_sft_first_then_rm_and_ppo(tmp_path, mon
     # PPO ran its steps and evaluated the SFT model (not the random one) before them
     assert sorted(s["heldout_accuracy_by_step"]) == ["0", "2"] and sorted(s["kl_mean_by_step"]) == ["1", "2"]
     assert s["baseline_accuracy"] > 0.5
+    # the original (random) model's held-out accuracy, measured once beside PPO's start (issue 54)
+    assert s["baseline_model"] == "sft" and s["original_accuracy"] < s["baseline_accuracy"]
+    original = json.loads((out / "original_eval.json").read_text())
+    assert original["num_responses"] == 6 and original["accuracy"] == s["original_accuracy"]
+    assert original["checkpoint"].endswith("model/checkpoints/step_0")
     rows = [json.loads(x) for x in (out / "ppo" / "eval_samples" / "step_000000.jsonl").read_text().splitlines()]
     assert len(rows) == 6
     assert all(r["correct"] == float(r["response"].strip() == r["extras"]["answer"]) for r in rows)

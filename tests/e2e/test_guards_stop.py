@@ -186,3 +186,76 @@ def test_each_evaluation_writes_its_responses_and_they_give_the_logged_metrics(r
         assert mean("correct") == pytest.approx(metrics["eval/accuracy"])
         assert mean("score") == pytest.approx(metrics["eval/reward"])
         assert mean("length") == pytest.approx(metrics["eval/response_length"])
+
+
+# (eval/reward, eval/accuracy) of the two held-out evaluations of a 2-step run (steps 0 and
+# 2): the issue-54 run's numbers, reward +1.006 (guards.proxy_min_rise=1.0) while accuracy
+# moved +0.005 (guards.gold_min_gain=0.01)
+FLAT = {0: (-0.770, 0.140), 2: (0.236, 0.145)}
+FLAT_MESSAGE = ("eval/reward rose -0.7700->0.2360 (more than guards.proxy_min_rise=1.0) while the "
+                "gold metric eval/accuracy went 0.1400->0.1450 (less than guards.gold_min_gain="
+                "0.01) between the evaluations at steps 0 and 2: the reward rises without the "
+                "quality it stands for (RM over-optimisation, or a reward that does not measure "
+                "the task)")
+
+
+def _run_two_evaluations(tmp: Path, action: str) -> dict:
+    """Real steps and the real evaluations at steps 0 and 2 (the only two: the recipe's
+    ``guards.gold_window=1`` compares the end with step 0); their reward and accuracy then
+    replaced by ``FLAT``."""
+    from nemo_rlhf.train_ppo import build
+
+    data = make_demo_data(tmp / "data")
+    exp = tmp / f"flat_{action}"
+    cfg = compose_ppo(data, exp, "trainer.max_steps=2", "exp_manager.save_interval=0",
+                      "trainer.val_check_interval=2", f"guards.action={action}",
+                      "guards.window=1", "guards.max_length_growth=1000",
+                      "guards.max_repetition=1.0", "guards.kl_ceiling=1000",
+                      "guards.gold_window=1", "guards.gold_min_gain=0.01",
+                      "guards.proxy_min_rise=1.0", "guards.gold_min_drop=1.0")
+    trainer = build(cfg)
+    real_evaluate, evaluated = trainer.evaluate, []
+
+    def flat_evaluate():
+        metrics = real_evaluate()
+        evaluated.append(trainer.step)
+        reward, accuracy = FLAT[trainer.step]
+        metrics.update({"eval/reward": reward, "eval/accuracy": accuracy})
+        return metrics
+
+    trainer.evaluate = flat_evaluate
+    code, lines = _fit_recording(trainer)
+    ckpts = exp / "checkpoints"
+    state = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "trainer_state.json").read_text())
+    return {"code": code, "step": trainer.step, "evaluated": evaluated, "state": state, "log": lines}
+
+
+def _worker_two_evaluations(rank: int, tmp: str) -> dict:
+    tmp = Path(tmp)
+    return {action: _run_two_evaluations(tmp, action) for action in ("warn", "stop")}
+
+
+@pytest.fixture(scope="module")
+def two_evaluations(tmp_path_factory):
+    return run_ranks(_worker_two_evaluations, world_size=1,
+                     tmp=str(tmp_path_factory.mktemp("guards_flat")))[0]
+
+
+def test_the_step_0_evaluation_reaches_the_guard_warn(two_evaluations):
+    """Two evaluations a run (steps 0 and 2), reward up and accuracy flat: the guard,
+    having seen step 0's, warns at step 2 and the run goes on to its end (issue 54: the
+    step-0 evaluation was logged but never handed to the guard, which stayed silent)."""
+    res = two_evaluations["warn"]
+    assert res["evaluated"] == [0, 2]
+    assert res["code"] == 0 and res["step"] == 2
+    assert [e["step"] for e in res["state"]["guard"]["evals"]] == [0, 2]
+    # the step-0 evaluation is not a training step of the window checks
+    assert [h["step"] for h in res["state"]["guard"]["history"]] == [1, 2]
+    assert res["log"] == [("WARNING", f"reward-hacking guard: {FLAT_MESSAGE}")], res["log"]
+
+
+def test_the_step_0_evaluation_reaches_the_guard_stop(two_evaluations):
+    res = two_evaluations["stop"]
+    assert res["code"] == 3 and res["step"] == 2
+    errors = [msg for level, msg in res["log"] if level == "ERROR"]
+    assert errors == [f"stopping: reward-hacking guard ({FLAT_MESSAGE})"], res["log"]

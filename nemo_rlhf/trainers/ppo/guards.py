@@ -92,8 +92,15 @@ class RewardHackingGuard:
         self.history: deque = deque(maxlen=window + 1)
         self.evals: deque = deque(maxlen=gold_window + 1)
 
-    def update(self, step: int, metrics: dict) -> Optional[str]:
-        """Record a step; return a message if a trigger fired, else None."""
+    def update(self, step: int, metrics: dict, evaluation_only: bool = False) -> Optional[str]:
+        """Record a step; return a message if a trigger fired, else None.
+
+        ``evaluation_only``: ``metrics`` are a held-out evaluation's alone (the step-0
+        evaluation of the initial policy, before any update): record the evaluation for the
+        gold-metric check, not a step of the window checks (no training metrics to record).
+        """
+        if evaluation_only:
+            return self._gold_divergence(step, metrics)
         entry = {k: float(metrics.get(k, 0.0)) for k in
                  ("reward_mean", "response_length", "repetition", "kl_mean")}
         if "reward_raw_mean" in metrics:

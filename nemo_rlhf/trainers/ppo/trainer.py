@@ -425,9 +425,11 @@ class PPOTrainer:
 
     def stop_reason(self, metrics: dict) -> Optional[str]:
         """The reward-hacking guard (``guards.*``): warns; with ``guards.action=stop`` its
-        message is the reason to save and stop (the same on every rank)."""
+        message is the reason to save and stop (the same on every rank). At step 0 the metrics
+        are the initial policy's evaluation alone: the guard records it as an evaluation."""
         action = self.cfg.guards.action
-        message = self.guard.update(self.step, metrics) if action != "off" else None
+        message = self.guard.update(self.step, metrics, evaluation_only=self.step == 0) \
+            if action != "off" else None
         message = bcast_text(message)
         if message:
             log.warning("reward-hacking guard: %s", message)

@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from launchers.demo import _check_stage_settings
+import launchers.stages as stages
+from launchers.stages import check_stage_settings
 
 
 def test_stage_settings_are_recorded_then_a_change_is_refused_naming_the_flag(tmp_path):
     path = tmp_path / "exp" / "rm_data" / "settings.json"
-    _check_stage_settings(path, {"rm_edit_pairs": 0, "rm_prompts": 256})
+    check_stage_settings(path, {"rm_edit_pairs": 0, "rm_prompts": 256})
     assert json.loads(path.read_text()) == {"rm_edit_pairs": 0, "rm_prompts": 256}
-    _check_stage_settings(path, {"rm_edit_pairs": 0, "rm_prompts": 256})  # same: continues
+    check_stage_settings(path, {"rm_edit_pairs": 0, "rm_prompts": 256})  # same: continues
     with pytest.raises(SystemExit, match=r"--rm-edit-pairs 0 -> 2.*pass a new --out"):
-        _check_stage_settings(path, {"rm_edit_pairs": 2, "rm_prompts": 256})
+        check_stage_settings(path, {"rm_edit_pairs": 2, "rm_prompts": 256})
     assert json.loads(path.read_text())["rm_edit_pairs"] == 0  # not overwritten
 
 
@@ -29,7 +30,8 @@ def test_the_smollm2_rm_stage_overrides_compose_into_the_rm_job(tmp_path, monkey
     from omegaconf import OmegaConf
 
     import nemo_rlhf.train_rm  # noqa: F401  (registers the schema)
-    from launchers.demo import REPO, RM_STATS_PAIRS, main, smollm2_rm_overrides
+    from launchers.demo import main
+    from launchers.stages import REPO, RM_STATS_PAIRS, smollm2_rm_overrides
     from nemo_rlhf.trainers.rm import RMRunConfig
 
     import launchers.demo as demo
@@ -54,8 +56,6 @@ def test_the_smollm2_rm_stage_overrides_compose_into_the_rm_job(tmp_path, monkey
 def test_an_evaluation_file_is_reused_only_for_the_same_checkpoint(tmp_path, monkeypatch):
     """A refresh round continues the PPO run: its final evaluation must be of the new final
     checkpoint, not the file left by the previous demo run."""
-    import launchers.demo as demo
-
     calls = []
 
     def fake_run(cmd, log):
@@ -64,26 +64,26 @@ def test_an_evaluation_file_is_reused_only_for_the_same_checkpoint(tmp_path, mon
         out = next(c.split("=", 1)[1] for c in cmd if c.startswith("out="))
         Path(out).write_text(json.dumps({"checkpoint": ckpt, "accuracy": len(calls)}))
 
-    monkeypatch.setattr(demo, "_run", fake_run)
+    monkeypatch.setattr(stages, "run_stage", fake_run)
     out, log = tmp_path / "ppo_eval.json", tmp_path / "eval.log"
     step10, step15 = tmp_path / "ckpt" / "step_10", tmp_path / "ckpt" / "step_15"
-    assert demo._evaluate(step10, tmp_path, out, log)["accuracy"] == 1
-    assert demo._evaluate(step10, tmp_path, out, log)["accuracy"] == 1  # reused
-    assert demo._evaluate(step15, tmp_path, out, log)["accuracy"] == 2  # a newer checkpoint
+    assert stages.evaluate_checkpoint(step10, tmp_path, out, log)["accuracy"] == 1
+    assert stages.evaluate_checkpoint(step10, tmp_path, out, log)["accuracy"] == 1  # reused
+    assert stages.evaluate_checkpoint(step15, tmp_path, out, log)["accuracy"] == 2  # a newer checkpoint
     assert len(calls) == 2
 
 
 def test_refresh_flags_that_cannot_work_are_refused_naming_them(tmp_path):
     from argparse import Namespace
 
-    from launchers.demo import _first_stage_steps
+    from launchers.stages import first_stage_steps
 
     a = Namespace(refresh_rounds=1, refresh_ppo_steps=None)
-    assert _first_stage_steps(a, 10) == 5 and a.refresh_ppo_steps == 5  # split evenly
-    assert _first_stage_steps(Namespace(refresh_rounds=0, refresh_ppo_steps=None), 10) == 10
+    assert first_stage_steps(a, 10) == 5 and a.refresh_ppo_steps == 5  # split evenly
+    assert first_stage_steps(Namespace(refresh_rounds=0, refresh_ppo_steps=None), 10) == 10
     with pytest.raises(SystemExit, match=r"trainer.max_steps=10 leaves no PPO step.*--refresh-rounds 2 "
                                          r"--refresh-ppo-steps 5"):
-        _first_stage_steps(Namespace(refresh_rounds=2, refresh_ppo_steps=5), 10)
+        first_stage_steps(Namespace(refresh_rounds=2, refresh_ppo_steps=5), 10)
 
 
 def test_rm_reward_stats_cap_must_be_positive():
@@ -104,25 +104,25 @@ def test_a_refresh_without_an_rm_reward_is_refused_before_any_stage(capsys):
 def test_before_and_after_come_from_the_ppo_runs_own_evaluation_files(tmp_path):
     """The demo's before/after numbers are the trainer's eval_samples files, averaged;
     a step the run did not evaluate gives None (the demo then runs nemo_rlhf.evaluate)."""
-    from launchers.demo import _ppo_evaluation
+    from launchers.stages import ppo_evaluation
 
     rows = [{"prompt": f"p{i}", "response": f"r{i}", "score": 2.5, "correct": float(i % 2),
              "length": 10 + i, "just_the_number": 1.0 if i == 0 else 0.0} for i in range(4)]
     (tmp_path / "eval_samples").mkdir()
     (tmp_path / "eval_samples" / "step_000010.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in rows))
-    got = _ppo_evaluation(tmp_path, 10, num_examples=3)
+    got = ppo_evaluation(tmp_path, 10, num_examples=3)
     assert got["accuracy"] == 0.5 and got["mean_response_length"] == 11.5
     assert got["just_the_number"] == 0.25 and got["num_responses"] == 4
     assert got["examples"] == [{"prompt": "p0", "response": "r0", "correct": 0.0},
                                {"prompt": "p1", "response": "r1", "correct": 1.0},
                                {"prompt": "p2", "response": "r2", "correct": 0.0}]
-    assert _ppo_evaluation(tmp_path, 5) is None
+    assert ppo_evaluation(tmp_path, 5) is None
     for r in rows:
         del r["just_the_number"]
     (tmp_path / "eval_samples" / "step_000000.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in rows))
-    assert "just_the_number" not in _ppo_evaluation(tmp_path, 0)
+    assert "just_the_number" not in ppo_evaluation(tmp_path, 0)
 
 
 @pytest.mark.parametrize("bf16_fast", [True, False])
@@ -151,7 +151,7 @@ def test_the_smollm2_recipe_follows_the_precision_auto_resolves_to(monkeypatch, 
 
 
 def test_refresh_verdict_keeps_the_refreshed_rm_only_when_it_ranks_the_unseen_pairs_better():
-    from launchers.demo import refresh_verdict
+    from launchers.stages import refresh_verdict
 
     keep, why = refresh_verdict(0.557, 0.633, 79, 0.05)  # docs/demo.md: seed 2's round
     assert keep and "63.3%" in why and "55.7%" in why and "+7.6 points" in why and why.endswith("is used")
@@ -164,13 +164,11 @@ def test_refresh_verdict_keeps_the_refreshed_rm_only_when_it_ranks_the_unseen_pa
 
 
 def _fake_round(tmp_path, monkeypatch, before: float, after: float, min_gain: float):
-    """One refresh round of ``launchers.demo._refresh_rounds`` with every stage faked: the
+    """One refresh round of ``launchers.stages.refresh_rounds`` with every stage faked: the
     policy's samples (4 prompts: 2 trained on, 2 unseen; the RM wrong on every trained
     pair), an RM job that writes ``val_policy_unseen/accuracy`` ``before`` at step 0 and
     ``after`` at its end, and a PPO stage that records the RM it was given."""
     from argparse import Namespace
-
-    import launchers.demo as demo
 
     prompts = tmp_path / "ppo_prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"p{i}", "answer": str(i)}) + "\n" for i in range(6)))
@@ -202,13 +200,13 @@ def _fake_round(tmp_path, monkeypatch, before: float, after: float, min_gain: fl
         steps = sorted((exp / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))
         return steps[-1] if steps else None
 
-    monkeypatch.setattr(demo, "_run", fake_run)
-    monkeypatch.setattr(demo, "_latest", latest)
-    monkeypatch.setattr(demo, "_ppo_stage", lambda args, rm, exp, name, nproc, steps: seen.update(ppo=(rm, steps)))
+    monkeypatch.setattr(stages, "run_stage", fake_run)
+    monkeypatch.setattr(stages, "latest_checkpoint", latest)
+    monkeypatch.setattr(stages, "ppo_stage", lambda args, rm, exp, name, nproc, steps: seen.update(ppo=(rm, steps)))
     a = Namespace(refresh_rounds=1, refresh_prompts=2, refresh_heldout_prompts=2, refresh_samples_per_prompt=2,
                   refresh_pairs_per_prompt=2, refresh_replay=1.0, refresh_rm_steps=3, refresh_rm_epochs=2.0,
                   refresh_ppo_steps=1, refresh_min_gain=min_gain, rm_temperature=0.7, nproc=1)
-    rounds, rm = demo._refresh_rounds(a, out=out, logs=tmp_path / "logs", first_rm=first_rm, ppo_exp=tmp_path / "ppo",
+    rounds, rm = stages.refresh_rounds(a, out=out, logs=tmp_path / "logs", first_rm=first_rm, ppo_exp=tmp_path / "ppo",
                                       ppo_args=[], config_name="ppo_tiny", base_steps=2, prompts=prompts,
                                       base_pairs=base_pairs, train_rm=train_rm, rm_batch=4, eval_args=[])
     return rounds[0], rm, seen, out
@@ -258,3 +256,22 @@ def test_the_demo_recipes_keep_the_kl_floor_their_tables_were_measured_with(conf
         assert kl.type == "adaptive"
     else:
         assert kl.type == "pi" and kl.pi_min_coef == kl.init_kl_coef == 0.02
+
+
+def test_the_kl_summary_names_the_runs_target_and_the_ratio(tmp_path):
+    """From the PPO run's own config.yaml: a target only for the adaptive and pi
+    controllers; the ratio rounded to 0.01 (issue 54)."""
+
+    exp = tmp_path / "ppo"
+    exp.mkdir()
+    assert stages.kl_summary(exp) == {"final_kl_mean": None, "kl_type": None, "kl_target": None,
+                                     "final_kl_to_target": None}
+    (exp / "metrics.jsonl").write_text('{"step": 1, "kl_mean": 0.5}\n{"step": 2, "kl_mean": 0.987}\n')
+    (exp / "config.yaml").write_text("kl:\n  type: adaptive\n  target: 1.0\n")
+    k = stages.kl_summary(exp)
+    assert (k["final_kl_mean"], k["kl_target"], k["final_kl_to_target"]) == (0.987, 1.0, 0.99)
+    assert stages.kl_line(k) == "0.99 (kl.target 1 of kl.type=adaptive: 0.99x)"
+    (exp / "config.yaml").write_text("kl:\n  type: fixed\n  target: 1.0\n")
+    k = stages.kl_summary(exp)
+    assert k["kl_target"] is None and k["final_kl_to_target"] is None
+    assert stages.kl_line(k) == "0.99 (kl.type=fixed: no target)"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import launchers.demo as demo
+import launchers.stages as stages
 from nemo_rlhf.data.sample_rows import sample_row
 
 TASK_MODULE = '''
@@ -28,16 +29,16 @@ TASK = Task(name="upper", train=PROBLEMS[4:], heldout=PROBLEMS[:4], prompt_templ
 
 
 class FakeStages:
-    """``demo._run`` / ``_latest`` / ``_ppo_stage`` / the model set-up, recorded. An
-    ``nemo_rlhf.evaluate`` stage writes ``num_samples`` rows per prompt, the first
-    ``right(checkpoint) * num_samples`` of them right."""
+    """``stages.run_stage`` / ``latest_checkpoint`` / ``ppo_stage`` / ``ppo_evaluation`` / the
+    model set-up, recorded. An ``nemo_rlhf.evaluate`` stage writes ``num_samples`` rows per
+    prompt, the first ``right(checkpoint) * num_samples`` of them right."""
 
     def __init__(self, monkeypatch, right):
         self.cmds, self.ppo, self.right = [], [], right
-        monkeypatch.setattr(demo, "_run", self.run)
-        monkeypatch.setattr(demo, "_latest", self.latest)
-        monkeypatch.setattr(demo, "_ppo_stage", self.ppo_stage)
-        monkeypatch.setattr(demo, "_ppo_evaluation", lambda exp, step, num_examples=8: {
+        monkeypatch.setattr(stages, "run_stage", self.run)
+        monkeypatch.setattr(stages, "latest_checkpoint", self.latest)
+        monkeypatch.setattr(stages, "ppo_stage", self.ppo_stage)
+        monkeypatch.setattr(stages, "ppo_evaluation", lambda exp, step, num_examples=8: {
             "accuracy": 0.5, "mean_response_length": 2.0, "examples": []})
         import nemo_rlhf.tools.real_model as real_model
 
@@ -45,6 +46,7 @@ class FakeStages:
                                                                "tokenizer_dir": "/MODEL/tokenizer"})
 
     def run(self, cmd, log):
+        stages.note_process()  # as the real run_stage: a stage process started
         self.cmds.append([str(c) for c in cmd[1:]])
         args = dict(c.split("=", 1) for c in cmd if "=" in c and not c.startswith(("-", "+")))
         if "samples_out" in args:
@@ -58,6 +60,10 @@ class FakeStages:
                     wrong = str(int(answer) + 1) if answer.isdigit() else answer.lower()
                     out.append(sample_row(row["prompt"], answer if ok else wrong, float(ok), 2, extras, sample=k))
             Path(args["samples_out"]).write_text("".join(json.dumps(r) + "\n" for r in out))
+        elif "out" in args and "nemo_rlhf.evaluate" in cmd:  # a greedy held-out evaluation
+            Path(args["out"]).write_text(json.dumps({"checkpoint": args["checkpoint"], "examples": [],
+                                                     "accuracy": self.right(args["checkpoint"]),
+                                                     "mean_response_length": 3.0}))
 
     def latest(self, exp):
         exp = str(exp)
@@ -68,7 +74,13 @@ class FakeStages:
         return Path(exp) / "checkpoints" / ("step_0" if exp.endswith("model") else "step_1") if made else None
 
     def ppo_stage(self, ppo_args, rm, ppo_exp, config_name, nproc, max_steps):
+        if self.ppo and self.ppo[-1]["steps"] >= max_steps:
+            return  # as the real stage: a finished run is not even resumed
+        stages.note_process()
         self.ppo.append({"args": list(ppo_args), "rm": str(rm), "config": config_name, "steps": max_steps})
+        ppo_exp.mkdir(parents=True, exist_ok=True)  # what the trainer writes: its config, its metrics
+        (ppo_exp / "config.yaml").write_text("kl:\n  type: pi\n  target: 6.0\n")
+        (ppo_exp / "metrics.jsonl").write_text(json.dumps({"step": max_steps, "kl_mean": 6.3012}) + "\n")
 
     def modules(self):
         return [c[1] if c[0] == "-m" else c[0] for c in self.cmds]
@@ -142,7 +154,8 @@ def test_a_task_the_model_cannot_do_gets_sft_on_its_demonstrations_first(tmp_pat
     assert demo.main(_custom(tmp_path, monkeypatch)) == 0
     out = tmp_path / "out"
     assert fake.modules() == ["launchers.recipe", "nemo_rlhf.evaluate", "nemo_rlhf.train_sft", "nemo_rlhf.evaluate",
-                              "nemo_rlhf.evaluate", "nemo_rlhf.train_rm"]
+                              "nemo_rlhf.evaluate", "nemo_rlhf.train_rm",
+                              "nemo_rlhf.evaluate"]  # the original model's held-out accuracy
     assert "the model cannot do task 'upper': 0 of 24 sampled answers" in capsys.readouterr().out
     sft = f"{out}/sft/checkpoints/step_1"
     assert f"sft.init_from={out}/model/checkpoints/step_0" in fake.cmds[2] and "trainer.max_steps=7" in fake.cmds[2]
@@ -187,3 +200,242 @@ def test_a_custom_tasks_ppo_arguments_compose_into_the_ppo_job(tmp_path, monkeyp
     assert cfg.trainer.eval_checker == "pkg_upper_task:TASK.score" and cfg.trainer.eval_extra_checkers == []
     assert [f.name for f in cfg.reward.functions] == ["pkg_upper_task:TASK.score"]
     assert (cfg.data.max_seq_length, cfg.rollout.max_new_tokens, cfg.guards.gold_window) == (64, 8, 1)
+
+
+def test_relative_out_and_data_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    """Run from the folder holding the task (docs/tasks.md), ``--out run --data d`` write
+    there, not into the repository (issue 54: they were ``REPO / a.out``)."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _custom(tmp_path, monkeypatch)
+    argv[argv.index("--out") + 1] = "run_rel"
+    monkeypatch.chdir(tmp_path)
+    assert demo.main([*argv, "--data", "data_rel"]) == 0
+    assert (tmp_path / "run_rel" / "summary.json").is_file()
+    assert (tmp_path / "data_rel" / "ppo_prompts.jsonl").is_file()
+    assert not (stages.REPO / "run_rel").exists() and not (stages.REPO / "data_rel").exists()
+    assert f"data.train_file={tmp_path}/data_rel/ppo_prompts.jsonl" in fake.ppo[0]["args"]
+    assert all(f"exp_manager.exp_dir={tmp_path}/run_rel/rm" in c for c in fake.cmds if "nemo_rlhf.train_rm" in c)
+
+
+def test_the_tiny_demo_and_its_stages_take_relative_paths_from_the_working_directory(tmp_path, monkeypatch):
+    import sys
+
+    seen = {}
+    monkeypatch.setattr(demo, "run_tiny", lambda a: seen.update(vars(a)) or 0)
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--task", "tiny", "--out", "o", "--data", "~/d"]) == 0
+    assert (seen["out"], seen["data"]) == (str(tmp_path / "o"), str(Path.home() / "d"))
+    # a stage (its relative override paths) runs there too, as the PPO stage does
+    stages.run_stage([sys.executable, "-c", "import os; print('cwd=' + os.getcwd())"], tmp_path / "stage.log")
+    assert f"cwd={tmp_path}" in (tmp_path / "stage.log").read_text()
+
+
+def test_with_sft_first_the_summary_has_the_original_the_sft_and_the_ppo_rows(tmp_path, monkeypatch, capsys):
+    """PPO's step 0 is the SFT model; the original model's held-out accuracy is measured
+    once (one greedy ``nemo_rlhf.evaluate`` of it, reused by a rerun) and every row says
+    what it is; the KL line names the target and the ratio (issue 54)."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0 if ckpt.endswith("/model/checkpoints/step_0") else 0.5)
+    monkeypatch.setattr(stages, "ppo_evaluation", lambda exp, step, num_examples=8: {
+        "accuracy": 0.5 if step == 0 else 0.75, "mean_response_length": 2.0, "examples": []})
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    out = tmp_path / "out"
+    greedy = [c for c in fake.cmds if c[1] == "nemo_rlhf.evaluate" and not any("samples_out" in x for x in c)]
+    assert len(greedy) == 1 and f"checkpoint={out}/model/checkpoints/step_0" in greedy[0]
+    assert f"data={out}/data/eval.jsonl" in greedy[0]
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["baseline_model"], s["original_accuracy"], s["baseline_accuracy"], s["ppo_accuracy"]) == (
+        "sft", 0.0, 0.5, 0.75)
+    assert (s["final_kl_mean"], s["kl_type"], s["kl_target"], s["final_kl_to_target"]) == (6.3012, "pi", 6.0, 1.05)
+    text = capsys.readouterr().out
+    table = text[text.index("held-out accuracy (greedy"):].splitlines()[1:4]
+    assert [row.split(":")[0].strip() for row in table] == [
+        "original model (before SFT)", "SFT model (PPO's start, step 0)", "PPO policy (step 60)"]
+    assert [row.split(":")[1].split("%")[0].strip() for row in table] == ["0.0", "50.0", "75.0"]
+    assert "+25.0 points over PPO's start" in table[2]
+    assert "final kl_mean (nats/seq)    : 6.30 (kl.target 6 of kl.type=pi: 1.05x)" in text
+    # a rerun reuses the original model's evaluation
+    fake.cmds.clear()
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    assert not [c for c in fake.cmds if c[1] == "nemo_rlhf.evaluate"]
+
+
+def test_without_sft_the_summary_says_the_baseline_is_the_original_model(tmp_path, monkeypatch, capsys):
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["baseline_model"] == "original" and "original_accuracy" not in s
+    text = capsys.readouterr().out
+    table = text[text.index("held-out accuracy (greedy"):].splitlines()[1:3]
+    assert [row.split(":")[0].strip() for row in table] == ["original model (PPO's start, step 0)",
+                                                            "PPO policy (step 60)"]
+
+
+def test_a_rerun_that_skips_every_stage_keeps_the_timings_of_the_run_that_did_the_work(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Issue 54: the rerun's summary had zeros for every stage. The SFT stage's time is
+    labelled as including the first sampling (of the model that could not do the task)."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0 if ckpt.endswith("/model/checkpoints/step_0") else 0.5)
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    path = tmp_path / "out" / "summary.json"
+    first = json.loads(path.read_text())
+    assert list(first["wall_time_s"]) == ["model_setup", "data", "first_samples_and_sft", "rm_samples", "rm",
+                                          "ppo", "refresh", "eval"]
+    assert first["wall_time_s_kept"] == []
+    worked = {k: 100.0 + i for i, k in enumerate(first["wall_time_s"])}  # what a real run would have taken
+    path.write_text(json.dumps({**first, "wall_time_s": worked}))
+    n_cmds, n_ppo = len(fake.cmds), len(fake.ppo)
+    capsys.readouterr()
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    assert (len(fake.cmds), len(fake.ppo)) == (n_cmds, n_ppo)  # every stage skipped
+    again = json.loads(path.read_text())
+    assert again["wall_time_s"] == worked and again["wall_time_s_kept"] == list(worked)
+    assert "kept from the run that did the work" in capsys.readouterr().out
+    # a rerun that does some work (a longer PPO) times that stage anew and keeps the others
+    assert demo.main([*_custom(tmp_path, monkeypatch), "trainer.max_steps=70"]) == 0
+    third = json.loads(path.read_text())
+    assert third["wall_time_s_kept"] == [k for k in worked if k != "ppo"]
+    assert third["wall_time_s"]["ppo"] < 100.0 and third["wall_time_s"]["rm"] == worked["rm"]
+
+
+def _help_groups(capsys) -> dict[str, str]:
+    """``--help``: each flag -> the title of the group it is listed under."""
+    import re
+
+    with pytest.raises(SystemExit):
+        demo.main(["--help"])
+    groups, group = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            group = line[:-1]
+        m = re.match(r"  (--[a-z0-9-]+)", line)
+        if m and group:
+            groups[m.group(1)] = group
+    return groups
+
+
+RECIPE_GROUP = "the recipe (--task smollm2 and --task package.module:TASK)"
+SMOLLM2_GROUP = "the SmolLM2 model's RM (--task smollm2, or --task package.module:TASK --model smollm2)"
+
+
+def test_help_labels_the_flags_by_where_they_apply_and_they_do_apply_there(tmp_path, monkeypatch, capsys):
+    """Issue 54: --help marked flags "smollm2:" that a package.module:TASK run uses too.
+    The recipe's flags change a custom task's stages (tiny model); the SmolLM2 RM's
+    flags change a custom task's RM job on that model."""
+    groups = _help_groups(capsys)
+    for flag in ("--reward", "--rm-prompts", "--rm-samples-per-prompt", "--rm-temperature", "--rm-epochs",
+                 "--rm-edit-pairs", "--rm-val-prompts", "--ppo-prompts"):
+        assert groups[flag] == RECIPE_GROUP, flag
+    assert groups["--rm-lr"] == groups["--rm-freeze-layers"] == SMOLLM2_GROUP
+    assert {groups[f] for f in ("--model", "--sft-steps", "--sft-rows", "--model-seed")} == {
+        "--task package.module:TASK only"}
+    assert groups["--sft-override"] == groups["--rm-override"] == "--task tiny only"
+    assert {g for f, g in groups.items() if f.startswith("--refresh-")} == {
+        "the refresh rounds (every task; needs the RM reward)"}
+    assert {groups[f] for f in ("--out", "--data", "--nproc", "--precision")} == {"every task"}
+
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _custom(tmp_path, monkeypatch)
+    assert demo.main([*argv, "--rm-samples-per-prompt", "3", "--rm-temperature", "0.9", "--rm-epochs", "2",
+                      "--reward", "both"]) == 0
+    samples = [c for c in fake.cmds if any(x.startswith("samples_out=") for x in c)]
+    assert samples and all("num_samples=3" in c and "temperature=0.9" in c for c in samples)
+    pairs = sum(1 for _ in (tmp_path / "out" / "rm_data" / "preference_train.jsonl").open())
+    (rm,) = [c for c in fake.cmds if c[1] == "nemo_rlhf.train_rm"]
+    assert f"trainer.max_steps={max(1, int(2 * pairs // 16))}" in rm
+    assert "reward.functions=[{name: 'pkg_upper_task:TASK.score'}]" in fake.ppo[0]["args"]
+
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv[argv.index("--model") + 1] = "smollm2"
+    argv[argv.index("--out") + 1] = str(tmp_path / "out_smollm2")
+    assert demo.main([*argv, "--precision", "32", "--rm-lr", "2e-4", "--rm-freeze-layers", "3"]) == 0
+    (rm,) = [c for c in fake.cmds if c[1] == "nemo_rlhf.train_rm"]
+    assert "optim.lr=0.0002" in rm and "rm.freeze_layers=3" in rm
+
+
+FAKE_TRAINER = """
+import sys
+print("fake trainer stdout", " ".join(sys.argv[1:]))
+print("fake trainer stderr", file=sys.stderr)
+"""
+
+
+def test_the_ppo_stage_log_sits_in_out_logs_with_the_other_stages(tmp_path, monkeypatch, capsys):
+    """Issue 54: the PPO trainer's output went to the console only. The real PPO stage
+    (launchers.local, no RM) with a stand-in trainer script."""
+    import dataclasses
+
+    import launchers.local as local
+
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(FAKE_TRAINER)
+    real = local.run_ppo_with_rm
+    monkeypatch.setattr(local, "run_ppo_with_rm", lambda overrides, cfg: real(
+        overrides, dataclasses.replace(cfg, trainer_module=str(script))))
+    stages.ppo_stage(["+probe=1"], None, tmp_path / "out" / "ppo", "ppo_tiny", 1, 2)
+    log = (tmp_path / "out" / "logs" / "ppo.log").read_text()
+    assert log.startswith("# ") and "fake_trainer.py --config-name ppo_tiny +probe=1" in log.splitlines()[0]
+    assert "fake trainer stdout --config-name ppo_tiny +probe=1" in log and "fake trainer stderr" in log
+    assert "fake trainer stdout" in capsys.readouterr().out  # and on the console, as before
+
+
+def _checkpoint(root: Path, step: int, complete: bool = True, corrupt: bool = False) -> Path:
+    """A ``step_<step>`` folder of one 1000-byte file with its recorded size and sha256
+    (``corrupt``: the file changed after the save), ``COMPLETE`` when ``complete``; ``latest``
+    names it."""
+    import hashlib
+
+    path = root / f"step_{step}"
+    path.mkdir(parents=True)
+    data = bytes(range(200)) * 5
+    (path / "model.bin").write_bytes(data)
+    (path / "metadata.json").write_text(json.dumps(
+        {"step": step, "files": {"model.bin": [len(data), hashlib.sha256(data).hexdigest()]}}))
+    if corrupt:
+        (path / "model.bin").write_bytes(data[::-1])
+    if complete:
+        (path / "COMPLETE").write_text("")
+        (root / "latest").write_text(path.name)
+    return path
+
+
+def _stage_folders(out: Path) -> dict:
+    ppo, rm, bad = out / "ppo" / "checkpoints", out / "rm" / "checkpoints", out / "refresh" / "round_1" / "rm" / "checkpoints"
+    for step in (5, 10):
+        _checkpoint(ppo, step)
+    _checkpoint(ppo, 12, complete=False)  # a save in progress: never touched
+    _checkpoint(rm, 3)
+    _checkpoint(bad, 1)
+    _checkpoint(bad, 2, corrupt=True)
+    return {"ppo": ppo, "rm": rm, "bad": bad}
+
+
+def test_keep_last_checkpoint_keeps_each_stages_newest_verified_checkpoint(tmp_path, monkeypatch, capsys):
+    """``--keep-last-checkpoint``: after the run, each stage folder keeps its newest complete
+    checkpoint (what later stages took, what a rerun resumes from), and only when it
+    verifies; an incomplete save and a folder whose newest does not verify stay as they are."""
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _custom(tmp_path, monkeypatch)
+    f = _stage_folders(tmp_path / "out")
+    assert demo.main([*argv, "--keep-last-checkpoint"]) == 0
+    names = lambda root: sorted(p.name for p in root.iterdir())  # noqa: E731
+    assert names(f["ppo"]) == ["latest", "step_10", "step_12"]
+    assert names(f["rm"]) == ["latest", "step_3"]
+    assert names(f["bad"]) == ["latest", "step_1", "step_2"]
+    text = capsys.readouterr().out
+    assert f"--keep-last-checkpoint: {f['ppo']}: kept step_10, deleted step_5 (0.00 GB)" in text
+    assert f"{f['bad']}: kept every checkpoint, the newest (step_2) does not verify: model.bin: checksum mismatch" in text
+
+
+def test_without_keep_last_checkpoint_nothing_is_deleted(tmp_path, monkeypatch):
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    f = _stage_folders(tmp_path / "out")
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    assert sorted(p.name for p in f["ppo"].iterdir()) == ["latest", "step_10", "step_12", "step_5"]
+
+
+def test_the_tiny_demo_prunes_with_keep_last_checkpoint(tmp_path, monkeypatch):
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    f = _stage_folders(tmp_path / "out")
+    assert demo.main(["--task", "tiny", "--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"),
+                      "--keep-last-checkpoint"]) == 0
+    assert sorted(p.name for p in f["ppo"].iterdir()) == ["latest", "step_10", "step_12"]

@@ -194,3 +194,27 @@ def test_a_planted_cycle_and_a_function_level_import_fail(copy):
                and "nemo_rlhf.algorithms.ppo.advantages" in p for p in problems), problems
     assert any(p.startswith(f"nemo_rlhf/rollout/sampling.py:{line}: ") and "inside a function" in p
                for p in problems), problems
+
+
+LAUNCHERS = PACKAGE.parent / "launchers"
+
+
+def launcher_cycles(root: Path) -> list[list[str]]:
+    """Import cycles among the modules of ``launchers/`` (imports inside functions included)."""
+    files = sorted(root.rglob("*.py"))
+    modules = {_module_name(p, root) for p in files}
+    graph = {_module_name(p, root): {t for _, t, _ in _imports(p, root, modules)} for p in files}
+    return _cycles(graph)
+
+
+def test_the_launchers_import_each_other_in_no_cycle():
+    """Issue 50: recipe imported demo at the top and demo imported recipe inside functions;
+    what both use lives in launchers/stages.py."""
+    assert launcher_cycles(LAUNCHERS) == []
+
+
+def test_a_planted_launcher_cycle_is_found(tmp_path):
+    dst = tmp_path / "launchers"
+    shutil.copytree(LAUNCHERS, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    _plant(dst / "stages.py", "from launchers import demo", inside_function=True)
+    assert any("launchers.stages" in c and "launchers.demo" in c for c in launcher_cycles(dst))

@@ -97,3 +97,30 @@ def test_val_at_start_logs_the_starting_models_validation_at_step_0(tmp_path):
     assert trained[0]["val/margin"] == pytest.approx(frozen[3]["val/margin"], abs=1e-6)
     assert trained[0]["val/accuracy"] == frozen[3]["val/accuracy"]
     assert abs(trained[3]["val/margin"] - trained[0]["val/margin"]) > 1e-3  # the end's is another model's
+
+
+def _worker_console(rank: int, data: str, exp: str, extra: dict) -> str:
+    """The RM job's console output (its progress lines: ``tqdm.write`` to stdout)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        _worker(rank, data, exp, extra)
+    return out.getvalue()
+
+
+def test_the_rm_jobs_progress_line_keeps_the_metric_prefixes(tmp_path):
+    """Issue 54: the line read ``val/accuracy=... accuracy=...``: the extra held-out file's
+    metrics lost their ``val_<name>/`` prefix."""
+    from nemo_rlhf.tasks.precedence import DemoTaskConfig, make_demo_dataset
+
+    data = tmp_path / "data"
+    make_demo_dataset(data, DemoTaskConfig(n_sft=8, n_pref=16, n_ppo=4, n_eval=4, n_val=8))
+    text = run_ranks(_worker_console, world_size=1, data=str(data), exp=str(tmp_path / "exp"),
+                     extra={"same_form": str(data / "preference_val.jsonl")})[0]
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("step 3: ")]  # the final validation
+    names = [part.split("=")[0] for part in line[len("step 3: "):].split()]
+    assert "val/accuracy" in names and "val_same_form/accuracy" in names, line
+    assert "val_same_form/margin" in names, line
+    assert "accuracy" not in names and "margin" not in names, line
