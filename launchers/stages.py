@@ -99,7 +99,7 @@ def prune_finished_stages(out: Path) -> list[str]:
     recorded size and sha256), since it is then the only one left: the jobs themselves refuse
     ``exp_manager.keep_last=1`` for that reason. Incomplete step folders are not touched
     (:func:`~nemo_rlhf.checkpoint.policy.prune_plan`). Returns one line per pruned or kept folder."""
-    from nemo_rlhf.checkpoint.io import find_latest_checkpoint, list_checkpoints, verify_checkpoint
+    from nemo_rlhf.checkpoint.layout import find_latest_checkpoint, list_checkpoints, verify_checkpoint
     from nemo_rlhf.checkpoint.policy import prune, prune_plan
 
     lines = []

@@ -41,18 +41,13 @@ import torch.distributed as dist
 
 from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.models.full_tensors import gather_full_tensors
+from nemo_rlhf.models.heads import is_head_param
 from nemo_rlhf.models.lora_hf import merge_adapters, split_adapters
 from nemo_rlhf.rollout.remote import (RolloutController, RolloutItem, RolloutResult, RolloutWorkerError,
                                       batch_from_host)
 from nemo_rlhf.trainers.ppo.state import dp_group_slice
 
 log = logging.getLogger("nemo_rlhf.ppo")
-
-HEAD_KEYS = ("value_head", "reward_head")
-
-
-def _is_head(key: str) -> bool:
-    return key.split(".", 1)[0] in HEAD_KEYS
 
 
 def check_async_layout(rollout, dims) -> None:
@@ -79,7 +74,7 @@ def full_weights(model, dims, lora_scale: Optional[float]) -> dict[str, torch.Te
     """The actor's full (TP=1) weights, as the rollout workers load them: gathered over the
     TP group (collective there), LoRA adapters merged (``W + scale * B A``), the value head
     left out, every tensor a copy (the live parameters change in the next update)."""
-    full = gather_full_tensors(unwrap(model), dims.tp_group if dims.tp > 1 else None, skip=_is_head)
+    full = gather_full_tensors(unwrap(model), dims.tp_group if dims.tp > 1 else None, skip=is_head_param)
     full, adapters = split_adapters(full)
     if adapters:
         full = merge_adapters(full, adapters, lora_scale)
