@@ -37,6 +37,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from nemo_rlhf.algorithms.ppo.core import last_valid_index
 from nemo_rlhf.distributed.split import chunk_slices
 from nemo_rlhf.models.packing import first_fit_decreasing, pack_rows
 
@@ -162,11 +163,14 @@ def row_extents(attention_mask: torch.Tensor, response_mask: torch.Tensor, promp
 
     Args:
         attention_mask: ``[B, P+R]``; prompts left-padded to ``P``.
-        response_mask: ``[B, R]`` bool, a valid prefix per row.
+        response_mask: ``[B, R]`` bool; a row's length is one past its last True column,
+            so a mask with holes (a multi-turn row: environment tokens between policy
+            segments, #51) keeps every column up to its last policy token. For a valid
+            prefix this is the prefix's length.
     """
     prompt_valid = attention_mask[:, :prompt_length].bool()
     starts = (prompt_length - prompt_valid.sum(1)).cpu()  # host: planning metadata
-    lengths = response_mask.sum(1).cpu()  # host: planning metadata
+    lengths = (last_valid_index(response_mask) + 1).cpu()  # host: planning metadata
     return starts.tolist(), lengths.tolist()
 
 
