@@ -78,7 +78,9 @@ def plan_micro_batches(prompt_starts: list[int], response_lengths: list[int], pr
 
     Args:
         prompt_starts: per rollout row, its first non-padding column (``< prompt_length``).
-        response_lengths: per rollout row, its valid response tokens.
+        response_lengths: per rollout row, its extent after the prompt: one past its last
+            valid response token (the valid tokens of a prefix mask; with a holed multi-turn
+            mask the environment tokens before the last policy token count too).
         prompt_length: ``P`` of the rollout.
         rows: the rows to plan (a mini-batch), any order.
         max_rows: rows per micro-batch at most (>= 1).
