@@ -15,6 +15,8 @@ tasks               the demo tasks (each task's data and checker in one module);
 trainers            the loops: SFT, RM and PPO, their configs, optimizers, run skeleton
 rollout, reward     engines and services the trainers compose: generation; reward
                     functions, RM scoring, the RM server and its client
+envs                environments of multi-turn rollouts: the interface, tools, tool-call
+                    parsing (below the engines, which will drive them)
 checkpoint, data    distributed checkpoints and resume; datasets, tokenizer, templates
 models              GPT + heads, model plumbing (DDP, forward/backward through megatron's
                     schedules, masks), log-probs, KV-cache decode layers
@@ -34,6 +36,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tasks", ("tasks",)),
     ("trainers", ("trainers",)),
     ("engines and services", ("rollout", "reward")),
+    ("environments", ("envs",)),
     ("state and data", ("checkpoint", "data")),
     ("models", ("models",)),
     ("foundations", ("algorithms", "distributed", "metrics")),

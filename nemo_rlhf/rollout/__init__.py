@@ -4,7 +4,9 @@
 next-token functions, ``generate`` the decoding loop, :class:`RolloutBatch` (the layout the
 trainer consumes) and :func:`logprob_diff_stats`; ``incremental_stage`` runs a model stage
 in the decode loop; ``engines`` the one interface the trainer uses (``rollout.engine``:
-``megatron`` or ``vllm``, the latter in ``vllm_engine``, imported only when chosen). The training-side log-probs of the same tokens are
+``megatron`` or ``vllm``, the latter in ``vllm_engine``, imported only when chosen);
+``trajectory`` the multi-turn episode (token ids appended turn by turn, its loss mask, the
+append-only check; no engine produces one yet, docs/multi-turn.md). The training-side log-probs of the same tokens are
 :func:`nemo_rlhf.models.logprobs.response_logprobs`.
 """
 

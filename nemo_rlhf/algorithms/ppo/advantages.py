@@ -60,6 +60,13 @@ Definitions:
   return-to-go of the token rewards (what a critic would be fit to); no loss reads them
   unless a critic is trained, they keep the trainer's ``returns`` metrics meaningful.
 
+Holed masks (multi-turn, #51): a 0 inside a row (an environment's tokens between two
+policy segments) is skipped like padding: the outcome of ``grpo``/``rloo`` sums the policy
+tokens only (the episode's final score sits on the last policy token), their advantage is
+broadcast to the policy tokens only, and ``reinforce_plus_plus`` discounts once per policy
+token (``gamma^(number of policy tokens between t and s)``, see ``gae``) and whitens over
+policy tokens only.
+
 Simplified / left out: no REINFORCE++-baseline (group mean subtracted, then whitened)
 variant, no process (per-step) rewards for GRPO, no groups spread over data-parallel ranks
 (a group must sit on one rank: ``check_slice_keeps_groups``; the group statistics are not

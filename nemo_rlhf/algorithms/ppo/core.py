@@ -8,6 +8,14 @@ batch-first ``[batch, response_len]`` and come with a ``response_mask`` of the s
 (fp16, bf16, fp64, ...) are cast to fp32 and all arithmetic happens in fp32; outputs are
 fp32.
 
+The mask may have holes: in a multi-turn trajectory (#51) it is 1 on the policy's tokens
+and 0 on the environment's tokens between them (and on padding). Every function of this
+package treats a 0 inside a row exactly like padding: numerators and denominators count
+policy tokens only (``masked_mean``, ``masked_whiten``, the loss aggregations), GAE and the
+discounted returns step from one policy token to the next (``gae``), the sequence score
+goes on the row's last policy token (``token_rewards``). ``tests/unit/algorithms/ppo/
+test_holed_mask.py`` checks each against hand-computed values.
+
 Masked positions are removed with ``torch.where`` selection, never by multiplying with
 the mask, so a NaN/Inf sitting in a padded slot cannot reach an output or a gradient
 (``0 * nan`` is ``nan``; ``where(mask, nan, 0)`` is ``0`` and its gradient is ``0``).

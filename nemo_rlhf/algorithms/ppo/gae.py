@@ -12,6 +12,21 @@ is 0 (a finished or truncated response is treated as terminal: no bootstrap from
 or from a value the critic never saw). Rewards/values at masked positions are never read,
 so left padding, right padding, and NaN/Inf in padding do not change the result.
 
+Holes (multi-turn trajectories, #51): the mask may be 0 in the middle of a row, on the
+tokens an environment appended between two policy segments (a tool's output, a user turn).
+Those tokens are transparent to the recursion: for a policy token ``t`` the "next" value
+and advantage are those of the next policy token ``t' > t`` of the row (``V(s_{t'})``,
+``A_{t'}``), so the critic's bootstrap passes over the environment tokens, and their own
+rewards and values are never read. Discounting is per policy token: ``gamma`` (and
+``gamma * lam``) applies once per step from one policy token to the next, however many
+environment tokens lie between them (the environment's tokens are not actions, so they
+are not time steps of the token MDP). This is verl's multi-turn GAE
+(``verl/trainer/ppo/core_algos.py``, ``compute_gae_advantage_return``: "skip values and
+TD-error on observation tokens", which carries ``nextvalues``/``lastgaelam`` unchanged
+through tokens whose ``response_mask`` is 0), except that here the outputs on environment
+tokens are exactly 0 where verl leaves the carried values there. A reward placed on an
+environment token is ignored: a per-turn reward belongs on its turn's last policy token.
+
 Simplified / left out: no bootstrap for truncated responses (the usual RLHF choice: the
 score is given at the last token), no ``dones`` inside a row (one episode per row).
 Outputs are detached: advantages and returns are targets, not differentiated through.

@@ -10,6 +10,11 @@ EOS token when one was generated; masks, not token ids, decide where a response 
 a tokenizer whose pad id equals its eos id needs no special care. Left- and right-padded
 batches both work (the score goes to the last True of each row).
 
+Multi-turn rows (#51): the mask may be 0 on environment tokens between policy segments;
+the KL term is computed and placed on policy tokens only (an environment token carries no
+``-beta * KL``: the policy did not choose it; slime #1370 forgot this), and the score goes
+on the row's last policy token.
+
 Defined behaviour for a zero-length response (a row with no valid token): it cannot
 carry its score (there is no token to put it on), so it is never scored on a masked
 slot: ``compute_token_rewards`` raises ``ValueError`` naming the rows. The PPO trainer

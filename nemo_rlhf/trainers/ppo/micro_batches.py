@@ -37,6 +37,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from nemo_rlhf.algorithms.ppo.core import last_valid_index
 from nemo_rlhf.distributed.split import chunk_slices
 from nemo_rlhf.models.packing import first_fit_decreasing, pack_rows
 
@@ -77,7 +78,9 @@ def plan_micro_batches(prompt_starts: list[int], response_lengths: list[int], pr
 
     Args:
         prompt_starts: per rollout row, its first non-padding column (``< prompt_length``).
-        response_lengths: per rollout row, its valid response tokens.
+        response_lengths: per rollout row, its extent after the prompt: one past its last
+            valid response token (the valid tokens of a prefix mask; with a holed multi-turn
+            mask the environment tokens before the last policy token count too).
         prompt_length: ``P`` of the rollout.
         rows: the rows to plan (a mini-batch), any order.
         max_rows: rows per micro-batch at most (>= 1).
@@ -162,11 +165,14 @@ def row_extents(attention_mask: torch.Tensor, response_mask: torch.Tensor, promp
 
     Args:
         attention_mask: ``[B, P+R]``; prompts left-padded to ``P``.
-        response_mask: ``[B, R]`` bool, a valid prefix per row.
+        response_mask: ``[B, R]`` bool; a row's length is one past its last True column,
+            so a mask with holes (a multi-turn row: environment tokens between policy
+            segments, #51) keeps every column up to its last policy token. For a valid
+            prefix this is the prefix's length.
     """
     prompt_valid = attention_mask[:, :prompt_length].bool()
     starts = (prompt_length - prompt_valid.sum(1)).cpu()  # host: planning metadata
-    lengths = response_mask.sum(1).cpu()  # host: planning metadata
+    lengths = (last_valid_index(response_mask) + 1).cpu()  # host: planning metadata
     return starts.tolist(), lengths.tolist()
 
 

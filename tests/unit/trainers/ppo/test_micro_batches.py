@@ -54,3 +54,41 @@ def test_take_cuts_the_padding_and_scatter_puts_the_rows_back():
     assert kept == int(attention.sum())
     back = scatter_rows(plans, [mb["advantages"] for mb in mbs], B, R)
     assert torch.equal(back[response_mask], per_token[response_mask])
+
+
+def test_row_extents_keep_every_policy_token_of_a_holed_mask():
+    # #51: a multi-turn row "P P E E P" (E: environment tokens, loss mask 0) must keep its
+    # columns up to the last policy token (5), not the count of policy tokens (3), which
+    # would cut the last turn out of the micro-batch.
+    attention = torch.ones(2, P + 5, dtype=torch.long)
+    attention[1, :2] = 0  # row 1: two prompt columns of left padding
+    response_mask = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 0, 0]], dtype=torch.bool)
+    assert row_extents(attention, response_mask, P) == ([0, 2], [5, 3])
+    starts, lengths = row_extents(attention, response_mask, P)
+    per_token = torch.arange(10, dtype=torch.float32).view(2, 5)
+    tensors = {"input_ids": torch.arange(2 * (P + 5)).view(2, P + 5), "attention_mask": attention,
+               "response_mask": response_mask, "advantages": per_token}
+    plans = plan_micro_batches(starts, lengths, P, [0, 1], 2, 100)
+    mbs = [take(p, tensors, P, HOST) for p in plans]
+    assert sum(int(mb["response_mask"].sum()) for mb in mbs) == 5  # every policy token kept
+    back = scatter_rows(plans, [mb["advantages"] for mb in mbs], 2, 5)
+    assert torch.equal(back[response_mask], per_token[response_mask])
+
+
+def test_packing_keeps_the_environment_tokens_of_a_holed_row():
+    # #51: packed, a holed row's span runs to its last policy token, environment tokens
+    # included (the forward needs them as context); log-probs are taken on every column of
+    # the span (8 = 5 + 3) and the loss mask picks the policy ones afterwards.
+    attention = torch.ones(2, P + 5, dtype=torch.long)
+    attention[1, :2] = 0
+    attention[1, P + 3:] = 0
+    response_mask = torch.tensor([[1, 1, 0, 0, 1], [1, 0, 1, 0, 0]], dtype=torch.bool)
+    ids = torch.arange(1, 1 + 2 * (P + 5)).view(2, P + 5)
+    tensors = {"input_ids": ids, "attention_mask": attention, "response_mask": response_mask}
+    starts, lengths = row_extents(attention, response_mask, P)
+    plans = plan_micro_batches(starts, lengths, P, [0, 1], 2, 100, pack=True)
+    (mb,) = [take(p, tensors, P, HOST) for p in plans]
+    packed = mb["packed"]
+    assert packed.response_index.numel() == 8
+    kept = sorted(int(x) for x in packed.input_ids.flatten() if x > 0)
+    assert kept == sorted(int(x) for x in ids[attention.bool()])  # every real token, env ones too

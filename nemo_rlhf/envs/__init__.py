@@ -1,0 +1,18 @@
+"""Environments of multi-turn and tool-calling rollouts (#51): the interface
+(:mod:`.base`: :class:`Environment`, :class:`StepResult`, the per-episode
+:class:`EnvLimits`), tools (:mod:`.tools`: :class:`Tool`, :class:`ToolRegistry`, the
+calculator), tool-call parsing in the Hermes/Qwen and Llama 3.1 formats (:mod:`.parsing`)
+and :class:`ToolEnvironment`, which wires them (:mod:`.tool_env`). Not yet called by a
+rollout engine or the trainer: docs/multi-turn.md says what is wired and what is not.
+"""
+
+from nemo_rlhf.envs.base import EnvLimits, Environment, StepResult
+from nemo_rlhf.envs.parsing import TOOL_CALL_FORMATS, ParsedTurn, ToolCall, parse_tool_calls
+from nemo_rlhf.envs.tool_env import OBSERVATION_FORMATS, ToolEnvironment
+from nemo_rlhf.envs.tools import Tool, ToolRegistry, ToolResult, calculator, calculator_tool, evaluate_arithmetic
+
+__all__ = [
+    "EnvLimits", "Environment", "OBSERVATION_FORMATS", "ParsedTurn", "StepResult", "TOOL_CALL_FORMATS",
+    "Tool", "ToolCall", "ToolEnvironment", "ToolRegistry", "ToolResult", "calculator", "calculator_tool",
+    "evaluate_arithmetic", "parse_tool_calls",
+]
