@@ -19,8 +19,8 @@ their newest) explicitly; with ``checkpoint`` too, both sets are evaluated (dupl
 once), sorted by step. The model architecture, the tokenizer and the prompt formatting
 (chat template, system prompt) of each checkpoint are read from its ``config.yaml``, so
 evaluation formats prompts exactly as training did. Prompts are split across DP ranks; any
-TP/PP layout works (checkpoints are resharded on load). The checker is a registered reward
-function (``nemo_rlhf.reward.functions``) called with the raw prompts, the decoded
+TP/PP layout works (checkpoints are resharded on load). The checker is a reward function
+(``package.module:function`` or a built-in short name, ``nemo_rlhf.reward.functions``) called with the raw prompts, the decoded
 responses (EOS excluded) and the rows' extra fields (e.g. ``answer``).
 
 One checkpoint writes one JSON: ``accuracy`` (mean checker score), ``mean_response_length``
@@ -71,7 +71,6 @@ from nemo_rlhf.models.moe import refuse_expert_parallel
 from nemo_rlhf.reward.batching import ScoreItem
 from nemo_rlhf.reward.functions import check_reward_function_spec, get_reward_function
 from nemo_rlhf.reward.rm_scorer import RMScorerConfig, RewardModelScorer, read_rm_checkpoint
-from nemo_rlhf.tasks import TASK_CHECKERS  # noqa: F401  (registers the demo tasks' checkers by name)
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.common import setup_run
 from nemo_rlhf.trainers.ppo.guards import ngram_repetition_rate
@@ -103,8 +102,9 @@ class EvalConfig:
     forward_micro_batch_size: int = 8
     """Rows per forward micro-batch of the log-prob passes (``reference``) and the RM."""
     checker: str = ""
-    """Registered reward function name or ``package.module:function`` scoring each response
-    (required; ``conf/eval.yaml`` names the tiny demo's ``arithmetic_exact_match``)."""
+    """Reward function scoring each response: ``package.module:function`` or a short name of
+    :data:`~nemo_rlhf.reward.functions.BUILTIN_REWARD_FUNCTIONS` (required;
+    ``conf/eval.yaml`` names the tiny demo's ``arithmetic_exact_match``)."""
     max_new_tokens: int = 8
     """Longest response in tokens."""
     batch_size: int = 64
@@ -129,7 +129,7 @@ class EvalConfig:
     ``checkpoint`` when more than one checkpoint is evaluated: one file, rows in checkpoint
     order)."""
     extra_checkers: list[str] = field(default_factory=list)
-    """More registered reward functions averaged into the result (e.g. ``just_the_number``)."""
+    """More reward functions (as ``checker``) averaged into the result (e.g. ``just_the_number``)."""
     chat_template: Optional[str] = None
     """Override the checkpoint's ``data.chat_template`` (e.g. ``chatml`` for an imported model)."""
     system_prompt: Optional[str] = None
@@ -432,8 +432,9 @@ def _evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, 
     model_cfg = _policy_model_config(saved, tok, path)
     validate_parallel_layout(cfg.parallel, dims.world_size, model_cfg.num_layers,
                              model_cfg.num_attention_heads, model_cfg.num_query_groups)
-    checker = get_reward_function(cfg.checker)
-    extra_checkers = {name: get_reward_function(name) for name in cfg.extra_checkers}
+    checker = get_reward_function(cfg.checker, "checker")
+    extra_checkers = {name: get_reward_function(name, f"extra_checkers[{i}]")
+                      for i, name in enumerate(cfg.extra_checkers)}
     ref_model = reference.get(model_cfg.vocab_size) if reference is not None else None
     model = build_model(model_cfg, dims, precision, kind="actor_critic", seed=cfg.seed)
     load_model_weights(path, model, skip_heads=True)

@@ -8,22 +8,21 @@ import types
 
 import pytest
 
-from nemo_rlhf.reward.functions import register_reward_function
 from nemo_rlhf.trainers.ppo import evaluation
 from nemo_rlhf.reward.config import RewardConfig
 from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig
 
 
-@register_reward_function("test_evaluation_judge")
-def _judge(prompts, responses, extras):
+def judge(prompts, responses, extras):
     return [0.0] * len(responses)
 
 
 def test_the_judge_is_checked_when_the_config_is_built():
-    with pytest.raises(ValueError, match=r"trainer.eval_judge='nope': valid choices are \[.*'test_evaluation_judge'"):
+    with pytest.raises(ValueError, match=r"trainer.eval_judge='nope': valid choices are \[.*'two_digit_addition'\]"):
         PPOTrainerConfig(eval_judge="nope")
     PPOTrainerConfig(eval_judge="http://judge:5555")
-    PPOTrainerConfig(eval_judge="test_evaluation_judge")
+    PPOTrainerConfig(eval_judge=f"{__name__}:judge")
+    PPOTrainerConfig(eval_judge="two_digit_addition")
     PPOTrainerConfig(eval_judge="mypkg.judges:not_imported_yet")
 
 
@@ -113,8 +112,7 @@ def test_reward_auc_is_the_share_of_checker_ordered_pairs_the_reward_orders_alik
     assert evaluation.reward_auc(rows[:1]) is None
 
 
-@register_reward_function("test_evaluation_has_a")
-def _has_a(prompts, responses, extras):
+def has_a(prompts, responses, extras):
     return [float("a" in r) for r in responses]
 
 
@@ -134,7 +132,7 @@ def test_heldout_metrics_report_the_reward_auc_against_the_checker(tmp_path):
                                   response_mask=torch.ones(4, 2, dtype=torch.bool),
                                   response_lengths=torch.tensor([1, 3, 3, 2]))
     reward = CombinedReward([WeightedSource("f", RewardFunctionScorer(scores))], invalid_scores="skip")
-    cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(max_eval_samples=4, eval_checker="test_evaluation_has_a"),
+    cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(max_eval_samples=4, eval_checker=f"{__name__}:has_a"),
                                 reward=RewardConfig(), exp_manager=types.SimpleNamespace(exp_dir=str(tmp_path)))
     with single_rank() as dims:
         trainer = types.SimpleNamespace(
