@@ -10,8 +10,9 @@ modules sit at the top of the file. ``tests/unit/project/test_layers.py`` checks
 entry points        ``train_ppo``, ``rollout_worker``, ``train_sft``, ``train_rm``,
                     ``serve_rm``, ``evaluate`` (Hydra jobs) and ``tools``
                     (``nemo-rlhf-ckpt``, HF conversion, model set-up)
-tasks               the demo tasks (each task's data and checker in one module); importing
-                    the package registers the checkers as reward functions
+tasks               the demo tasks (each task's data and checker in one module); configs
+                    name a checker by ``module:function`` or a short name of
+                    ``reward.functions.BUILTIN_REWARD_FUNCTIONS`` (nothing registers at import)
 trainers            the loops: SFT, RM and PPO, their configs, optimizers, run skeleton
 rollout, reward     engines and services the trainers compose: generation; reward
                     functions, RM scoring, the RM server and its client

@@ -43,7 +43,6 @@ from nemo_rlhf.models.config import LoRAConfig
 from nemo_rlhf.models.full_tensors import fill_model, model_full_tensors
 from nemo_rlhf.rollout.engines import build_rollout_engine
 from nemo_rlhf.rollout.remote import RolloutItem, serve_rollout_worker
-from nemo_rlhf.tasks import TASK_CHECKERS  # noqa: F401  (the config's checker names, as the trainer's)
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 
 log = logging.getLogger("nemo_rlhf.rollout_worker")

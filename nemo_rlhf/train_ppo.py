@@ -28,7 +28,6 @@ from nemo_rlhf.distributed.phase import collective_errors
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import agree_on_precision
 from nemo_rlhf.models.engine import wrap_ddp
-from nemo_rlhf.tasks import TASK_CHECKERS  # noqa: F401  (registers the demo tasks' checkers by name)
 from nemo_rlhf.trainers.loop import REQUEUE_EXIT_CODE, Signals
 from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
 from nemo_rlhf.trainers.ppo.async_rollout import check_async_layout

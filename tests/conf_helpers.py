@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import nemo_rlhf.tasks  # noqa: F401  (the demo tasks' checkers, named by the configs)
-
 import importlib
 
 from nemo_rlhf.config import to_typed

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import nemo_rlhf.tasks  # noqa: F401  (the demo tasks' checkers, named by the configs)
-
 from pathlib import Path
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"

@@ -37,8 +37,7 @@ _EXPORTS = {
     "WeightedSource": "functions",
     "check_reward_function_spec": "functions",
     "get_reward_function": "functions",
-    "register_reward_function": "functions",
-    "registered_reward_functions": "functions",
+    "BUILTIN_REWARD_FUNCTIONS": "functions",
     # normalization.py
     "RewardNormalizationConfig": "normalization",
     "RewardNormalizer": "normalization",

@@ -3,9 +3,10 @@
 A reward function is a plain callable
 ``fn(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]``
 (one float per sample; ``extras[i]`` is the dataset row's extra fields, e.g. ``answer``).
-They live in a small registry and are selected by registered name or by a dotted path
-``"package.module:function"``. The library registers none: the demo tasks register their
-checkers when :mod:`nemo_rlhf.tasks` is imported (the entry points import it).
+A config names one by its path ``"package.module:function"`` (imported when it is
+resolved) or, for the demo tasks' checkers, by a short name of the fixed table
+:data:`BUILTIN_REWARD_FUNCTIONS`; nothing is registered at import, so a config is valid or
+not whatever the process imported before.
 
 :class:`CombinedReward` sums weighted *sources* -- the remote reward model
 (:class:`RemoteRewardModel`) and/or reward functions (:class:`RewardFunctionScorer`) --
@@ -38,76 +39,87 @@ __all__ = [
     "RewardOutput",
     "RewardSource",
     "WeightedSource",
+    "BUILTIN_REWARD_FUNCTIONS",
     "check_reward_function_spec",
     "get_reward_function",
     "means_from_sums",
-    "register_reward_function",
-    "registered_reward_functions",
 ]
 
 RewardFn = Callable[[list[str], list[str], list[dict]], list[float]]
-_REGISTRY: dict[str, RewardFn] = {}
+
+BUILTIN_REWARD_FUNCTIONS: dict[str, str] = {
+    "arithmetic_exact_match": "nemo_rlhf.tasks.precedence:arithmetic_exact_match",
+    "two_digit_addition": "nemo_rlhf.tasks.addition:two_digit_addition",
+    "just_the_number": "nemo_rlhf.tasks.addition:just_the_number",
+}
+"""Short name -> ``"package.module:function"`` of the demo tasks' checkers: the only short
+names a config may use (``reward.functions[i].name``, ``trainer.eval_checker``,
+``checker``, ...); every other reward function is named by its path. A fixed table, so
+whether a config is valid does not depend on what the process imported before; the
+modules are imported only when a function is resolved (:func:`get_reward_function`)."""
 
 
-def register_reward_function(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering ``fn`` under ``name``; raises ``ValueError`` on a duplicate name."""
-
-    def decorate(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"reward function {name!r} is already registered ({_REGISTRY[name].__module__})")
-        _REGISTRY[name] = fn
-        return fn
-
-    return decorate
+def _path_of(spec: Any) -> str | None:
+    """``spec``'s ``"package.module:function"`` path (a built-in name's from the table), or
+    None when ``spec`` is neither a built-in name nor of that form."""
+    if not isinstance(spec, str):
+        return None
+    spec = BUILTIN_REWARD_FUNCTIONS.get(spec, spec)
+    module_name, colon, attr = spec.partition(":")
+    return spec if colon and module_name and attr else None
 
 
-def registered_reward_functions() -> list[str]:
-    """Registered reward function names, sorted."""
-    return sorted(_REGISTRY)
+def _bad_spec(key: str, spec: Any) -> str:
+    return (f"{key}={spec!r}: valid choices are {sorted(BUILTIN_REWARD_FUNCTIONS)} (the built-in "
+            f"short names) or a 'package.module:function' path")
 
 
 def check_reward_function_spec(key: str, spec: Any) -> None:
-    """Config-time check of a reward function spec (``reward.functions[i].name``, a checker):
-    a registered name, or a ``package.module:function`` path (imported only when used).
+    """Config-time check of a reward function spec (``reward.functions[i].name``, a
+    checker): a name of :data:`BUILTIN_REWARD_FUNCTIONS` or a ``package.module:function``
+    path. Nothing is imported here (a path's module is imported when the function is
+    resolved, :func:`get_reward_function`), so the answer does not depend on what the
+    process imported.
 
     Raises:
-        ValueError: naming ``key``, the value and the registered names.
+        ValueError: naming ``key``, the value and the valid short names.
     """
-    if not isinstance(spec, str) or not spec or (":" not in spec and spec not in _REGISTRY):
-        raise ValueError(f"{key}={spec!r}: valid choices are {registered_reward_functions()} "
-                         f"or a 'package.module:function' path")
+    if _path_of(spec) is None:
+        raise ValueError(_bad_spec(key, spec))
 
 
-def get_reward_function(spec: str) -> RewardFn:
-    """The reward function for a registered name or a ``"package.module:function"`` path.
+def get_reward_function(spec: str, key: str = "reward function") -> RewardFn:
+    """The reward function a built-in short name (:data:`BUILTIN_REWARD_FUNCTIONS`) or a
+    ``"package.module:function"`` path names (``function`` may be dotted, e.g.
+    ``module:TASK.score``); imports the module.
 
-    Raises ``KeyError`` listing the registered names for an unknown name, ``ImportError``
-    / ``AttributeError`` naming the module or attribute for a bad path, ``TypeError`` when
-    the target is not callable.
+    Args:
+        spec: the name or path.
+        key: the config key ``spec`` came from, named in the errors.
+
+    Raises:
+        ValueError: ``spec`` is neither (naming ``key``, the value and the short names);
+        ImportError / AttributeError: the module cannot be imported / has no such
+        attribute (naming ``key``, the value and the module or attribute tried);
+        TypeError: the target is not callable.
     """
-    if not isinstance(spec, str) or not spec:
-        raise TypeError(f"reward function spec must be a non-empty string, got {spec!r}")
-    if ":" not in spec:
-        if spec not in _REGISTRY:
-            raise KeyError(
-                f"unknown reward function {spec!r}; registered: {', '.join(registered_reward_functions())} "
-                f"(or give a dotted path 'package.module:function')"
-            )
-        return _REGISTRY[spec]
-    module_name, _, attr = spec.partition(":")
+    path = _path_of(spec)
+    if path is None:
+        raise ValueError(_bad_spec(key, spec))
+    tried = f"{key}={spec!r}" + (f" (built-in: {path!r})" if path != spec else "")
+    module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ImportError(f"reward function {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+        raise ImportError(f"{tried}: cannot import module {module_name!r}: {exc}") from exc
     fn: Any = module
     for part in attr.split("."):
         if not hasattr(fn, part):
-            raise AttributeError(f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}")
+            raise AttributeError(f"{tried}: module {module_name!r} has no attribute {attr!r}")
         fn = getattr(fn, part)
     if not callable(fn):
-        raise TypeError(f"reward function {spec!r} is a {type(fn).__name__}, not a callable")
+        raise TypeError(f"{tried}: {module_name}:{attr} is a {type(fn).__name__}, not a callable")
     return fn
-
 
 
 # --------------------------------------------------------------------------- sources
@@ -137,15 +149,17 @@ INVALID_SCORE_ACTIONS = ("error", "skip")
 
 
 class RewardFunctionScorer:
-    """Adapts a reward function (callable, registered name or dotted path) to :class:`RewardSource`.
+    """Adapts a reward function (callable, built-in name or ``package.module:function``
+    path, :func:`get_reward_function`; ``key``: the config key a name came from, named in
+    its errors) to :class:`RewardSource`.
 
     ``score`` checks the function returned one float per sample (finite, unless
     ``allow_nonfinite``: :class:`CombinedReward` judges NaN / Inf) and raises
     ``ValueError`` naming the function otherwise.
     """
 
-    def __init__(self, fn: RewardFn | str) -> None:
-        self.fn = get_reward_function(fn) if isinstance(fn, str) else fn
+    def __init__(self, fn: RewardFn | str, key: str = "reward function") -> None:
+        self.fn = get_reward_function(fn, key) if isinstance(fn, str) else fn
         self.name = fn if isinstance(fn, str) else getattr(fn, "__name__", repr(fn))
         self.allow_nonfinite = False
 

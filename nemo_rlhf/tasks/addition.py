@@ -12,9 +12,9 @@ are shuffled once by the seed and split, disjointly, into
 * ``ppo_prompts.jsonl`` (``n_ppo``): PPO prompts (InstructGPT also keeps the RM and PPO
   prompt sets apart).
 
-and ``manifest.json`` holds the settings and each file's SHA-256. The checker is the
-registered reward function ``two_digit_addition`` (the answer is the first integer once
-restatements of ``a+b`` are removed); ``just_the_number`` measures the format.
+and ``manifest.json`` holds the settings and each file's SHA-256. The checker is
+:func:`two_digit_addition` (a built-in short name of the reward functions: the answer is
+the first integer once restatements of ``a+b`` are removed); ``just_the_number`` measures the format.
 
 :data:`TASK` is this task in the recipe's interface (:class:`~nemo_rlhf.tasks.task.Task`:
 ``python -m launchers.demo --task nemo_rlhf.tasks.addition:TASK``; ``--task smollm2``, the

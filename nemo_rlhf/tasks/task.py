@@ -26,8 +26,8 @@ whole one):
   (Ouyang et al. 2022, sec. 3.5). Without it, such a task is refused, naming this field.
 
 The subprocess stages (``nemo_rlhf.evaluate``, the PPO trainer) name the checker by a
-string: ``checker_name`` (a registered reward function or ``package.module:function`` of
-the ``fn(prompts, responses, extras) -> list[float]`` form) when the task gives one, else
+string: ``checker_name`` (``package.module:function`` or a built-in short name, of the
+``fn(prompts, responses, extras) -> list[float]`` form) when the task gives one, else
 the task's own batch method ``<module>:<attribute>.score`` (:meth:`Task.score`), found from
 the ``--task`` path. The task's module must therefore be importable by those processes:
 from the working directory or ``PYTHONPATH`` (the recipe passes its own ``sys.path`` on).
@@ -82,9 +82,9 @@ class Task:
     demonstrate: Optional[Demonstrator] = None
     """``(prompt, extras) -> str``: a right response, for SFT when the model cannot do the task."""
     checker_name: Optional[str] = None
-    """Registered reward function or ``module:function`` the stages name (None: ``<task>.score``)."""
+    """``module:function`` or a built-in short name the stages name (None: ``<task>.score``)."""
     extra_checkers: tuple = ()
-    """Registered reward functions reported beside the checker (e.g. ``just_the_number``)."""
+    """Reward functions (as ``checker_name``) reported beside the checker (e.g. ``just_the_number``)."""
     max_new_tokens: Optional[int] = None
     """Response budget in tokens (None: the model profile's, ``launchers/recipe.py``)."""
     edit_labels: tuple = ("wrong_answer", "right_answer")

@@ -33,10 +33,8 @@ def _reference(rank: int, tmp: str):
 
 def _evaluate_one_prompt(trainer) -> dict:
     """The held-out evaluation on one prompt (at DP=2: fewer prompts than ranks)."""
-    from nemo_rlhf.trainers.ppo.evaluation import evaluate_policy
-
-    trainer.eval_prompts, trainer.eval_encoded = trainer.eval_prompts[:1], trainer.eval_encoded[:1]
-    return evaluate_policy(trainer)
+    trainer.eval_prompts = trainer.eval_prompts[:1]
+    return trainer.evaluate()
 
 
 def _layouts(rank: int, tmp: str):

@@ -45,14 +45,15 @@ class PPOTrainerConfig(TrainerConfig):
     max_eval_samples: int = 200
     """Cap on evaluated held-out prompts."""
     eval_checker: Optional[str] = None
-    """Task checker for ``eval/accuracy`` (registered name or ``module:function``; null: off;
-    the demo tasks' checkers are in :mod:`nemo_rlhf.tasks`)."""
+    """Task checker for ``eval/accuracy`` (``module:function`` or a short name of
+    :data:`~nemo_rlhf.reward.functions.BUILTIN_REWARD_FUNCTIONS`; null: off; the demo
+    tasks' checkers are in :mod:`nemo_rlhf.tasks`)."""
     eval_extra_checkers: list[str] = field(default_factory=list)
     """More checkers averaged on the held-out set, each logged as ``eval/<name>``
     (e.g. ``just_the_number``, answer-format compliance)."""
     eval_judge: Optional[str] = None
     """An independent judge of the held-out responses: a second RM server's URL
-    (``http://host:port``) or a reward function (registered name or ``module:function``).
+    (``http://host:port``) or a reward function (``module:function`` or a built-in short name).
     Logged as ``eval/judge_score`` and ``eval/judge_win_rate_vs_initial``; None: only the
     self-judged ``eval/win_rate_vs_initial`` (by the reward being optimised)."""
 

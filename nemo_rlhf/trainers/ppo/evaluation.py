@@ -18,7 +18,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,11 @@ log = logging.getLogger("nemo_rlhf.ppo")
 
 
 class HeldOutEvaluation:
-    """The held-out evaluation's state across a run.
+    """The held-out evaluation's settings and its state across a run.
+
+    Built from the PPO config (``trainer.max_eval_samples``, ``trainer.eval_checker``,
+    ``trainer.eval_extra_checkers``, ``trainer.eval_judge``, the ``reward`` client settings
+    for a judge URL, ``exp_manager.exp_dir``), read here once.
 
     Attributes:
         initial: the initial policy's per-prompt results (``text``, ``score``, ...), kept
@@ -43,12 +47,19 @@ class HeldOutEvaluation:
     """
 
     def __init__(self, cfg, has_prompts: bool) -> None:
-        self.cfg = cfg
+        t = cfg.trainer
+        self.max_samples: int = t.max_eval_samples
+        self.checker: Optional[str] = t.eval_checker
+        self.extra_checkers: list[str] = list(t.eval_extra_checkers)
+        self.judge_spec: Optional[str] = t.eval_judge
+        self.exp_dir = Path(cfg.exp_manager.exp_dir)
+        self._reward_cfg = cfg.reward
         self.initial: Optional[list[dict]] = None
         self.rescore_initial = False
         self._judge = None
-        if has_prompts and cfg.trainer.val_check_interval:
-            judge = cfg.trainer.eval_judge
+        self._checkers = None
+        if has_prompts and t.val_check_interval:
+            judge = self.judge_spec
             log.info("held-out win rate: eval/win_rate_vs_initial is self-judged (by the reward being "
                      "optimised); %s", f"eval/judge_win_rate_vs_initial by trainer.eval_judge={judge}"
                      if judge else "set trainer.eval_judge (a second RM's URL or a reward function) "
@@ -57,67 +68,98 @@ class HeldOutEvaluation:
     def judge(self):
         """``trainer.eval_judge`` as ``fn(prompts, responses, extras) -> scores`` (built
         once), or None when no judge is set."""
-        spec = self.cfg.trainer.eval_judge
+        spec = self.judge_spec
         if spec is None:
             return None
         if self._judge is None:
             if str(spec).startswith(("http://", "https://")):
-                r = self.cfg.reward
+                r = self._reward_cfg
                 client = RewardModelClient(spec, timeout_s=r.timeout_s, max_retries=r.max_retries,
                                            max_wait_s=r.max_wait_s)
                 self._judge = lambda prompts, responses, extras: client.score_texts(prompts, responses)
             else:
-                self._judge = get_reward_function(spec)
+                self._judge = get_reward_function(spec, "trainer.eval_judge")
         return self._judge
 
+    def checkers(self) -> tuple:
+        """``(checker or None, {name: extra checker})``: ``trainer.eval_checker`` and
+        ``trainer.eval_extra_checkers`` resolved (once; errors name the key,
+        :func:`~nemo_rlhf.reward.functions.get_reward_function`)."""
+        if self._checkers is None:
+            checker = get_reward_function(self.checker, "trainer.eval_checker") if self.checker else None
+            extra = {name: get_reward_function(name, f"trainer.eval_extra_checkers[{i}]")
+                     for i, name in enumerate(self.extra_checkers)}
+            self._checkers = (checker, extra)
+        return self._checkers
 
-def evaluate_policy(trainer) -> dict:
-    """Greedy decoding on the held-out set (``trainer.max_eval_samples`` of
-    ``data.val_file``, split over DP): accuracy by ``trainer.eval_checker``, the extra
-    checkers, RM reward, length, repetition, the win rate vs the initial policy judged
-    by the reward (self-judged) and, with ``trainer.eval_judge``, the judge's score and win
-    rate; every rank returns the same metrics (``eval/*``). Global rank 0 also
-    writes the responses, one JSON line per held-out prompt in file order, to
+
+def evaluate_policy(state: HeldOutEvaluation, prompts: Sequence, generate: Callable[[list[list[int]]], Any],
+                    response_texts: Callable[[Any], list[str]], reward, dims, step: int, is_scorer: bool,
+                    raise_if_failed: Callable[[Optional[BaseException]], None]) -> dict:
+    """Greedy decoding on the held-out set (the first ``state.max_samples`` of ``prompts``,
+    split over DP): accuracy by ``trainer.eval_checker``, the extra checkers, RM reward,
+    length, repetition, the win rate vs the initial policy judged by the reward
+    (self-judged) and, with ``trainer.eval_judge``, the judge's score and win rate; every
+    rank returns the same metrics (``eval/*``). Global rank 0 also writes the responses,
+    one JSON line per held-out prompt in file order, to
     ``<exp_dir>/eval_samples/step_<step>.jsonl`` (:func:`write_eval_samples`).
 
+    Args:
+        state: the evaluation's settings and state (``initial`` is set by the first call
+            and updated when ``rescore_initial``).
+        prompts: the held-out rows (``prompt_ids``, ``prompt``, ``extras``), the same on
+            every rank; empty: nothing is evaluated (``{}``).
+        generate: ``prompt_ids -> RolloutBatch`` with greedy decoding (every rank calls it
+            with its rows: it may hold collectives).
+        response_texts: a batch's responses as text, one per row.
+        reward: the :class:`~nemo_rlhf.reward.functions.CombinedReward` (``score``), called
+            on the scoring ranks only.
+        dims: the parallel layout (``dp_rank``, ``dp``, ``rank``, ``world_size``).
+        step: the policy's step (names the samples file).
+        is_scorer: this rank scores (the DP rank's model-parallel source).
+        raise_if_failed: called on every rank with this rank's scoring failure (or None);
+            raises on every rank if any failed.
+
+    Returns:
+        ``{"eval/...": float}``, the same on every rank.
+
     Raises:
-        the reward source's error on its rank and ``RewardScoringError`` on the others.
+        the reward source's error on its rank and ``RewardScoringError`` on the others
+        (through ``raise_if_failed``).
     """
-    if not trainer.eval_prompts:
+    if not prompts:
         return {}
-    n = min(len(trainer.eval_prompts), trainer.cfg.trainer.max_eval_samples)
-    mine = list(range(trainer.dims.dp_rank, n, trainer.dims.dp))
+    n = min(len(prompts), state.max_samples)
+    mine = list(range(dims.dp_rank, n, dims.dp))
     # fewer held-out prompts than DP ranks: a rank without one decodes a copy of the first
     # (its decoding collectives, under expert parallelism or a rollout engine's, match the
     # other ranks') and leaves it out of the metrics
-    batch = trainer.generate([trainer.eval_encoded[i] for i in mine or [0]], greedy=True)
-    texts = trainer.response_texts(batch)
+    batch = generate([prompts[i].prompt_ids for i in mine or [0]])
+    texts = response_texts(batch)
     reps = response_repetition(batch)
-    state = trainer.evaluation
     result, failure = None, None
-    if trainer.is_mp_src and mine:
+    if is_scorer and mine:
         try:
-            rows = [trainer.eval_prompts[i] for i in mine]
-            out = trainer.reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
-                                       update_stats=False, normalize=False)
+            rows = [prompts[i] for i in mine]
+            out = reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
+                               update_stats=False, normalize=False)
+            checker, extra_checkers = state.checkers()
             correct = [0.0] * len(rows)
-            if trainer.cfg.trainer.eval_checker:
-                correct = get_reward_function(trainer.cfg.trainer.eval_checker)(
-                    [r.prompt for r in rows], texts, [r.extras for r in rows])
+            if checker is not None:
+                correct = checker([r.prompt for r in rows], texts, [r.extras for r in rows])
             extra = {}
-            for name in trainer.cfg.trainer.eval_extra_checkers:
-                extra[name] = list(get_reward_function(name)([r.prompt for r in rows], texts,
-                                                             [r.extras for r in rows]))
+            for name, fn in extra_checkers.items():
+                extra[name] = list(fn([r.prompt for r in rows], texts, [r.extras for r in rows]))
             judge = state.judge()
             judged = None if judge is None else [float(x) for x in judge(
                 [r.prompt for r in rows], texts, [r.extras for r in rows])]
             initial_scores = initial_valid = None
             if state.rescore_initial and state.initial is not None:
                 # the initial policy's responses, judged again by the new reward
-                initial = trainer.reward.score([r.prompt for r in rows],
-                                               [state.initial[i]["text"] for i in mine],
-                                               [r.extras for r in rows], update_stats=False,
-                                               normalize=False)
+                initial = reward.score([r.prompt for r in rows],
+                                       [state.initial[i]["text"] for i in mine],
+                                       [r.extras for r in rows], update_stats=False,
+                                       normalize=False)
                 initial_scores = initial.scores.tolist()
                 initial_valid = (initial.valid.tolist() if initial.valid is not None
                                  else [True] * len(rows))
@@ -130,8 +172,8 @@ def evaluate_policy(trainer) -> dict:
                       "lengths": batch.response_lengths.tolist(), "rep": reps}
         except Exception as exc:  # noqa: BLE001 - every rank raises it below
             failure = exc
-    trainer.raise_if_scoring_failed(failure)
-    gathered = [None] * trainer.dims.world_size
+    raise_if_failed(failure)
+    gathered = [None] * dims.world_size
     dist.all_gather_object(gathered, result)
     rows = [g for g in gathered if g is not None]
     # one copy per DP rank (the MP sources): merge in index order
@@ -146,9 +188,8 @@ def evaluate_policy(trainer) -> dict:
             if r.get("judge") is not None:
                 merged[i]["judge"] = r["judge"][j]
     items = [merged[i] for i in sorted(merged)]
-    if trainer.dims.rank == 0:
-        write_eval_samples(Path(trainer.cfg.exp_manager.exp_dir), trainer.step,
-                           [trainer.eval_prompts[i] for i in sorted(merged)], items)
+    if dims.rank == 0:
+        write_eval_samples(state.exp_dir, step, [prompts[i] for i in sorted(merged)], items)
     for r in rows:  # re-scored initial responses (after a reward change), the same on every rank
         if r.get("initial_scores") is not None:
             for j, i in enumerate(r["idx"]):
@@ -161,7 +202,7 @@ def evaluate_policy(trainer) -> dict:
         "eval/response_length": sum(x["len"] for x in items) / len(items),
         "eval/repetition": sum(x["rep"] for x in items) / len(items),
     }
-    if trainer.cfg.trainer.eval_checker:
+    if state.checker:
         metrics["eval/accuracy"] = sum(x["correct"] for x in items) / len(items)
         auc = reward_auc(scored)
         if auc is not None:  # None: every scored answer got the same checker score

@@ -116,8 +116,9 @@ def build_reward(cfg: RewardConfig, dims=None):
         elif cfg.clip is not None:
             norm = RewardNormalizer("none", clip=cfg.clip)
         sources.append(WeightedSource("rm", source, cfg.rm_weight, norm, identity))
-    for spec in cfg.functions:
-        sources.append(WeightedSource(spec.name.split(":")[-1], RewardFunctionScorer(spec.name),
+    for i, spec in enumerate(cfg.functions):
+        sources.append(WeightedSource(spec.name.split(":")[-1],
+                                      RewardFunctionScorer(spec.name, f"reward.functions[{i}].name"),
                                       spec.weight))
     if not sources:
         raise ValueError("no reward source: set reward.rm_url / reward.rm_address_file and/or "

@@ -354,7 +354,9 @@ class PPOTrainer:
     @in_phase("eval", step_offset=0)
     def evaluate(self) -> dict:
         """The held-out evaluation (:func:`~nemo_rlhf.trainers.ppo.evaluation.evaluate_policy`)."""
-        return evaluate_policy(self)
+        return evaluate_policy(self.evaluation, self.eval_prompts, lambda ids: self.generate(ids, greedy=True),
+                               self.response_texts, self.reward, self.dims, self.step, self.is_mp_src,
+                               self.raise_if_scoring_failed)
 
     def sample_table(self, n: int = 4) -> list[dict]:
         """A few (prompt, response, reward) rows of the last rollout (this rank's)."""

@@ -14,9 +14,9 @@ from nemo_rlhf.reward.functions import (
     RemoteRewardModel,
     RewardFunctionScorer,
     WeightedSource,
+    BUILTIN_REWARD_FUNCTIONS,
+    check_reward_function_spec,
     get_reward_function,
-    register_reward_function,
-    registered_reward_functions,
 )
 from nemo_rlhf.reward.normalization import RewardNormalizer
 
@@ -31,23 +31,34 @@ def exact_match(prompts, responses, extras):
     return [float(r.strip() == str(e["answer"])) for r, e in zip(responses, extras)]
 
 
-register_reward_function("test_functions_exact_match")(exact_match)
+EXACT_MATCH = f"{__name__}:exact_match"
 
 
-def test_registry_lookup_by_name_and_dotted_path_and_errors():
-    assert "test_functions_exact_match" in registered_reward_functions()
-    assert get_reward_function("test_functions_exact_match") is exact_match
+def test_reward_functions_resolve_by_path_and_short_name_and_errors_name_the_key():
+    assert get_reward_function(EXACT_MATCH) is exact_match
     assert get_reward_function(f"{__name__}:length_reward") is length_reward
-    with pytest.raises(ValueError, match="'test_functions_exact_match' is already registered"):
-        register_reward_function("test_functions_exact_match")(length_reward)
-    with pytest.raises(KeyError, match="unknown reward function 'exact_match'; registered: .*test_functions_exact_match"):
-        get_reward_function("exact_match")
-    with pytest.raises(ImportError, match="cannot import module 'no_such_pkg.mod'"):
-        get_reward_function("no_such_pkg.mod:fn")
-    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+    with pytest.raises(ValueError, match=r"reward.functions\[0\].name='exact_match': valid choices are "
+                                         r"\['arithmetic_exact_match', 'just_the_number', 'two_digit_addition'\] "
+                                         r"\(the built-in short names\) or a 'package.module:function' path"):
+        get_reward_function("exact_match", "reward.functions[0].name")
+    for bad in ("", ":fn", "mod:", None, 3):
+        with pytest.raises(ValueError, match="trainer.eval_checker=.*: valid choices are .* or a 'package.module:function' path"):
+            check_reward_function_spec("trainer.eval_checker", bad)
+    with pytest.raises(ImportError, match=r"^checker='no_such_pkg.mod:fn': cannot import module 'no_such_pkg.mod'"):
+        get_reward_function("no_such_pkg.mod:fn", "checker")
+    with pytest.raises(AttributeError, match="reward function='nemo_rlhf.reward.functions:nope': module "
+                                             "'nemo_rlhf.reward.functions' has no attribute 'nope'"):
         get_reward_function("nemo_rlhf.reward.functions:nope")
-    with pytest.raises(TypeError, match="not a callable"):
-        get_reward_function("nemo_rlhf.reward.functions:_REGISTRY")
+    with pytest.raises(TypeError, match="BUILTIN_REWARD_FUNCTIONS is a dict, not a callable"):
+        get_reward_function("nemo_rlhf.reward.functions:BUILTIN_REWARD_FUNCTIONS")
+    # a short name is resolved through the table, and its errors say what was tried
+    BUILTIN_REWARD_FUNCTIONS["test_functions_gone"] = "nemo_rlhf.reward.functions:gone"
+    try:
+        with pytest.raises(AttributeError, match=r"^x='test_functions_gone' \(built-in: "
+                                                 r"'nemo_rlhf.reward.functions:gone'\): module"):
+            get_reward_function("test_functions_gone", "x")
+    finally:
+        del BUILTIN_REWARD_FUNCTIONS["test_functions_gone"]
 
 
 class FakeClient:
@@ -64,7 +75,7 @@ def test_combined_reward_sums_weighted_normalised_sources_and_reports_each():
     reward = CombinedReward([
         WeightedSource("rm", RemoteRewardModel(FakeClient()), weight=0.5,
                        normalizer=RewardNormalizer("fixed", mean=2.0, std=2.0)),
-        WeightedSource("exact_match", RewardFunctionScorer("test_functions_exact_match"), weight=1.0),
+        WeightedSource("exact_match", RewardFunctionScorer(EXACT_MATCH), weight=1.0),
     ])
     out = reward.score(["1+1=", "2+2="], ["2", "five"], [{"answer": "2"}, {"answer": "4"}])
     # rm raw: [3, 6] -> normalised [0.5, 2.0] -> weighted [0.25, 1.0]; exact match [1, 0]
@@ -147,12 +158,24 @@ def test_changed_sources_compares_identities_and_reset_restarts_only_those():
         b.load_state_dict(saved, reset=["critic"])
 
 
-def test_the_library_registers_no_task_checker():
-    """The registry of the library alone is empty; the demo tasks' checkers come with
-    :mod:`nemo_rlhf.tasks` (``tests/unit/tasks/test_checkers.py``)."""
-    code = ("from nemo_rlhf.reward.functions import registered_reward_functions as r; "
-            "from nemo_rlhf.reward.config import RewardFunctionSpec; "
+def test_configs_naming_the_task_checkers_validate_in_a_fresh_process():
+    """Which short names a config may use does not depend on what the process imported:
+    in a fresh interpreter that imported only the config schemas, the built-in names
+    validate (before, they were registered by importing ``nemo_rlhf.tasks`` and were
+    refused without it), and validating imports no task module."""
+    code = ("import sys; from nemo_rlhf.reward.config import RewardConfig, RewardFunctionSpec; "
             "from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig; "
-            "print(r(), PPOTrainerConfig().eval_checker, repr(RewardFunctionSpec().name))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["[]", "None", "''"], out
+            "t = PPOTrainerConfig(eval_checker='two_digit_addition', eval_extra_checkers=['just_the_number'], "
+            "eval_judge='arithmetic_exact_match'); "
+            "RewardConfig(functions=[RewardFunctionSpec(name='arithmetic_exact_match')]); "
+            "print(sorted(m for m in sys.modules if m.startswith('nemo_rlhf.tasks')), "
+            "PPOTrainerConfig().eval_checker, repr(RewardFunctionSpec().name))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["[]", "None", "''"], run.stdout
+    # and resolving a short name imports its module, in any process
+    code = ("from nemo_rlhf.reward.functions import get_reward_function as g; "
+            "print(g('two_digit_addition').__module__, g('arithmetic_exact_match')(['1+1='], ['2'], [{'answer': 2}]))")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["nemo_rlhf.tasks.addition", "[1.0]"], run.stdout

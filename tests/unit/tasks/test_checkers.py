@@ -1,12 +1,11 @@
-"""The demo tasks' checkers (hand examples) and their registration by name when
-:mod:`nemo_rlhf.tasks` is imported."""
+"""The demo tasks' checkers (hand examples) and their short names
+(:data:`~nemo_rlhf.reward.functions.BUILTIN_REWARD_FUNCTIONS`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from nemo_rlhf.reward.functions import check_reward_function_spec, get_reward_function
-from nemo_rlhf.tasks import TASK_CHECKERS
+from nemo_rlhf.reward.functions import BUILTIN_REWARD_FUNCTIONS, check_reward_function_spec, get_reward_function
 from nemo_rlhf.tasks.addition import addition_answer, just_the_number, two_digit_addition
 from nemo_rlhf.tasks.precedence import arithmetic_exact_match
 
@@ -59,10 +58,12 @@ def test_just_the_number_is_format_not_correctness():
     assert addition_answer("26 + 28 = 54") == 54 and addition_answer("26+28") is None
 
 
-def test_importing_the_tasks_registers_their_checkers_by_name():
-    assert TASK_CHECKERS == {"arithmetic_exact_match": arithmetic_exact_match,
-                             "two_digit_addition": two_digit_addition, "just_the_number": just_the_number}
-    for name, fn in TASK_CHECKERS.items():
+def test_the_short_names_resolve_to_the_tasks_checkers():
+    expected = {"arithmetic_exact_match": arithmetic_exact_match,
+                "two_digit_addition": two_digit_addition, "just_the_number": just_the_number}
+    assert sorted(BUILTIN_REWARD_FUNCTIONS) == sorted(expected)
+    for name, fn in expected.items():
         assert get_reward_function(name) is fn
+        assert get_reward_function(BUILTIN_REWARD_FUNCTIONS[name]) is fn  # the path it stands for
         check_reward_function_spec("trainer.eval_checker", name)
     assert get_reward_function("nemo_rlhf.tasks.addition:two_digit_addition") is two_digit_addition

@@ -8,22 +8,21 @@ import types
 
 import pytest
 
-from nemo_rlhf.reward.functions import register_reward_function
 from nemo_rlhf.trainers.ppo import evaluation
 from nemo_rlhf.reward.config import RewardConfig
 from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig
 
 
-@register_reward_function("test_evaluation_judge")
-def _judge(prompts, responses, extras):
+def judge(prompts, responses, extras):
     return [0.0] * len(responses)
 
 
 def test_the_judge_is_checked_when_the_config_is_built():
-    with pytest.raises(ValueError, match=r"trainer.eval_judge='nope': valid choices are \[.*'test_evaluation_judge'"):
+    with pytest.raises(ValueError, match=r"trainer.eval_judge='nope': valid choices are \[.*'two_digit_addition'\]"):
         PPOTrainerConfig(eval_judge="nope")
     PPOTrainerConfig(eval_judge="http://judge:5555")
-    PPOTrainerConfig(eval_judge="test_evaluation_judge")
+    PPOTrainerConfig(eval_judge=f"{__name__}:judge")
+    PPOTrainerConfig(eval_judge="two_digit_addition")
     PPOTrainerConfig(eval_judge="mypkg.judges:not_imported_yet")
 
 
@@ -40,7 +39,8 @@ def test_a_judge_url_scores_through_the_rm_client(monkeypatch):
 
     monkeypatch.setattr(evaluation, "RewardModelClient", FakeClient)
     cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(eval_judge="http://judge:5555"),
-                                reward=RewardConfig(timeout_s=7.0, max_retries=2, max_wait_s=60.0))
+                                reward=RewardConfig(timeout_s=7.0, max_retries=2, max_wait_s=60.0),
+                                exp_manager=types.SimpleNamespace(exp_dir="unused"))
     state = evaluation.HeldOutEvaluation(cfg, has_prompts=False)
     judge = state.judge()
     assert judge(["p", "q"], ["abc", "de"], [{}, {}]) == [3.0, 2.0]
@@ -59,6 +59,24 @@ def test_win_rate_leaves_out_prompts_whose_score_is_invalid():
     before = [{"s": 1.0}, {"s": 1.0}, {"s": 1.0, "valid": False}]
     assert evaluation.win_rate(now, before, "s") == 1.0  # only the first pair counts
     assert math.isnan(evaluation.win_rate(now[1:], before[1:], "s"))
+
+
+def _evaluate(state, n, batch, texts, reward, dims, step=0):
+    """:func:`evaluation.evaluate_policy` on ``n`` held-out rows ``p0``, ``p1``, ... (no
+    trainer: a fixed batch decoded as ``texts``); the ids it decoded are recorded."""
+    prompts = [types.SimpleNamespace(prompt=f"p{i}", prompt_ids=[i + 1], extras={}) for i in range(n)]
+    failures = []
+
+    def raise_if_failed(failure):
+        failures.append(failure)
+        if failure is not None:
+            raise failure
+
+    decoded = []
+    out = evaluation.evaluate_policy(state, prompts, lambda ids: decoded.append(ids) or batch,
+                                     lambda b: list(texts), reward, dims, step, True, raise_if_failed)
+    assert decoded == [[[i + 1] for i in range(min(n, state.max_samples))]] and failures == [None]
+    return out
 
 
 def test_heldout_metrics_leave_out_invalid_scores_under_skip(tmp_path):
@@ -80,16 +98,11 @@ def test_heldout_metrics_leave_out_invalid_scores_under_skip(tmp_path):
     reward = CombinedReward([WeightedSource("f", RewardFunctionScorer(scores))], invalid_scores="skip")
     cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(max_eval_samples=3), reward=RewardConfig(),
                                 exp_manager=types.SimpleNamespace(exp_dir=str(tmp_path)))
+    state = evaluation.HeldOutEvaluation(cfg, has_prompts=True)
     with single_rank() as dims:
-        trainer = types.SimpleNamespace(
-            cfg=cfg, dims=dims, reward=reward, is_mp_src=True, step=0,
-            eval_prompts=[types.SimpleNamespace(prompt=f"p{i}", extras={}) for i in range(3)],
-            eval_encoded=[[1], [2], [3]], evaluation=evaluation.HeldOutEvaluation(cfg, has_prompts=True),
-            generate=lambda prompts, greedy: batch, response_texts=lambda b: texts,
-            raise_if_scoring_failed=lambda failure: None)
-        first = evaluation.evaluate_policy(trainer)
+        first = _evaluate(state, 3, batch, texts, reward, dims)
         texts[:] = ["abc", "bad", "a"]
-        second = evaluation.evaluate_policy(trainer)
+        second = _evaluate(state, 3, batch, texts, reward, dims)
     assert first["eval/reward"] == 3.0 and first["eval/f"] == 3.0  # (2 + 4) / 2
     assert first["eval/invalid_scores"] == 1.0
     assert second["eval/reward"] == 2.0  # (3 + 1) / 2
@@ -113,8 +126,7 @@ def test_reward_auc_is_the_share_of_checker_ordered_pairs_the_reward_orders_alik
     assert evaluation.reward_auc(rows[:1]) is None
 
 
-@register_reward_function("test_evaluation_has_a")
-def _has_a(prompts, responses, extras):
+def has_a(prompts, responses, extras):
     return [float("a" in r) for r in responses]
 
 
@@ -134,19 +146,46 @@ def test_heldout_metrics_report_the_reward_auc_against_the_checker(tmp_path):
                                   response_mask=torch.ones(4, 2, dtype=torch.bool),
                                   response_lengths=torch.tensor([1, 3, 3, 2]))
     reward = CombinedReward([WeightedSource("f", RewardFunctionScorer(scores))], invalid_scores="skip")
-    cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(max_eval_samples=4, eval_checker="test_evaluation_has_a"),
+    cfg = types.SimpleNamespace(trainer=PPOTrainerConfig(max_eval_samples=4, eval_checker=f"{__name__}:has_a"),
                                 reward=RewardConfig(), exp_manager=types.SimpleNamespace(exp_dir=str(tmp_path)))
+    state = evaluation.HeldOutEvaluation(cfg, has_prompts=True)
     with single_rank() as dims:
-        trainer = types.SimpleNamespace(
-            cfg=cfg, dims=dims, reward=reward, is_mp_src=True, step=0,
-            eval_prompts=[types.SimpleNamespace(prompt=f"p{i}", extras={}) for i in range(4)],
-            eval_encoded=[[1], [2], [3], [4]], evaluation=evaluation.HeldOutEvaluation(cfg, has_prompts=True),
-            generate=lambda prompts, greedy: batch, response_texts=lambda b: texts,
-            raise_if_scoring_failed=lambda failure: None)
-        first = evaluation.evaluate_policy(trainer)
+        first = _evaluate(state, 4, batch, texts, reward, dims)
         texts[:] = ["a", "aaa", "bad", "ab"]  # every valid answer right: no pair to order
-        second = evaluation.evaluate_policy(trainer)
+        second = _evaluate(state, 4, batch, texts, reward, dims)
     # right "a" (-1) and "aa" (-2) outscore wrong "bbb" (-3); the right "bad" (invalid score)
     # is left out (with its NaN the share would be 2/3)
     assert first["eval/accuracy"] == 0.75 and first["eval/reward_auc"] == 1.0
     assert "eval/reward_auc" not in second and second["eval/accuracy"] == 1.0
+
+
+def test_evaluate_policy_takes_its_parts_and_names_the_checker_key_on_a_bad_path(tmp_path):
+    """Without a trainer: no held-out rows give ``{}`` (nothing decoded); a checker path that
+    does not resolve fails on the scoring rank, through ``raise_if_failed``, naming
+    ``trainer.eval_checker`` and the attribute tried; ``max_eval_samples`` caps the rows."""
+    import torch
+
+    from nemo_rlhf.reward.functions import CombinedReward, RewardFunctionScorer, WeightedSource
+    from tests.single_rank import single_rank
+
+    reward = CombinedReward([WeightedSource("f", RewardFunctionScorer(lambda p, r, e: [1.0] * len(r)))])
+    batch = types.SimpleNamespace(response_ids=torch.ones(2, 2, dtype=torch.long),
+                                  response_mask=torch.ones(2, 2, dtype=torch.bool),
+                                  response_lengths=torch.tensor([1, 2]))
+
+    def cfg(**trainer):
+        return types.SimpleNamespace(trainer=PPOTrainerConfig(**trainer), reward=RewardConfig(),
+                                     exp_manager=types.SimpleNamespace(exp_dir=str(tmp_path)))
+
+    state = evaluation.HeldOutEvaluation(cfg(eval_checker=f"{__name__}:no_such_checker"), has_prompts=True)
+    with single_rank() as dims:
+        assert evaluation.evaluate_policy(state, [], None, None, reward, dims, 0, True, None) == {}
+        with pytest.raises(AttributeError, match=rf"^trainer.eval_checker='{__name__}:no_such_checker': "
+                                                 rf"module '{__name__}' has no attribute 'no_such_checker'"):
+            _evaluate(state, 2, batch, ["a", "b"], reward, dims)
+        capped = evaluation.HeldOutEvaluation(cfg(max_eval_samples=2, eval_checker=f"{__name__}:has_a"),
+                                              has_prompts=True)
+        out = _evaluate(capped, 5, batch, ["a", "b"], reward, dims, step=3)
+    assert out["eval/accuracy"] == 0.5 and out["eval/reward"] == 1.0 and out["eval/response_length"] == 1.5
+    written = (tmp_path / "eval_samples" / "step_000003.jsonl").read_text().splitlines()
+    assert [__import__("json").loads(line)["prompt"] for line in written] == ["p0", "p1"]

@@ -32,7 +32,7 @@ except ImportError:
 NEEDS_MPL = pytest.mark.skipif(
     not HAVE_MPL, reason="matplotlib is not installed (nor listed in pyproject.toml): pip install matplotlib")
 
-CHECKER = "arithmetic_exact_match"  # nemo_rlhf.tasks (imported by nemo_rlhf.evaluate)
+CHECKER = "arithmetic_exact_match"  # a built-in short name (nemo_rlhf.reward.functions)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,217 @@
+"""The evaluation job: every checkpoint decoded on the prompts, scored by the checker and
+measured (:mod:`~nemo_rlhf.evaluate.measures`), one result dict each; the files written
+(:func:`evaluate`; the package docstring describes them)."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from nemo_rlhf.checkpoint import load_model_weights, read_metadata
+from nemo_rlhf.data.datasets import DataConfig, load_prompt_dataset
+from nemo_rlhf.data.sample_rows import sample_row
+from nemo_rlhf.data.tokenizer import Tokenizer
+from nemo_rlhf.distributed.parallel import validate_parallel_layout
+from nemo_rlhf.distributed.split import chunks, dp_shard
+from nemo_rlhf.evaluate.checkpoints import (LazyReference, build_rm, checkpoint_config, checkpoint_paths,
+                                            find_tokenizer_dir, policy_model_config)
+from nemo_rlhf.evaluate.config import EvalConfig
+from nemo_rlhf.evaluate.measures import (forward_response_logprobs, mean_or_nan, repetition_rates, rm_scores,
+                                         sequence_kl, share_from_last_stage)
+from nemo_rlhf.metrics.steps_table import markdown_table, plot_metrics, require_matplotlib, table_columns
+from nemo_rlhf.models.actor_critic import build_model
+from nemo_rlhf.models.config import ModelConfig, agree_on_precision
+from nemo_rlhf.models.moe import refuse_expert_parallel
+from nemo_rlhf.reward.functions import get_reward_function
+from nemo_rlhf.rollout import RolloutConfig, generate
+from nemo_rlhf.trainers.common import setup_run
+
+
+def steps_report_paths(out: str | Path) -> tuple[Path, Path]:
+    """``(<out without .json>.md, <out without .json>.png)``."""
+    s = str(out)
+    base = s[:-len(".json")] if s.endswith(".json") else s
+    return Path(base + ".md"), Path(base + ".png")
+
+
+
+def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, reference,
+                         start: float, multi: bool) -> tuple[dict, list[dict]]:
+    """One checkpoint's result dict (the package docstring lists its keys) and its
+    ``samples_out`` rows (empty without ``samples_out``), on every rank; ``start`` is the
+    ``time.perf_counter()`` its ``time_s`` counts from, ``multi`` says more than one
+    checkpoint is evaluated (the printed line names the step)."""
+    saved = checkpoint_config(path)
+    d = saved.get("data", {})
+    data_cfg = DataConfig(train_file=cfg.data, tokenizer_dir=cfg.tokenizer_dir or find_tokenizer_dir(path, d),
+                          chat_template=cfg.chat_template or d.get("chat_template"),
+                          system_prompt=cfg.system_prompt or d.get("system_prompt"))
+    tok = Tokenizer(data_cfg.tokenizer_dir)
+    model_cfg = policy_model_config(saved, tok, path)
+    validate_parallel_layout(cfg.parallel, dims.world_size, model_cfg.num_layers,
+                             model_cfg.num_attention_heads, model_cfg.num_query_groups)
+    checker = get_reward_function(cfg.checker, "checker")
+    extra_checkers = {name: get_reward_function(name, f"extra_checkers[{i}]")
+                      for i, name in enumerate(cfg.extra_checkers)}
+    ref_model = reference.get(model_cfg.vocab_size) if reference is not None else None
+    model = build_model(model_cfg, dims, precision, kind="actor_critic", seed=cfg.seed)
+    load_model_weights(path, model, skip_heads=True)
+    model.eval()
+
+    limit = model_cfg.max_position_embeddings
+    ds = load_prompt_dataset(cfg.data, tok, data_cfg, limit - cfg.max_new_tokens)
+    if dims.rank == 0:
+        ds.report.log()
+    rows = [(i, k, s) for i, s in enumerate(ds.samples) for k in range(cfg.num_samples)]
+    local = dp_shard(rows, dims.dp_rank, dims.dp)
+    greedy = cfg.temperature == 0
+    rollout = RolloutConfig(max_new_tokens=cfg.max_new_tokens, greedy=greedy,
+                            temperature=1.0 if greedy else cfg.temperature, seed=cfg.seed)
+    results = []
+    for call, group in enumerate(chunks(local, cfg.batch_size)):
+        batch = generate(model, dims, [s.prompt_ids for *_, s in group], rollout,
+                         eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, vocab_size=tok.vocab_size,
+                         max_sequence_length=limit, call_index=call)
+        ids_l, mask_l = batch.response_ids.tolist(), batch.response_mask.tolist()
+        reps = repetition_rates(ids_l, mask_l)
+        kls = [None] * len(group)
+        if ref_model is not None:
+            args = (dims, rollout.logprob_temperature, model_cfg.vocab_size, cfg.forward_micro_batch_size)
+            lp = forward_response_logprobs(model, batch, *args)
+            ref_lp = forward_response_logprobs(ref_model, batch, *args)
+            if lp is not None:
+                kls = sequence_kl(lp, ref_lp, batch.response_mask).tolist()
+        for (i, k, s), ids, mask, n, ended, rep, kl in zip(group, ids_l, mask_l, batch.response_lengths.tolist(),
+                                                           batch.ended.tolist(), reps, kls):
+            content = [t for t, m in zip(ids, mask) if m]
+            if ended and content and content[-1] == tok.eos_id:
+                content = content[:-1]
+            results.append(((i, k), tok.decode(content), int(n), bool(ended), rep, kl))
+    if dims.dp > 1:
+        gathered = [None] * dims.dp
+        dist.all_gather_object(gathered, results, group=dims.dp_group)
+        results = [r for part in gathered for r in part]
+    results.sort(key=lambda r: r[0])
+    del model
+    gc.collect()
+    samples = ds.samples
+    args = ([samples[i].prompt for (i, _), *_ in results], [r for _, r, *_ in results],
+            [samples[i].extras for (i, _), *_ in results])
+    scores = checker(*args)
+    extra_scores = {name: fn(*args) for name, fn in extra_checkers.items()}
+    kls = share_from_last_stage([r[5] for r in results], dims) if reference is not None else None
+    rm_out = rm_scores(rm, dims, args[0], args[1], "rm_checkpoint") if rm is not None else None
+    n = len(results)
+    measured = {}
+    if rm is not None:
+        measured["rm_reward"] = mean_or_nan(rm_out)
+    if reference is not None:
+        measured["kl_to_reference"] = mean_or_nan(kls)
+    out = {
+        "checkpoint": str(path),
+        "step": read_metadata(path).get("step"),
+        "data": cfg.data,
+        "checker": cfg.checker,
+        **({"rm_checkpoint": str(rm.info.path)} if rm is not None else {}),
+        **({"reference": str(reference.path)} if reference is not None else {}),
+        "num_prompts": len(samples),
+        "num_responses": n,
+        "accuracy": sum(scores) / n if n else float("nan"),
+        **{name: sum(v) / n if n else float("nan") for name, v in extra_scores.items()},
+        **measured,
+        "temperature": cfg.temperature,
+        "num_samples": cfg.num_samples,
+        "mean_response_length": sum(r[2] for r in results) / n if n else float("nan"),
+        "repetition": mean_or_nan(r[4] for r in results),
+        "ended_fraction": sum(r[3] for r in results) / n if n else float("nan"),
+        "truncated_fraction": sum(not r[3] for r in results) / n if n else float("nan"),
+        "max_new_tokens": cfg.max_new_tokens,
+        "parallel": dims.describe(),
+        "load_report": {"rows_read": ds.report.rows_read, "rows_kept": ds.report.rows_kept,
+                        "invalid": ds.report.invalid, "dropped_overlong": ds.report.dropped_overlong},
+        "time_s": time.perf_counter() - start,
+        "examples": [{"prompt": samples[i].prompt, "response": r, "correct": scores[j], **samples[i].extras,
+                      **({"rm_score": rm_out[j]} if rm is not None else {})}
+                     for j, ((i, _), r, *_) in enumerate(results[:cfg.num_examples])],
+    }
+    sample_rows = []
+    if cfg.samples_out:
+        for j, ((i, k), r, length, ended, _rep, _kl) in enumerate(results):
+            sample_rows.append(sample_row(
+                samples[i].prompt, r, scores[j], length, samples[i].extras, sample=k, ended=ended,
+                **{name: v[j] for name, v in extra_scores.items()},
+                **({"rm_score": float(rm_out[j])} if rm is not None else {}),
+                **({"kl_to_reference": float(kls[j])} if reference is not None else {})))
+    if dims.rank == 0:
+        for ex in out["examples"]:
+            rm_part = f"  rm={ex['rm_score']:.4f}" if "rm_score" in ex else ""
+            print(f"  {ex['prompt']!r} -> {ex['response']!r}  correct={ex['correct']}{rm_part}")
+        extra = "".join(f", {name} {out[name]:.4f}" for name in [*extra_scores, *measured, "repetition"])
+        prefix, suffix = (f"step {out['step']} ({path}): ", "") if multi else ("", f" -> {cfg.out}")
+        print(f"{prefix}{cfg.checker}: accuracy {out['accuracy']:.4f}{extra} on {n} responses, mean response "
+              f"length {out['mean_response_length']:.2f} tokens, {out['time_s']:.1f}s{suffix}", flush=True)
+    return out, sample_rows
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    """Run the evaluation; return the result (on every rank; global rank 0 writes the files).
+
+    Returns:
+        One checkpoint: its result dict (the module docstring lists the keys). More than
+        one: ``{"rows": [result dict per checkpoint, in step order]}``.
+
+    Raises:
+        FileNotFoundError: a checkpoint key (``checkpoint``, ``checkpoints[i]``,
+            ``reference``, ``rm_checkpoint``) holds no complete checkpoint.
+        ValueError: ``all_steps=true`` on a single checkpoint folder; a reference with
+            another vocabulary; a response the RM refuses; a bad TP/PP layout.
+        ImportError: more than one checkpoint and no matplotlib (before any model is built).
+    """
+    start = time.perf_counter()
+    paths = checkpoint_paths(cfg)
+    multi = len(paths) > 1
+    if multi:
+        require_matplotlib()
+    first = checkpoint_config(paths[0])
+    d = first.get("data", {})
+    tok = Tokenizer(cfg.tokenizer_dir or find_tokenizer_dir(paths[0], d))
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), first["model"]))
+    refuse_expert_parallel(cfg.parallel, "evaluate")
+    dims, model_cfg = setup_run(cfg.parallel, model_cfg, tok, cfg.seed)
+    precision = agree_on_precision(str(cfg.precision), dims)
+    reference = LazyReference(cfg.reference, dims, precision, cfg.seed) if cfg.reference else None
+    rm = build_rm(cfg, dims) if cfg.rm_checkpoint else None
+
+    results, samples = [], []
+    for j, path in enumerate(paths):
+        row, rows = evaluate_checkpoint(cfg, path, dims, precision, rm, reference,
+                                         start if j == 0 else time.perf_counter(), multi)
+        results.append(row)
+        if multi:
+            rows = [{**r, "step": row["step"], "checkpoint": row["checkpoint"]} for r in rows]
+        samples += rows
+    if dims.rank == 0 and cfg.samples_out:
+        Path(cfg.samples_out).parent.mkdir(parents=True, exist_ok=True)
+        with open(cfg.samples_out, "w", encoding="utf-8") as f:
+            for r in samples:
+                f.write(json.dumps(r) + "\n")
+    out = {"rows": results} if multi else results[0]
+    if dims.rank == 0:
+        Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.out).write_text(json.dumps(out, indent=2) + "\n")
+        if multi:
+            md, png = steps_report_paths(cfg.out)
+            columns = table_columns(cfg.extra_checkers)
+            table = markdown_table(results, columns)
+            md.write_text(table)
+            plot_metrics(results, columns, png, title=f"{cfg.data} ({cfg.checker})")
+            print(table, end="")
+            print(f"{len(results)} checkpoints -> {cfg.out}, {md}, {png}", flush=True)
+    return out
+
+
