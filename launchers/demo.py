@@ -262,6 +262,9 @@ def main(argv=None) -> int:
     recipe.add_argument("--rm-min-heldout-pairs", type=int, default=20,
                         help="the RM gate: fewer natural held-out pairs than this and the RM's accuracy "
                              "is not measured well enough to train against (launchers/gates.py)")
+    recipe.add_argument("--rm-heldout-sample-rounds", type=int, default=3,
+                        help="while the natural held-out pairs are fewer than --rm-min-heldout-pairs, sample "
+                             "the held-out RM prompts again, at most this many more rounds (0: never)")
     recipe.add_argument("--force", action="store_true",
                         help="start PPO even when the RM gate refuses (its held-out pair accuracy's 95%% "
                              f"interval includes 50%%, or too few held-out pairs; exit status {RM_GATE_EXIT})")

@@ -339,8 +339,9 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
         clock.start()
     samples_train = _sample(a, policy, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args,
                             logs / "rm_samples.log")
-    _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
-            logs / "rm_samples.log")
+    samples_val = _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
+                          logs / "rm_samples.log")
+    val_file = _enough_heldout_pairs(a, policy, data, rm_data, samples_val, stage_args, logs)
     if count_right(samples_train) == 0:
         raise SystemExit(f"task {task.name!r}: after SFT ({a.sft_steps} steps on {a.sft_rows} demonstrations) "
                          f"the model still got 0 of {len(samples_train)} sampled answers right; raise "
@@ -353,9 +354,9 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     edits = a.rm_edit_pairs if task.edit_answer is not None else 0
     pair_counts = {}
     for split in ("train", "val"):  # held-out: the natural pairs only; the same-form ones are their own file
-        pair_counts[split] = stages.pairs_from_samples(task, rm_data / f"samples_{split}.jsonl",
-                                                       rm_data / f"preference_{split}.jsonl", 4,
-                                                       edits if split == "train" else 0)
+        pair_counts[split] = stages.pairs_from_samples(
+            task, rm_data / "samples_train.jsonl" if split == "train" else val_file,
+            rm_data / f"preference_{split}.jsonl", 4, edits if split == "train" else 0)
     pair_counts["val_same_form"] = stages.pairs_from_samples(
         task, rm_data / "samples_val.jsonl", rm_data / "same_form_val.jsonl", 0,
         stages.SAME_FORM_PER_PROMPT if task.edit_answer is not None else 0)
@@ -366,6 +367,39 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
                          f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
     clock.stop("rm_samples")
     return policy, sft, probe_acc, samples_train, pair_counts
+
+
+def _enough_heldout_pairs(a, policy, data: Path, rm_data: Path, rows: list[dict], stage_args: list,
+                          logs: Path) -> Path:
+    """The RM data's held-out sizing loop: while the natural held-out pairs (distinct right vs
+    wrong answers of one prompt, up to 4 a prompt: :func:`nemo_rlhf.tasks.task.build_preference_pairs`)
+    of the held-out RM prompts' samples ``rows`` are fewer than ``a.rm_min_heldout_pairs`` (the
+    RM gate's minimum), sample the same prompts again (``a.rm_samples_per_prompt`` answers,
+    seed ``1000 + round``, ``<rm_data>/samples_val_extra<round>.jsonl``), at most
+    ``a.rm_heldout_sample_rounds`` rounds (the cap). Returns the samples file the held-out
+    pairs are built from: ``samples_val.jsonl`` when the first draw was enough (no round ran),
+    else ``samples_val_all.jsonl`` (every round's rows)."""
+    from nemo_rlhf.tasks.task import build_preference_pairs
+
+    first = rm_data / "samples_val.jsonl"
+    count = len(build_preference_pairs(rows, max_pairs_per_prompt=4))
+    rounds = 0
+    while count < a.rm_min_heldout_pairs and rounds < a.rm_heldout_sample_rounds:
+        rounds += 1
+        print(f"{count} natural held-out RM pairs, fewer than --rm-min-heldout-pairs {a.rm_min_heldout_pairs}: "
+              f"sampling the held-out RM prompts again (round {rounds} of at most "
+              f"--rm-heldout-sample-rounds {a.rm_heldout_sample_rounds})", flush=True)
+        rows = rows + _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / f"samples_val_extra{rounds}",
+                              1000 + rounds, stage_args, logs / "rm_samples.log")
+        count = len(build_preference_pairs(rows, max_pairs_per_prompt=4))
+    if rounds == 0:
+        return first
+    if count < a.rm_min_heldout_pairs:
+        print(f"after {rounds} more rounds: {count} natural held-out RM pairs (the cap, "
+              f"--rm-heldout-sample-rounds, reached)", flush=True)
+    combined = rm_data / "samples_val_all.jsonl"
+    stages.write_atomic(combined, "".join(json.dumps(r) + "\n" for r in rows))
+    return combined
 
 
 def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:

@@ -134,7 +134,8 @@ def _custom(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     return ["--task", "pkg_upper_task:TASK", "--model", "tiny", "--out", str(tmp_path / "out"),
             "--rm-prompts", "6", "--rm-val-prompts", "3", "--ppo-prompts", "10", "--sft-steps", "7",
-            "--force"]  # 3 held-out pairs cannot pass the RM gate (tests/unit/launchers/test_gates.py)
+            "--force", "--rm-heldout-sample-rounds", "0"]  # 3 held-out pairs: below the RM gate's 20
+    # (the gate and the held-out sampling rounds: tests/unit/launchers/)
 
 
 def test_a_task_the_model_can_do_goes_straight_to_the_rm_data(tmp_path, monkeypatch):
