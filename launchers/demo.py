@@ -265,6 +265,10 @@ def main(argv=None) -> int:
     recipe.add_argument("--rm-heldout-sample-rounds", type=int, default=3,
                         help="while the natural held-out pairs are fewer than --rm-min-heldout-pairs, sample "
                              "the held-out RM prompts again, at most this many more rounds (0: never)")
+    recipe.add_argument("--rm-more-rounds", type=int, default=2,
+                        help="while the RM gate would refuse the RM, continue it for as many steps again, "
+                             "at most this many rounds, stopping when a round does not raise its held-out "
+                             "pair accuracy (0: never)")
     recipe.add_argument("--force", action="store_true",
                         help="start PPO even when the RM gate refuses (its held-out pair accuracy's 95%% "
                              f"interval includes 50%%, or too few held-out pairs; exit status {RM_GATE_EXIT})")

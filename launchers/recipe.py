@@ -369,6 +369,39 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     return policy, sft, probe_acc, samples_train, pair_counts
 
 
+def _train_rm_until_it_stops_improving(a, rm, accuracy, out: Path, rm_data: Path, steps: int, train_rm,
+                                       gate_of) -> tuple:
+    """The RM's sizing loop: while the RM gate (``gate_of(accuracy)``) would refuse the RM
+    and its natural held-out pairs are enough to measure it, continue the RM from its
+    checkpoint for ``steps`` more steps on the same pairs (``<out>/rm_more<N>``), keeping
+    the RM with the best held-out pair accuracy; stop when a round does not improve it,
+    when the gate passes, or after ``a.rm_more_rounds`` rounds (the cap). An RM that
+    passes the gate at once (the default demo's) trains exactly its ``steps``.
+
+    Returns ``(rm checkpoint, its held-out pair accuracy, [{round, steps, accuracy}])``."""
+    rounds: list[dict] = []
+    best, best_acc = rm, accuracy
+    while len(rounds) < a.rm_more_rounds:
+        gate = gate_of(best_acc)
+        if gate.passed or best_acc is None or gate.fields["natural_heldout_pairs"] < a.rm_min_heldout_pairs:
+            break  # passes, or no measurement to improve on (more training cannot add held-out pairs)
+        n = len(rounds) + 1
+        print(f"the RM's held-out pair accuracy {100 * best_acc:.1f}% does not pass the RM gate: {steps} more "
+              f"RM steps (round {n} of at most --rm-more-rounds {a.rm_more_rounds})", flush=True)
+        exp = out / f"rm_more{n}"
+        if stages.latest_checkpoint(exp) is None:
+            train_rm(exp, best, rm_data / "preference_train.jsonl", steps)
+        acc = stages.rm_accuracy(exp)
+        rounds.append({"round": n, "steps": steps, "heldout_pair_accuracy": acc, "checkpoint":
+                       str(stages.latest_checkpoint(exp))})
+        if acc is None or acc <= best_acc:
+            print(f"round {n}: held-out pair accuracy {'n/a' if acc is None else f'{100 * acc:.1f}%'}, no better: "
+                  f"the RM stops here (the best: {100 * best_acc:.1f}%)", flush=True)
+            break
+        best, best_acc = stages.latest_checkpoint(exp), acc
+    return best, best_acc, rounds
+
+
 def _enough_heldout_pairs(a, policy, data: Path, rm_data: Path, rows: list[dict], stage_args: list,
                           logs: Path) -> Path:
     """The RM data's held-out sizing loop: while the natural held-out pairs (distinct right vs
@@ -467,11 +500,18 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     if stages.latest_checkpoint(rm_exp) is None:  # from the policy, as InstructGPT's RM (sec. 3.5)
         train_rm(rm_exp, policy, rm_data / "preference_train.jsonl", rm_steps)
     rm = stages.latest_checkpoint(rm_exp)
+
+    def gate_of(accuracy):
+        return gates.rm_gate(accuracy, pair_counts["val"], a.rm_min_heldout_pairs, reward=a.reward,
+                             custom_task=not default, has_edit_answer=task.edit_answer is not None,
+                             sft_steps=a.sft_steps if sft is not None else None, a=a)
+
+    rm, rm_accuracy, rm_rounds = _train_rm_until_it_stops_improving(
+        a, rm, stages.rm_accuracy(rm_exp), out, rm_data, rm_steps, train_rm, gate_of)
     clock.stop("rm")
 
-    gate = gates.rm_gate(stages.rm_accuracy(rm_exp), pair_counts["val"], a.rm_min_heldout_pairs, reward=a.reward,
-                         custom_task=not default, has_edit_answer=task.edit_answer is not None,
-                         sft_steps=a.sft_steps if sft is not None else None, a=a)
+    gate = gate_of(rm_accuracy)
+    gate.fields["more_rm_rounds"] = rm_rounds
     print(gate.message, flush=True)
     if not gate.passed and a.force:
         print("--force: PPO trains against this RM anyway", flush=True)
@@ -568,8 +608,10 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
     The summary's ``verdict`` (:func:`launchers.gates.ppo_verdict`), ``rm_gate``,
     ``sft_heldout`` (SFT first: its greedy held-out exact match with its interval) and
     ``defaults`` (:func:`picked`) are printed too."""
-    rm_acc = stages.rm_accuracy(rm_exp)
-    rm_same_form = stages.rm_accuracy(rm_exp, "val_same_form/accuracy")
+    # the RM PPO took: the first (rm_exp), or a later round's (rm_more<N>) when the RM continued
+    taken = Path(str(rm)).parents[1] if gate and gate.get("more_rm_rounds") else rm_exp
+    rm_acc = stages.rm_accuracy(taken)
+    rm_same_form = stages.rm_accuracy(taken, "val_same_form/accuracy")
     kl = stages.kl_summary(ppo_exp)
     fmt = task.extra_checkers[0] if task.extra_checkers else None
     default = a.task == "smollm2"

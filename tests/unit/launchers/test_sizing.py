@@ -84,3 +84,63 @@ def test_enough_pairs_in_the_first_draw_sample_nothing_more(tmp_path, monkeypatc
     fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
     assert demo.main(["--out", str(tmp_path / "d"), "--data", str(tmp_path / "dd"), "--precision", "32"]) == 0
     assert _val_sample_seeds(fake) == [2]
+
+
+def _rm_accuracy_by_round(fake, monkeypatch, by_exp: dict):
+    """The fake RM job logs ``by_exp[<exp_dir name>]`` as its held-out pair accuracy."""
+    run = fake.run
+
+    def run_with(cmd, log):
+        run(cmd, log)
+        exp = next((c.split("=", 1)[1] for c in cmd if str(c).startswith("exp_manager.exp_dir=")), None)
+        if "nemo_rlhf.train_rm" in cmd and exp is not None:
+            (Path(exp) / "metrics.jsonl").write_text(
+                json.dumps({"step": 1, "val/accuracy": by_exp[Path(exp).name]}) + "\n")
+
+    monkeypatch.setattr(stages, "run_stage", run_with)
+
+
+def _rm_runs(fake) -> list[str]:
+    return [Path(next(c for c in cmd if c.startswith("exp_manager.exp_dir=")).split("=", 1)[1]).name
+            for cmd in fake.cmds if "nemo_rlhf.train_rm" in cmd]
+
+
+def _default(tmp_path, *extra):
+    return ["--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--precision", "32", *extra]
+
+
+def test_the_rm_continues_while_it_improves_and_stops_at_its_cap(tmp_path, monkeypatch, capsys):
+    """The default task's fake: 64 natural held-out pairs; 50% -> 52% -> 55% -> 58% would
+    go on improving, still inside chance's interval: the cap (2) stops it, the gate refuses
+    the best RM (round 2's), each round continued from the one before."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    _rm_accuracy_by_round(fake, monkeypatch, {"rm": 32 / 64, "rm_more1": 33 / 64, "rm_more2": 35 / 64,
+                                              "rm_more3": 37 / 64})
+    assert demo.main(_default(tmp_path, "--rm-more-rounds", "2")) == 3
+    assert _rm_runs(fake) == ["rm", "rm_more1", "rm_more2"] and fake.ppo == []
+    rm_cmds = [c for c in fake.cmds if "nemo_rlhf.train_rm" in c]
+    assert f"rm.init_from={tmp_path}/out/rm/checkpoints/step_1" in rm_cmds[1]
+    assert f"rm.init_from={tmp_path}/out/rm_more1/checkpoints/step_1" in rm_cmds[2]
+    assert "round 2 of at most --rm-more-rounds 2" in capsys.readouterr().out
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_gate"]["heldout_pair_accuracy"] == 35 / 64
+    assert [r["round"] for r in s["rm_gate"]["more_rm_rounds"]] == [1, 2]
+
+
+def test_the_rm_stops_when_a_round_does_not_improve_and_keeps_the_best(tmp_path, monkeypatch, capsys):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    _rm_accuracy_by_round(fake, monkeypatch, {"rm": 33 / 64, "rm_more1": 32 / 64, "rm_more2": 1.0})
+    assert demo.main(_default(tmp_path, "--force")) == 0  # default cap 2: one round, no better
+    assert _rm_runs(fake) == ["rm", "rm_more1"]
+    assert "no better: the RM stops here (the best: 51.6%)" in capsys.readouterr().out
+    assert fake.ppo[0]["rm"] == f"{tmp_path}/out/rm/checkpoints/step_1"  # the best, the first
+
+
+def test_an_rm_that_passes_the_gate_trains_its_steps_once(tmp_path, monkeypatch):
+    """The default demo's RM (27/28 held-out in docs/demo.md) is not continued: its stage
+    sizes stay those of the five-seed table."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_default(tmp_path)) == 0
+    assert _rm_runs(fake) == ["rm"]
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_gate"]["passed"] is True and s["rm_gate"]["more_rm_rounds"] == []
