@@ -284,6 +284,9 @@ def main(argv=None) -> int:
     custom.add_argument("--sft-steps", type=int, default=None,
                         help="SFT steps when the model gets no sampled answer right "
                              "(default: the model profile's, launchers/recipe.py)")
+    custom.add_argument("--sft-more-rounds", type=int, default=2,
+                        help="after SFT, continue it for --sft-steps more steps while each round raises its "
+                             "greedy exact match on the held-out RM prompts, at most this many rounds (0: never)")
     custom.add_argument("--sft-rows", type=int, default=2000,
                         help="demonstrations (Task.demonstrate) of the PPO prompts for that SFT")
     custom.add_argument("--model-seed", type=int, default=0, help="--model tiny: seed of the random initial weights")

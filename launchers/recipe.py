@@ -17,7 +17,11 @@ the project's own entry point run as a subprocess and skipped when its output ex
    (no natural pair: the model cannot do the task) the recipe says so and follows
    InstructGPT's order: SFT on ``--sft-rows`` demonstrations (``Task.demonstrate``) first,
    then the RM data from the SFT model; a task without demonstrations is refused, naming
-   ``Task.demonstrate``;
+   ``Task.demonstrate``. The sizing loops, each with a cap: SFT continues while its greedy
+   exact match on the held-out RM prompts improves (``--sft-more-rounds``); the held-out RM
+   prompts are sampled again while their natural pairs are too few
+   (``--rm-heldout-sample-rounds``); an RM the gate would refuse continues while its
+   held-out pair accuracy improves (``--rm-more-rounds``);
 4. the RM, started from the policy (the imported or the SFT model), and the RM gate
    (:func:`launchers.gates.rm_gate`): PPO starts only against an RM whose natural held-out
    pair accuracy has a 95% Wilson interval above 50%, on at least ``--rm-min-heldout-pairs``
@@ -306,6 +310,57 @@ def _sft_first(a, task, profile: ModelProfile, out: Path, data: Path, policy, to
     return stages.latest_checkpoint(exp)
 
 
+def _sft_exact_match(ckpt, data: Path, out_json: Path, stage_args: list, log: Path) -> float:
+    """Greedy exact match (the task's checker) of ``ckpt`` on the held-out RM prompts
+    (``rm_val_prompts.jsonl``: none of them is an SFT row, those are the PPO prompts), one
+    ``nemo_rlhf.evaluate`` written to ``out_json`` and reused for the same checkpoint."""
+    if out_json.exists():
+        done = json.loads(out_json.read_text())
+        if Path(done.get("checkpoint", "")).resolve() == Path(ckpt).resolve():
+            return float(done["accuracy"])
+    stages.run_stage([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={ckpt}",
+                      f"data={data / 'rm_val_prompts.jsonl'}", f"out={out_json}", *stage_args, "num_examples=0"],
+                     log)
+    return float(json.loads(out_json.read_text())["accuracy"])
+
+
+def _sft_until_it_stops_improving(a, profile: ModelProfile, out: Path, data: Path, sft, tok,
+                                  stage_args: list) -> tuple:
+    """SFT's sizing loop: after the first ``a.sft_steps``, measure the SFT model's greedy
+    exact match on the held-out RM prompts (:func:`_sft_exact_match`) and continue SFT
+    from it for ``a.sft_steps`` more steps (``<out>/sft_more<N>``) while each round raises
+    that exact match, at most ``a.sft_more_rounds`` rounds (the cap); the best SFT model is
+    PPO's and the RM's start. ``a.sft_more_rounds == 0``: no measurement, ``(sft, [])``.
+
+    Returns ``(the best SFT checkpoint, [{round, steps, exact_match, checkpoint}])`` (round
+    0: the first SFT)."""
+    if a.sft_more_rounds <= 0:
+        return sft, []
+    logs, sft_data = out / "logs", out / "sft_data"
+    best = sft
+    best_em = _sft_exact_match(sft, data, sft_data / "exact_match_0.json", stage_args, logs / "sft_eval.log")
+    rounds = [{"round": 0, "steps": a.sft_steps, "exact_match": best_em, "checkpoint": str(sft)}]
+    print(f"SFT ({a.sft_steps} steps): greedy exact match {100 * best_em:.1f}% on the held-out RM prompts",
+          flush=True)
+    while len(rounds) - 1 < a.sft_more_rounds:
+        n = len(rounds)
+        exp = out / f"sft_more{n}"
+        if stages.latest_checkpoint(exp) is None:
+            stages.run_stage([sys.executable, "-m", "nemo_rlhf.train_sft",
+                              *profile.sft_overrides(a, exp, best, sft_data, a.sft_steps, tok, profile)],
+                             logs / f"{exp.name}.log")
+        ckpt = stages.latest_checkpoint(exp)
+        em = _sft_exact_match(ckpt, data, sft_data / f"exact_match_{n}.json", stage_args, logs / "sft_eval.log")
+        rounds.append({"round": n, "steps": a.sft_steps, "exact_match": em, "checkpoint": str(ckpt)})
+        print(f"SFT round {n} of at most --sft-more-rounds {a.sft_more_rounds} ({a.sft_steps} more steps): "
+              f"greedy exact match {100 * em:.1f}%", flush=True)
+        if em <= best_em:
+            print(f"no better than {100 * best_em:.1f}%: SFT stops here", flush=True)
+            break
+        best, best_em = ckpt, em
+    return best, rounds
+
+
 def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, ckpt, tok, stage_args: list,
                         clock: "stages.StageTimes") -> tuple:
     """Stage 3 (module docstring): the policy the RM data comes from (the model, or the SFT
@@ -315,7 +370,8 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
 
     Returns:
         ``(policy, sft checkpoint or None, initial sample accuracy (0.0 with SFT, else
-        None), the policy's RM training samples, pair counts by file)``.
+        None), the policy's RM training samples, pair counts by file, the SFT rounds of
+        :func:`_sft_until_it_stops_improving`)``.
     """
     from nemo_rlhf.tasks.task import count_right
 
@@ -333,7 +389,9 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     else:
         sft = stages.latest_checkpoint(out / "sft")
         probe_acc = 0.0
+    sft_rounds: list[dict] = []
     if sft is not None:
+        sft, sft_rounds = _sft_until_it_stops_improving(a, profile, out, data, sft, tok, stage_args)
         policy = sft
         clock.stop("first_samples_and_sft")
         clock.start()
@@ -366,7 +424,7 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
         raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
                          f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
     clock.stop("rm_samples")
-    return policy, sft, probe_acc, samples_train, pair_counts
+    return policy, sft, probe_acc, samples_train, pair_counts, sft_rounds
 
 
 def _train_rm_until_it_stops_improving(a, rm, accuracy, out: Path, rm_data: Path, steps: int, train_rm,
@@ -481,7 +539,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
                          "sft_steps": a.sft_steps, "sft_rows": a.sft_rows})
     stages.check_stage_settings(rm_data / "settings.json", settings)
     stage_args = [new_tokens, *checkers]
-    policy, sft, probe_acc, samples_train, pair_counts = _policy_and_rm_data(
+    policy, sft, probe_acc, samples_train, pair_counts, sft_rounds = _policy_and_rm_data(
         a, task, profile, out, data, ckpt, tok, stage_args, clock)
     right = count_right(samples_train)
 
@@ -571,7 +629,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     clock.stop("eval")
     code = _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
                    len(samples_train), baseline, final, pair_counts, rounds, clock, original, ppo_step,
-                   gate=gate.fields, n_heldout=_count_rows(data / "eval.jsonl"))
+                   gate=gate.fields, n_heldout=_count_rows(data / "eval.jsonl"), sft_rounds=sft_rounds)
     stages.keep_last_checkpoint(a, out)  # the run has finished: nothing later needs the older ones
     return code
 
@@ -600,7 +658,7 @@ def _refused(a, out: Path, data: Path, sft, gate: "gates.GateResult", pair_count
 
 def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right, n_samples,
             baseline, final, pair_counts, rounds, clock, original=None, ppo_step=None, gate=None,
-            n_heldout=0) -> int:
+            n_heldout=0, sft_rounds=()) -> int:
     """``<out>/summary.json`` and the printed before / after table. ``baseline`` is PPO's
     starting policy at step 0 (the SFT model when ``sft``, else the original model);
     ``original``: the original model's held-out evaluation when SFT came first (else None);
@@ -648,6 +706,7 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
     summary["rm_gate"] = gate
     if sft is not None:
         summary["sft_heldout"] = gates.sft_heldout(baseline["accuracy"], baseline.get("num_responses") or n_heldout)
+        summary["sft_rounds"] = list(sft_rounds)
     summary["defaults"] = getattr(a, "defaults", {})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n=== before / after PPO (held-out, greedy) ===")

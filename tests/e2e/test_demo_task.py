@@ -49,7 +49,8 @@ ARGS = ["--model", "tiny", "--rm-prompts", "16", "--rm-val-prompts", "8", "--ppo
         "trainer.max_steps=2", "trainer.val_check_interval=2", "exp_manager.save_interval=2",
         "ppo.num_rollout_samples=16", "ppo.global_batch_size=16", "ppo.micro_batch_size=8",
         "ppo.forward_micro_batch_size=16"]
-ARGS = ["--force", "--rm-heldout-sample-rounds", "0", "--rm-more-rounds", "0", *ARGS]  # the wiring, not the gate
+ARGS = ["--force", "--rm-heldout-sample-rounds", "0", "--rm-more-rounds", "0", "--sft-more-rounds", "0",
+        *ARGS]  # the wiring, not the gate and the sizing loops (tests/unit/launchers)
 
 
 def test_a_task_the_model_cannot_do_gets_sft_first_then_rm_and_ppo(tmp_path, monkeypatch, capsys):

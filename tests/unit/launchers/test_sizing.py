@@ -144,3 +144,50 @@ def test_an_rm_that_passes_the_gate_trains_its_steps_once(tmp_path, monkeypatch)
     assert _rm_runs(fake) == ["rm"]
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["rm_gate"]["passed"] is True and s["rm_gate"]["more_rm_rounds"] == []
+
+
+def _sft_argv(tmp_path, monkeypatch, rounds):
+    argv = _custom(tmp_path, monkeypatch)
+    i = argv.index("--sft-more-rounds")
+    return [*argv[:i], *argv[i + 2:], "--sft-more-rounds", str(rounds)]
+
+
+def _right_by_stage(exact: dict):
+    """The fake's share of right answers by the checkpoint's stage folder: the original
+    model none (so SFT comes first), each SFT round ``exact[<folder>]``."""
+    def right(ckpt):
+        stage = Path(ckpt).parents[1].name
+        return 0.0 if stage == "model" else exact[stage]
+    return right
+
+
+def _sft_runs(fake) -> list[str]:
+    return [Path(next(c for c in cmd if c.startswith("exp_manager.exp_dir=")).split("=", 1)[1]).name
+            for cmd in fake.cmds if "nemo_rlhf.train_sft" in cmd]
+
+
+def test_sft_continues_while_its_exact_match_improves_and_stops_at_its_cap(tmp_path, monkeypatch, capsys):
+    fake = FakeStages(monkeypatch, right=_right_by_stage({"sft": 0.25, "sft_more1": 0.5, "sft_more2": 0.75,
+                                                          "sft_more3": 1.0}))
+    assert demo.main(_sft_argv(tmp_path, monkeypatch, 2)) == 0
+    assert _sft_runs(fake) == ["sft", "sft_more1", "sft_more2"]
+    sft_cmds = [c for c in fake.cmds if "nemo_rlhf.train_sft" in c]
+    assert f"sft.init_from={tmp_path}/out/sft_more1/checkpoints/step_1" in sft_cmds[2]  # each from the last
+    assert all("trainer.max_steps=7" in c for c in sft_cmds)
+    best = f"{tmp_path}/out/sft_more2/checkpoints/step_1"
+    assert f"exp_manager.init_from={best}" in fake.ppo[0]["args"]  # PPO (and the RM) start from the best
+    assert any(f"rm.init_from={best}" in c for c in fake.cmds if "nemo_rlhf.train_rm" in c)
+    evals = [c for c in fake.cmds if "nemo_rlhf.evaluate" in c and any("rm_val_prompts" in x for x in c)
+             and not any(x.startswith("samples_out=") for x in c)]
+    assert len(evals) == 3  # each SFT model's greedy exact match on the held-out RM prompts
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(r["round"], r["exact_match"]) for r in s["sft_rounds"]] == [(0, 0.25), (1, 0.5), (2, 0.75)]
+    assert "SFT round 2 of at most --sft-more-rounds 2" in capsys.readouterr().out
+
+
+def test_sft_stops_when_a_round_does_not_improve_and_keeps_the_best(tmp_path, monkeypatch, capsys):
+    fake = FakeStages(monkeypatch, right=_right_by_stage({"sft": 0.5, "sft_more1": 0.5, "sft_more2": 1.0}))
+    assert demo.main(_sft_argv(tmp_path, monkeypatch, 5)) == 0
+    assert _sft_runs(fake) == ["sft", "sft_more1"]
+    assert "no better than 50.0%: SFT stops here" in capsys.readouterr().out
+    assert f"exp_manager.init_from={tmp_path}/out/sft/checkpoints/step_1" in fake.ppo[0]["args"]

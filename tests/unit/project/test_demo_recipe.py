@@ -134,7 +134,7 @@ def _custom(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     return ["--task", "pkg_upper_task:TASK", "--model", "tiny", "--out", str(tmp_path / "out"),
             "--rm-prompts", "6", "--rm-val-prompts", "3", "--ppo-prompts", "10", "--sft-steps", "7",
-            "--force", "--rm-heldout-sample-rounds", "0"]  # 3 held-out pairs: below the RM gate's 20
+            "--force", "--rm-heldout-sample-rounds", "0", "--sft-more-rounds", "0"]  # 3 held-out pairs: < 20
     # (the gate and the held-out sampling rounds: tests/unit/launchers/)
 
 
