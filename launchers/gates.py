@@ -178,8 +178,8 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
     remedies = []
     if sft_steps is not None and custom_task:
         remedies.append(f"more SFT first, so that more sampled answers are right and more prompts give a "
-                        f"right-vs-wrong pair: {now('--sft-steps', 'sft_steps')} or "
-                        f"{now('--sft-rows', 'sft_rows')}")
+                        f"right-vs-wrong pair: {now('--sft-steps', 'sft_steps')}, "
+                        f"{now('--sft-rows', 'sft_rows')} or {now('--sft-more-rounds', 'sft_more_rounds')}")
     remedies.append(f"more samples per prompt or more prompts: {now('--rm-samples-per-prompt', 'rm_samples_per_prompt')}, "
                     f"{now('--rm-prompts', 'rm_prompts')} (training pairs), "
                     f"{now('--rm-val-prompts', 'rm_val_prompts')} (natural held-out pairs)")
@@ -190,7 +190,7 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
         remedies.append("give the task Task.edit_answer so that --rm-edit-pairs can add same-form pairs")
     remedies.append("the task's checker as the reward instead of the RM: --reward checker")
     remedies.append("or train against this RM anyway: --force")
-    text = (head + f".\nPPO is not started: an RM that does not rank right above wrong gives PPO nothing "
+    text = (head + f".\nPPO is not started: an RM not shown to rank right above wrong may give PPO nothing "
             f"to climb (exit status {RM_GATE_EXIT}). What to change:\n" + "\n".join(f"  - {r}" for r in remedies))
     fields["remedies"] = remedies
     return GateResult(False, text, fields)

@@ -87,7 +87,7 @@ def test_the_rm_gate_refuses_an_rm_whose_interval_includes_chance_and_says_what_
     assert g.fields["ci95"] == pytest.approx([0.362759, 0.768581], abs=1e-6)
     assert "includes 50%" in g.message and "[36.3, 76.9]%" in g.message
     assert f"exit status {gates.RM_GATE_EXIT}" in g.message
-    flags = ["--sft-steps", "--sft-rows", "--rm-samples-per-prompt", "--rm-prompts", "--rm-val-prompts",
+    flags = ["--sft-steps", "--sft-rows", "--sft-more-rounds", "--rm-samples-per-prompt", "--rm-prompts", "--rm-val-prompts",
              "--rm-edit-pairs", "--reward checker", "--force"]
     for flag in flags:
         assert flag in g.message, flag
