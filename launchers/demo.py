@@ -55,7 +55,8 @@ import sys
 from pathlib import Path
 
 from launchers import stages
-from launchers.recipe import PROFILES, importable, run_recipe
+from launchers.gates import RM_GATE_EXIT
+from launchers.recipe import PROFILES, importable, picked, run_recipe
 
 def run_tiny(a) -> int:
     """The tiny synthetic pipeline (``--task tiny``)."""
@@ -178,14 +179,17 @@ worst seed from +12.0 to +26.5 (docs/demo.md, "Five seeds of the default").
 fp32 keeps 32 (64 is not measured there, and would double its 10-minute PPO stage)."""
 
 
-def _resolve_demo_precision(precision: str) -> str:
-    """``auto`` resolved once for every stage (:func:`resolve_precision` on the host), printed."""
+def _resolve_demo_precision(precision: str, a=None) -> str:
+    """``auto`` resolved once for every stage (:func:`resolve_precision` on the host), printed
+    (and recorded in ``a.defaults`` when ``a`` is given and the precision was not chosen)."""
     import torch
 
     from nemo_rlhf.models.config import resolve_precision
 
     choice, reason = resolve_precision(precision, torch.device("cpu"))
     print(f"demo precision: {choice} ({reason})", flush=True)
+    if a is not None and precision == "auto" and a.task != "tiny":
+        picked(a, "precision", choice, f"--precision auto: {reason}")
     return choice
 
 
@@ -255,6 +259,19 @@ def main(argv=None) -> int:
                         help="prompts whose samples are the RM's held-out pairs")
     recipe.add_argument("--ppo-prompts", type=int, default=4096,
                         help="PPO prompts at most (the rest of the train problems)")
+    recipe.add_argument("--rm-min-heldout-pairs", type=int, default=20,
+                        help="the RM gate: fewer natural held-out pairs than this and the RM's accuracy "
+                             "is not measured well enough to train against (launchers/gates.py)")
+    recipe.add_argument("--rm-heldout-sample-rounds", type=int, default=3,
+                        help="while the natural held-out pairs are fewer than --rm-min-heldout-pairs, sample "
+                             "the held-out RM prompts again, at most this many more rounds (0: never)")
+    recipe.add_argument("--rm-more-rounds", type=int, default=2,
+                        help="while the RM gate would refuse the RM, continue it for as many steps again, "
+                             "at most this many rounds, stopping when a round does not raise its held-out "
+                             "pair accuracy (0: never)")
+    recipe.add_argument("--force", action="store_true",
+                        help="start PPO even when the RM gate refuses (its held-out pair accuracy's 95%% "
+                             f"interval includes 50%%, or too few held-out pairs; exit status {RM_GATE_EXIT})")
     smollm2 = ap.add_argument_group("the SmolLM2 model's RM (--task smollm2, or --task package.module:TASK "
                                     "--model smollm2)")
     smollm2.add_argument("--rm-lr", type=float, default=1.0e-4, help="peak learning rate of the RM")
@@ -267,6 +284,9 @@ def main(argv=None) -> int:
     custom.add_argument("--sft-steps", type=int, default=None,
                         help="SFT steps when the model gets no sampled answer right "
                              "(default: the model profile's, launchers/recipe.py)")
+    custom.add_argument("--sft-more-rounds", type=int, default=2,
+                        help="after SFT, continue it for --sft-steps more steps while each round raises its "
+                             "greedy exact match on the held-out RM prompts, at most this many rounds (0: never)")
     custom.add_argument("--sft-rows", type=int, default=2000,
                         help="demonstrations (Task.demonstrate) of the PPO prompts for that SFT")
     custom.add_argument("--model-seed", type=int, default=0, help="--model tiny: seed of the random initial weights")
@@ -317,15 +337,29 @@ def main(argv=None) -> int:
         ap.error(f"--task {a.task!r}: give smollm2, tiny or package.module:TASK (a nemo_rlhf.tasks.task.Task)")
     if a.model is not None and not custom:
         ap.error(f"--model applies to --task package.module:TASK; --task {a.task} has its own model")
+    a.defaults = {}  # what the recipe picked for the task, with why (launchers.recipe.picked; summary.json)
+    if custom and a.model is None:
+        picked(a, "model", "smollm2", "--model not given: SmolLM2-135M-Instruct, the demo's model")
     a.model = a.model or "smollm2"
+    if a.sft_steps is None and custom:
+        picked(a, "sft_steps", PROFILES[a.model].sft_steps, f"the {a.model} profile's (used only when the "
+                                                            f"model gets no sampled answer right)")
     a.sft_steps = PROFILES[a.model].sft_steps if a.sft_steps is None else a.sft_steps
     if a.task == "smollm2" or (custom and a.model == "smollm2"):
-        a.precision = _resolve_demo_precision(a.precision or "auto")
+        a.precision = _resolve_demo_precision(a.precision or "auto", a)
         recipe = SMOLLM2_RECIPE[a.precision]
+        if a.rm_epochs is None:
+            picked(a, "rm_epochs", recipe["rm_epochs"], f"SMOLLM2_RECIPE[{a.precision}], measured in docs/demo.md")
         a.rm_epochs = recipe["rm_epochs"] if a.rm_epochs is None else a.rm_epochs
         a.ppo_recipe = [f"{key}={value}" for key, value in recipe["ppo"].items()]  # before the user's: theirs win
+        picked(a, "ppo_recipe", " ".join(a.ppo_recipe), f"SMOLLM2_RECIPE[{a.precision}]'s PPO overrides, measured "
+                                                        f"in docs/demo.md (yours, after them, win)")
     else:
+        if a.precision is None and custom:
+            picked(a, "precision", "32", "the tiny model's default")
         a.precision = a.precision or "32"
+        if a.rm_epochs is None and custom:
+            picked(a, "rm_epochs", 0.6, "the tiny model's default")
         a.rm_epochs = 0.6 if a.rm_epochs is None else a.rm_epochs
     if a.refresh_rounds and a.task != "tiny" and a.reward == "checker":
         ap.error("--refresh-rounds refreshes the served RM; it needs --reward rm or both")

@@ -17,12 +17,23 @@ the project's own entry point run as a subprocess and skipped when its output ex
    (no natural pair: the model cannot do the task) the recipe says so and follows
    InstructGPT's order: SFT on ``--sft-rows`` demonstrations (``Task.demonstrate``) first,
    then the RM data from the SFT model; a task without demonstrations is refused, naming
-   ``Task.demonstrate``;
-4. the RM, started from the policy (the imported or the SFT model);
+   ``Task.demonstrate``. The sizing loops, each with a cap: SFT continues while its greedy
+   exact match on the held-out RM prompts improves (``--sft-more-rounds``); the held-out RM
+   prompts are sampled again while their natural pairs are too few
+   (``--rm-heldout-sample-rounds``); an RM the gate would refuse continues while its
+   held-out pair accuracy improves (``--rm-more-rounds``);
+4. the RM, started from the policy (the imported or the SFT model), and the RM gate
+   (:func:`launchers.gates.rm_gate`): PPO starts only against an RM whose natural held-out
+   pair accuracy has a 95% Wilson interval above 50%, on at least ``--rm-min-heldout-pairs``
+   pairs; otherwise the recipe says what to change and returns
+   :data:`launchers.gates.RM_GATE_EXIT` (``--force``: PPO anyway);
 5. PPO from the policy against the served RM (``--reward``), held-out evaluation at step 0
    and at the end, the gold guard (``guards.*``: the RM's reward rising while the checker's
-   accuracy does not);
-6. the before / after table and ``<out>/summary.json``.
+   accuracy does not); ``kl.target`` scaled by the task's response length
+   (:func:`kl_target_for_task`; the default task keeps its config's);
+6. the before / after table, the verdict (:func:`launchers.gates.ppo_verdict`) and
+   ``<out>/summary.json``. Every default picked for the task is printed with its reason
+   (:func:`picked`; ``summary.json``'s ``defaults``).
 
 A model profile (:class:`ModelProfile`) holds what depends on the model: its PPO config,
 response budget, sequence length, prompt formatting, and how its RM and SFT jobs are called.
@@ -37,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import launchers.gates as gates
 import launchers.stages as stages
 from launchers.stages import REPO
 
@@ -61,6 +73,10 @@ class ModelProfile:
     """``(a, exp, init_from, sft_data, steps, tokenizer_dir, profile) -> [overrides]``."""
     ppo_overrides: tuple = ()
     """Fixed overrides of the PPO job beyond the config (before the user's)."""
+    kl_reference_length: float = 0.0
+    """Mean response length (tokens) of the task the PPO config's ``kl.target`` was measured
+    on: :func:`kl_target_for_task` scales the target by a task's length over this one
+    (0: not measured; the config's target is kept)."""
 
 
 def _smollm2_rm(a, exp, init_from, train_file, steps, rm_data, tok, profile) -> list[str]:
@@ -100,12 +116,74 @@ def _tiny_sft(a, exp, init_from, sft_data: Path, steps: int, tok, profile) -> li
 
 
 PROFILES = {
+    # kl_reference_length: docs/demo.md's measured mean held-out response lengths at PPO's
+    # start: SmolLM2 on two-digit addition 14.385 tokens (target 6), the tiny demo's
+    # reversal 5.05 tokens (conf/ppo_tiny.yaml's target 1.0)
     "smollm2": ModelProfile("smollm2", "ppo_smollm2", stages.SMOLLM2_MAX_NEW_TOKENS, 96, 50,
-                            _smollm2_rm, _smollm2_sft),
+                            _smollm2_rm, _smollm2_sft, kl_reference_length=14.385),
     "tiny": ModelProfile("tiny", "ppo_tiny", 8, 64, 600, _tiny_rm, _tiny_sft,
-                         ("reward.normalization=fixed", "guards.gold_window=1")),
+                         ("reward.normalization=fixed", "guards.gold_window=1"), kl_reference_length=5.05),
 }
 """``--model`` -> profile."""
+
+
+def picked(a, key: str, value, reason: str) -> None:
+    """Record and print a default the recipe picked for the task (``a.defaults``, written to
+    ``summary.json``'s ``defaults``): ``default: key = value (reason)``."""
+    if not hasattr(a, "defaults"):
+        a.defaults = {}
+    a.defaults[key] = {"value": value, "reason": reason}
+    print(f"default: {key} = {value} ({reason})", flush=True)
+
+
+def config_kl_target(config_name: str) -> float:
+    """``kl.target`` of ``conf/<config_name>.yaml`` (over its parents), else the schema's
+    (:class:`nemo_rlhf.trainers.ppo.config.KLConfig`)."""
+    kl = stages._composed(config_name).get("kl") or {}
+    if kl.get("target") is not None:
+        return float(kl["target"])
+    from nemo_rlhf.trainers.ppo.config import KLConfig
+
+    return float(KLConfig().target)
+
+
+def kl_target_for_task(config_target: float, task_length: float, reference_length: float) -> float:
+    """The KL target (nats per sequence) for a task whose responses are ``task_length``
+    tokens long on average, when ``config_target`` was measured on responses of
+    ``reference_length``: the per-token budget kept, ``config_target * task_length /
+    reference_length`` (a sequence's KL is a sum over its tokens), rounded to 0.01 and at
+    least 0.01. Raises ``ValueError`` on a non-positive reference length."""
+    if reference_length <= 0:
+        raise ValueError(f"kl_target_for_task: reference_length={reference_length}: must be > 0")
+    return max(0.01, round(config_target * max(task_length, 1.0) / reference_length, 2))
+
+
+def _kl_target_choice(a, profile: ModelProfile, samples: list[dict], default: bool) -> list[str]:
+    """The ``kl.target`` override of the PPO job ([] to keep the config's), recorded with
+    its reason (:func:`picked`). The demo's default task keeps the config's target (the one
+    docs/demo.md measured); another task's is scaled by its responses' mean length (the
+    PPO-start policy's RM samples) over the profile's ``kl_reference_length``; the user's
+    ``kl.target=`` override wins either way."""
+    base = config_kl_target(profile.ppo_config)
+    user = [o for o in a.ppo_overrides if o.startswith("kl.target=")]
+    if user:
+        picked(a, "kl.target", user[-1].split("=", 1)[1], "your override")
+        return []
+    if default:
+        picked(a, "kl.target", base, f"conf/{profile.ppo_config}.yaml's, the target docs/demo.md measured "
+                                     f"on this task ({profile.kl_reference_length:g} tokens a response)")
+        return []
+    lengths = [float(r["length"]) for r in samples if r.get("length") is not None]
+    if not lengths or profile.kl_reference_length <= 0:
+        why = "the samples recorded no lengths" if not lengths else "the profile names no kl_reference_length"
+        picked(a, "kl.target", base, f"conf/{profile.ppo_config}.yaml's ({why})")
+        return []
+    mean = sum(lengths) / len(lengths)
+    target = kl_target_for_task(base, mean, profile.kl_reference_length)
+    picked(a, "kl.target", target, f"nats per sequence: conf/{profile.ppo_config}.yaml's {base:g} measured at "
+                                   f"{profile.kl_reference_length:g} tokens a response, scaled to this task's "
+                                   f"{mean:.1f} (mean length of the policy's {len(lengths)} RM samples)")
+    return [f"kl.target={target}"]
 
 
 def prepare_model(profile: ModelProfile, out: Path, seed: int) -> dict:
@@ -232,6 +310,57 @@ def _sft_first(a, task, profile: ModelProfile, out: Path, data: Path, policy, to
     return stages.latest_checkpoint(exp)
 
 
+def _sft_exact_match(ckpt, data: Path, out_json: Path, stage_args: list, log: Path) -> float:
+    """Greedy exact match (the task's checker) of ``ckpt`` on the held-out RM prompts
+    (``rm_val_prompts.jsonl``: none of them is an SFT row, those are the PPO prompts), one
+    ``nemo_rlhf.evaluate`` written to ``out_json`` and reused for the same checkpoint."""
+    if out_json.exists():
+        done = json.loads(out_json.read_text())
+        if Path(done.get("checkpoint", "")).resolve() == Path(ckpt).resolve():
+            return float(done["accuracy"])
+    stages.run_stage([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={ckpt}",
+                      f"data={data / 'rm_val_prompts.jsonl'}", f"out={out_json}", *stage_args, "num_examples=0"],
+                     log)
+    return float(json.loads(out_json.read_text())["accuracy"])
+
+
+def _sft_until_it_stops_improving(a, profile: ModelProfile, out: Path, data: Path, sft, tok,
+                                  stage_args: list) -> tuple:
+    """SFT's sizing loop: after the first ``a.sft_steps``, measure the SFT model's greedy
+    exact match on the held-out RM prompts (:func:`_sft_exact_match`) and continue SFT
+    from it for ``a.sft_steps`` more steps (``<out>/sft_more<N>``) while each round raises
+    that exact match, at most ``a.sft_more_rounds`` rounds (the cap); the best SFT model is
+    PPO's and the RM's start. ``a.sft_more_rounds == 0``: no measurement, ``(sft, [])``.
+
+    Returns ``(the best SFT checkpoint, [{round, steps, exact_match, checkpoint}])`` (round
+    0: the first SFT)."""
+    if a.sft_more_rounds <= 0:
+        return sft, []
+    logs, sft_data = out / "logs", out / "sft_data"
+    best = sft
+    best_em = _sft_exact_match(sft, data, sft_data / "exact_match_0.json", stage_args, logs / "sft_eval.log")
+    rounds = [{"round": 0, "steps": a.sft_steps, "exact_match": best_em, "checkpoint": str(sft)}]
+    print(f"SFT ({a.sft_steps} steps): greedy exact match {100 * best_em:.1f}% on the held-out RM prompts",
+          flush=True)
+    while len(rounds) - 1 < a.sft_more_rounds:
+        n = len(rounds)
+        exp = out / f"sft_more{n}"
+        if stages.latest_checkpoint(exp) is None:
+            stages.run_stage([sys.executable, "-m", "nemo_rlhf.train_sft",
+                              *profile.sft_overrides(a, exp, best, sft_data, a.sft_steps, tok, profile)],
+                             logs / f"{exp.name}.log")
+        ckpt = stages.latest_checkpoint(exp)
+        em = _sft_exact_match(ckpt, data, sft_data / f"exact_match_{n}.json", stage_args, logs / "sft_eval.log")
+        rounds.append({"round": n, "steps": a.sft_steps, "exact_match": em, "checkpoint": str(ckpt)})
+        print(f"SFT round {n} of at most --sft-more-rounds {a.sft_more_rounds} ({a.sft_steps} more steps): "
+              f"greedy exact match {100 * em:.1f}%", flush=True)
+        if em <= best_em:
+            print(f"no better than {100 * best_em:.1f}%: SFT stops here", flush=True)
+            break
+        best, best_em = ckpt, em
+    return best, rounds
+
+
 def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, ckpt, tok, stage_args: list,
                         clock: "stages.StageTimes") -> tuple:
     """Stage 3 (module docstring): the policy the RM data comes from (the model, or the SFT
@@ -241,7 +370,8 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
 
     Returns:
         ``(policy, sft checkpoint or None, initial sample accuracy (0.0 with SFT, else
-        None), the policy's RM training samples, pair counts by file)``.
+        None), the policy's RM training samples, pair counts by file, the SFT rounds of
+        :func:`_sft_until_it_stops_improving`)``.
     """
     from nemo_rlhf.tasks.task import count_right
 
@@ -259,24 +389,32 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     else:
         sft = stages.latest_checkpoint(out / "sft")
         probe_acc = 0.0
+    sft_rounds: list[dict] = []
     if sft is not None:
+        sft, sft_rounds = _sft_until_it_stops_improving(a, profile, out, data, sft, tok, stage_args)
         policy = sft
         clock.stop("first_samples_and_sft")
         clock.start()
     samples_train = _sample(a, policy, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args,
                             logs / "rm_samples.log")
-    _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
-            logs / "rm_samples.log")
+    samples_val = _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
+                          logs / "rm_samples.log")
+    val_file = _enough_heldout_pairs(a, policy, data, rm_data, samples_val, stage_args, logs)
     if count_right(samples_train) == 0:
         raise SystemExit(f"task {task.name!r}: after SFT ({a.sft_steps} steps on {a.sft_rows} demonstrations) "
                          f"the model still got 0 of {len(samples_train)} sampled answers right; raise "
                          f"--sft-steps or --sft-rows")
+    if sft is not None:
+        k, n = count_right(samples_train), len(samples_train)
+        print(f"after SFT: {k} of {n} sampled answers to the RM prompts right ({100 * k / n:.1f}%, 95% Wilson "
+              f"interval {gates.pct_interval(*gates.wilson_interval(k, n))}; T={a.rm_temperature}); its "
+              f"greedy held-out exact match is PPO's step-0 evaluation", flush=True)
     edits = a.rm_edit_pairs if task.edit_answer is not None else 0
     pair_counts = {}
     for split in ("train", "val"):  # held-out: the natural pairs only; the same-form ones are their own file
-        pair_counts[split] = stages.pairs_from_samples(task, rm_data / f"samples_{split}.jsonl",
-                                                       rm_data / f"preference_{split}.jsonl", 4,
-                                                       edits if split == "train" else 0)
+        pair_counts[split] = stages.pairs_from_samples(
+            task, rm_data / "samples_train.jsonl" if split == "train" else val_file,
+            rm_data / f"preference_{split}.jsonl", 4, edits if split == "train" else 0)
     pair_counts["val_same_form"] = stages.pairs_from_samples(
         task, rm_data / "samples_val.jsonl", rm_data / "same_form_val.jsonl", 0,
         stages.SAME_FORM_PER_PROMPT if task.edit_answer is not None else 0)
@@ -286,12 +424,79 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
         raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
                          f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
     clock.stop("rm_samples")
-    return policy, sft, probe_acc, samples_train, pair_counts
+    return policy, sft, probe_acc, samples_train, pair_counts, sft_rounds
+
+
+def _train_rm_until_it_stops_improving(a, rm, accuracy, out: Path, rm_data: Path, steps: int, train_rm,
+                                       gate_of) -> tuple:
+    """The RM's sizing loop: while the RM gate (``gate_of(accuracy)``) would refuse the RM
+    and its natural held-out pairs are enough to measure it, continue the RM from its
+    checkpoint for ``steps`` more steps on the same pairs (``<out>/rm_more<N>``), keeping
+    the RM with the best held-out pair accuracy; stop when a round does not improve it,
+    when the gate passes, or after ``a.rm_more_rounds`` rounds (the cap). An RM that
+    passes the gate at once (the default demo's) trains exactly its ``steps``.
+
+    Returns ``(rm checkpoint, its held-out pair accuracy, [{round, steps, accuracy}])``."""
+    rounds: list[dict] = []
+    best, best_acc = rm, accuracy
+    while len(rounds) < a.rm_more_rounds:
+        gate = gate_of(best_acc)
+        if gate.passed or best_acc is None or gate.fields["natural_heldout_pairs"] < a.rm_min_heldout_pairs:
+            break  # passes, or no measurement to improve on (more training cannot add held-out pairs)
+        n = len(rounds) + 1
+        print(f"the RM's held-out pair accuracy {100 * best_acc:.1f}% does not pass the RM gate: {steps} more "
+              f"RM steps (round {n} of at most --rm-more-rounds {a.rm_more_rounds})", flush=True)
+        exp = out / f"rm_more{n}"
+        if stages.latest_checkpoint(exp) is None:
+            train_rm(exp, best, rm_data / "preference_train.jsonl", steps)
+        acc = stages.rm_accuracy(exp)
+        rounds.append({"round": n, "steps": steps, "heldout_pair_accuracy": acc, "checkpoint":
+                       str(stages.latest_checkpoint(exp))})
+        if acc is None or acc <= best_acc:
+            print(f"round {n}: held-out pair accuracy {'n/a' if acc is None else f'{100 * acc:.1f}%'}, no better: "
+                  f"the RM stops here (the best: {100 * best_acc:.1f}%)", flush=True)
+            break
+        best, best_acc = stages.latest_checkpoint(exp), acc
+    return best, best_acc, rounds
+
+
+def _enough_heldout_pairs(a, policy, data: Path, rm_data: Path, rows: list[dict], stage_args: list,
+                          logs: Path) -> Path:
+    """The RM data's held-out sizing loop: while the natural held-out pairs (distinct right vs
+    wrong answers of one prompt, up to 4 a prompt: :func:`nemo_rlhf.tasks.task.build_preference_pairs`)
+    of the held-out RM prompts' samples ``rows`` are fewer than ``a.rm_min_heldout_pairs`` (the
+    RM gate's minimum), sample the same prompts again (``a.rm_samples_per_prompt`` answers,
+    seed ``1000 + round``, ``<rm_data>/samples_val_extra<round>.jsonl``), at most
+    ``a.rm_heldout_sample_rounds`` rounds (the cap). Returns the samples file the held-out
+    pairs are built from: ``samples_val.jsonl`` when the first draw was enough (no round ran),
+    else ``samples_val_all.jsonl`` (every round's rows)."""
+    from nemo_rlhf.tasks.task import build_preference_pairs
+
+    first = rm_data / "samples_val.jsonl"
+    count = len(build_preference_pairs(rows, max_pairs_per_prompt=4))
+    rounds = 0
+    while count < a.rm_min_heldout_pairs and rounds < a.rm_heldout_sample_rounds:
+        rounds += 1
+        print(f"{count} natural held-out RM pairs, fewer than --rm-min-heldout-pairs {a.rm_min_heldout_pairs}: "
+              f"sampling the held-out RM prompts again (round {rounds} of at most "
+              f"--rm-heldout-sample-rounds {a.rm_heldout_sample_rounds})", flush=True)
+        rows = rows + _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / f"samples_val_extra{rounds}",
+                              1000 + rounds, stage_args, logs / "rm_samples.log")
+        count = len(build_preference_pairs(rows, max_pairs_per_prompt=4))
+    if rounds == 0:
+        return first
+    if count < a.rm_min_heldout_pairs:
+        print(f"after {rounds} more rounds: {count} natural held-out RM pairs (the cap, "
+              f"--rm-heldout-sample-rounds, reached)", flush=True)
+    combined = rm_data / "samples_val_all.jsonl"
+    stages.write_atomic(combined, "".join(json.dumps(r) + "\n" for r in rows))
+    return combined
 
 
 def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     """The recipe (module docstring) on ``task`` (its stages name the checker ``checker``)
-    with ``profile``'s model; writes ``<out>/summary.json``; returns 0."""
+    with ``profile``'s model; writes ``<out>/summary.json``; returns 0, or
+    :data:`launchers.gates.RM_GATE_EXIT` when the RM gate refused PPO."""
     from nemo_rlhf.tasks.task import count_right, write_prompt_files
 
     default = a.task == "smollm2"
@@ -301,6 +506,11 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     clock = stages.StageTimes(out / "summary.json")
     py = sys.executable
     new_tokens = f"max_new_tokens={task.max_new_tokens or profile.max_new_tokens}"
+    a.defaults = dict(getattr(a, "defaults", {}))  # demo.main's picks (model, precision, SFT steps, RM epochs)
+    if task.max_new_tokens is None:
+        picked(a, "max_new_tokens", profile.max_new_tokens, f"the {profile.name} profile's response budget "
+                                                            f"(the task sets no Task.max_new_tokens)")
+    picked(a, "ppo_config", profile.ppo_config, f"the {profile.name} model profile's PPO config")
     checkers = [f"checker={checker}",
                 *([f"extra_checkers=[{','.join(task.extra_checkers)}]"] if task.extra_checkers else []),
                 f"precision={a.precision}"]
@@ -329,7 +539,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
                          "sft_steps": a.sft_steps, "sft_rows": a.sft_rows})
     stages.check_stage_settings(rm_data / "settings.json", settings)
     stage_args = [new_tokens, *checkers]
-    policy, sft, probe_acc, samples_train, pair_counts = _policy_and_rm_data(
+    policy, sft, probe_acc, samples_train, pair_counts, sft_rounds = _policy_and_rm_data(
         a, task, profile, out, data, ckpt, tok, stage_args, clock)
     right = count_right(samples_train)
 
@@ -342,11 +552,31 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
             overrides = [o for o in overrides if not o.startswith("+rm.extra_val_files.same_form=")]
         stages.run_stage([py, "-m", "nemo_rlhf.train_rm", *overrides], logs / f"{exp.name}.log")
 
+    rm_steps = max(1, int(a.rm_epochs * pair_counts["train"] // 16))
+    picked(a, "rm_steps", rm_steps, f"--rm-epochs {a.rm_epochs:g} passes over {pair_counts['train']} training "
+                                    f"pairs in batches of 16")
     if stages.latest_checkpoint(rm_exp) is None:  # from the policy, as InstructGPT's RM (sec. 3.5)
-        train_rm(rm_exp, policy, rm_data / "preference_train.jsonl",
-                 max(1, int(a.rm_epochs * pair_counts["train"] // 16)))
+        train_rm(rm_exp, policy, rm_data / "preference_train.jsonl", rm_steps)
     rm = stages.latest_checkpoint(rm_exp)
+
+    def gate_of(accuracy):
+        return gates.rm_gate(accuracy, pair_counts["val"], a.rm_min_heldout_pairs, reward=a.reward,
+                             custom_task=not default, has_edit_answer=task.edit_answer is not None,
+                             sft_steps=a.sft_steps if sft is not None else None, a=a)
+
+    rm, rm_accuracy, rm_rounds = _train_rm_until_it_stops_improving(
+        a, rm, stages.rm_accuracy(rm_exp), out, rm_data, rm_steps, train_rm, gate_of)
     clock.stop("rm")
+
+    gate = gate_of(rm_accuracy)
+    gate.fields["more_rm_rounds"] = rm_rounds
+    print(gate.message, flush=True)
+    if not gate.passed and a.force:
+        print("--force: PPO trains against this RM anyway", flush=True)
+        gate.fields["forced"] = True
+    elif not gate.passed:
+        _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs)
+        return gates.RM_GATE_EXIT
 
     clock.start()
     ppo_exp = out / "ppo"
@@ -358,10 +588,11 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     task_args = [] if default else [  # the default's command line is the one docs/stages.md measured
         f"trainer.eval_checker='{checker}'", f"trainer.eval_extra_checkers=[{','.join(task.extra_checkers)}]",
         f"data.max_seq_length={profile.max_seq_length}"]
+    kl_target = _kl_target_choice(a, profile, samples_train, default)
     ppo_args = [f"exp_manager.init_from={policy}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
                 f"rollout.{new_tokens}", f"trainer.precision={a.precision}", *task_args, *profile.ppo_overrides,
-                *a.ppo_recipe, *reward, *a.ppo_overrides]
+                *kl_target, *a.ppo_recipe, *reward, *a.ppo_overrides]
     base_steps = stages.first_stage_steps(a, stages.ppo_max_steps(profile.ppo_config, a.ppo_overrides))
     stages.ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, profile.ppo_config, a.nproc,
                      base_steps)
@@ -397,18 +628,48 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
                                               *stage_args, "num_examples=0")
     clock.stop("eval")
     code = _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
-                   len(samples_train), baseline, final, pair_counts, rounds, clock, original, ppo_step)
+                   len(samples_train), baseline, final, pair_counts, rounds, clock, original, ppo_step,
+                   gate=gate.fields, n_heldout=_count_rows(data / "eval.jsonl"), sft_rounds=sft_rounds)
     stages.keep_last_checkpoint(a, out)  # the run has finished: nothing later needs the older ones
     return code
 
 
+def _count_rows(path: Path) -> int:
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
+
+
+def _refused(a, out: Path, data: Path, sft, gate: "gates.GateResult", pair_counts: dict, clock, stage_args: list,
+             logs: Path) -> None:
+    """The RM gate refused PPO: ``<out>/summary.json`` with the gate, the defaults picked and,
+    when SFT came first, the SFT model's greedy held-out exact match (one ``nemo_rlhf.evaluate``
+    of it: PPO's step-0 evaluation never ran)."""
+    summary = {"rm_gate": gate.fields, "rm_pairs": pair_counts, "ppo": "not started (RM gate)",
+               "exit_status": gates.RM_GATE_EXIT, "defaults": a.defaults}
+    if sft is not None:
+        ev = stages.evaluate_checkpoint(Path(sft), data, out / "sft_eval.json", logs / "eval.log", *stage_args,
+                                        "num_examples=0")
+        summary["sft_heldout"] = gates.sft_heldout(ev["accuracy"], ev.get("num_responses") or
+                                                   _count_rows(data / "eval.jsonl"))
+        print(summary["sft_heldout"]["line"], flush=True)
+    summary.update({"wall_time_s": {k: round(v, 1) for k, v in clock.times.items()},
+                    "wall_time_s_kept": clock.kept})
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
 def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right, n_samples,
-            baseline, final, pair_counts, rounds, clock, original=None, ppo_step=None) -> int:
+            baseline, final, pair_counts, rounds, clock, original=None, ppo_step=None, gate=None,
+            n_heldout=0, sft_rounds=()) -> int:
     """``<out>/summary.json`` and the printed before / after table. ``baseline`` is PPO's
     starting policy at step 0 (the SFT model when ``sft``, else the original model);
-    ``original``: the original model's held-out evaluation when SFT came first (else None)."""
-    rm_acc = stages.rm_accuracy(rm_exp)
-    rm_same_form = stages.rm_accuracy(rm_exp, "val_same_form/accuracy")
+    ``original``: the original model's held-out evaluation when SFT came first (else None);
+    ``gate``: the RM gate's fields; ``n_heldout``: the held-out problems (eval.jsonl rows).
+    The summary's ``verdict`` (:func:`launchers.gates.ppo_verdict`), ``rm_gate``,
+    ``sft_heldout`` (SFT first: its greedy held-out exact match with its interval) and
+    ``defaults`` (:func:`picked`) are printed too."""
+    # the RM PPO took: the first (rm_exp), or a later round's (rm_more<N>) when the RM continued
+    taken = Path(str(rm)).parents[1] if gate and gate.get("more_rm_rounds") else rm_exp
+    rm_acc = stages.rm_accuracy(taken)
+    rm_same_form = stages.rm_accuracy(taken, "val_same_form/accuracy")
     kl = stages.kl_summary(ppo_exp)
     fmt = task.extra_checkers[0] if task.extra_checkers else None
     default = a.task == "smollm2"
@@ -439,6 +700,14 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
                         "ppo": str(stages.latest_checkpoint(ppo_exp))},
         "tensorboard": str(ppo_exp / "tensorboard"),
     }
+    summary["verdict"] = gates.ppo_verdict(
+        gates.heldout_correct(ppo_exp, 0), None if ppo_step is None else gates.heldout_correct(ppo_exp, ppo_step),
+        kl, summary["reward_auc_by_step"], before_accuracy=baseline["accuracy"], after_accuracy=final["accuracy"])
+    summary["rm_gate"] = gate
+    if sft is not None:
+        summary["sft_heldout"] = gates.sft_heldout(baseline["accuracy"], baseline.get("num_responses") or n_heldout)
+        summary["sft_rounds"] = list(sft_rounds)
+    summary["defaults"] = getattr(a, "defaults", {})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print("\n=== before / after PPO (held-out, greedy) ===")
     for before, after in zip(baseline["examples"], final["examples"]):
@@ -467,6 +736,9 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
     print(f"final kl_mean (nats/seq)    : {stages.kl_line(kl)}")
     stages.print_reward_auc(summary["reward_auc_by_step"])
     stages.print_rounds(rounds)
+    if sft is not None:
+        print(summary["sft_heldout"]["line"])
+    print(summary["verdict"]["line"])
     print(clock.line())
     print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
     return 0

@@ -49,6 +49,8 @@ ARGS = ["--model", "tiny", "--rm-prompts", "16", "--rm-val-prompts", "8", "--ppo
         "trainer.max_steps=2", "trainer.val_check_interval=2", "exp_manager.save_interval=2",
         "ppo.num_rollout_samples=16", "ppo.global_batch_size=16", "ppo.micro_batch_size=8",
         "ppo.forward_micro_batch_size=16"]
+ARGS = ["--force", "--rm-heldout-sample-rounds", "0", "--rm-more-rounds", "0", "--sft-more-rounds", "0",
+        *ARGS]  # the wiring, not the gate and the sizing loops (tests/unit/launchers)
 
 
 def test_a_task_the_model_cannot_do_gets_sft_first_then_rm_and_ppo(tmp_path, monkeypatch, capsys):
@@ -79,6 +81,8 @@ def test_a_task_the_model_cannot_do_gets_sft_first_then_rm_and_ppo(tmp_path, mon
     assert 0.0 < s["rm_sample_accuracy"] < 1.0
     assert s["rm_pairs"]["train"] > 0 and s["rm_pairs"]["val_same_form"] > 0
     assert s["rm_heldout_pair_accuracy"] is not None
+    assert s["rm_gate"]["natural_heldout_pairs"] == s["rm_pairs"]["val"] and "passed" in s["rm_gate"]
+    assert s["verdict"]["heldout_problems"] == 6 and s["verdict"]["line"].startswith("verdict: ")
     sft = s["checkpoints"]["sft"]
     assert sft.endswith("sft/checkpoints/step_60")
     for stage in ("rm", "ppo"):  # both start from the SFT model

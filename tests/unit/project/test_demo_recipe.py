@@ -33,8 +33,8 @@ class FakeStages:
     model set-up, recorded. An ``nemo_rlhf.evaluate`` stage writes ``num_samples`` rows per
     prompt, the first ``right(checkpoint) * num_samples`` of them right."""
 
-    def __init__(self, monkeypatch, right):
-        self.cmds, self.ppo, self.right = [], [], right
+    def __init__(self, monkeypatch, right, rm_accuracy=0.9):
+        self.cmds, self.ppo, self.right, self.rm_accuracy = [], [], right, rm_accuracy
         monkeypatch.setattr(stages, "run_stage", self.run)
         monkeypatch.setattr(stages, "latest_checkpoint", self.latest)
         monkeypatch.setattr(stages, "ppo_stage", self.ppo_stage)
@@ -60,6 +60,10 @@ class FakeStages:
                     wrong = str(int(answer) + 1) if answer.isdigit() else answer.lower()
                     out.append(sample_row(row["prompt"], answer if ok else wrong, float(ok), 2, extras, sample=k))
             Path(args["samples_out"]).write_text("".join(json.dumps(r) + "\n" for r in out))
+        elif "nemo_rlhf.train_rm" in cmd:  # what the RM job logs: its held-out pair accuracy (the RM gate)
+            exp = Path(args["exp_manager.exp_dir"])
+            exp.mkdir(parents=True, exist_ok=True)
+            (exp / "metrics.jsonl").write_text(json.dumps({"step": 1, "val/accuracy": self.rm_accuracy}) + "\n")
         elif "out" in args and "nemo_rlhf.evaluate" in cmd:  # a greedy held-out evaluation
             Path(args["out"]).write_text(json.dumps({"checkpoint": args["checkpoint"], "examples": [],
                                                      "accuracy": self.right(args["checkpoint"]),
@@ -129,7 +133,9 @@ def _custom(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     return ["--task", "pkg_upper_task:TASK", "--model", "tiny", "--out", str(tmp_path / "out"),
-            "--rm-prompts", "6", "--rm-val-prompts", "3", "--ppo-prompts", "10", "--sft-steps", "7"]
+            "--rm-prompts", "6", "--rm-val-prompts", "3", "--ppo-prompts", "10", "--sft-steps", "7",
+            "--force", "--rm-heldout-sample-rounds", "0", "--sft-more-rounds", "0"]  # 3 held-out pairs: < 20
+    # (the gate and the held-out sampling rounds: tests/unit/launchers/)
 
 
 def test_a_task_the_model_can_do_goes_straight_to_the_rm_data(tmp_path, monkeypatch):

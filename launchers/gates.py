@@ -1,0 +1,285 @@
+"""The recipe's gates and verdicts (issue 53): after each stage, whether the next stage can
+work and why, with the number and its 95% interval.
+
+* :func:`wilson_interval`: the Wilson score interval of a proportion (E. B. Wilson, "Probable
+  inference, the law of succession, and statistical inference", JASA 22:209-212, 1927).
+* :func:`paired_difference_interval`: the interval of the difference of two proportions
+  measured on the same items, Newcombe's hybrid score interval for paired data, method 10
+  of R. G. Newcombe, "Improved confidence intervals for the difference between binomial
+  proportions based on paired data", Statistics in Medicine 17:2635-2650, 1998 (the two
+  Wilson intervals combined through the continuity-corrected phi coefficient of the
+  paired 2x2 table; worked example in Altman et al., "Statistics with Confidence", 2nd ed.,
+  2000, p. 52).
+* :func:`rm_gate`: after the RM stage, refuse PPO against an RM whose held-out pair accuracy
+  is not measurably above chance (its interval includes 50%) or is measured on too few
+  natural held-out pairs.
+* :func:`ppo_verdict`: after PPO, the held-out gain with its paired interval, the final KL
+  against its band, and the reward's right-vs-wrong AUC trend, as one line and as fields.
+
+Pure functions of numbers the stages already wrote; no model runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+Z95 = 1.959963984540054
+"""The standard normal's 97.5% quantile: two-sided 95% intervals."""
+
+RM_GATE_EXIT = 3
+"""Exit status of the recipe when the RM gate refuses PPO (0: done; 1: a stage failed)."""
+
+KL_BAND = (0.5, 1.5)
+"""The final ``kl_mean`` is in band between these multiples of ``kl.target`` (issue #40's bar,
+met by every seed of docs/demo.md's five-seed table: 0.70-1.13x)."""
+
+AUC_FLAT = 0.02
+"""A change of the reward's right-vs-wrong AUC (first to last evaluation) smaller than this
+is called flat."""
+
+
+def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of ``k`` successes in ``n`` trials (Wilson 1927):
+    ``(p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)`` with ``p = k/n``.
+
+    Returns ``(low, high)`` in [0, 1]; ``(0.0, 1.0)`` when ``n == 0`` (nothing measured).
+    Raises ``ValueError`` unless ``0 <= k <= n``.
+    """
+    if not 0 <= k <= n:
+        raise ValueError(f"wilson_interval: k={k}, n={n}: need 0 <= k <= n")
+    if n == 0:
+        return 0.0, 1.0
+    p, z2 = k / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_difference_interval(before: list, after: list, z: float = Z95) -> tuple[float, float, float]:
+    """``after - before`` accuracy over the same items and its interval: Newcombe (1998)
+    method 10 for paired proportions.
+
+    Args:
+        before, after: per-item correctness (bool or 0/1), the same items in the same order.
+
+    Returns:
+        ``(difference, low, high)`` as fractions (``after`` accuracy less ``before``'s).
+
+    With ``r`` items right in both, ``s`` right only after, ``t`` right only before, ``u``
+    wrong in both (``n`` items), ``p1 = (r+s)/n`` (after), ``p2 = (r+t)/n`` (before), their
+    Wilson intervals ``[l1, u1]``, ``[l2, u2]`` and ``phi = C / sqrt((r+s)(t+u)(r+t)(s+u))``
+    with ``B = ru - st`` and ``C = B - n/2`` if ``B > n/2``, ``0`` if ``0 <= B <= n/2``, ``B``
+    if ``B < 0`` (0 when the denominator is 0):
+    ``low = D - sqrt((p1-l1)^2 - 2 phi (p1-l1)(u2-p2) + (u2-p2)^2)``,
+    ``high = D + sqrt((p2-l2)^2 - 2 phi (p2-l2)(u1-p1) + (u1-p1)^2)``, ``D = p1 - p2``.
+
+    Raises ``ValueError`` when the lists differ in length or are empty.
+    """
+    if len(before) != len(after) or not before:
+        raise ValueError(f"paired_difference_interval: {len(before)} items before and {len(after)} "
+                         f"after: need the same, non-zero number of items")
+    pairs = [(bool(b), bool(a)) for b, a in zip(before, after)]
+    n = len(pairs)
+    r = sum(1 for b, a in pairs if a and b)
+    s = sum(1 for b, a in pairs if a and not b)
+    t = sum(1 for b, a in pairs if b and not a)
+    u = n - r - s - t
+    p1, p2 = (r + s) / n, (r + t) / n
+    l1, u1 = wilson_interval(r + s, n, z)
+    l2, u2 = wilson_interval(r + t, n, z)
+    denom = (r + s) * (t + u) * (r + t) * (s + u)
+    phi = 0.0
+    if denom > 0:
+        b_ = r * u - s * t
+        c_ = b_ - n / 2 if b_ > n / 2 else (b_ if b_ < 0 else 0.0)
+        phi = c_ / math.sqrt(denom)
+    d = p1 - p2
+    low = d - math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    high = d + math.sqrt(max(0.0, (p2 - l2) ** 2 - 2 * phi * (p2 - l2) * (u1 - p1) + (u1 - p1) ** 2))
+    return d, max(-1.0, low), min(1.0, high)
+
+
+def pct_interval(lo: float, hi: float) -> str:
+    """``[48.2, 67.1]%``."""
+    return f"[{100 * lo:.1f}, {100 * hi:.1f}]%"
+
+
+@dataclass
+class GateResult:
+    """A gate's decision: ``passed``; ``fields`` for ``summary.json``; ``message``: what
+    was measured, why the next stage can or cannot work, and, on refusal, what to change."""
+
+    passed: bool
+    message: str
+    fields: dict = field(default_factory=dict)
+
+
+def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom_task: bool,
+            has_edit_answer: bool, sft_steps=None, a=None) -> GateResult:
+    """The RM gate: may PPO train against this RM?
+
+    Args:
+        accuracy: the RM's accuracy on the natural held-out pairs (``val/accuracy``), or None
+            when it logged none.
+        natural_pairs: how many natural held-out pairs it was measured on.
+        min_pairs: ``--rm-min-heldout-pairs``.
+        reward: ``--reward``; with ``checker`` the RM is not the reward and the gate only
+            reports.
+        custom_task: ``--task package.module:TASK`` (``--sft-steps`` applies there only).
+        has_edit_answer: the task has ``Task.edit_answer`` (``--rm-edit-pairs`` applies).
+        sft_steps: the SFT steps run (None: no SFT came first).
+        a: the parsed demo arguments, to quote the current flag values (optional).
+
+    Passes when the Wilson 95% interval of ``round(accuracy * natural_pairs)`` right of
+    ``natural_pairs`` lies above 50% and ``natural_pairs >= min_pairs``. The fields:
+    ``passed``, ``applies`` (False with ``--reward checker``), ``heldout_pair_accuracy``,
+    ``natural_heldout_pairs``, ``min_heldout_pairs``, ``ci95`` ([low, high] or None),
+    ``interval`` (the method), ``reason``.
+    """
+    applies = reward != "checker"
+    n = int(natural_pairs)
+    ci = None
+    if accuracy is None:
+        reason = "the RM logged no held-out pair accuracy (val/accuracy), so nothing says it ranks right above wrong"
+        ok = False
+    else:
+        k = int(round(float(accuracy) * n))
+        ci = wilson_interval(min(max(k, 0), n), n) if n else None
+        if n < min_pairs:
+            reason = (f"{n} natural held-out pairs, fewer than the {min_pairs} needed to measure it "
+                      f"(--rm-min-heldout-pairs)")
+            ok = False
+        elif ci[0] <= 0.5:
+            reason = (f"its 95% interval {pct_interval(*ci)} includes 50%: it is not measurably better "
+                      f"than a coin at ranking a right answer above a wrong one")
+            ok = False
+        else:
+            reason = f"its 95% interval {pct_interval(*ci)} lies above 50%"
+            ok = True
+    acc_text = "n/a" if accuracy is None else f"{100 * accuracy:.1f}%"
+    head = (f"RM gate: held-out natural pair accuracy {acc_text} on {n} pairs"
+            + (f" (95% Wilson interval {pct_interval(*ci)})" if ci else "") + f": {reason}")
+    fields = {"passed": ok or not applies, "applies": applies, "rm_passed": ok,
+              "heldout_pair_accuracy": accuracy, "natural_heldout_pairs": n, "min_heldout_pairs": min_pairs,
+              "ci95": list(ci) if ci else None, "interval": "wilson", "reason": reason}
+    if ok:
+        return GateResult(True, head + ": PPO may train against it.", fields)
+    if not applies:
+        return GateResult(True, head + ". The reward is the checker (--reward checker): PPO does not "
+                                       "train against the RM, so it goes on.", fields)
+
+    def now(flag, attr):
+        value = getattr(a, attr, None) if a is not None else None
+        return f"{flag} (now {value})" if value is not None else flag
+
+    remedies = []
+    if sft_steps is not None and custom_task:
+        remedies.append(f"more SFT first, so that more sampled answers are right and more prompts give a "
+                        f"right-vs-wrong pair: {now('--sft-steps', 'sft_steps')}, "
+                        f"{now('--sft-rows', 'sft_rows')} or {now('--sft-more-rounds', 'sft_more_rounds')}")
+    remedies.append(f"more samples per prompt or more prompts: {now('--rm-samples-per-prompt', 'rm_samples_per_prompt')}, "
+                    f"{now('--rm-prompts', 'rm_prompts')} (training pairs), "
+                    f"{now('--rm-val-prompts', 'rm_val_prompts')} (natural held-out pairs)")
+    if has_edit_answer:
+        remedies.append(f"more same-form edit pairs for the RM to learn the answer from: "
+                        f"{now('--rm-edit-pairs', 'rm_edit_pairs')}")
+    else:
+        remedies.append("give the task Task.edit_answer so that --rm-edit-pairs can add same-form pairs")
+    remedies.append("the task's checker as the reward instead of the RM: --reward checker")
+    remedies.append("or train against this RM anyway: --force")
+    text = (head + f".\nPPO is not started: an RM not shown to rank right above wrong may give PPO nothing "
+            f"to climb (exit status {RM_GATE_EXIT}). What to change:\n" + "\n".join(f"  - {r}" for r in remedies))
+    fields["remedies"] = remedies
+    return GateResult(False, text, fields)
+
+
+def heldout_correct(exp: Path, step: int):
+    """``[(prompt, correct), ...]`` of the PPO run's greedy held-out evaluation of ``step``
+    (``<exp>/eval_samples/step_<step>.jsonl``, :func:`launchers.stages.ppo_evaluation`),
+    or None when that file is missing or empty."""
+    path = Path(exp) / "eval_samples" / f"step_{step:06d}.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [(r["prompt"], float(r["correct"]) > 0.5) for r in rows] or None
+
+
+def ppo_verdict(before, after, kl: dict, auc_by_step: dict, *, before_accuracy=None,
+                after_accuracy=None) -> dict:
+    """The verdict after PPO.
+
+    Args:
+        before, after: :func:`heldout_correct` of step 0 and of the last step (None: not
+            available; then the gain has no interval and ``before_accuracy`` /
+            ``after_accuracy`` give the point values).
+        kl: :func:`launchers.stages.kl_summary`.
+        auc_by_step: ``{step: eval/reward_auc}``.
+
+    Returns the ``summary.json`` ``verdict`` fields: ``gain`` (``"gain"``: the interval lies
+    above 0; ``"loss"``: below; ``"no measurable change"``; ``"unmeasured"``: no paired
+    rows), ``gain_points``, ``gain_ci95_points`` ([low, high] or None), ``gain_interval``,
+    ``heldout_problems``, ``baseline_accuracy``, ``ppo_accuracy``, ``final_kl_mean``,
+    ``kl_target``, ``kl_band`` (multiples of the target), ``kl_to_target``, ``kl_position``
+    (``below`` / ``in`` / ``above`` the band, or ``n/a`` without a target), ``reward_auc_first``,
+    ``reward_auc_last`` (and their steps), ``reward_auc_change``, ``reward_auc_trend``
+    (``rising`` / ``flat`` / ``falling``, flat within :data:`AUC_FLAT`, or ``n/a``), and
+    ``line``: the printed verdict.
+    """
+    v: dict = {"gain_interval": "newcombe-paired-wilson (Newcombe 1998, method 10)"}
+    paired = before is not None and after is not None and len(before) == len(after) and \
+        [p for p, _ in before] == [p for p, _ in after]
+    if paired:
+        d, lo, hi = paired_difference_interval([c for _, c in before], [c for _, c in after])
+        v.update(heldout_problems=len(before), baseline_accuracy=sum(c for _, c in before) / len(before),
+                 ppo_accuracy=sum(c for _, c in after) / len(after), gain_points=100 * d,
+                 gain_ci95_points=[100 * lo, 100 * hi],
+                 gain="gain" if lo > 0 else "loss" if hi < 0 else "no measurable change")
+    else:
+        gain = None if before_accuracy is None or after_accuracy is None else 100 * (after_accuracy - before_accuracy)
+        v.update(heldout_problems=None, baseline_accuracy=before_accuracy, ppo_accuracy=after_accuracy,
+                 gain_points=gain, gain_ci95_points=None, gain="unmeasured")
+    target, final = kl.get("kl_target"), kl.get("final_kl_mean")
+    ratio = final / target if final is not None and target else None
+    v.update(final_kl_mean=final, kl_target=target, kl_band=list(KL_BAND), kl_to_target=ratio,
+             kl_position="n/a" if ratio is None else "below" if ratio < KL_BAND[0]
+             else "above" if ratio > KL_BAND[1] else "in")
+    if auc_by_step:
+        first, last = min(auc_by_step), max(auc_by_step)
+        change = auc_by_step[last] - auc_by_step[first]
+        v.update(reward_auc_first=auc_by_step[first], reward_auc_first_step=first,
+                 reward_auc_last=auc_by_step[last], reward_auc_last_step=last, reward_auc_change=change,
+                 reward_auc_trend="flat" if first == last or abs(change) < AUC_FLAT
+                 else "rising" if change > 0 else "falling")
+    else:
+        v.update(reward_auc_first=None, reward_auc_last=None, reward_auc_change=None, reward_auc_trend="n/a")
+    if v["gain_points"] is None:
+        gain_text = "held-out gain n/a"
+    elif v["gain_ci95_points"] is not None:
+        lo, hi = v["gain_ci95_points"]
+        gain_text = (f"held-out {100 * v['baseline_accuracy']:.1f}% -> {100 * v['ppo_accuracy']:.1f}% "
+                     f"({v['gain_points']:+.1f} points, 95% CI [{lo:+.1f}, {hi:+.1f}], paired over "
+                     f"{v['heldout_problems']} problems)")
+    else:
+        gain_text = f"held-out gain {v['gain_points']:+.1f} points (no per-problem rows: no interval)"
+    kl_text = "final kl_mean n/a" if final is None else (
+        f"final kl_mean {final:.2f}" + (f" = {ratio:.2f}x kl.target {target:g}, {v['kl_position']} the band "
+                                        f"{KL_BAND[0]:g}-{KL_BAND[1]:g}x" if ratio is not None else " (no target)"))
+    auc_text = "reward AUC n/a" if not auc_by_step else (
+        f"reward's right-vs-wrong AUC {v['reward_auc_first']:.2f} -> {v['reward_auc_last']:.2f} "
+        f"({v['reward_auc_trend']})")
+    v["line"] = f"verdict: {v['gain']}: {gain_text}; {kl_text}; {auc_text}"
+    return v
+
+
+def sft_heldout(accuracy, n: int) -> dict:
+    """The SFT model's greedy held-out exact match (``accuracy`` over ``n`` problems) with its
+    Wilson 95% interval: ``{"exact_match", "heldout_problems", "ci95", "interval", "line"}``."""
+    k = int(round(accuracy * n)) if n else 0
+    ci = wilson_interval(k, n) if n else None
+    line = (f"SFT model's held-out exact match (greedy, the task's checker): {100 * accuracy:.1f}% of {n}"
+            + (f" (95% Wilson interval {pct_interval(*ci)})" if ci else ""))
+    return {"exact_match": accuracy, "heldout_problems": n, "ci95": list(ci) if ci else None,
+            "interval": "wilson", "line": line}

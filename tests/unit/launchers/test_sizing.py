@@ -1,0 +1,193 @@
+"""The RM data's held-out sizing loop (launchers/recipe.py ``_enough_heldout_pairs``, issue
+53): the held-out RM prompts are sampled again while their natural pairs are fewer than
+``--rm-min-heldout-pairs``, stopping when there are enough or at ``--rm-heldout-sample-rounds``
+(the cap). Stages faked (tests/unit/project/test_demo_recipe.py's FakeStages)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import launchers.demo as demo
+import launchers.stages as stages
+from tests.unit.project.test_demo_recipe import FakeStages, _custom
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_task_module():
+    yield
+    sys.modules.pop("pkg_upper_task", None)
+
+
+def _val_sample_seeds(fake) -> list[int]:
+    return [int(next(c for c in cmd if c.startswith("seed=")).split("=")[1]) for cmd in fake.cmds
+            if any(c.endswith("rm_val_prompts.jsonl") for c in cmd)]
+
+
+def _argv(tmp_path, monkeypatch, *extra):
+    argv = _custom(tmp_path, monkeypatch)
+    i = argv.index("--rm-heldout-sample-rounds")
+    return [*argv[:i], *argv[i + 2:], *extra]  # the rounds as each test says (default 3)
+
+
+def test_the_heldout_sampling_stops_at_its_cap(tmp_path, monkeypatch, capsys):
+    """FakeStages answers every round alike: 3 natural held-out pairs (3 prompts) however
+    often it samples, so the loop runs its 2 rounds and stops."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_argv(tmp_path, monkeypatch, "--rm-min-heldout-pairs", "20",
+                           "--rm-heldout-sample-rounds", "2")) == 0
+    assert _val_sample_seeds(fake) == [2, 1001, 1002]
+    out = capsys.readouterr().out
+    assert "round 2 of at most --rm-heldout-sample-rounds 2" in out and "round 3" not in out
+    assert "after 2 more rounds: 3 natural held-out RM pairs (the cap" in out
+    rows = (tmp_path / "out" / "rm_data" / "samples_val_all.jsonl").read_text().splitlines()
+    assert len(rows) == 3 * 12  # three draws of 3 prompts x 4 samples
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_pairs"]["val"] == 3 and s["rm_gate"]["natural_heldout_pairs"] == 3
+
+
+def test_the_heldout_sampling_stops_when_the_pairs_are_enough(tmp_path, monkeypatch, capsys):
+    """Each extra round brings one new wrong answer per prompt (one more natural pair a
+    prompt): 3 -> 6 -> 9 pairs; at least 7 wanted: two rounds, not the cap of 5."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    run = fake.run
+
+    def varied(cmd, log):
+        run(cmd, log)
+        args = dict(c.split("=", 1) for c in cmd if "=" in c and not c.startswith(("-", "+")))
+        if "samples_out" in args and int(args["seed"]) >= 1000:
+            path = Path(args["samples_out"])
+            rows = [json.loads(x) for x in path.read_text().splitlines()]
+            for r in rows:
+                if not r["correct"]:
+                    r["response"] += args["seed"]
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    monkeypatch.setattr(stages, "run_stage", varied)
+    assert demo.main(_argv(tmp_path, monkeypatch, "--rm-min-heldout-pairs", "7",
+                           "--rm-heldout-sample-rounds", "5")) == 0
+    assert _val_sample_seeds(fake) == [2, 1001, 1002]
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_pairs"]["val"] == 9
+
+
+def test_enough_pairs_in_the_first_draw_sample_nothing_more(tmp_path, monkeypatch):
+    """The default demo's path (its first draw: 28-35 natural held-out pairs, docs/demo.md):
+    no extra round, the held-out pairs built from samples_val.jsonl as before."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_argv(tmp_path, monkeypatch, "--rm-min-heldout-pairs", "3")) == 0
+    assert _val_sample_seeds(fake) == [2]
+    assert not (tmp_path / "out" / "rm_data" / "samples_val_all.jsonl").exists()
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(["--out", str(tmp_path / "d"), "--data", str(tmp_path / "dd"), "--precision", "32"]) == 0
+    assert _val_sample_seeds(fake) == [2]
+
+
+def _rm_accuracy_by_round(fake, monkeypatch, by_exp: dict):
+    """The fake RM job logs ``by_exp[<exp_dir name>]`` as its held-out pair accuracy."""
+    run = fake.run
+
+    def run_with(cmd, log):
+        run(cmd, log)
+        exp = next((c.split("=", 1)[1] for c in cmd if str(c).startswith("exp_manager.exp_dir=")), None)
+        if "nemo_rlhf.train_rm" in cmd and exp is not None:
+            (Path(exp) / "metrics.jsonl").write_text(
+                json.dumps({"step": 1, "val/accuracy": by_exp[Path(exp).name]}) + "\n")
+
+    monkeypatch.setattr(stages, "run_stage", run_with)
+
+
+def _rm_runs(fake) -> list[str]:
+    return [Path(next(c for c in cmd if c.startswith("exp_manager.exp_dir=")).split("=", 1)[1]).name
+            for cmd in fake.cmds if "nemo_rlhf.train_rm" in cmd]
+
+
+def _default(tmp_path, *extra):
+    return ["--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--precision", "32", *extra]
+
+
+def test_the_rm_continues_while_it_improves_and_stops_at_its_cap(tmp_path, monkeypatch, capsys):
+    """The default task's fake: 64 natural held-out pairs; 50% -> 52% -> 55% -> 58% would
+    go on improving, still inside chance's interval: the cap (2) stops it, the gate refuses
+    the best RM (round 2's), each round continued from the one before."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    _rm_accuracy_by_round(fake, monkeypatch, {"rm": 32 / 64, "rm_more1": 33 / 64, "rm_more2": 35 / 64,
+                                              "rm_more3": 37 / 64})
+    assert demo.main(_default(tmp_path, "--rm-more-rounds", "2")) == 3
+    assert _rm_runs(fake) == ["rm", "rm_more1", "rm_more2"] and fake.ppo == []
+    rm_cmds = [c for c in fake.cmds if "nemo_rlhf.train_rm" in c]
+    assert f"rm.init_from={tmp_path}/out/rm/checkpoints/step_1" in rm_cmds[1]
+    assert f"rm.init_from={tmp_path}/out/rm_more1/checkpoints/step_1" in rm_cmds[2]
+    assert "round 2 of at most --rm-more-rounds 2" in capsys.readouterr().out
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_gate"]["heldout_pair_accuracy"] == 35 / 64
+    assert [r["round"] for r in s["rm_gate"]["more_rm_rounds"]] == [1, 2]
+
+
+def test_the_rm_stops_when_a_round_does_not_improve_and_keeps_the_best(tmp_path, monkeypatch, capsys):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    _rm_accuracy_by_round(fake, monkeypatch, {"rm": 33 / 64, "rm_more1": 32 / 64, "rm_more2": 1.0})
+    assert demo.main(_default(tmp_path, "--force")) == 0  # default cap 2: one round, no better
+    assert _rm_runs(fake) == ["rm", "rm_more1"]
+    assert "no better: the RM stops here (the best: 51.6%)" in capsys.readouterr().out
+    assert fake.ppo[0]["rm"] == f"{tmp_path}/out/rm/checkpoints/step_1"  # the best, the first
+
+
+def test_an_rm_that_passes_the_gate_trains_its_steps_once(tmp_path, monkeypatch):
+    """The default demo's RM (27/28 held-out in docs/demo.md) is not continued: its stage
+    sizes stay those of the five-seed table."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_default(tmp_path)) == 0
+    assert _rm_runs(fake) == ["rm"]
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_gate"]["passed"] is True and s["rm_gate"]["more_rm_rounds"] == []
+
+
+def _sft_argv(tmp_path, monkeypatch, rounds):
+    argv = _custom(tmp_path, monkeypatch)
+    i = argv.index("--sft-more-rounds")
+    return [*argv[:i], *argv[i + 2:], "--sft-more-rounds", str(rounds)]
+
+
+def _right_by_stage(exact: dict):
+    """The fake's share of right answers by the checkpoint's stage folder: the original
+    model none (so SFT comes first), each SFT round ``exact[<folder>]``."""
+    def right(ckpt):
+        stage = Path(ckpt).parents[1].name
+        return 0.0 if stage == "model" else exact[stage]
+    return right
+
+
+def _sft_runs(fake) -> list[str]:
+    return [Path(next(c for c in cmd if c.startswith("exp_manager.exp_dir=")).split("=", 1)[1]).name
+            for cmd in fake.cmds if "nemo_rlhf.train_sft" in cmd]
+
+
+def test_sft_continues_while_its_exact_match_improves_and_stops_at_its_cap(tmp_path, monkeypatch, capsys):
+    fake = FakeStages(monkeypatch, right=_right_by_stage({"sft": 0.25, "sft_more1": 0.5, "sft_more2": 0.75,
+                                                          "sft_more3": 1.0}))
+    assert demo.main(_sft_argv(tmp_path, monkeypatch, 2)) == 0
+    assert _sft_runs(fake) == ["sft", "sft_more1", "sft_more2"]
+    sft_cmds = [c for c in fake.cmds if "nemo_rlhf.train_sft" in c]
+    assert f"sft.init_from={tmp_path}/out/sft_more1/checkpoints/step_1" in sft_cmds[2]  # each from the last
+    assert all("trainer.max_steps=7" in c for c in sft_cmds)
+    best = f"{tmp_path}/out/sft_more2/checkpoints/step_1"
+    assert f"exp_manager.init_from={best}" in fake.ppo[0]["args"]  # PPO (and the RM) start from the best
+    assert any(f"rm.init_from={best}" in c for c in fake.cmds if "nemo_rlhf.train_rm" in c)
+    evals = [c for c in fake.cmds if "nemo_rlhf.evaluate" in c and any("rm_val_prompts" in x for x in c)
+             and not any(x.startswith("samples_out=") for x in c)]
+    assert len(evals) == 3  # each SFT model's greedy exact match on the held-out RM prompts
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(r["round"], r["exact_match"]) for r in s["sft_rounds"]] == [(0, 0.25), (1, 0.5), (2, 0.75)]
+    assert "SFT round 2 of at most --sft-more-rounds 2" in capsys.readouterr().out
+
+
+def test_sft_stops_when_a_round_does_not_improve_and_keeps_the_best(tmp_path, monkeypatch, capsys):
+    fake = FakeStages(monkeypatch, right=_right_by_stage({"sft": 0.5, "sft_more1": 0.5, "sft_more2": 1.0}))
+    assert demo.main(_sft_argv(tmp_path, monkeypatch, 5)) == 0
+    assert _sft_runs(fake) == ["sft", "sft_more1"]
+    assert "no better than 50.0%: SFT stops here" in capsys.readouterr().out
+    assert f"exp_manager.init_from={tmp_path}/out/sft/checkpoints/step_1" in fake.ppo[0]["args"]
