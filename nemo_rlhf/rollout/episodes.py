@@ -59,12 +59,17 @@ the model reads) are checked with :func:`check_prefix_extension` against the pre
 turn's input, and must equal the trajectory's ``token_ids`` (an error names the episode and
 the turn).
 
-Not covered (errors, named): ``rollout.min_new_tokens`` > 0 (its suppression is per turn and
-per row), a model-parallel group of more than one rank (TP x PP > 1: the environments'
-results are not yet broadcast from one rank of the group, and an environment with a time
-budget could answer differently on two ranks). DP: each DP rank runs its own episodes.
-Expert parallelism: as :func:`generate`, a rank whose rows are done keeps stepping until
-its expert-exchange group is done.
+Parallelism: every rank of one model-parallel (TP x PP) group runs the same episodes (the
+same problems; the prompts are checked to agree) and holds the same trajectories. The
+rank that samples (TP rank 0 of the last stage) also steps the environments; each step's
+outcomes (result, time, observation ids) are broadcast to the group as pickled host
+objects (gloo), so an environment with a time budget or side effects runs once and every
+rank appends the same ids. The other ranks' environment instances are reset but never
+stepped. Each DP rank runs its own episodes. Expert parallelism: as :func:`generate`, a
+rank whose rows are done keeps stepping until its expert-exchange group is done.
+
+Not covered (an error naming it): ``rollout.min_new_tokens`` > 0 (its suppression is per
+turn and per row).
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.envs.base import EnvLimits, Environment, StepResult
@@ -82,6 +88,7 @@ from nemo_rlhf.models.moe import all_done_in_group, expert_exchange_group
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.generate import (
     _CALL_COUNTER,
+    _check_prompts_agree,
     _share_choice,
     _StageRunner,
     generate,
@@ -148,11 +155,6 @@ def _check_args(dims, envs, problems, cfg: RolloutConfig, limits: EnvLimits, max
     if cfg.min_new_tokens:
         raise ValueError(f"rollout.min_new_tokens={cfg.min_new_tokens}: not supported by "
                          f"multi-turn episodes yet; set rollout.min_new_tokens=0")
-    if dims.tp * dims.pp > 1:
-        raise NotImplementedError(
-            f"run_episodes: tensor x pipeline parallel = {dims.tp} x {dims.pp} > 1 is not "
-            f"supported yet (the environments' results are not broadcast across the "
-            f"model-parallel group); run episodes at TP=PP=1")
     if decode_fn is None:
         raise ValueError("run_episodes: decode_fn (token ids -> str) is required: the "
                          "environment reads each turn's text")
@@ -183,48 +185,92 @@ def _turn_cap(row: _Row, cfg: RolloutConfig, limits: EnvLimits) -> int:
     return min(cfg.max_new_tokens, limits.max_total_tokens - len(row.traj))
 
 
-def _finish_turn(row: _Row, i: int, stopped: bool, cfg: RolloutConfig, limits: EnvLimits,
-                 encode_observation: EncodeFn, decode_fn: DecodeFn, vocab_size: int) -> None:
-    """The row's policy turn is over (``row.turn_ids``): append it, step the environment,
-    queue its observation or end the episode. Shared by both paths (the same decisions)."""
-    traj = row.traj
-    traj.append_policy(row.turn_ids, row.turn_lps)
-    ids = row.turn_ids
-    row.turn_ids, row.turn_lps = [], []
-    if not stopped and len(traj) >= limits.max_total_tokens:
-        row.end("max_total_tokens", truncated=True)
-        return
+def _leader(dims) -> bool:
+    """The rank that samples (TP rank 0 of the last stage) also steps the environments."""
+    return dims.is_last_stage and dims.tp_rank == 0
+
+
+def _share_objects(dims, objs: list) -> list:
+    """``objs`` from the leader to every rank of its model-parallel group (host objects,
+    pickled: gloo; the same route as ``generate``'s token broadcast)."""
+    if dims.tp * dims.pp == 1:
+        return objs
+    box = [objs]
+    if dims.is_last_stage and dims.tp > 1:
+        dist.broadcast_object_list(box, group=dims.tp_group, group_src=0, device=torch.device("cpu"))
+    if dims.pp > 1:
+        dist.broadcast_object_list(box, group=dims.pp_group, group_src=dims.pp - 1,
+                                   device=torch.device("cpu"))
+    return box[0]
+
+
+def _step_env(row: _Row, i: int, ids: List[int], encode_observation: EncodeFn,
+              decode_fn: DecodeFn, vocab_size: int) -> tuple:
+    """Leader only: ``env.step`` on the turn, its observation tokenised alone. Returns
+    ``(result, seconds, observation ids or None, error message or None)`` (an error is
+    raised on every rank after the broadcast, so no rank waits for the others forever)."""
     t0 = time.perf_counter()
-    result: StepResult = row.env.step(traj, decode_fn(list(ids)))
-    row.episode.env_time_s += time.perf_counter() - t0
-    row.episode.turn_rewards.append(result.reward)
-    row.episode.infos.append(dict(result.info))
+    result: StepResult = row.env.step(row.traj, decode_fn(list(ids)))
+    dt = time.perf_counter() - t0
     if result.done:
-        if result.info.get("truncated"):
-            row.end(str(result.info.get("reason", "environment")), truncated=True)
-        else:
-            row.end("done", truncated=False)
-        return
-    if traj.turns >= limits.max_turns:
-        row.end("max_turns", truncated=True)
-        return
-    if row.episode.env_time_s > limits.max_tool_time_s:
-        row.end("max_tool_time_s", truncated=True)
-        return
+        return result, dt, None, None
     obs = [int(t) for t in encode_observation(result.observation)]
+    turn = row.traj.turns
     if obs and (min(obs) < 0 or max(obs) >= vocab_size):
-        raise ValueError(f"run_episodes: episode {i} turn {traj.turns}: the observation encodes "
-                         f"to an id outside the vocabulary [0, {vocab_size})")
+        return result, dt, None, (f"run_episodes: episode {i} turn {turn}: the observation encodes "
+                                  f"to an id outside the vocabulary [0, {vocab_size})")
     if not obs:
-        raise ValueError(f"run_episodes: episode {i} turn {traj.turns}: the environment's "
-                         f"observation {result.observation!r} encodes to no tokens; the policy "
-                         f"cannot take two turns in a row (encode_observation should add the "
-                         f"template's headers)")
-    if len(traj) + len(obs) >= limits.max_total_tokens:  # no room for a policy token after it
-        row.end("max_total_tokens", truncated=True)
+        return result, dt, None, (f"run_episodes: episode {i} turn {turn}: the environment's "
+                                  f"observation {result.observation!r} encodes to no tokens; the "
+                                  f"policy cannot take two turns in a row (encode_observation "
+                                  f"should add the template's headers)")
+    return result, dt, obs, None
+
+
+def _finish_turns(ended: List[tuple], dims, limits: EnvLimits, encode_observation: EncodeFn,
+                  decode_fn: DecodeFn, vocab_size: int) -> None:
+    """Rows whose policy turn is over (``ended``: ``(index, row, stopped)``, the same on
+    every rank): append the turn, step the environments (on the leader, the outcomes
+    shared with the group), queue the observations or end the episodes. Shared by both
+    paths (the same decisions)."""
+    asked = []
+    for i, row, stopped in ended:
+        traj = row.traj
+        traj.append_policy(row.turn_ids, row.turn_lps)
+        ids = row.turn_ids
+        row.turn_ids, row.turn_lps = [], []
+        if not stopped and len(traj) >= limits.max_total_tokens:
+            row.end("max_total_tokens", truncated=True)  # cut mid-turn: no environment step
+            continue
+        asked.append((i, row, ids))
+    if not asked:
         return
-    traj.append_env(obs)
-    row.pending = obs
+    outcomes = None
+    if _leader(dims):
+        outcomes = [_step_env(row, i, ids, encode_observation, decode_fn, vocab_size)
+                    for i, row, ids in asked]
+    outcomes = _share_objects(dims, outcomes)
+    for (i, row, _ids), (result, dt, obs, error) in zip(asked, outcomes):
+        if error is not None:
+            raise ValueError(error)
+        traj = row.traj
+        row.episode.env_time_s += dt
+        row.episode.turn_rewards.append(result.reward)
+        row.episode.infos.append(dict(result.info))
+        if result.done:
+            if result.info.get("truncated"):
+                row.end(str(result.info.get("reason", "environment")), truncated=True)
+            else:
+                row.end("done", truncated=False)
+        elif traj.turns >= limits.max_turns:
+            row.end("max_turns", truncated=True)
+        elif row.episode.env_time_s > limits.max_tool_time_s:
+            row.end("max_tool_time_s", truncated=True)
+        elif len(traj) + len(obs) >= limits.max_total_tokens:  # no room for a policy token after it
+            row.end("max_total_tokens", truncated=True)
+        else:
+            traj.append_env(obs)
+            row.pending = list(obs)
 
 
 def _check_turn_input(row: _Row, i: int, model_input: List[int]) -> None:
@@ -254,7 +300,7 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
     Args:
         model: this rank's actor (megatron ``GPTModel`` / ``ActorCriticModel``, optionally
             DDP-wrapped); put in eval mode for the call, restored afterwards.
-        dims: :class:`~nemo_rlhf.distributed.ParallelDims` (TP = PP = 1).
+        dims: :class:`~nemo_rlhf.distributed.ParallelDims`.
         envs: one :class:`Environment` instance per episode.
         problems: ``envs[i].reset(problems[i])`` starts episode ``i``.
         cfg: sampling and per-turn stopping (``max_new_tokens`` per turn, ``stop_token_ids``
@@ -271,12 +317,13 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
             turn) instead of keeping the KV cache: the reference path.
 
     Returns:
-        ``len(envs)`` :class:`Episode` s in order, the same on every rank of the group.
+        ``len(envs)`` :class:`Episode` s in order, the same on every rank of the
+        model-parallel group.
 
     Raises:
         ValueError: bad config (naming the key), mismatched ``envs`` / ``problems``, a
-            prompt or observation id outside the vocabulary, a prompt that leaves no room.
-        NotImplementedError: TP x PP > 1.
+            prompt or observation id outside the vocabulary, a prompt that leaves no room,
+            model-parallel ranks given different problems.
         PrefixMismatch / AssertionError: a turn's model input is not the trajectory
             extended (a bug: the engine only appends).
     """
@@ -300,6 +347,8 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
                         eos_token_id, pad_token_id, vocab_size, call_index)
     finally:
         core.train(was_training)
+        if not dims.is_first_stage:
+            core.set_input_tensor(None)
     return [r.episode for r in rows]
 
 
@@ -322,6 +371,7 @@ def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLi
     B = len(rows)
     prompt_ids, prompt_mask, prompt_lengths = left_pad([r.traj.prompt_ids for r in rows],
                                                        pad_token_id)
+    _check_prompts_agree(dims, prompt_ids)
     P = prompt_ids.shape[1]
     # every row's tokens end within max_total_tokens of its own start
     L = P + max(limits.max_total_tokens - int(n) for n in prompt_lengths)
@@ -335,7 +385,7 @@ def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLi
     offset_B1 = (prompt_lengths - P).to(dev).unsqueeze(1)  # position = column + offset
     stop_ids = torch.tensor(sorted({eos_token_id, *cfg.stop_token_ids}), dtype=torch.long, device=dev)
     generator = None
-    if not cfg.greedy:
+    if _leader(dims) and not cfg.greedy:
         generator = torch.Generator(device=dev).manual_seed(
             sampler_seed(cfg.seed, dims.dp_rank, call_index))
     packed = torch.zeros(3, B, dtype=torch.float64, device=dev)
@@ -386,15 +436,17 @@ def _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed, stop_ids,
     """One column: policy rows sample, environment rows feed their next observation id.
     Returns the step's ``[B, 1]`` ids (host) and 1."""
     B = len(rows)
-    tokens, lp = choose_tokens(
-        logits_BV, vocab_size=vocab_size, greedy=cfg.greedy, temperature=cfg.temperature,
-        top_k=cfg.top_k, top_p=cfg.top_p, generator=generator)
-    packed[0] = tokens.to(torch.float64)
-    packed[1] = lp.to(torch.float64)
-    packed[2] = torch.isin(tokens, stop_ids).to(torch.float64)
+    if _leader(dims):
+        tokens, lp = choose_tokens(
+            logits_BV, vocab_size=vocab_size, greedy=cfg.greedy, temperature=cfg.temperature,
+            top_k=cfg.top_k, top_p=cfg.top_p, generator=generator)
+        packed[0] = tokens.to(torch.float64)
+        packed[1] = lp.to(torch.float64)
+        packed[2] = torch.isin(tokens, stop_ids).to(torch.float64)
     _share_choice(dims, packed)
     host = packed.cpu()  # one device->host copy per step: the environments are host code
     step = torch.full((B, 1), pad_token_id, dtype=torch.long)
+    ended = []
     for b, r in enumerate(rows):
         if r.done:
             continue
@@ -410,7 +462,8 @@ def _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed, stop_ids,
             text = decode_fn(list(r.turn_ids))
             stopped = any(x in text for x in cfg.stop_strings)
         if stopped or len(r.turn_ids) >= _turn_cap(r, cfg, limits):
-            _finish_turn(r, b, stopped, cfg, limits, encode_observation, decode_fn, vocab_size)
+            ended.append((b, r, stopped))
+    _finish_turns(ended, dims, limits, encode_observation, decode_fn, vocab_size)
     seq[:, col:col + 1] = step
     return step, 1
 
@@ -451,13 +504,15 @@ def _run_recompute(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: En
             for j, k in enumerate(ks):
                 outs[k] = (batch, j)
         turn += 1
+        ended = []
         for k, ((i, r), cap) in enumerate(zip(live, caps)):
             batch, j = outs[k]
             n = min(int(batch.response_lengths[j]), cap)
             r.turn_ids = batch.response_ids[j, :n].tolist()
             r.turn_lps = batch.logprobs[j, :n].tolist()
-            stopped = bool(batch.ended[j]) and n == int(batch.response_lengths[j])
-            _finish_turn(r, i, stopped, cfg, limits, encode_observation, decode_fn, vocab_size)
+            ended.append((i, r, bool(batch.ended[j]) and n == int(batch.response_lengths[j])))
+        _finish_turns(ended, dims, limits, encode_observation, decode_fn, vocab_size)
+        for i, r in live:
             if not r.done:
                 r.pending = []  # generate's next call reads the whole trajectory
                 _check_turn_input(r, i, r.traj.token_ids)
