@@ -152,6 +152,9 @@ def _check_args(dims, envs, problems, cfg: RolloutConfig, limits: EnvLimits, max
     if len({id(e) for e in envs}) != len(envs):
         raise ValueError("run_episodes: the same Environment instance serves two episodes; "
                          "give one instance per episode (an environment keeps episode state)")
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"rollout.max_new_tokens={cfg.max_new_tokens}: a policy turn needs at "
+                         f"least one token; set rollout.max_new_tokens >= 1")
     if cfg.min_new_tokens:
         raise ValueError(f"rollout.min_new_tokens={cfg.min_new_tokens}: not supported by "
                          f"multi-turn episodes yet; set rollout.min_new_tokens=0")
@@ -331,6 +334,10 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
     for name, tok in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
         if not 0 <= tok < vocab_size:
             raise ValueError(f"run_episodes: {name}={tok} is outside the vocabulary [0, {vocab_size})")
+    for k, tok in enumerate(cfg.stop_token_ids):
+        if tok >= vocab_size:
+            raise ValueError(f"rollout.stop_token_ids[{k}]={tok} is outside the vocabulary "
+                             f"[0, {vocab_size})")
     if call_index is None:
         call_index = next(_CALL_COUNTER)
     rows = _start(envs, problems, encode_prompt, limits, vocab_size)

@@ -276,6 +276,10 @@ def test_calculator_tool_call_output_is_an_environment_segment(models, dims):
 
 def test_bad_arguments_are_refused_naming_the_key(models, dims):
     m = models["rope"]
+    with pytest.raises(ValueError, match="rollout.max_new_tokens=0"):
+        _run(m, dims, [ScriptedEnv(1)], max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"rollout.stop_token_ids\[1\]=100"):
+        _run(m, dims, [ScriptedEnv(1)], stop_token_ids=[5, VOCAB])
     with pytest.raises(ValueError, match="rollout.min_new_tokens=2"):
         _run(m, dims, [ScriptedEnv(1)], min_new_tokens=2)
     env = ScriptedEnv(1)
