@@ -2,8 +2,9 @@
 (:mod:`.base`: :class:`Environment`, :class:`StepResult`, the per-episode
 :class:`EnvLimits`), tools (:mod:`.tools`: :class:`Tool`, :class:`ToolRegistry`, the
 calculator), tool-call parsing in the Hermes/Qwen and Llama 3.1 formats (:mod:`.parsing`)
-and :class:`ToolEnvironment`, which wires them (:mod:`.tool_env`). Not yet called by a
-rollout engine or the trainer: docs/multi-turn.md says what is wired and what is not.
+and :class:`ToolEnvironment`, which wires them (:mod:`.tool_env`). Called by the megatron
+engine's :func:`~nemo_rlhf.rollout.episodes.run_episodes`, not yet by the trainer:
+docs/multi-turn.md says what is wired and what is not.
 """
 
 from nemo_rlhf.envs.base import EnvLimits, Environment, StepResult

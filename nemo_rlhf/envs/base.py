@@ -15,8 +15,9 @@ episode's state, e.g. the tool time used); concurrent episodes use one instance 
 The shape follows NeMo-RL's ``EnvironmentInterface.step`` (observations, metadata, done,
 rewards per step) and verl's agent loop (``AgentLoopBase``: generate, call tools, append);
 here it is per episode and text-in/text-out: the rollout engine tokenises the observation
-alone and appends its ids (:mod:`nemo_rlhf.rollout.trajectory`). No rollout engine calls
-an environment yet (docs/multi-turn.md).
+alone and appends its ids (:mod:`nemo_rlhf.rollout.trajectory`). The megatron engine's
+:func:`~nemo_rlhf.rollout.episodes.run_episodes` calls environments; the vLLM engine, the
+async workers and the trainer do not yet (docs/multi-turn.md).
 """
 
 from __future__ import annotations

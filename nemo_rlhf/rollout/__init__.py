@@ -6,7 +6,9 @@ trainer consumes) and :func:`logprob_diff_stats`; ``incremental_stage`` runs a m
 in the decode loop; ``engines`` the one interface the trainer uses (``rollout.engine``:
 ``megatron`` or ``vllm``, the latter in ``vllm_engine``, imported only when chosen);
 ``trajectory`` the multi-turn episode (token ids appended turn by turn, its loss mask, the
-append-only check; no engine produces one yet, docs/multi-turn.md). The training-side log-probs of the same tokens are
+append-only check) and ``episodes`` the megatron engine's multi-turn episodes with an
+environment (:func:`~nemo_rlhf.rollout.episodes.run_episodes`, KV cache kept across turns;
+not yet called by the trainer, docs/multi-turn.md). The training-side log-probs of the same tokens are
 :func:`nemo_rlhf.models.logprobs.response_logprobs`.
 """
 
