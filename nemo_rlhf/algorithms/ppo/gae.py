@@ -50,9 +50,8 @@ Outputs are detached: advantages and returns are targets, not differentiated thr
 
 from __future__ import annotations
 
-from typing import List, Tuple, Union
-
 import math
+from typing import List, Tuple, Union
 
 import torch
 
@@ -124,7 +123,8 @@ def compute_gae(
         response_mask: ``[batch, response_len]`` bool or 0/1.
         gamma: discount, in ``[0, 1]``.
         lam: GAE lambda in ``[0, 1]``: a float, or a ``[batch]`` float tensor (one lambda
-            per row, e.g. :func:`length_adaptive_lam`).
+            per row, e.g. :func:`length_adaptive_lam`; its range check reads one bool on
+            the host).
 
     Returns:
         ``(advantages, returns)``, both ``[batch, response_len]`` fp32, detached, exactly 0
