@@ -7,6 +7,7 @@ registry of advantage estimators: GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++; group
 bookkeeping), ``advantages_reference`` (their plain-loop versions, which the tests check
 them against), ``losses`` (policy, value, entropy and KL losses, their aggregation modes
 and stats), ``objective`` (those losses assembled into one micro-batch's loss),
+``critic_metrics`` (the critic's value error by response position),
 ``rollout_correction`` (importance weights, truncated or masked at a cap, and row
 masking of the rollout-vs-train mismatch). See each module's docstring for sources and for what is
 simplified.
@@ -38,7 +39,18 @@ from nemo_rlhf.algorithms.ppo.core import (
     masked_var,
     masked_whiten,
 )
-from nemo_rlhf.algorithms.ppo.gae import compute_gae, compute_gae_reference
+from nemo_rlhf.algorithms.ppo.critic_metrics import (
+    POSITION_BUCKETS,
+    position_bucket_names,
+    value_error_by_position_from_sums,
+    value_error_by_position_sums,
+)
+from nemo_rlhf.algorithms.ppo.gae import (
+    compute_decoupled_gae,
+    compute_gae,
+    compute_gae_reference,
+    length_adaptive_lam,
+)
 from nemo_rlhf.algorithms.ppo.kl import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -92,6 +104,7 @@ __all__ = [
     "check_groups_divisible",
     "check_slice_keeps_groups",
     "compute_advantages",
+    "compute_decoupled_gae",
     "compute_gae",
     "compute_gae_reference",
     "compute_token_rewards",
@@ -110,16 +123,21 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "last_valid_index",
+    "length_adaptive_lam",
     "masked_mean",
     "masked_sum",
     "masked_var",
     "masked_whiten",
     "merge_token_stats",
+    "POSITION_BUCKETS",
+    "position_bucket_names",
     "pi_kl_coef",
     "policy_loss",
     "ppo_loss",
     "reinforce_plus_plus_advantages",
     "rloo_advantages",
     "stat_reduce_op",
+    "value_error_by_position_from_sums",
+    "value_error_by_position_sums",
     "value_loss",
 ]

@@ -22,7 +22,10 @@ What each estimator reads:
 =======================  =================  ======  =========  ==========================
 name                     token_rewards      values  group_ids  parameters
 =======================  =================  ======  =========  ==========================
-``gae``                  per token          yes     no         ``gamma``, ``lam``
+``gae``                  per token          yes     no         ``gamma``, ``lam``,
+                                                               ``lam_critic``,
+                                                               ``lam_policy``,
+                                                               ``lam_policy_alpha``
 ``grpo``                 row sum (outcome)  no      yes        ``norm_by_std``, ``eps``
 ``rloo``                 row sum (outcome)  no      yes        (none)
 ``reinforce_plus_plus``  per token          no      no         ``gamma``, ``eps``,
@@ -32,6 +35,10 @@ name                     token_rewards      values  group_ids  parameters
 Definitions:
 
 * ``gae``: ``compute_gae`` (Schulman et al. 2016); returns are the TD(lambda) targets.
+  ``lam_critic`` / ``lam_policy`` split the one ``lam`` into the returns' and the
+  advantages' (VC-PPO's decoupled GAE, arXiv:2503.01491); ``lam_policy_alpha`` makes the
+  advantages' lambda per row, ``1 - 1 / (alpha * length)`` (VAPO, arXiv:2504.05118); see
+  :mod:`.gae`.
 * Outcome reward of a sample (``grpo``, ``rloo``): ``o_i = sum_t token_rewards[i, t]`` over
   valid tokens, i.e. the score, plus the summed ``-beta * KL_t`` when the KL is in the
   reward (as verl's ``token_level_rewards.sum(-1)``). With the KL as a loss term
@@ -93,7 +100,7 @@ from nemo_rlhf.algorithms.ppo.core import (
     _select,
     masked_whiten,
 )
-from nemo_rlhf.algorithms.ppo.gae import compute_gae
+from nemo_rlhf.algorithms.ppo.gae import compute_decoupled_gae, compute_gae, length_adaptive_lam
 from nemo_rlhf.config import check_choice
 
 __all__ = [
@@ -101,6 +108,7 @@ __all__ = [
     "ESTIMATOR_TRAITS",
     "AdvantageConfig",
     "EstimatorTraits",
+    "estimator_parameters",
     "estimator_traits",
     "register_advantage_estimator",
     "check_groups_divisible",
@@ -110,6 +118,7 @@ __all__ = [
     "gae_advantages",
     "get_advantage_estimator",
     "group_ids_from_samples",
+    "policy_lambda",
     "grpo_advantages",
     "reinforce_plus_plus_advantages",
     "rloo_advantages",
@@ -231,8 +240,18 @@ def gae_advantages(
     *,
     gamma: float,
     lam: float,
+    lam_critic: Optional[float] = None,
+    lam_policy: Optional[float] = None,
+    lam_policy_alpha: Optional[float] = None,
 ) -> Pair:
-    """GAE (Schulman et al. 2016): ``compute_gae`` behind the common estimator signature.
+    """GAE (Schulman et al. 2016): ``compute_gae`` behind the common estimator signature,
+    with VC-PPO's decoupled lambdas and VAPO's length-adaptive policy lambda
+    (:func:`~nemo_rlhf.algorithms.ppo.gae.compute_decoupled_gae`,
+    :func:`~nemo_rlhf.algorithms.ppo.gae.length_adaptive_lam`).
+
+    The returns (the critic's targets) use ``lam_critic``, the advantages ``lam_policy``,
+    or with ``lam_policy_alpha`` each row's ``1 - 1 / (alpha * l)`` (``l``: its policy
+    tokens); a lambda left None is ``lam``. All None: exactly ``compute_gae(..., lam)``.
 
     Args:
         token_rewards: ``[batch, response_len]``, any float dtype.
@@ -240,17 +259,40 @@ def gae_advantages(
         response_mask: ``[batch, response_len]`` bool or 0/1.
         group_ids: not read.
         gamma: discount, in ``[0, 1]``.
-        lam: GAE lambda, in ``[0, 1]``.
+        lam: GAE lambda, in ``[0, 1]``: the default of the two below.
+        lam_critic: lambda of the returns, in ``[0, 1]`` (None: ``lam``; VC-PPO: 1.0).
+        lam_policy: lambda of the advantages, in ``[0, 1]`` (None: ``lam``).
+        lam_policy_alpha: VAPO's ``alpha`` > 0 (None: off); excludes ``lam_policy``.
 
     Returns:
         ``(advantages, returns)`` as ``compute_gae``.
 
     Raises:
-        ValueError: ``values`` is None, shape mismatches, coefficients outside ``[0, 1]``.
+        ValueError: ``values`` is None, shape mismatches, coefficients outside ``[0, 1]``,
+            ``lam_policy_alpha <= 0``, or both ``lam_policy`` and ``lam_policy_alpha``.
     """
     if values is None:
         raise ValueError("the 'gae' advantage estimator needs critic values, got None")
-    return compute_gae(token_rewards, values, response_mask, gamma, lam)
+    policy_lam = policy_lambda(response_mask, lam, lam_policy, lam_policy_alpha)
+    critic_lam = lam if lam_critic is None else lam_critic
+    return compute_decoupled_gae(token_rewards, values, response_mask, gamma, policy_lam, critic_lam)
+
+
+def policy_lambda(response_mask: torch.Tensor, lam: float, lam_policy: Optional[float],
+                  lam_policy_alpha: Optional[float]):
+    """The advantages' GAE lambda: VAPO's per-row ``length_adaptive_lam(response_mask,
+    lam_policy_alpha)`` (``[batch]`` float32) when ``lam_policy_alpha`` is set, else
+    ``lam_policy``, else ``lam`` (floats).
+
+    Raises:
+        ValueError: both ``lam_policy`` and ``lam_policy_alpha`` set, or a bad ``alpha``.
+    """
+    if lam_policy_alpha is None:
+        return lam if lam_policy is None else lam_policy
+    if lam_policy is not None:
+        raise ValueError(f"lam_policy={lam_policy} and lam_policy_alpha={lam_policy_alpha}: the "
+                         f"length-adaptive lambda replaces lam_policy; set one of them")
+    return length_adaptive_lam(response_mask, lam_policy_alpha)
 
 
 def grpo_advantages(
@@ -437,6 +479,16 @@ def estimator_traits(name: str) -> EstimatorTraits:
     return ESTIMATOR_TRAITS.get(name, EstimatorTraits())
 
 
+def estimator_parameters(name: str) -> List[str]:
+    """The keyword parameters the estimator registered as ``name`` reads (the
+    :class:`AdvantageConfig` fields ``compute_advantages`` passes it, and ``reduce_fn``).
+
+    Raises:
+        ValueError: unknown name (the message lists the valid names).
+    """
+    return _keyword_params(get_advantage_estimator(name))
+
+
 def get_advantage_estimator(name: str) -> AdvantageEstimator:
     """The estimator registered as ``name``.
 
@@ -471,7 +523,17 @@ class AdvantageConfig:
     gamma: float = 1.0
     """Discount in ``[0, 1]`` (``gae``, ``reinforce_plus_plus``)."""
     lam: float = 0.95
-    """GAE lambda in ``[0, 1]`` (``gae``)."""
+    """GAE lambda in ``[0, 1]`` (``gae``): of the advantages and the returns unless the
+    two below split them."""
+    lam_critic: Optional[float] = None
+    """``gae``: lambda of the returns (the critic's value targets) in ``[0, 1]``; None:
+    ``lam``. VC-PPO (arXiv:2503.01491) uses 1.0 (Monte-Carlo targets)."""
+    lam_policy: Optional[float] = None
+    """``gae``: lambda of the policy's advantages in ``[0, 1]``; None: ``lam``."""
+    lam_policy_alpha: Optional[float] = None
+    """``gae``: VAPO's length-adaptive policy lambda (arXiv:2504.05118): each row's
+    ``1 - 1 / (alpha * l)``, ``l`` its policy-token count, clamped to ``[0, 1]``; > 0
+    (VAPO: 0.05); None: off. Excludes ``lam_policy``."""
     norm_by_std: bool = True
     """``grpo``: divide by the group std (GRPO); False is Dr. GRPO."""
     eps: float = 1e-6
@@ -479,10 +541,18 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         check_choice("advantage.estimator", self.estimator, sorted(ADVANTAGE_ESTIMATORS))
-        for key in ("gamma", "lam"):
+        for key in ("gamma", "lam", "lam_critic", "lam_policy"):
             value = getattr(self, key)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"advantage.{key}={value}: must be in [0, 1]")
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"advantage.{key}={value}: must be in [0, 1]"
+                                 + (" (null: advantage.lam)" if key.startswith("lam_") else ""))
+        alpha = self.lam_policy_alpha
+        if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"advantage.lam_policy_alpha={alpha}: must be a finite number > 0 "
+                             f"(VAPO: 0.05; null: off)")
+        if alpha is not None and self.lam_policy is not None:
+            raise ValueError(f"advantage.lam_policy={self.lam_policy} and advantage.lam_policy_alpha="
+                             f"{alpha}: the length-adaptive lambda replaces lam_policy; set one of them")
         if not (math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"advantage.eps={self.eps}: must be a finite number > 0")
 

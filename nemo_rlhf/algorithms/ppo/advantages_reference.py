@@ -76,10 +76,21 @@ def _outcome_reference(token_rewards, response_mask, group_ids, name, leave_one_
     return _to_tensor(adv_rows, response_mask), _to_tensor(returns, response_mask)
 
 
-def _gae_reference(token_rewards, values, response_mask, group_ids, *, gamma, lam):
+def _gae_reference(token_rewards, values, response_mask, group_ids, *, gamma, lam,
+                   lam_critic=None, lam_policy=None, lam_policy_alpha=None):
     if values is None:
         raise ValueError("the 'gae' advantage estimator needs critic values, got None")
-    return compute_gae_reference(token_rewards, values, response_mask, gamma, lam)
+    if lam_policy_alpha is not None:  # VAPO: 1 - 1 / (alpha * policy tokens), clamped to [0, 1]
+        if lam_policy is not None:
+            raise ValueError("set one of lam_policy and lam_policy_alpha")
+        lengths = [sum(1 for v in row if v) for row in _bool_mask(response_mask).tolist()]
+        lam_policy = torch.tensor([min(1.0, max(0.0, 1.0 - 1.0 / (lam_policy_alpha * n))) if n else 0.0
+                                   for n in lengths], dtype=torch.float32)
+    adv, _ = compute_gae_reference(token_rewards, values, response_mask, gamma,
+                                   lam if lam_policy is None else lam_policy)
+    _, ret = compute_gae_reference(token_rewards, values, response_mask, gamma,
+                                   lam if lam_critic is None else lam_critic)
+    return adv, ret
 
 
 def _grpo_reference(token_rewards, values, response_mask, group_ids, *, norm_by_std, eps):

@@ -6,10 +6,12 @@ vs DP size) in :func:`validate_batch_sizes`, called before anything is built.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from nemo_rlhf.algorithms.ppo.advantages import ADVANTAGE_ESTIMATORS, AdvantageConfig, estimator_traits
+from nemo_rlhf.algorithms.ppo.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, estimator_parameters,
+                                                  estimator_traits)
 from nemo_rlhf.algorithms.ppo.losses import DEFAULT_KL_LOSS_CLAMP, DEFAULT_LOSS_AGG_MODE
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective
 from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS, PI_DEFAULTS, check_pi_settings
@@ -38,8 +40,11 @@ class PPOTrainerConfig(TrainerConfig):
     sample_table_every: int = 5
     """Print a table of sample prompts/responses/rewards every N steps (0: never)."""
     critic_warmup_steps: int = 0
-    """First N steps train the value head only: policy loss off and only the value head's
-    parameters stepped (the backbone's gradient is dropped: no update, Adam state or decay)."""
+    """First N steps train the critic only, on the rollouts of the policy, which does not move
+    (VC-PPO's value pretraining, arXiv:2503.01491; with ``ppo.lam_critic=1.0`` its Monte-Carlo
+    targets): policy loss off; ``critic.mode=shared``/``shared_detached``: only the value
+    head's parameters stepped (the backbone's gradient is dropped: no update, Adam state or
+    decay); ``separate``: the whole critic trains and the actor takes no step."""
     max_consecutive_nonfinite: int = 3
     """Stop after this many consecutive skipped (NaN/Inf) updates."""
     max_eval_samples: int = 200
@@ -101,7 +106,21 @@ class PPOAlgoConfig:
     gamma: float = AdvantageConfig.gamma
     """Discount gamma (``AdvantageConfig.gamma``: ``gae``, ``reinforce_plus_plus``)."""
     lam: float = AdvantageConfig.lam
-    """GAE lambda (``AdvantageConfig.lam``)."""
+    """GAE lambda (``AdvantageConfig.lam``): of the advantages and of the critic's targets,
+    unless ``lam_critic`` / ``lam_policy`` / ``lam_policy_alpha`` set them apart."""
+    lam_critic: Optional[float] = AdvantageConfig.lam_critic
+    """``gae``: lambda of the returns, the critic's value targets, in ``[0, 1]`` (null:
+    ``ppo.lam``). VC-PPO (Yuan et al. 2025, arXiv:2503.01491) decouples it from the policy's
+    and uses 1.0: Monte-Carlo targets, the final reward undecayed at every token of a long
+    response (``AdvantageConfig.lam_critic``)."""
+    lam_policy: Optional[float] = AdvantageConfig.lam_policy
+    """``gae``: lambda of the policy's advantages, in ``[0, 1]`` (null: ``ppo.lam``; VC-PPO:
+    0.95) (``AdvantageConfig.lam_policy``)."""
+    lam_policy_alpha: Optional[float] = AdvantageConfig.lam_policy_alpha
+    """``gae``: VAPO's length-adaptive policy lambda (Yue et al. 2025, arXiv:2504.05118): each
+    sequence's advantages use ``1 - 1 / (alpha * l)``, ``l`` its policy-token count, clamped
+    to ``[0, 1]``; > 0 (VAPO: 0.05); null: off. Replaces ``ppo.lam_policy`` (setting both is
+    refused) (``AdvantageConfig.lam_policy_alpha``)."""
     normalize_advantages: bool = True
     """Whiten ``gae`` advantages over valid tokens (statistics all-reduced over DP); the
     critic-free estimators normalise by their own rule and are not whitened again."""
@@ -218,6 +237,17 @@ class PPOAlgoConfig:
             raise ValueError(f"ppo.clip_eps={self.clip_eps}: must be in (0, 1)")
         if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
             raise ValueError("ppo.gamma and ppo.lam must be in [0, 1]")
+        for key in ("lam_critic", "lam_policy"):
+            value = getattr(self, key)
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"ppo.{key}={value}: must be in [0, 1] (null: ppo.lam={self.lam})")
+        alpha = self.lam_policy_alpha
+        if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+            raise ValueError(f"ppo.lam_policy_alpha={alpha}: must be a finite number > 0 (VAPO: "
+                             f"0.05; null: off)")
+        if alpha is not None and self.lam_policy is not None:
+            raise ValueError(f"ppo.lam_policy={self.lam_policy} and ppo.lam_policy_alpha={alpha}: the "
+                             f"length-adaptive lambda replaces ppo.lam_policy; set one of them to null")
         check_choice("ppo.advantage_estimator", self.advantage_estimator, sorted(ADVANTAGE_ESTIMATORS))
         check_choice("ppo.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 
@@ -442,6 +472,10 @@ class PPOConfig:
         if not traits.needs_values and self.critic.mode == "separate":
             raise ValueError(f"critic.mode=separate with the critic-free ppo.advantage_estimator="
                              f"{est}: no critic is trained; use critic.mode=shared")
+        for key in ("lam_critic", "lam_policy", "lam_policy_alpha"):
+            if getattr(self.ppo, key) is not None and key not in estimator_parameters(est):
+                raise ValueError(f"ppo.{key}={getattr(self.ppo, key)} with ppo.advantage_estimator={est}, "
+                                 f"which does not read it (only gae does): set it to null")
         if not traits.needs_values and self.trainer.critic_warmup_steps:
             raise ValueError(f"trainer.critic_warmup_steps={self.trainer.critic_warmup_steps} with "
                              f"the critic-free ppo.advantage_estimator={est}: set it to 0")
@@ -487,10 +521,12 @@ class PPOConfig:
 
     def advantage_config(self) -> AdvantageConfig:
         """The advantage estimator's settings (``ppo.advantage_estimator``, ``gamma``,
-        ``lam``, ``norm_by_std``) as the math takes them."""
+        ``lam``, ``lam_critic``, ``lam_policy``, ``lam_policy_alpha``, ``norm_by_std``) as the
+        math takes them."""
         p = self.ppo
         return AdvantageConfig(estimator=p.advantage_estimator, gamma=p.gamma, lam=p.lam,
-                               norm_by_std=p.norm_by_std)
+                               lam_critic=p.lam_critic, lam_policy=p.lam_policy,
+                               lam_policy_alpha=p.lam_policy_alpha, norm_by_std=p.norm_by_std)
 
     def objective(self) -> PPOObjective:
         """The PPO loss's settings (``ppo.clip_eps*``, ``dual_clip``, ``value_clip``,

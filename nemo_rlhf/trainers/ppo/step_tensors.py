@@ -18,7 +18,9 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
 
     Token rewards are ``-beta * KL_t`` (``beta``: ``kl_coef``, the KL controller's value;
     0 without ``kl.in_reward``) plus the score at the last response token; the advantage estimator
-    is ``advantage_cfg``'s; ``gae`` advantages are whitened over every DP rank's valid
+    is ``advantage_cfg``'s (``gae``: the returns with ``ppo.lam_critic``, the advantages
+    with ``ppo.lam_policy`` or VAPO's per-row ``ppo.lam_policy_alpha`` lambda, each
+    ``ppo.lam`` when null); ``gae`` advantages are whitened over every DP rank's valid
     tokens. Rows whose score is NaN (``reward.invalid_scores=skip``, marked by
     :func:`~nemo_rlhf.trainers.ppo.scoring.step_scores`) are left out: no advantage, no
     return, no loss token (group estimators see their whole group, already excluded).
@@ -34,7 +36,10 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
         ``reward_mean/std``, ``response_length``, ``advantages_mean``, ``returns_mean/std``,
         each over every DP rank's kept rows; ``kl_coef``, the beta applied to the token
         rewards (the controller's value; 0 with ``kl.in_reward=false``) and, when the loss
-        has a KL term, ``kl_loss_coef`` (``kl.loss_coef``, the weight applied to it).
+        has a KL term, ``kl_loss_coef`` (``kl.loss_coef``, the weight applied to it). With
+        a critic: ``critic/value_error_pos_<lo>-<hi>``, the mean ``|V - R|`` of the
+        critic's old values against the returns (its targets) over the kept tokens of each
+        log2 response-position bucket (:mod:`~nemo_rlhf.algorithms.ppo.critic_metrics`).
     """
     mask, c = batch.response_mask, cfg
     beta = kl_coef if c.kl.in_reward else 0.0
@@ -55,12 +60,17 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
         adv = P.masked_whiten(adv, mask, reduce_fn=collectives.whiten_reduce)
     seq_kl = torch.where(mask, kl, 0.0).sum(-1)
     ret_masked = torch.where(mask, ret, 0.0)
-    sums = collectives.dp_sum_named({  # one all-reduce of the rollout's sums
+    named = {
         "kl": seq_kl.sum(), "score": scores.sum(),
         "token_reward": torch.where(mask, rewards, 0.0).sum(), "tokens": mask.sum().float(),
         "truncated": (batch.truncated & keep).float().sum(), "sequences": keep.float().sum(),
         "advantage": torch.where(mask, raw_adv, 0.0).sum(), "return": ret_masked.sum(),
-        "return_sq": ret_masked.pow(2).sum(), "score_sq": (scores ** 2).sum()})
+        "return_sq": ret_masked.pow(2).sum(), "score_sq": (scores ** 2).sum()}
+    if fwd.values is not None:  # the critic's |V - R| by response position (same buckets on every rank)
+        err_sums, err_counts = P.value_error_by_position_sums(fwd.values, ret, mask)
+        named.update({f"value_error_{k}": x for k, x in enumerate(err_sums.unbind())})
+        named.update({f"value_error_count_{k}": x for k, x in enumerate(err_counts.unbind())})
+    sums = collectives.dp_sum_named(named)  # one all-reduce of the rollout's sums
     n_tok, n_seq = sums["tokens"], sums["sequences"]
     ret_mean, score_mean = sums["return"] / n_tok, sums["score"] / n_seq
     metrics = {
@@ -78,6 +88,11 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
     }
     if c.kl.loss_coef > 0:
         metrics["kl_loss_coef"] = float(c.kl.loss_coef)  # the KL loss term's weight
+    if fwd.values is not None:
+        n = P.POSITION_BUCKETS
+        metrics.update(P.value_error_by_position_from_sums(
+            torch.stack([sums[f"value_error_{k}"] for k in range(n)]),
+            torch.stack([sums[f"value_error_count_{k}"] for k in range(n)])))
     return Advantages(advantages=adv, returns=ret, kl=kl, loss_mask=mask), metrics
 
 
