@@ -66,7 +66,7 @@ def _run(tmp_path, name: str, cfg_kw: dict, dp: int, until: int, sd: dict | None
     dims = SimpleNamespace(dp=dp, dp_rank=0, rank=0, world_size=1, tp=1, pp=1, device=torch.device("cpu"))
     trainer = trainer or _Trainer()
     ar = RemoteRolloutSource(cfg, dims, trainer.actor, trainer.encoded, trainer.sampler, trainer.collectives,
-                             Timers(), eval_engine=None)
+                             Timers(), eval_engine=SimpleNamespace(metrics=dict, close=lambda: None))
     worker = FakeWorker(0, exp, delay_s)
     metrics = []
     try:
@@ -77,12 +77,12 @@ def _run(tmp_path, name: str, cfg_kw: dict, dp: int, until: int, sd: dict | None
         while trainer.step < until:
             idx = dp_group_slice(trainer.sampler.next_global_batch(cfg.ppo.num_rollout_samples // n), 0, dp, n)
             batch = ar.rollout(trainer.step + 1, idx)  # (raises when the item's prompts are not idx)
-            metrics.append((ar._metrics, float(batch.response_mask.sum())))
+            metrics.append((ar.metrics(), float(batch.response_mask.sum())))
             trainer.step = trainer.actor.model = trainer.step + 1
             ar.after_update(trainer.step)
         state = ar.state_dict()
     finally:
-        ar.controller.close()
+        ar.close()
         worker.thread.join(10)
     return state, trainer.sampler.state_dict(), worker.log, metrics
 

@@ -1,8 +1,7 @@
 """The rollout sources without a trainer (#50): one driver makes the trainer's calls
 (``begin`` / ``rollout`` / ``after_update`` / ``metrics`` / ``state_dict``) on a
 :class:`LocalRolloutSource` over a recording engine and on a :class:`RemoteRolloutSource`
-over a controller and a fake worker thread (``tests/unit/rollout/test_remote.py``), the
-staleness schedule both sides share, the buffered batches' JSON form, and
+over a controller and a fake worker thread (``tests/unit/rollout/test_remote.py``), and
 :func:`build_rollout_source` (no rollout engine in ``rollout.mode=async``). Also
 ``run_state`` / ``restore_run_state`` from their parts alone."""
 
@@ -20,9 +19,6 @@ from nemo_rlhf.rollout import engines
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.engines import MegatronRolloutEngine
 from nemo_rlhf.rollout.generate import RolloutBatch
-from nemo_rlhf.rollout.staleness import StalenessSchedule
-from nemo_rlhf.rollout.transport import (RolloutItem, RolloutResult, batch_from_json, batch_to_host, batch_to_json,
-                                         result_from_json, result_to_json)
 from nemo_rlhf.trainers.ppo import async_rollout, rollout_source
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.rollout_source import LocalRolloutSource, RemoteRolloutSource, build_rollout_source
@@ -151,38 +147,6 @@ def test_the_remote_source_answers_the_same_calls_with_the_versions_the_schedule
     assert decode.calls == [{"model": steps, "prompts": [[9, 9]], "greedy": True, "call_index": 4,
                              "weights_version": steps}]
     assert greedy.input_ids.tolist() == [[9, 9]] and decode.closed
-
-
-def test_the_staleness_schedule_by_hand():
-    s = StalenessSchedule(2)
-    assert [s.version_for(step) for step in range(1, 7)] == [0, 0, 0, 1, 2, 3]
-    assert s.buffer_size == 3
-    assert s.last_step_ahead(3, max_steps=10) == 5 and s.last_step_ahead(9, max_steps=10) == 10
-    s.begin_at(4)  # resumed after step 4: nothing older than version 4
-    assert [s.version_for(step) for step in range(5, 10)] == [4, 4, 4, 5, 6]
-    assert s.staleness(8, 5) == 2 and s.within_bound(8, 5)
-    assert not s.within_bound(8, 4) and not s.within_bound(8, 8)  # 3 versions old; a version from the future
-    assert [StalenessSchedule(0).version_for(step) for step in (1, 2, 3)] == [0, 1, 2]  # on-policy
-
-
-def test_a_buffered_item_survives_its_json_form_bit_for_bit():
-    batch = _batch([[3, 4, 5], [6, 7, 8]], 0.0)
-    batch.logprobs = torch.tensor([[-0.1234567], [-2.5e-8]], dtype=torch.float32)
-    host = batch_to_host(batch)
-    host["half"] = torch.tensor([1.5, -0.333], dtype=torch.bfloat16)
-    back = batch_from_json(batch_to_json(host))
-    assert back.keys() == host.keys()
-    for k, v in host.items():
-        if torch.is_tensor(v):
-            assert back[k].dtype == v.dtype and back[k].shape == v.shape and torch.equal(back[k], v), k
-        else:
-            assert back[k] == v, k
-    item = RolloutItem(step=3, dp_rank=1, prompt_indices=[2, 2, 5], prompts=[ENCODED[i] for i in (2, 2, 5)],
-                       version=1)
-    res = RolloutResult(item=item, version=1, batch=host, worker=0, generate_s=0.25)
-    again = result_from_json(result_to_json(res), ENCODED)
-    assert again.item == item and again.version == 1 and again.generate_s == 0.25 and again.worker == -1
-    assert all(torch.equal(again.batch[k], v) for k, v in host.items() if torch.is_tensor(v))
 
 
 def _build_cfg(mode: str):
