@@ -239,3 +239,24 @@ def test_a_changed_reward_source_is_reported_and_the_guard_starts_over():
     restored = restore_run_state(sd, rollout_source=_Source(), **fresh)
     assert "reward source 'rm' changed since the checkpoint (url=a -> url=b)" in restored.reward_changed
     assert fresh["reward"].reset == ["rm"] and not fresh["guard"].history
+
+
+def test_the_trainer_has_no_branch_on_the_rollout_mode():
+    """The trainer's and its run state's code (docstrings and comments aside) read no
+    ``rollout.mode`` and name nothing async, and the trainer makes no ``isinstance`` test:
+    the source is chosen once, at build time (on 1c4d49a: 15 hits in trainer.py, 4 in
+    state.py)."""
+    import ast
+    import inspect
+
+    from nemo_rlhf.trainers.ppo import state, trainer
+
+    found = []
+    for module, banned in ((trainer, {"mode", "isinstance"}), (state, {"mode"})):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+            if name is not None and (name in banned or "async" in name.lower()):
+                found.append((module.__name__, node.lineno, name))
+            if isinstance(node, ast.Constant) and node.value == "async":
+                found.append((module.__name__, node.lineno, "'async'"))
+    assert found == []
