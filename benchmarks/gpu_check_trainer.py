@@ -96,7 +96,7 @@ class PhaseProbe:
         t = self.trainer
         step = t.train_step
         actor = getattr(t, "actor", None)
-        generate, update = getattr(t, "generate", None), getattr(t, "update", None)
+        rollout, update = getattr(t, "rollout", None), getattr(t, "update", None)
         forward = getattr(actor, "logprobs", None)
 
         def train_step():
@@ -108,9 +108,9 @@ class PhaseProbe:
             self._finish(record, metrics)
             return metrics
 
-        def _generate(prompt_ids, greedy=False):
+        def _rollout(idx):  # (the step's samples from its rollout source)
             with self.measure("rollout"):
-                batch = generate(prompt_ids, greedy=greedy)
+                batch = rollout(idx)
             if self.record is not None:
                 self.record["shapes"].update(
                     batch=int(batch.input_ids.shape[0]), prompt_len=int(batch.prompt_length),
@@ -133,7 +133,7 @@ class PhaseProbe:
         t.train_step = train_step
         # a phase method the trainer no longer has is left out (and named in each record)
         # rather than failing the run
-        self.unwrapped = [name for owner, name, fn in ((t, "generate", _generate),
+        self.unwrapped = [name for owner, name, fn in ((t, "rollout", _rollout),
                                                        (actor, "actor.logprobs", _logprobs),
                                                        (t, "update", _update))
                           if not self._replace(owner, name, fn)]

@@ -60,7 +60,7 @@ TERMINATED_EXIT_CODE = 143  # SIGTERM before the trainer started
 ADDRESS_FILE = "rm_address"
 SERVER_LOG = "rm_server.log"
 ROLLOUT_ADDRESS_FILE = "rollout_controller"
-"""``nemo_rlhf.rollout.remote.ADDRESS_FILE`` (not imported: it pulls in torch)."""
+"""``nemo_rlhf.rollout.transport.ADDRESS_FILE`` (not imported: it pulls in torch)."""
 
 
 class LaunchError(RuntimeError):

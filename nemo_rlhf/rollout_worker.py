@@ -5,7 +5,7 @@ Started beside the PPO trainer (``launchers.local`` starts ``rollout.num_workers
 the Slurm launcher one job step of them), with the trainer's own config and overrides: it
 composes the same config (``--config-name`` as the trainer's), adopts the same
 ``exp_manager.init_from`` model, and then serves the trainer's controller
-(:func:`~nemo_rlhf.rollout.remote.serve_rollout_worker`) until told to stop:
+(:func:`~nemo_rlhf.rollout.transport.serve_rollout_worker`) until told to stop:
 
 * its own single-process world (TP=1, PP=1, no DP), on its own device (the first visible
   GPU, else the host): one full copy of the actor, built when the first weights arrive, in
@@ -42,7 +42,7 @@ from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import LoRAConfig
 from nemo_rlhf.models.full_tensors import fill_model, model_full_tensors
 from nemo_rlhf.rollout.engines import build_rollout_engine
-from nemo_rlhf.rollout.remote import RolloutItem, serve_rollout_worker
+from nemo_rlhf.rollout.transport import RolloutItem, serve_rollout_worker
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 
 log = logging.getLogger("nemo_rlhf.rollout_worker")

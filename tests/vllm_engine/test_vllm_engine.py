@@ -53,7 +53,7 @@ def _engines(trainer):
         trainer.dims, eos_token_id=trainer.tok.eos_id, pad_token_id=trainer.tok.pad_id,
         vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.max_position_embeddings,
         decode_fn=trainer.tok.decode)
-    return trainer.rollout_engine, megatron
+    return trainer.rollout_source.engine, megatron
 
 
 def _responses(batch) -> list[list[int]]:

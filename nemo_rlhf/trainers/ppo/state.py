@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -104,56 +105,66 @@ def jsonable(obj):
     return obj
 
 
-
-
-def run_state(trainer) -> dict:
-    """A :class:`~nemo_rlhf.trainers.ppo.trainer.PPOTrainer`'s JSON-able state for a
-    checkpoint: the step, the sampler's position, the KL controller, the reward sources'
-    statistics and identities, the non-finite counter, the initial evaluation, the guard,
-    and with ``rollout.mode=async`` the samples older weights made for the next steps."""
+def run_state(*, step: int, sampler, kl_ctl, reward, nonfinite_in_a_row: int, initial_eval, guard,
+              rollout_state: dict) -> dict:
+    """The PPO run's JSON-able state for a checkpoint, from its parts: the step, the
+    sampler's position, the KL controller, the reward sources' statistics and identities
+    (``reward``: a ``CombinedReward`` on the scoring ranks, else None), the non-finite
+    counter, the initial evaluation, the guard, and the rollout source's state
+    (``rollout_state``; kept under ``async_rollout`` when not empty: with
+    ``rollout.mode=async`` the samples older weights made for the next steps)."""
     sd = {
-        "step": trainer.step,
-        "sampler": trainer.sampler.state_dict(),
-        "kl_controller": trainer.kl_ctl.state_dict(),
-        "reward": jsonable(trainer.reward.state_dict()) if trainer.reward else {},
-        "nonfinite_in_a_row": trainer.nonfinite_in_a_row,
-        "initial_eval": trainer.evaluation.initial,
-        "guard": trainer.guard.state_dict(),
-        "reward_sources": trainer.reward.identities() if trainer.reward else {},
+        "step": step,
+        "sampler": sampler.state_dict(),
+        "kl_controller": kl_ctl.state_dict(),
+        "reward": jsonable(reward.state_dict()) if reward else {},
+        "nonfinite_in_a_row": nonfinite_in_a_row,
+        "initial_eval": initial_eval,
+        "guard": guard.state_dict(),
+        "reward_sources": reward.identities() if reward else {},
     }
-    if trainer.async_rollout is not None:
-        sd["async_rollout"] = trainer.async_rollout.state_dict(trainer)
+    if rollout_state:
+        sd["async_rollout"] = rollout_state
     return sd
 
 
-def restore_run_state(trainer, sd: dict) -> None:
-    """The inverse of :func:`run_state` after the checkpoint's weights were loaded (the
-    actor's weights version moves on); a reward source that is not the one the checkpoint
-    recorded (a refreshed RM) gets its statistics reset, and every rank learns of it (the
-    next step's metrics say ``reward/source_changed``; the initial evaluation is rescored;
-    the guard starts over)."""
-    trainer.step = int(sd["step"])
-    trainer.weights_version += 1  # the checkpoint's weights were loaded
-    trainer.sampler.load_state_dict(sd["sampler"])
-    trainer.kl_ctl.load_state_dict(sd["kl_controller"])
+@dataclass
+class RestoredRun:
+    """What :func:`restore_run_state` read back that the trainer holds as plain values."""
+
+    step: int
+    nonfinite_in_a_row: int
+    initial_eval: Optional[dict]
+    reward_changed: Optional[str]
+    """The warning logged (every rank) when a reward source is not the one the checkpoint
+    recorded (a refreshed RM); None otherwise."""
+
+
+def restore_run_state(sd: dict, *, sampler, kl_ctl, reward, guard, rollout_source) -> RestoredRun:
+    """The inverse of :func:`run_state` after the checkpoint's weights were loaded: the
+    sampler, KL controller, reward sources, guard and rollout source load their parts in
+    place; the plain values come back. A reward source that is not the one the checkpoint
+    recorded (a refreshed RM) gets its statistics reset, and every rank learns of it
+    (collective: :func:`~nemo_rlhf.trainers.collectives.bcast_text`): the guard starts
+    over, and the caller marks the next step's metrics (``reward/source_changed``) and
+    rescores the initial evaluation."""
+    sampler.load_state_dict(sd["sampler"])
+    kl_ctl.load_state_dict(sd["kl_controller"])
     changed = {}
-    if trainer.reward is not None:  # the scoring ranks, rank 0 among them
-        changed = trainer.reward.changed_sources(sd.get("reward_sources") or {})
+    if reward is not None:  # the scoring ranks, rank 0 among them
+        changed = reward.changed_sources(sd.get("reward_sources") or {})
         if sd.get("reward"):
-            trainer.reward.load_state_dict(sd["reward"], reset=list(changed))
-    trainer.nonfinite_in_a_row = int(sd.get("nonfinite_in_a_row", 0))
-    trainer.evaluation.initial = sd.get("initial_eval")
+            reward.load_state_dict(sd["reward"], reset=list(changed))
     if sd.get("guard"):
-        trainer.guard.load_state_dict(sd["guard"])
-    if trainer.async_rollout is not None:
-        trainer.async_rollout.load_state_dict(sd.get("async_rollout") or {}, trainer.encoded)
+        guard.load_state_dict(sd["guard"])
+    rollout_source.load_state_dict(sd.get("async_rollout") or {})
     message = bcast_text(reward_change_message(changed))
     if message:
         log.warning("%s", message)
-        trainer.reward_changed = message
-        trainer.evaluation.rescore_initial = True
-        trainer.guard.reset()
+        guard.reset()
+    return RestoredRun(step=int(sd["step"]), nonfinite_in_a_row=int(sd.get("nonfinite_in_a_row", 0)),
+                       initial_eval=sd.get("initial_eval"), reward_changed=message)
 
 
-__all__ = ["dp_group_slice", "file_hash", "jsonable", "log_prompt_ids", "ppo_fingerprint", "restore_run_state",
+__all__ = ["RestoredRun", "dp_group_slice", "file_hash", "jsonable", "log_prompt_ids", "ppo_fingerprint", "restore_run_state",
            "reward_change_message", "run_state"]

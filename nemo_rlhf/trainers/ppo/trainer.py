@@ -41,17 +41,15 @@ from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.distributed.phase import in_phase
 from nemo_rlhf.metrics.logger import MetricsLogger
 from nemo_rlhf.metrics.timers import Timers
-from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.models.moe import RouterLoad, router_load_metrics
-from nemo_rlhf.rollout.engines import build_rollout_engine
 from nemo_rlhf.trainers.collectives import JobCollectives, bcast_text
 from nemo_rlhf.trainers.loop import Experiment, Signals, fit
-from nemo_rlhf.trainers.ppo.async_rollout import AsyncRollout
 from nemo_rlhf.trainers.ppo.config import PPOConfig
 from nemo_rlhf.trainers.ppo.evaluation import HeldOutEvaluation, evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.micro_batches import training_minibatches
 from nemo_rlhf.trainers.ppo.roles import CriticRole, ForwardPasses, PolicyRole, build_critic_role
+from nemo_rlhf.trainers.ppo.rollout_source import RolloutSource, build_rollout_source
 from nemo_rlhf.trainers.ppo.scoring import RewardScoringError, score_rollout
 from nemo_rlhf.trainers.ppo.state import (dp_group_slice, log_prompt_ids, ppo_fingerprint, restore_run_state,
                                           run_state)
@@ -110,19 +108,16 @@ class PPOTrainer:
         self.actor = PolicyRole(model, optimizer, passes, dims, cfg.rollout.logprob_temperature,
                                 cfg.kl_temperature, with_values=self.critic.on_actor_backbone)
         self.step = 0
-        self.rollout_engine = build_rollout_engine(
-            cfg.rollout, dims, cfg.model, eos_token_id=tokenizer.eos_id,
-            pad_token_id=tokenizer.pad_id, decode_fn=tokenizer.decode,
-            params_dtype=unwrap(model).config.params_dtype,
-            with_values=cfg.ppo.old_logprobs_from_rollout and self.critic.on_actor_backbone)
-        self.async_rollout = AsyncRollout(cfg, dims) if cfg.rollout.mode == "async" else None
-        """``rollout.mode=async``: the rollout workers' samples (:mod:`~nemo_rlhf.trainers.ppo.async_rollout`)."""
         self.nonfinite_in_a_row = 0
         self.timers = Timers()
         self.encoded = [p.prompt_ids for p in prompts]
-        self.eval_encoded = [p.prompt_ids for p in self.eval_prompts]
         self.evaluation = HeldOutEvaluation(cfg, has_prompts=bool(self.eval_prompts))
         self.collectives = JobCollectives(dims)
+        self.rollout_source: RolloutSource = build_rollout_source(
+            cfg, dims, self.actor, tokenizer, self.encoded, self.sampler, self.collectives, self.timers,
+            with_values=cfg.ppo.old_logprobs_from_rollout and self.critic.on_actor_backbone)
+        """Where the samples come from (:mod:`~nemo_rlhf.trainers.ppo.rollout_source`): the
+        local engine, or the rollout workers of ``rollout.mode=async``; chosen here, once."""
         self.is_mp_src, self.is_reporter = self.collectives.is_mp_src, self.collectives.is_reporter
         self.run_config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
         self.exp = Experiment(cfg.exp_manager.exp_dir, dims.rank == 0, self.run_config)
@@ -157,11 +152,11 @@ class PPOTrainer:
 
     # --- the rollout's text ----------------------------------------------------------------
     def generate(self, prompt_ids: list[list[int]], greedy: bool = False):
-        """Rollout for this DP rank's prompts by ``rollout.engine``; the sampling seeds are a
-        function of ``(rollout.seed, dp_rank, step)``, so a resumed run draws the same tokens."""
+        """The actor's responses to token-id prompts outside the training rollout (the
+        evaluation's; :meth:`RolloutSource.generate`); the sampling seeds are a function of
+        ``(rollout.seed, dp_rank, step)``."""
         cfg = replace(self.cfg.rollout, greedy=True) if greedy else self.cfg.rollout
-        return self.rollout_engine.generate(self.model, prompt_ids, cfg, call_index=self.step,
-                                            weights_version=self.weights_version)
+        return self.rollout_source.generate(prompt_ids, cfg, call_index=self.step)
 
     def response_texts(self, batch) -> list[str]:
         """The responses' text (EOS and padding dropped), one per row."""
@@ -185,13 +180,10 @@ class PPOTrainer:
 
     @in_phase("rollout")
     def rollout(self, idx: list[int]):
-        """Step 2: the actor generates for this DP rank's prompts (a ``RolloutBatch``); with
-        ``rollout.mode=async`` the rollout workers generated them (this waits for them)."""
+        """Step 2: this DP rank's samples for its prompts (a ``RolloutBatch``) from the
+        rollout source (generated here, or by the rollout workers: this waits for them)."""
         with self.timers("rollout"):
-            if self.async_rollout is not None:
-                batch = self.async_rollout.take(self, idx)
-            else:
-                batch = self.generate([self.encoded[i] for i in idx])
+            batch = self.rollout_source.rollout(self.step + 1, idx)
         maybe_crash("rollout", self.step + 1)
         return batch
 
@@ -311,8 +303,7 @@ class PPOTrainer:
     def train_step(self) -> dict:
         """Run the six steps once; return the step's metrics (valid on the reporter)."""
         t0 = time.perf_counter()
-        if self.async_rollout is not None and not self.async_rollout.started:
-            self.async_rollout.start(self)  # (after a resume: the workers get its weights)
+        self.rollout_source.begin(self.step)  # (async, the first time: the workers get the weights)
         idx = self.sample_prompts()                                  # 1. prompts
         batch = self.rollout(idx)                                    # 2. rollout
         scores, reward_metrics = self.score(idx, batch)              # 3. rewards
@@ -320,9 +311,7 @@ class PPOTrainer:
         adv, metrics = self.compute_advantages(batch, scores, fwd)   # 5. advantages
         with self.timers("train"):
             metrics.update(self.update(batch, fwd, adv))             # 6. PPO updates
-        if self.async_rollout is not None:  # the new weights to the rollout workers
-            with self.timers("publish_weights"):
-                self.async_rollout.publish(self, self.step + 1)
+        self.rollout_source.after_update(self.step + 1)  # (async: the new weights to the workers)
         self._last_batch = (idx, batch, scores)
         return self._step_metrics(t0, batch, metrics, reward_metrics, fwd is not None)
 
@@ -335,9 +324,7 @@ class PPOTrainer:
         self.kl_ctl.update(self.collectives.from_last_stage(self._step_kl), self.cfg.ppo.num_rollout_samples)
         metrics = self.collectives.to_reporter({**metrics, **reward_metrics} if last_stage else None) or {}
         metrics.update(self.timers.pop())
-        metrics.update(self.rollout_engine.metrics())
-        if self.async_rollout is not None:
-            metrics.update(self.async_rollout.metrics)
+        metrics.update(self.rollout_source.metrics())
         elapsed = time.perf_counter() - t0
         metrics["timing/step_s"] = elapsed
         # (rollout.mode=async: the controller's, over the workers' generation seconds, not the wait)
@@ -453,18 +440,27 @@ class PPOTrainer:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
-        if self.async_rollout is not None:
-            self.async_rollout.close()
-        self.rollout_engine.close()
+        self.rollout_source.close()
 
     # --- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """JSON-able trainer state for checkpoints (:func:`~nemo_rlhf.trainers.ppo.state.run_state`)."""
-        return run_state(self)
+        """JSON-able trainer state for checkpoints (:func:`~nemo_rlhf.trainers.ppo.state.run_state`;
+        collective: the rollout source's)."""
+        return run_state(step=self.step, sampler=self.sampler, kl_ctl=self.kl_ctl, reward=self.reward,
+                         nonfinite_in_a_row=self.nonfinite_in_a_row, initial_eval=self.evaluation.initial,
+                         guard=self.guard, rollout_state=self.rollout_source.state_dict())
 
     def load_state_dict(self, sd: dict) -> None:
-        """A checkpoint's trainer state (:func:`~nemo_rlhf.trainers.ppo.state.restore_run_state`)."""
-        restore_run_state(self, sd)
+        """A checkpoint's trainer state (:func:`~nemo_rlhf.trainers.ppo.state.restore_run_state`),
+        after its weights were loaded (the actor's weights version moves on)."""
+        self.weights_version += 1  # the checkpoint's weights were loaded
+        restored = restore_run_state(sd, sampler=self.sampler, kl_ctl=self.kl_ctl, reward=self.reward,
+                                     guard=self.guard, rollout_source=self.rollout_source)
+        self.step, self.nonfinite_in_a_row = restored.step, restored.nonfinite_in_a_row
+        self.evaluation.initial = restored.initial_eval
+        if restored.reward_changed:
+            self.reward_changed = restored.reward_changed
+            self.evaluation.rescore_initial = True
 
 
 __all__ = ["PPOTrainer", "RewardScoringError", "dp_group_slice", "ppo_fingerprint"]

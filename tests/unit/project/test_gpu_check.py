@@ -213,9 +213,9 @@ class _FakeTrainer:
         self.actor = _FakeActor(self.log)
         self.torch = torch
 
-    def generate(self, prompt_ids, greedy=False):
+    def rollout(self, idx):
         torch = self.torch
-        B, P, R = len(prompt_ids), 5, 3
+        B, P, R = len(idx), 5, 3
         self.log.append("rollout")
         return SimpleNamespace(input_ids=torch.zeros(B, P + R), prompt_length=P,
                                response_ids=torch.zeros(B, R),
@@ -226,7 +226,7 @@ class _FakeTrainer:
         return {"policy_loss": 0.0}
 
     def train_step(self):
-        batch = self.generate([[1]] * 4)
+        batch = self.rollout([1] * 4)
         self.actor.logprobs(batch, with_values=True)
         with self.reference.swapped_in() as ref:
             self.actor.logprobs(batch, ref, with_values=False)
@@ -247,7 +247,7 @@ def test_probe_times_each_phase_and_computes_the_step_flops(tmp_path):
     assert metrics["policy_loss"] == 0.0  # the step's own result passes through
     assert trainer.log == ["rollout", "forward:actor:True", "swap_in", "forward:ref-model:False",
                            "swap_out", "update"]
-    trainer.generate([[1]])  # outside a step (evaluation): runs, not recorded
+    trainer.rollout([1])  # outside a step: runs, not recorded
     (record,) = [json.loads(line) for line in path.read_text().splitlines()]
     assert record == probe.records[0]
     assert record["step"] == 1 and record["probe_unwrapped"] == []

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from nemo_rlhf.rollout.generate import RolloutBatch
-from nemo_rlhf.rollout.remote import (RolloutController, RolloutItem, RolloutWorkerError, batch_from_host,
-                                      batch_to_host, bits_checksum, serve_rollout_worker)
+from nemo_rlhf.rollout.remote import RolloutController
+from nemo_rlhf.rollout.staleness import StalenessSchedule
+from nemo_rlhf.rollout.transport import (RolloutItem, RolloutWorkerError, batch_from_host, batch_to_host,
+                                         bits_checksum, serve_rollout_worker)
 
 DP = 2
 
@@ -65,7 +67,7 @@ class FakeWorker:
 def _controller(tmp_path, workers: int, k: int, timeout_s: float = 20.0,
                 wait_timeout_s: float | None = None) -> RolloutController:
     kw = {} if wait_timeout_s is None else {"wait_timeout_s": wait_timeout_s}  # None: timeout_s
-    ctl = RolloutController(tmp_path, workers, k, k + 1, timeout_s, torch.device("cpu"), **kw)
+    ctl = RolloutController(tmp_path, workers, StalenessSchedule(k), timeout_s, torch.device("cpu"), **kw)
     return ctl
 
 
@@ -187,7 +189,7 @@ def test_workers_that_never_come_are_reported_with_the_timeout_and_how_to_start_
 
 
 def test_a_silent_worker_is_reported_dead_within_the_timeout(started, monkeypatch):
-    import nemo_rlhf.rollout.remote as remote
+    import nemo_rlhf.rollout.transport as transport
 
     ctl, fakes = started(workers=1, k=0, timeout_s=1.5, wait_timeout_s=60.0)
     ctl.publish(0, _weights(0))
@@ -196,7 +198,7 @@ def test_a_silent_worker_is_reported_dead_within_the_timeout(started, monkeypatc
     ctl.take(1, DP)
     for r in range(DP):  # version 1 is never published: the trainer waits on items in the queue
         ctl.submit(RolloutItem(step=2, dp_rank=r, prompt_indices=[20 + r], prompts=[[2, r, 1]], version=1))
-    monkeypatch.setattr(remote, "HEARTBEAT_S", 1000.0)  # the next beat never comes
+    monkeypatch.setattr(transport, "HEARTBEAT_S", 1000.0)  # the next beat never comes
     t0 = time.monotonic()
     with pytest.raises(RolloutWorkerError, match=r"rollout worker 0 .* sent no heartbeat for \d+ s"):
         ctl.take(2, DP)

@@ -1,5 +1,5 @@
 """``rollout.mode=async`` resumed with another layout (#50): the trainer's
-:class:`~nemo_rlhf.trainers.ppo.async_rollout.AsyncRollout` and its controller on one process
+:class:`~nemo_rlhf.trainers.ppo.async_rollout.RemoteRolloutSource` and its controller on one process
 (world size 1, the DP size and rank given by fake dims: rank 0 holds every DP rank's items),
 a worker in a thread with the fake model of ``tests/unit/rollout/test_remote.py`` over the
 real TCPStore and gloo group. A checkpoint after step 1 carries step 2's samples (made by
@@ -20,7 +20,8 @@ import torch
 from nemo_rlhf.data.sampler import ResumableSampler
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.trainers.ppo import async_rollout
-from nemo_rlhf.trainers.ppo.async_rollout import AsyncRollout
+from nemo_rlhf.metrics.timers import Timers
+from nemo_rlhf.trainers.ppo.async_rollout import RemoteRolloutSource
 from nemo_rlhf.trainers.ppo.state import dp_group_slice
 from tests.unit.rollout.test_remote import FakeWorker, _weights
 
@@ -43,10 +44,11 @@ def _raise_together(failure, what, error=RuntimeError):
 
 
 class _Trainer:
-    """What AsyncRollout reads of the trainer; ``model`` is the weights version it holds."""
+    """The parts the source is given: ``actor.model`` is the weights version it holds."""
 
     def __init__(self, step: int = 0, sampler_sd: dict | None = None):
-        self.step, self.model = step, step
+        self.step = step
+        self.actor = SimpleNamespace(model=step, weights_version=step)
         self.sampler = ResumableSampler(PROMPTS, seed=7, shuffle=True)
         if sampler_sd:
             self.sampler.load_state_dict(sampler_sd)
@@ -56,28 +58,29 @@ class _Trainer:
 
 def _run(tmp_path, name: str, cfg_kw: dict, dp: int, until: int, sd: dict | None = None, trainer=None,
          delay_s: float = 0.0):
-    """An AsyncRollout at DP ``dp`` (this process is DP rank 0) trained to step ``until``;
+    """A RemoteRolloutSource at DP ``dp`` (this process is DP rank 0) trained to step ``until``;
     returns (the state after the last step, the sampler's state, the worker's log of
     (step, dp_rank, version), each step's metrics)."""
     exp = tmp_path / name
     cfg = _cfg(exp, **cfg_kw)
     dims = SimpleNamespace(dp=dp, dp_rank=0, rank=0, world_size=1, tp=1, pp=1, device=torch.device("cpu"))
     trainer = trainer or _Trainer()
-    ar = AsyncRollout(cfg, dims)
+    ar = RemoteRolloutSource(cfg, dims, trainer.actor, trainer.encoded, trainer.sampler, trainer.collectives,
+                             Timers(), eval_engine=SimpleNamespace(metrics=dict, close=lambda: None))
     worker = FakeWorker(0, exp, delay_s)
     metrics = []
     try:
         if sd is not None:
-            ar.load_state_dict(sd, trainer.encoded)
-        ar.start(trainer)
+            ar.load_state_dict(sd)
+        ar.begin(trainer.step)
         n = cfg.rollout.n_samples_per_prompt
         while trainer.step < until:
             idx = dp_group_slice(trainer.sampler.next_global_batch(cfg.ppo.num_rollout_samples // n), 0, dp, n)
-            batch = ar.take(trainer, idx)  # (raises when the item's prompts are not idx)
-            metrics.append((ar.metrics, float(batch.response_mask.sum())))
-            trainer.step = trainer.model = trainer.step + 1
-            ar.publish(trainer, trainer.step)
-        state = ar.state_dict(trainer)
+            batch = ar.rollout(trainer.step + 1, idx)  # (raises when the item's prompts are not idx)
+            metrics.append((ar.metrics(), float(batch.response_mask.sum())))
+            trainer.step = trainer.actor.model = trainer.step + 1
+            ar.after_update(trainer.step)
+        state = ar.state_dict()
     finally:
         ar.close()
         worker.thread.join(10)

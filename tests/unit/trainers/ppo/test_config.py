@@ -164,7 +164,7 @@ def test_the_worker_index_comes_from_the_flag_then_the_environment():
 
 def test_the_launchers_address_file_name_is_the_controllers():
     from launchers.local import ROLLOUT_ADDRESS_FILE
-    from nemo_rlhf.rollout.remote import ADDRESS_FILE
+    from nemo_rlhf.rollout.transport import ADDRESS_FILE
 
     assert ROLLOUT_ADDRESS_FILE == ADDRESS_FILE
 
