@@ -272,3 +272,44 @@ def test_a_separate_critic_values_its_own_model_in_eval_mode(dims):
     torch.testing.assert_close(got[m], want[m], atol=2e-5, rtol=1e-5)
     role.train()
     assert critic.training
+
+
+def test_train_minibatch_steps_the_value_head_alone_or_everything(dims):
+    """``value_head_only`` (a critic warm-up on the actor's backbone): the policy does not
+    move and the weights version stays; a full step moves the backbone and bumps it."""
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import load_model_preset
+    from nemo_rlhf.models.engine import wrap_ddp
+    from nemo_rlhf.trainers.mixed_precision import MixedPrecisionOptimizer, OptimizerConfig
+    from nemo_rlhf.trainers.ppo.roles import is_value_head
+
+    # a non-zero value head: the value loss reaches the backbone (a zero head gives it no gradient)
+    cfg = load_model_preset("tiny", vocab_size=VOCAB, init_method_std=0.1, value_head_init_std=0.1)
+    model = wrap_ddp(build_model(cfg, dims, seed=5))
+    role = PolicyRole(model, MixedPrecisionOptimizer(model, OptimizerConfig(lr=1e-2)),
+                      ForwardPasses(dims, VOCAB, 4), dims, temperature=1.0, kl_temperature=1.0, with_values=True)
+    batch = _batch()
+    B, R = batch.response_mask.shape
+    g = torch.Generator().manual_seed(4)
+    (mb,), _ = role.passes.micro_batches(batch)
+    mb.update(response_mask=batch.response_mask, old_logprobs=-torch.rand(B, R, generator=g),
+              advantages=torch.randn(B, R, generator=g), old_values=torch.zeros(B, R),
+              returns=torch.randn(B, R, generator=g))
+    n_tokens, n_seqs = batch.response_mask.sum().float(), torch.tensor(float(B))
+
+    def moved(before):
+        return {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fn = role.loss_fn(P.PPOObjective(), n_tokens, n_seqs, batch.prompt_length, value_only=True)
+    res, stepped, norm = role.train_minibatch([mb], fn, batch.prompt_length, False, value_head_only=True)
+    changed = moved(before)
+    assert stepped and norm > 0 and len(res) == 1 and "value_loss_sum" in res[0]
+    assert changed and all(is_value_head(n) for n in changed) and role.weights_version == 0
+    assert any(p.main_grad.abs().sum() > 0 for n, p in model.named_parameters() if not is_value_head(n))
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    fn = role.loss_fn(P.PPOObjective(), n_tokens, n_seqs, batch.prompt_length, value_only=False)
+    _, stepped, _ = role.train_minibatch([mb], fn, batch.prompt_length, False)
+    changed = moved(before)
+    assert stepped and any(not is_value_head(n) for n in changed) and role.weights_version == 1
