@@ -50,7 +50,7 @@ ARGS = ["--model", "tiny", "--rm-prompts", "16", "--rm-val-prompts", "8", "--ppo
         "ppo.num_rollout_samples=16", "ppo.global_batch_size=16", "ppo.micro_batch_size=8",
         "ppo.forward_micro_batch_size=16"]
 ARGS = ["--force", "--rm-heldout-sample-rounds", "0", "--rm-more-rounds", "0", "--sft-more-rounds", "0",
-        *ARGS]  # the wiring, not the gate and the sizing loops (tests/unit/launchers)
+        *ARGS]  # the wiring, not the gate and the sizing loops (tests/unit/project/test_demo_gates.py, test_demo_sizing.py)
 
 
 def test_a_task_the_model_cannot_do_gets_sft_first_then_rm_and_ppo(tmp_path, monkeypatch, capsys):

@@ -135,7 +135,7 @@ def _custom(tmp_path, monkeypatch):
     return ["--task", "pkg_upper_task:TASK", "--model", "tiny", "--out", str(tmp_path / "out"),
             "--rm-prompts", "6", "--rm-val-prompts", "3", "--ppo-prompts", "10", "--sft-steps", "7",
             "--force", "--rm-heldout-sample-rounds", "0", "--sft-more-rounds", "0"]  # 3 held-out pairs: < 20
-    # (the gate and the held-out sampling rounds: tests/unit/launchers/)
+    # (the gate and the held-out sampling rounds: tests/unit/project/test_demo_gates.py, test_demo_sizing.py)
 
 
 def test_a_task_the_model_can_do_goes_straight_to_the_rm_data(tmp_path, monkeypatch):
