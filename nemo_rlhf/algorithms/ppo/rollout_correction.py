@@ -48,7 +48,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from nemo_rlhf.algorithms.ppo.kl import kl_penalty
+from nemo_rlhf.algorithms.ppo.kl import K3_LOG_RATIO_CLAMP
 from nemo_rlhf.algorithms.ppo.losses import Stats
 
 IS_MODES = ("truncate", "mask")
@@ -191,7 +191,9 @@ def rollout_train_k3(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
 
     ``k3 = exp(d) - d - 1`` with ``d = logp_train - logp_rollout`` (Schulman 2020, samples
     from the rollout engine; see the module docstring), ``d`` clipped to
-    ``+-K3_LOG_RATIO_CLAMP`` (20) as :func:`~nemo_rlhf.algorithms.ppo.kl.kl_penalty`'s k3.
+    ``+-K3_LOG_RATIO_CLAMP`` (20) as :func:`~nemo_rlhf.algorithms.ppo.kl.kl_penalty`'s k3,
+    evaluated as ``expm1(d) - d`` in float64: two engines agree to ~1e-7 nats, where fp32's
+    ``exp(d) - d - 1`` cancels to 0 or to a negative rounding error (k3 ~ ``d^2 / 2``).
 
     Args:
         train_logprobs: ``[batch, response_len]`` the training engine's log-probs, any float.
@@ -199,7 +201,7 @@ def rollout_train_k3(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
         response_mask: ``[batch, response_len]`` bool or 0/1: the policy tokens.
 
     Returns:
-        ``[batch, response_len]`` fp32, >= 0, 0 off the mask (padding, environment tokens).
+        ``[batch, response_len]`` float64, >= 0, 0 off the mask (padding, environment tokens).
 
     Raises:
         ValueError: shapes that differ.
@@ -207,7 +209,11 @@ def rollout_train_k3(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     if response_mask.shape != train_logprobs.shape:
         raise ValueError(f"rollout_train_k3: response_mask {tuple(response_mask.shape)} and "
                          f"train_logprobs {tuple(train_logprobs.shape)} must have the same shape")
-    k3 = kl_penalty(rollout_logprobs, train_logprobs, "k3")  # log r = train - rollout
+    if rollout_logprobs.shape != train_logprobs.shape:
+        raise ValueError(f"rollout_train_k3: rollout_logprobs {tuple(rollout_logprobs.shape)} and "
+                         f"train_logprobs {tuple(train_logprobs.shape)} must have the same shape")
+    d = (train_logprobs.double() - rollout_logprobs.double()).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    k3 = torch.expm1(d) - d
     return torch.where(response_mask.bool(), k3, torch.zeros((), dtype=k3.dtype, device=k3.device))
 
 

@@ -127,11 +127,17 @@ def test_k3_of_the_rollout_train_mismatch_by_hand():
     from nemo_rlhf.algorithms.ppo.rollout_correction import rollout_train_k3
 
     k3 = rollout_train_k3(TRAIN, ROLLOUT, MASK)
-    expected = torch.tensor([[math.exp(0.2) - 1.2, math.exp(-1.0), 0.0, 0.0],  # the padding's 9.0: 0
-                             [math.exp(0.1) - 1.1, math.exp(-0.1) - 0.9, 0.0, 0.0]])
+    d = (TRAIN.double() - ROLLOUT.double())  # the fp32 inputs' own differences
+    expected = torch.where(MASK, torch.exp(d) - d - 1, 0.0)  # the padding's 9.0: 0
     torch.testing.assert_close(k3, expected)
-    assert k3[0, 0] == pytest.approx(0.0214028, rel=1e-5) and k3[0, 1] == pytest.approx(0.3678794, rel=1e-6)
-    assert torch.equal(rollout_train_k3(TRAIN, TRAIN, MASK), torch.zeros(2, 4))  # identical engines
+    assert k3.dtype == torch.float64
+    assert k3[0, 0] == pytest.approx(math.exp(0.2) - 1.2, rel=1e-6) and k3[0, 1] == pytest.approx(math.exp(-1.0), rel=1e-6)
+    assert torch.equal(rollout_train_k3(TRAIN, TRAIN, MASK), torch.zeros(2, 4, dtype=torch.float64))
+    # engines 2.4e-7 nats apart (two fp32 ulps of 1, the megatron decode vs the training
+    # forward): k3 = d^2 / 2 = 2.8e-14, where fp32's exp(d) - d - 1 gives 0
+    lp = torch.full((1, 1), -1.0)
+    tiny = rollout_train_k3(lp + 2.384185791015625e-07, lp, torch.ones(1, 1, dtype=torch.bool))
+    assert float(tiny) == pytest.approx(2.384185791015625e-07 ** 2 / 2, rel=1e-6)
     with pytest.raises(ValueError, match="same shape"):
         rollout_train_k3(TRAIN, ROLLOUT, MASK[:, :2])
 
