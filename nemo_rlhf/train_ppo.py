@@ -24,6 +24,7 @@ from nemo_rlhf.config import configure_job_logging, run_console_entry, to_typed
 from nemo_rlhf.data.datasets import load_prompt_dataset
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
+from nemo_rlhf.distributed.determinism import enable_deterministic_mode
 from nemo_rlhf.distributed.phase import collective_errors
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import agree_on_precision
@@ -44,7 +45,10 @@ __all__ = ["REQUEUE_EXIT_CODE", "build", "build_separate_critic", "main", "share
 
 def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
     """Set up distributed, data, model, optimizer, reference, reward; return the trainer
-    (``trainer.fit()`` runs it)."""
+    (``trainer.fit()`` runs it). ``trainer.deterministic`` is applied first, before any
+    process group, model or cuBLAS handle exists."""
+    if cfg.trainer.deterministic:
+        enable_deterministic_mode()
     tok = Tokenizer(cfg.data.tokenizer_dir)
     if cfg.model.vocab_size == 0:
         cfg.model.vocab_size = tok.vocab_size

@@ -452,7 +452,9 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
     expert-parallel size, MoE only; megatron's expert TP is left at ``tp``).
 
     Weights are created on the CPU (``use_cpu_initialization``) and moved to the device by
-    the caller; all CUDA-only fusions are off.
+    the caller; all CUDA-only fusions are off. megatron's ``deterministic_mode`` follows
+    ``torch.are_deterministic_algorithms_enabled()`` (``trainer.deterministic`` turns it on
+    before any model is built: :mod:`nemo_rlhf.distributed.determinism`).
 
     Raises:
         ValueError: ``model.recompute_num_layers`` larger than a pipeline stage's layers
@@ -529,6 +531,7 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
         # Losses are already divided by global token counts (passed in), so neither the
         # pipeline schedule nor DDP may rescale them by micro-batch or DP counts.
         calculate_per_token_loss=True,
+        deterministic_mode=torch.are_deterministic_algorithms_enabled(),
         **recompute,
         **moe,
     )

@@ -17,7 +17,9 @@ vocabulary, masked) the CDF over the whole vocabulary is two-level (:func:`_draw
 block masses, then one block), not a float64 softmax + cumsum of ``[batch, vocab]``. A fixed
 number of draws per step (one per row, finished rows included) keeps the random stream
 aligned across batch layouts, and a tiny perturbation of the logits (TP=2 vs TP=1 rounding)
-only changes the token if a uniform lands within that perturbation of a bucket edge.
+only changes the token if a uniform lands within that perturbation of a bucket edge. The
+cumulative sums are :func:`~nemo_rlhf.distributed.determinism.cumsum`: ``torch.cumsum``,
+except on CUDA in deterministic mode (``trainer.deterministic``), a fixed-order scan.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from nemo_rlhf.distributed.determinism import cumsum
 
 NEG_INF = float("-inf")
 
@@ -62,7 +66,7 @@ def _nucleus(scores_BV: torch.Tensor, top_p: float):
         k = vocab
     while True:
         vals_Bk, idx_Bk = torch.topk(probs_BV, k, dim=-1)
-        mass_before_Bk = vals_Bk.cumsum(dim=-1) - vals_Bk
+        mass_before_Bk = cumsum(vals_Bk, dim=-1) - vals_Bk
         if k == vocab or bool((mass_before_Bk[:, -1] >= top_p).all()):
             break
         k = min(vocab, k * 4)
@@ -124,7 +128,7 @@ def _draw_among(scores_BV: torch.Tensor, idx_Bk: torch.Tensor, removed_Bk: torch
     idx_Bk = idx_Bk.gather(-1, order_Bk)
     removed_Bk = removed_Bk.gather(-1, order_Bk)
     cand_Bk = scores_BV.gather(-1, idx_Bk).masked_fill_(removed_Bk, NEG_INF)
-    cdf_Bk = torch.softmax(cand_Bk, dim=-1, dtype=torch.float64).cumsum_(dim=-1)
+    cdf_Bk = cumsum(torch.softmax(cand_Bk, dim=-1, dtype=torch.float64), dim=-1)
     target_B1 = (u_B * cdf_Bk[:, -1]).unsqueeze(-1)
     j_B1 = torch.searchsorted(cdf_Bk, target_B1, right=True)
     last_kept_B1 = (~removed_Bk).sum(dim=-1, keepdim=True) - 1
@@ -162,7 +166,7 @@ def _draw_full(scores_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
         w_BV = torch.nn.functional.pad(w_BV, (0, nb * _BLOCK - vocab))
     w_BNK = w_BV.view(b, nb, _BLOCK)
     block_mass_BN = w_BNK.sum(dim=-1).double()  # float32 sums of 256: no float64 copy of all
-    cdf_BN = block_mass_BN.cumsum(dim=-1)
+    cdf_BN = cumsum(block_mass_BN, dim=-1)
     target_B1 = (u_B * cdf_BN[:, -1]).unsqueeze(-1)
     # never a block (or token) of zero weight, whatever the rounding at the top end
     arange_N = torch.arange(nb, device=scores_BV.device)
@@ -170,7 +174,7 @@ def _draw_full(scores_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
     blk_B1 = torch.minimum(torch.searchsorted(cdf_BN, target_B1, right=True), last_block_B1)
     base_B1 = torch.where(blk_B1 > 0, cdf_BN.gather(-1, (blk_B1 - 1).clamp_(min=0)), 0.0)
     w_BK = w_BNK.gather(1, blk_B1.unsqueeze(-1).expand(b, 1, _BLOCK)).squeeze(1)
-    inner_BK = w_BK.to(torch.float64).cumsum_(dim=-1).add_(base_B1)
+    inner_BK = cumsum(w_BK.to(torch.float64), dim=-1).add_(base_B1)
     arange_K = torch.arange(_BLOCK, device=scores_BV.device)
     last_tok_B1 = torch.where(w_BK > 0, arange_K, 0).amax(dim=-1, keepdim=True)
     j_B1 = torch.minimum(torch.searchsorted(inner_BK, target_B1, right=True), last_tok_B1)

@@ -334,6 +334,10 @@ def test_rollout_correction_weights_the_policy_loss_and_reports_its_metrics(sing
         # the megatron decode and the training forward differ in the last bits only
         assert 0 <= m["rollout_correction/mismatch_max"] < 1e-3
         assert m["rollout_correction/is_weight_max"] <= 1.0 and m["rollout_correction/masked_fraction"] == 0
+        # per row (#52): none masked; a row with a truncated token whenever a token is
+        assert m["rollout_correction/masked_rows_fraction"] == 0.0
+        assert (m["rollout_correction/is_truncated_rows_fraction"] > 0) == (m["rollout_correction/is_truncated_fraction"] > 0)
+        assert 0.0 <= m["rollout_correction/is_truncated_rows_fraction"] <= 1.0
         assert m["rollout_correction/is_weight"] == pytest.approx(1.0, abs=1e-3)
     assert tis[0]["policy_loss"] == pytest.approx(plain[0]["policy_loss"], rel=1e-2, abs=1e-4)
     # mask mode: the same first rollout (same seed), its tokens above the cap dropped, not
@@ -343,8 +347,12 @@ def test_rollout_correction_weights_the_policy_loss_and_reports_its_metrics(sing
     assert "rollout_correction/is_truncated_fraction" not in cap_mask
     assert dropped == tis[0]["rollout_correction/is_truncated_fraction"] and 0 < dropped < 1
     assert cap_mask["rollout_correction/is_weight"] == pytest.approx(1.0 - dropped, abs=1e-3)
+    assert cap_mask["rollout_correction/is_masked_rows_fraction"] == tis[0]["rollout_correction/is_truncated_rows_fraction"]
+    assert 0 < cap_mask["rollout_correction/is_masked_rows_fraction"] <= 1
     masked = single["mask_all"]["metrics"]
     assert masked[0]["rollout_correction/masked_fraction"] > 0.5  # the last bits exceed 1e-12 nats
+    assert 0.5 < masked[0]["rollout_correction/masked_rows_fraction"] <= 1.0  # of the rows, too
+    assert "rollout_correction/is_truncated_rows_fraction" not in masked[0]  # no cap
     assert masked[0]["grad_norm"] < plain[0]["grad_norm"]
 
 

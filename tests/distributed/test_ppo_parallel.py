@@ -74,7 +74,7 @@ def test_two_ppo_steps_run_and_first_step_metrics_match_tp1(results, layout):
     # reduced over DP (they were DP rank 0's rows alone); the second step's: at the first,
     # the value head starts at 0 (explained variance 0 on any rows)
     for key in ("explained_variance", "repetition", "response_length_max",
-                "rollout_train_logprob_diff_mean", "rollout_train_logprob_diff_max",
+                "rollout_train_logprob_diff_mean", "rollout_train_logprob_diff_max", "rollout_train_k3_kl",
                 "critic/value_error_pos_0-1", "critic/value_error_pos_2-3"):
         a, b = steps[1][key], ref[1][key]
         assert abs(a - b) <= 1e-3 * max(1.0, abs(b)), f"{layout} {key}: {a} vs TP=1 {b}"

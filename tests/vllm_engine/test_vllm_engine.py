@@ -108,6 +108,7 @@ def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = (
     out["version_changed"] = trainer.weights_version != version
     out["tis_metrics"] = {k: float(v) for k, v in metrics.items() if k.startswith("rollout_correction/")}
     out["step_mismatch"] = float(metrics["rollout_train_logprob_diff_max"])
+    out["step_k3"] = float(metrics["rollout_train_k3_kl"])
 
     batch = trainer.generate(prompts)  # sampled at T=1 by the refit engine
     out["refits_after_step"] = vllm.refits
@@ -174,6 +175,8 @@ def test_after_a_ppo_update_and_refit_vllm_logprobs_equal_the_training_engines(l
     assert layout["sampled_tokens"] > 0
     assert layout["sampled_logprob_diff_after_step"] < LOGPROB_TOL
     assert layout["step_mismatch"] < LOGPROB_TOL  # the PPO step's own rollout, also vLLM's
+    # k3 = exp(d) - d - 1 ~ d^2 / 2 per token: at |d| < 1e-4, below 5e-9 (and never negative)
+    assert 0.0 <= layout["step_k3"] < 0.5 * LOGPROB_TOL ** 2 * 1.01
 
 
 def test_a_refit_after_the_weights_changed_changes_the_generations(layout):
@@ -187,6 +190,9 @@ def test_truncated_importance_sampling_runs_in_a_ppo_step_with_vllm_rollouts(lay
     assert tis, "no rollout_correction/* metrics: TIS was not applied"
     weight_keys = [k for k in tis if "weight" in k]
     assert weight_keys and all(abs(tis[k] - 1.0) < 1e-3 for k in weight_keys if "mean" in k), tis
+    # no row masked (no threshold), none truncated (|d| < 1e-4: every weight far below the cap 2)
+    assert tis["rollout_correction/masked_rows_fraction"] == 0.0
+    assert tis["rollout_correction/is_truncated_rows_fraction"] == 0.0
 
 
 # --------------------------------------------------------------------------- LoRA

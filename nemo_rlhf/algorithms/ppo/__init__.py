@@ -9,7 +9,8 @@ them against), ``losses`` (policy, value, entropy and KL losses, their aggregati
 and stats), ``objective`` (those losses assembled into one micro-batch's loss),
 ``critic_metrics`` (the critic's value error by response position),
 ``rollout_correction`` (importance weights, truncated or masked at a cap, and row
-masking of the rollout-vs-train mismatch). See each module's docstring for sources and for what is
+masking of the rollout-vs-train mismatch; the mismatch's k3 KL and the rows a correction
+touches). See each module's docstring for sources and for what is
 simplified.
 """
 
@@ -79,10 +80,16 @@ from nemo_rlhf.algorithms.ppo.losses import (
 )
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective, critic_loss, ppo_loss
 from nemo_rlhf.algorithms.ppo.token_rewards import compute_token_rewards, drop_empty_responses
-from nemo_rlhf.algorithms.ppo.rollout_correction import rollout_correction_weights
+from nemo_rlhf.algorithms.ppo.rollout_correction import (
+    rollout_correction_row_counts,
+    rollout_correction_weights,
+    rollout_train_k3,
+)
 
 __all__ = [
+    "rollout_correction_row_counts",
     "rollout_correction_weights",
+    "rollout_train_k3",
     "ADVANTAGE_ESTIMATORS",
     "ESTIMATOR_TRAITS",
     "EstimatorTraits",

@@ -29,6 +29,15 @@ correct. Here a row is masked when any of its tokens has ``|logp_old_train - log
 unchanged, so a masked token counts as a zero loss, not as a removed one (as in AReaL,
 whose denominator is the loss mask's count before the cap).
 
+How far apart the two engines are is logged every step, with or without a correction:
+:func:`rollout_train_k3` is the k3 estimate of ``KL(pi_rollout || pi_train)`` per policy
+token (J. Schulman, "Approximating KL Divergence", 2020: with ``x ~ q`` and ``r = p(x) /
+q(x)``, ``k3 = (r - 1) - log r`` is unbiased for ``KL(q || p)`` and never negative; here
+``q`` is the rollout engine that sampled, ``p`` the training engine, ``log r = d =
+logp_train - logp_rollout``, so ``k3 = exp(d) - d - 1``); :func:`rollout_correction_row_counts`
+counts the rows a correction masks or caps (the share of sequences it touches, next to the
+token shares of :func:`rollout_correction_weights`' stats).
+
 Pure tensor functions in fp32, no distributed calls: statistics are returned as sums and
 extremes for the trainer's reduction (the :mod:`.losses` key convention).
 """
@@ -39,11 +48,42 @@ from typing import Optional, Tuple
 
 import torch
 
+from nemo_rlhf.algorithms.ppo.kl import K3_LOG_RATIO_CLAMP
 from nemo_rlhf.algorithms.ppo.losses import Stats
 
 IS_MODES = ("truncate", "mask")
 """How the importance weight is limited at the cap: ``truncate`` (``min(rho, C)``, TIS) or
 ``mask`` (``rho`` if ``rho <= C`` else 0, AReaL's decoupled objective)."""
+
+
+def _correction_masks(caller: str, train_logprobs, rollout_logprobs, response_mask,
+                      tis_cap, mask_threshold, is_mode):
+    """The checks and masks both public functions share: ``(mask [B, R] bool, log_ratio
+    [B, R] fp32 (0 off the mask), keep [B] bool (rows under the threshold), raw [B, R]
+    (``exp(log_ratio)``, None without ``tis_cap``), capped [B, R] bool (raw above the cap))``."""
+    if train_logprobs.shape != rollout_logprobs.shape or train_logprobs.shape != response_mask.shape:
+        raise ValueError(f"{caller}: train_logprobs {tuple(train_logprobs.shape)}, "
+                         f"rollout_logprobs {tuple(rollout_logprobs.shape)} and response_mask "
+                         f"{tuple(response_mask.shape)} must have the same shape")
+    if tis_cap is not None and not tis_cap >= 1.0:
+        raise ValueError(f"tis_cap={tis_cap}: must be >= 1 (None: off)")
+    if mask_threshold is not None and not mask_threshold > 0.0:
+        raise ValueError(f"mask_threshold={mask_threshold}: must be > 0 nats (None: off)")
+    if is_mode not in IS_MODES:
+        raise ValueError(f"is_mode={is_mode!r}: valid choices are {list(IS_MODES)}")
+    if is_mode == "mask" and tis_cap is None:
+        raise ValueError("is_mode='mask' drops the tokens whose weight exceeds tis_cap: set tis_cap")
+    mask = response_mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=train_logprobs.device)
+    log_ratio = torch.where(mask, train_logprobs.float() - rollout_logprobs.float(), zero)
+    keep = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
+    if mask_threshold is not None:
+        keep = log_ratio.abs().max(dim=1).values <= mask_threshold
+    raw, capped = None, torch.zeros_like(mask)
+    if tis_cap is not None:
+        raw = torch.exp(log_ratio.clamp(max=20.0))
+        capped = raw > tis_cap
+    return mask, log_ratio, keep, raw, capped
 
 
 def rollout_correction_weights(
@@ -87,32 +127,15 @@ def rollout_correction_weights(
         ValueError: shape mismatch, ``tis_cap < 1``, ``mask_threshold <= 0``, an
             ``is_mode`` not in :data:`IS_MODES`, or ``is_mode="mask"`` without ``tis_cap``.
     """
-    if train_logprobs.shape != rollout_logprobs.shape or train_logprobs.shape != response_mask.shape:
-        raise ValueError(f"rollout_correction_weights: train_logprobs {tuple(train_logprobs.shape)}, "
-                         f"rollout_logprobs {tuple(rollout_logprobs.shape)} and response_mask "
-                         f"{tuple(response_mask.shape)} must have the same shape")
-    if tis_cap is not None and not tis_cap >= 1.0:
-        raise ValueError(f"tis_cap={tis_cap}: must be >= 1 (None: off)")
-    if mask_threshold is not None and not mask_threshold > 0.0:
-        raise ValueError(f"mask_threshold={mask_threshold}: must be > 0 nats (None: off)")
-    if is_mode not in IS_MODES:
-        raise ValueError(f"is_mode={is_mode!r}: valid choices are {list(IS_MODES)}")
-    if is_mode == "mask" and tis_cap is None:
-        raise ValueError("is_mode='mask' drops the tokens whose weight exceeds tis_cap: set tis_cap")
-    mask = response_mask.bool()
-    zero = torch.zeros((), dtype=torch.float32, device=train_logprobs.device)
-    log_ratio = torch.where(mask, train_logprobs.float() - rollout_logprobs.float(), zero)
+    mask, log_ratio, keep, raw, capped = _correction_masks(
+        "rollout_correction_weights", train_logprobs, rollout_logprobs, response_mask,
+        tis_cap, mask_threshold, is_mode)
     mismatch = log_ratio.abs()
-    keep = torch.ones(mask.shape[0], dtype=torch.bool, device=mask.device)
-    if mask_threshold is not None:
-        keep = mismatch.max(dim=1).values <= mask_threshold
+    zero = torch.zeros((), dtype=torch.float32, device=log_ratio.device)
     kept = mask & keep.unsqueeze(1)
     if tis_cap is None:
         weight = torch.ones_like(log_ratio)
-        capped = torch.zeros_like(mask)
     else:
-        raw = torch.exp(log_ratio.clamp(max=20.0))
-        capped = raw > tis_cap
         weight = raw.clamp(max=tis_cap) if is_mode == "truncate" else torch.where(capped, zero, raw)
     weights = torch.where(kept, weight, zero)
     counted = kept if is_mode == "truncate" else kept & ~capped  # the tokens left in the loss
@@ -129,4 +152,69 @@ def rollout_correction_weights(
     return weights.detach(), {k: v.detach() for k, v in stats.items()}
 
 
-__all__ = ["IS_MODES", "rollout_correction_weights"]
+def rollout_correction_row_counts(
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tis_cap: Optional[float] = None,
+    mask_threshold: Optional[float] = None,
+    is_mode: str = "truncate",
+) -> Stats:
+    """How many rows (sequences) the correction of :func:`rollout_correction_weights` (same
+    arguments, same rules) touches: the row shares its token stats do not give.
+
+    Only the mask's tokens (policy tokens; a multi-turn row's environment tokens are holes
+    in it) are read; a row without any is not counted.
+
+    Returns:
+        detached 0-d fp32 counts, all summed over ranks: ``rows`` (rows with at least one
+        policy token), ``masked_rows`` (of those, rows masked whole by ``mask_threshold``)
+        and ``capped_rows`` (of the rows not masked, rows with at least one token whose
+        weight ``exp(train - rollout)`` exceeds ``tis_cap``: truncated to it (``truncate``)
+        or dropped (``mask``); 0 without ``tis_cap``).
+
+    Raises:
+        ValueError: as :func:`rollout_correction_weights`.
+    """
+    mask, _, keep, _, capped = _correction_masks(
+        "rollout_correction_row_counts", train_logprobs, rollout_logprobs, response_mask,
+        tis_cap, mask_threshold, is_mode)
+    rows = mask.any(dim=1)
+    return {"rows": rows.sum().float(), "masked_rows": (rows & ~keep).sum().float(),
+            "capped_rows": (rows & keep & (capped & mask).any(dim=1)).sum().float()}
+
+
+def rollout_train_k3(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                     response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of ``KL(pi_rollout || pi_train)`` on the sampled tokens.
+
+    ``k3 = exp(d) - d - 1`` with ``d = logp_train - logp_rollout`` (Schulman 2020, samples
+    from the rollout engine; see the module docstring), ``d`` clipped to
+    ``+-K3_LOG_RATIO_CLAMP`` (20) as :func:`~nemo_rlhf.algorithms.ppo.kl.kl_penalty`'s k3,
+    evaluated as ``expm1(d) - d`` in float64: two engines agree to ~1e-7 nats, where fp32's
+    ``exp(d) - d - 1`` cancels to 0 or to a negative rounding error (k3 ~ ``d^2 / 2``).
+
+    Args:
+        train_logprobs: ``[batch, response_len]`` the training engine's log-probs, any float.
+        rollout_logprobs: ``[batch, response_len]`` the rollout engine's, any float.
+        response_mask: ``[batch, response_len]`` bool or 0/1: the policy tokens.
+
+    Returns:
+        ``[batch, response_len]`` float64, >= 0, 0 off the mask (padding, environment tokens).
+
+    Raises:
+        ValueError: shapes that differ.
+    """
+    if response_mask.shape != train_logprobs.shape:
+        raise ValueError(f"rollout_train_k3: response_mask {tuple(response_mask.shape)} and "
+                         f"train_logprobs {tuple(train_logprobs.shape)} must have the same shape")
+    if rollout_logprobs.shape != train_logprobs.shape:
+        raise ValueError(f"rollout_train_k3: rollout_logprobs {tuple(rollout_logprobs.shape)} and "
+                         f"train_logprobs {tuple(train_logprobs.shape)} must have the same shape")
+    d = (train_logprobs.double() - rollout_logprobs.double()).clamp(-K3_LOG_RATIO_CLAMP, K3_LOG_RATIO_CLAMP)
+    k3 = torch.expm1(d) - d
+    return torch.where(response_mask.bool(), k3, torch.zeros((), dtype=k3.dtype, device=k3.device))
+
+
+__all__ = ["IS_MODES", "rollout_correction_row_counts", "rollout_correction_weights", "rollout_train_k3"]

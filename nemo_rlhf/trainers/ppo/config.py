@@ -47,6 +47,14 @@ class PPOTrainerConfig(TrainerConfig):
     decay); ``separate``: the whole critic trains and the actor takes no step."""
     max_consecutive_nonfinite: int = 3
     """Stop after this many consecutive skipped (NaN/Inf) updates."""
+    deterministic: bool = False
+    """Deterministic mode: a run repeated with the same seed on the same machine, software
+    and layout is bit-identical. Sets ``torch.use_deterministic_algorithms(True,
+    warn_only=False)`` (an op without a deterministic implementation raises, naming it),
+    megatron's ``deterministic_mode``, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``,
+    ``NCCL_ALGO=Ring``, ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` before anything is built
+    (:mod:`nemo_rlhf.distributed.determinism`). Costs and what it does not cover:
+    docs/reproducibility.md."""
     max_eval_samples: int = 200
     """Cap on evaluated held-out prompts."""
     eval_checker: Optional[str] = None

@@ -32,6 +32,15 @@ def rollout_quality(collectives, batch, old_logprobs: torch.Tensor,
     repetition and the longest response, each over every DP rank's rows: one sum and one
     max all-reduce on the batch's device.
 
+    The mismatch, over the policy tokens of ``batch.response_mask`` (a multi-turn row's
+    environment tokens are holes in it): ``rollout_train_logprob_diff_mean`` / ``_max``
+    (``|logp_rollout - logp_old|`` per token) and ``rollout_train_k3_kl``, the mean per
+    token of the k3 estimate of ``KL(pi_rollout || pi_train)``, ``exp(d) - d - 1`` with
+    ``d = logp_old - logp_rollout``
+    (:func:`~nemo_rlhf.algorithms.ppo.rollout_correction.rollout_train_k3`), each a global
+    sum over DP divided by the global token count. All 0 when the old log-probs are the
+    rollout's (``ppo.old_logprobs_from_rollout``).
+
     Args:
         collectives: the job's :class:`~nemo_rlhf.trainers.collectives.JobCollectives`.
         batch: the ``RolloutBatch`` (``logprobs``, ``response_mask [B, R]``, ...).
@@ -41,12 +50,13 @@ def rollout_quality(collectives, batch, old_logprobs: torch.Tensor,
     mask = batch.response_mask
     dev, m, dims = mask.device, mask.bool(), collectives.dims
     diff = (batch.logprobs.detach().float() - old_logprobs.detach().float()).abs()
+    k3 = P.rollout_train_k3(old_logprobs.detach(), batch.logprobs.detach(), m)
     reps = response_repetition(batch)
     ev = ev_sums if ev_sums is not None else torch.zeros(5, dtype=torch.float64, device=dev)
     sums = torch.cat([torch.stack([torch.where(m, diff, 0.0).sum().double(), m.sum().double(),
                                    torch.tensor(float(sum(reps)), dtype=torch.float64, device=dev),
                                    torch.tensor(float(len(reps)), dtype=torch.float64, device=dev)]),
-                      ev.to(dev)])
+                      ev.to(dev), k3.sum().double().reshape(1)])
     maxes = torch.stack([torch.where(m, diff, 0.0).max() if diff.numel() else diff.new_zeros(()),
                          batch.response_lengths.max().float().to(dev)])
     if dims.dp > 1:
@@ -55,10 +65,11 @@ def rollout_quality(collectives, batch, old_logprobs: torch.Tensor,
     diff_sum, tokens, rep_sum, rows = (float(x) for x in sums[:4].tolist())
     out = {"rollout_train_logprob_diff_mean": diff_sum / tokens if tokens else 0.0,
            "rollout_train_logprob_diff_max": float(maxes[0]),
+           "rollout_train_k3_kl": float(sums[9]) / tokens if tokens else 0.0,
            "repetition": rep_sum / max(rows, 1.0),
            "response_length_max": float(maxes[1])}
     if ev_sums is not None:
-        out["explained_variance"] = P.explained_variance_from_sums(sums[4:])
+        out["explained_variance"] = P.explained_variance_from_sums(sums[4:9])
     return out
 
 

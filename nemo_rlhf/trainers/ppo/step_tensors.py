@@ -99,7 +99,8 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
 def training_tensors(cfg, critic, collectives, batch, fwd: Optional[ForwardResults],
                      adv: Optional[Advantages]) -> tuple[dict, dict]:
     """What the update's mini-batches read, by name (``[B, ...]`` rows), and the rollout
-    correction's metrics (``ppo.rollout_is_cap`` / ``ppo.rollout_mask_threshold``).
+    correction's metrics (``ppo.rollout_is_cap`` / ``ppo.rollout_mask_threshold``): its
+    token statistics and :func:`correction_row_shares`.
 
     ``response_mask`` is the loss mask (:attr:`Advantages.loss_mask`); the critic role adds
     what its value loss reads (:meth:`~nemo_rlhf.trainers.ppo.roles.CriticRole.training_tensors`).
@@ -113,15 +114,40 @@ def training_tensors(cfg, critic, collectives, batch, fwd: Optional[ForwardResul
         return tensors, correction
     tensors.update(old_logprobs=fwd.old_logprobs, advantages=adv.advantages)
     if c.rollout_is_cap is not None or c.rollout_mask_threshold is not None:
+        how = dict(tis_cap=c.rollout_is_cap, mask_threshold=c.rollout_mask_threshold, is_mode=c.rollout_is_mode)
         tensors["rollout_weights"], rc = P.rollout_correction_weights(
-            fwd.old_logprobs, batch.logprobs, batch.response_mask,
-            tis_cap=c.rollout_is_cap, mask_threshold=c.rollout_mask_threshold, is_mode=c.rollout_is_mode)
+            fwd.old_logprobs, batch.logprobs, batch.response_mask, **how)
         correction = {f"rollout_correction/{k}": v for k, v in
                       P.finalize_token_stats(collectives.dp_reduce_stats(rc)).items() if k != "valid_tokens"}
+        correction.update(correction_row_shares(collectives, P.rollout_correction_row_counts(
+            fwd.old_logprobs, batch.logprobs, batch.response_mask, **how), c))
     tensors.update(critic.training_tensors(fwd, adv))
     if cfg.kl.loss_coef > 0:
         tensors.update(ref_logprobs=fwd.ref_logprobs)
     return tensors, correction
 
 
-__all__ = ["step_advantages", "training_tensors"]
+def correction_row_shares(collectives, counts: dict, ppo_cfg) -> dict:
+    """The shares of rows (sequences) the rollout correction touches, over every DP rank's
+    rows: global sums of
+    :func:`~nemo_rlhf.algorithms.ppo.rollout_correction.rollout_correction_row_counts`'
+    counts (one all-reduce), divided by the global count of rows with a policy token.
+
+    Returns:
+        ``rollout_correction/masked_rows_fraction`` (rows masked whole by
+        ``ppo.rollout_mask_threshold``; 0 without it) and, with ``ppo.rollout_is_cap``,
+        ``rollout_correction/is_truncated_rows_fraction`` (``rollout_is_mode=truncate``) or
+        ``rollout_correction/is_masked_rows_fraction`` (``mask``): the kept rows with a token
+        whose weight was truncated to the cap or dropped. 0 when no rank has a policy token.
+    """
+    sums = collectives.dp_sum_named(dict(counts))
+    rows = float(sums["rows"])
+    share = (lambda n: float(n) / rows if rows else 0.0)
+    out = {"rollout_correction/masked_rows_fraction": share(sums["masked_rows"])}
+    if ppo_cfg.rollout_is_cap is not None:
+        kind = "truncated" if ppo_cfg.rollout_is_mode == "truncate" else "masked"
+        out[f"rollout_correction/is_{kind}_rows_fraction"] = share(sums["capped_rows"])
+    return out
+
+
+__all__ = ["correction_row_shares", "step_advantages", "training_tensors"]

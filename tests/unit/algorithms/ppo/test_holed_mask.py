@@ -244,3 +244,22 @@ def test_rollout_correction_ignores_environment_tokens():
     close(stats["mismatch_sum"], 1.7)
     close(stats["masked_fraction_sum"], 0.0)
     close(stats["is_truncated_fraction_sum"], 1.0)
+
+
+def test_mismatch_k3_and_row_counts_ignore_environment_tokens():
+    # the rollout above: policy-token log ratios 0.5, 0, 1.0 | 0, 0.2; the environment's -50s
+    # would give k3 = exp(20) - 21 each (the clamp) and mask both rows at 1.5 nats
+    from nemo_rlhf.algorithms.ppo.rollout_correction import (
+        rollout_correction_row_counts,
+        rollout_train_k3,
+    )
+
+    train = t([[0.5, 0, 0, 0, 1.0, 0], [0, 0, 0.2, 0, 0, 0]])
+    rollout = t([[0, 0, -50, -50, 0, -50], [0, -50, 0, -50, -50, -50]])
+    k3 = lambda d: math.exp(d) - d - 1  # noqa: E731
+    close(rollout_train_k3(train, rollout, MASK),
+          [[k3(0.5), 0, 0, 0, k3(1.0), 0], [0, 0, k3(0.2), 0, 0, 0]])
+    counts = rollout_correction_row_counts(train, rollout, MASK, tis_cap=2.0, mask_threshold=1.5)
+    close(counts["rows"], 2.0)
+    close(counts["masked_rows"], 0.0)
+    close(counts["capped_rows"], 1.0)  # row 0's e^1 > 2

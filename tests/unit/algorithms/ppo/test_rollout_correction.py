@@ -118,3 +118,47 @@ def test_bad_arguments_name_the_problem():
         rollout_correction_weights(TRAIN, ROLLOUT, MASK, tis_cap=2.0, is_mode="clip")
     with pytest.raises(ValueError, match="is_mode='mask' .* set tis_cap"):
         rollout_correction_weights(TRAIN, ROLLOUT, MASK, is_mode="mask")
+
+
+# The mismatch's k3 KL and the rows a correction touches (#52). Same TRAIN / ROLLOUT / MASK:
+# d = train - rollout = [0.2, -1.0, 0 | pad], [0.1, -0.1, 0, 0]; k3 = exp(d) - d - 1.
+
+def test_k3_of_the_rollout_train_mismatch_by_hand():
+    from nemo_rlhf.algorithms.ppo.rollout_correction import rollout_train_k3
+
+    k3 = rollout_train_k3(TRAIN, ROLLOUT, MASK)
+    d = (TRAIN.double() - ROLLOUT.double())  # the fp32 inputs' own differences
+    expected = torch.where(MASK, torch.exp(d) - d - 1, 0.0)  # the padding's 9.0: 0
+    torch.testing.assert_close(k3, expected)
+    assert k3.dtype == torch.float64
+    assert k3[0, 0] == pytest.approx(math.exp(0.2) - 1.2, rel=1e-6) and k3[0, 1] == pytest.approx(math.exp(-1.0), rel=1e-6)
+    assert torch.equal(rollout_train_k3(TRAIN, TRAIN, MASK), torch.zeros(2, 4, dtype=torch.float64))
+    # engines 2.4e-7 nats apart (two fp32 ulps of 1, the megatron decode vs the training
+    # forward): k3 = d^2 / 2 = 2.8e-14, where fp32's exp(d) - d - 1 gives 0
+    lp = torch.full((1, 1), -1.0)
+    tiny = rollout_train_k3(lp + 2.384185791015625e-07, lp, torch.ones(1, 1, dtype=torch.bool))
+    assert float(tiny) == pytest.approx(2.384185791015625e-07 ** 2 / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="same shape"):
+        rollout_train_k3(TRAIN, ROLLOUT, MASK[:, :2])
+
+
+def test_row_counts_of_the_correction_by_hand():
+    from nemo_rlhf.algorithms.ppo.rollout_correction import rollout_correction_row_counts
+
+    def counts(**kw):
+        return {k: float(v) for k, v in rollout_correction_row_counts(TRAIN, ROLLOUT, MASK, **kw).items()}
+
+    # cap 1.1: exp(0.2) = 1.22 (row 0) and exp(0.1) = 1.105 (row 1) exceed it: both rows capped
+    assert counts(tis_cap=1.1) == {"rows": 2.0, "masked_rows": 0.0, "capped_rows": 2.0}
+    # cap 1.15: only row 0's 1.22
+    assert counts(tis_cap=1.15, is_mode="mask") == {"rows": 2.0, "masked_rows": 0.0, "capped_rows": 1.0}
+    # threshold 0.5: row 0 (|-1.0|) masked whole; a masked row is not counted as capped
+    assert counts(tis_cap=1.1, mask_threshold=0.5) == {"rows": 2.0, "masked_rows": 1.0, "capped_rows": 1.0}
+    assert counts(mask_threshold=0.5) == {"rows": 2.0, "masked_rows": 1.0, "capped_rows": 0.0}
+    # a row without policy tokens (an empty response) is no row of the share
+    mask = torch.cat([MASK, torch.zeros(1, 4, dtype=torch.bool)])
+    three = rollout_correction_row_counts(torch.cat([TRAIN, TRAIN[:1]]), torch.cat([ROLLOUT, ROLLOUT[:1] + 5]),
+                                          mask, mask_threshold=0.5)
+    assert float(three["rows"]) == 2.0 and float(three["masked_rows"]) == 1.0
+    with pytest.raises(ValueError, match="valid choices"):
+        rollout_correction_row_counts(TRAIN, ROLLOUT, MASK, tis_cap=2.0, is_mode="clip")
