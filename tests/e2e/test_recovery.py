@@ -50,6 +50,7 @@ def _run(data, exp, *extra, crash=None, timeout=240) -> _Result:
     """Run the job in its own session; output goes to a file (a SIGKILLed trainer may leave
     forked checkpoint writers holding a pipe open), and the session is killed afterwards."""
     env = {k: v for k, v in os.environ.items() if k != "NEMO_RLHF_CRASH_AT"}
+    env["OMP_NUM_THREADS"] = "1"  # every run alike; two run side by side (:data:`PARALLEL`)
     if crash:
         env["NEMO_RLHF_CRASH_AT"] = crash
     Path(exp).mkdir(parents=True, exist_ok=True)
@@ -103,12 +104,41 @@ def baseline(data, tmp_path_factory):
     return exp
 
 
-@pytest.mark.parametrize("crash", ["rollout:2", "update:3", "save_written:2", "save_published:2"])
-def test_kill9_then_resume_matches_uninterrupted_run(data, baseline, tmp_path, crash):
-    exp = tmp_path / "exp"
-    killed = _run(data, exp, crash=crash)
+CRASHES = ("rollout:2", "update:3", "save_written:2", "save_published:2")
+PARALLEL = 2
+"""Independent runs (each single-threaded, mostly importing torch) run this many at a time:
+the suite runs serially on 2 cores, so the second one is otherwise idle."""
+
+
+def _side_by_side(chains: dict) -> dict:
+    """Runs each of ``chains`` (name -> a function running its jobs one after another),
+    :data:`PARALLEL` at a time; returns name -> its result, or the exception it raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {name: pool.submit(chain) for name, chain in chains.items()}
+    return {name: f.exception() or f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def kill9_runs(data, tmp_path_factory):
+    """Per crash point of :data:`CRASHES`: its folder, the run killed there and the resumed
+    run (the chains side by side)."""
+    def chain(crash: str):
+        exp = tmp_path_factory.mktemp("kill9") / "exp"
+        killed = _run(data, exp, crash=crash)
+        return exp, killed, (_run(data, exp) if killed.returncode == -signal.SIGKILL else None)
+
+    return _side_by_side({crash: (lambda c=crash: chain(c)) for crash in CRASHES})
+
+
+@pytest.mark.parametrize("crash", CRASHES)
+def test_kill9_then_resume_matches_uninterrupted_run(kill9_runs, baseline, crash):
+    got = kill9_runs[crash]
+    if isinstance(got, BaseException):
+        raise got
+    exp, killed, resumed = got
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    resumed = _run(data, exp)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr + resumed.stdout
     # no half checkpoint survives, every published one is complete
@@ -145,13 +175,20 @@ def test_lora_killed_in_its_update_resumes_bit_identical(data, baseline, tmp_pat
     resumed from the adapters-only step-1 checkpoint, equal to the uninterrupted LoRA run bit
     for bit (adapters, value head, their Adam state, metrics, prompts)."""
     base = f"exp_manager.init_from={baseline}/checkpoints/step_1"
-    straight = tmp_path / "straight"
-    res = _run(data, straight, *LORA, base)
+    straight, exp = tmp_path / "straight", tmp_path / "exp"
+
+    def killed_then_resumed():
+        killed = _run(data, exp, *LORA, base, crash="update:2")
+        return killed, (_run(data, exp, *LORA, base) if killed.returncode == -signal.SIGKILL else None)
+
+    got = _side_by_side({"straight": lambda: _run(data, straight, *LORA, base),
+                         "killed": killed_then_resumed})
+    for x in got.values():
+        if isinstance(x, BaseException):
+            raise x
+    res, (killed, resumed) = got["straight"], got["killed"]
     assert res.returncode == 0, res.stderr[-3000:]
-    exp = tmp_path / "exp"
-    killed = _run(data, exp, *LORA, base, crash="update:2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    resumed = _run(data, exp, *LORA, base)
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
     saved = _tensors(exp / "checkpoints" / f"step_{STEPS}")
     weights = [k for k in saved if not k.startswith("optimizer.") and isinstance(saved[k], torch.Tensor)]

@@ -36,3 +36,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(mark)
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _spawned_ranks():
+    """The ranks of these tests start vLLM engines: they are spawned fresh, as before the
+    harness forked ranks from a preloaded forkserver (not validated with vLLM; the vLLM
+    environment's suite is short)."""
+    import tests.distributed.harness as harness
+
+    saved, harness.START_METHOD = harness.START_METHOD, "spawn"
+    yield
+    harness.START_METHOD = saved

@@ -1,5 +1,6 @@
 """The multi-rank test harness starts the ranks again on a new port when the rendezvous port
-it picked was taken in between (EADDRINUSE), and only then."""
+it picked was taken in between (EADDRINUSE), and only then; its ranks (forked from a
+forkserver on CPU) see the caller's environment and folder at each call."""
 
 from __future__ import annotations
 
@@ -35,3 +36,21 @@ def test_eaddrinuse_is_retried_and_other_errors_are_not(monkeypatch):
     with pytest.raises(RuntimeError, match="EADDRINUSE"):
         harness.run_ranks(print, world_size=1)
     assert len(calls) == harness.PORT_ATTEMPTS
+
+
+def _where(rank: int) -> tuple:
+    import os
+
+    return os.environ.get("HARNESS_PROBE"), os.getcwd(), os.environ["RANK"]
+
+
+def test_a_rank_sees_the_callers_environment_and_folder_at_the_call(monkeypatch, tmp_path):
+    """The ranks are forked from a forkserver started at the first call (on CPU): they must
+    still see the environment and working directory as they are at each call, as spawned
+    ranks would."""
+    monkeypatch.delenv("HARNESS_PROBE", raising=False)
+    assert harness.run_ranks(_where, world_size=1)[0][0] is None  # the server is running now
+    monkeypatch.setenv("HARNESS_PROBE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    assert harness.run_ranks(_where, world_size=2) == [
+        ("set after the server started", str(tmp_path), "0"), ("set after the server started", str(tmp_path), "1")]

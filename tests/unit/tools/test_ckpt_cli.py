@@ -4,7 +4,7 @@ tiny trained experiment, and one clear stderr line for every bad input.
 The experiment (3 checkpoints of a tiny Llama-style actor-critic with real AdamW state,
 ``metrics.jsonl`` with a repeated step) is built once in this process; happy paths call
 ``main()`` in-process, the bad-input table runs ``python -m nemo_rlhf.tools.ckpt`` in
-subprocesses (started concurrently, asserted per case).
+subprocesses (forked from one that has imported it, two at a time; asserted per case).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import shutil
 import string
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -340,16 +339,15 @@ def _bad_cases(exp: Path, scratch: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def bad_results(exp, tmp_path_factory):
-    """Every bad-input command line, run concurrently through ``python -m``."""
+    """Every bad-input command line, each run as ``python -m nemo_rlhf.tools.ckpt`` in its
+    own process, forked from one that has imported the entry point (:mod:`tests.forked_cli`:
+    what that import printed is part of each case's output), two at a time."""
+    from tests.forked_cli import run_forked
+
     cases = _bad_cases(exp, tmp_path_factory.mktemp("bad"))
     assert tuple(cases) == BAD_CASES
-
-    def run(argv):
-        return subprocess.run([sys.executable, "-m", "nemo_rlhf.tools.ckpt", *map(str, argv)],
-                              capture_output=True, text=True, cwd=REPO, timeout=180)
-
-    with ThreadPoolExecutor(max_workers=3) as pool:
-        procs = dict(zip(cases, pool.map(run, [argv for argv, _ in cases.values()])))
+    procs = run_forked("nemo_rlhf.tools.ckpt", {name: argv for name, (argv, _) in cases.items()},
+                       tmp_path_factory.mktemp("bad_out"), parallel=2)
     return {name: (procs[name], cases[name][1]) for name in cases}
 
 
