@@ -510,6 +510,28 @@ def _keyword_params(fn: Callable) -> List[str]:
     ]
 
 
+def check_gae_settings(prefix: str, *, gamma: float, lam: float, lam_critic: Optional[float],
+                       lam_policy: Optional[float], lam_policy_alpha: Optional[float]) -> None:
+    """The GAE knobs' ranges, checked once for ``ppo.*`` and ``advantage.*`` (``prefix``):
+    ``gamma``, ``lam`` and the decoupled lambdas in ``[0, 1]`` (None: ``lam``), VAPO's
+    ``lam_policy_alpha`` finite and > 0 (None: off) and not set with ``lam_policy``.
+
+    Raises:
+        ValueError: naming ``<prefix>.<key>`` and its value.
+    """
+    for key, value in (("gamma", gamma), ("lam", lam), ("lam_critic", lam_critic), ("lam_policy", lam_policy)):
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"{prefix}.{key}={value}: must be in [0, 1]"
+                             + (f" (null: {prefix}.lam={lam})" if key.startswith("lam_") else ""))
+    alpha = lam_policy_alpha
+    if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"{prefix}.lam_policy_alpha={alpha}: must be a finite number > 0 "
+                         f"(VAPO: 0.05; null: off)")
+    if alpha is not None and lam_policy is not None:
+        raise ValueError(f"{prefix}.lam_policy={lam_policy} and {prefix}.lam_policy_alpha={alpha}: the "
+                         f"length-adaptive lambda replaces {prefix}.lam_policy; set one of them to null")
+
+
 @dataclass
 class AdvantageConfig:
     """Which advantage estimator runs and its parameters: the one place their defaults live
@@ -541,18 +563,8 @@ class AdvantageConfig:
 
     def __post_init__(self) -> None:
         check_choice("advantage.estimator", self.estimator, sorted(ADVANTAGE_ESTIMATORS))
-        for key in ("gamma", "lam", "lam_critic", "lam_policy"):
-            value = getattr(self, key)
-            if value is not None and not 0.0 <= value <= 1.0:
-                raise ValueError(f"advantage.{key}={value}: must be in [0, 1]"
-                                 + (" (null: advantage.lam)" if key.startswith("lam_") else ""))
-        alpha = self.lam_policy_alpha
-        if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
-            raise ValueError(f"advantage.lam_policy_alpha={alpha}: must be a finite number > 0 "
-                             f"(VAPO: 0.05; null: off)")
-        if alpha is not None and self.lam_policy is not None:
-            raise ValueError(f"advantage.lam_policy={self.lam_policy} and advantage.lam_policy_alpha="
-                             f"{alpha}: the length-adaptive lambda replaces lam_policy; set one of them")
+        check_gae_settings("advantage", gamma=self.gamma, lam=self.lam, lam_critic=self.lam_critic,
+                           lam_policy=self.lam_policy, lam_policy_alpha=self.lam_policy_alpha)
         if not (math.isfinite(self.eps) and self.eps > 0):
             raise ValueError(f"advantage.eps={self.eps}: must be a finite number > 0")
 

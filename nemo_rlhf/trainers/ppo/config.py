@@ -6,12 +6,11 @@ vs DP size) in :func:`validate_batch_sizes`, called before anything is built.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from nemo_rlhf.algorithms.ppo.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, estimator_parameters,
-                                                  estimator_traits)
+from nemo_rlhf.algorithms.ppo.advantages import (ADVANTAGE_ESTIMATORS, AdvantageConfig, check_gae_settings,
+                                                  estimator_parameters, estimator_traits)
 from nemo_rlhf.algorithms.ppo.losses import DEFAULT_KL_LOSS_CLAMP, DEFAULT_LOSS_AGG_MODE
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective
 from nemo_rlhf.algorithms.ppo.kl import KL_CONTROLLERS, KL_ESTIMATORS, PI_DEFAULTS, check_pi_settings
@@ -243,19 +242,8 @@ class PPOAlgoConfig:
                              f"(0: materialise the logits)")
         if not 0 < self.clip_eps < 1:
             raise ValueError(f"ppo.clip_eps={self.clip_eps}: must be in (0, 1)")
-        if not 0 <= self.gamma <= 1 or not 0 <= self.lam <= 1:
-            raise ValueError("ppo.gamma and ppo.lam must be in [0, 1]")
-        for key in ("lam_critic", "lam_policy"):
-            value = getattr(self, key)
-            if value is not None and not 0 <= value <= 1:
-                raise ValueError(f"ppo.{key}={value}: must be in [0, 1] (null: ppo.lam={self.lam})")
-        alpha = self.lam_policy_alpha
-        if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
-            raise ValueError(f"ppo.lam_policy_alpha={alpha}: must be a finite number > 0 (VAPO: "
-                             f"0.05; null: off)")
-        if alpha is not None and self.lam_policy is not None:
-            raise ValueError(f"ppo.lam_policy={self.lam_policy} and ppo.lam_policy_alpha={alpha}: the "
-                             f"length-adaptive lambda replaces ppo.lam_policy; set one of them to null")
+        check_gae_settings("ppo", gamma=self.gamma, lam=self.lam, lam_critic=self.lam_critic,
+                           lam_policy=self.lam_policy, lam_policy_alpha=self.lam_policy_alpha)
         check_choice("ppo.advantage_estimator", self.advantage_estimator, sorted(ADVANTAGE_ESTIMATORS))
         check_choice("ppo.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
 

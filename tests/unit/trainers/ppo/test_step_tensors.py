@@ -74,7 +74,9 @@ def test_lam_critic_sets_the_returns_and_lam_policy_alpha_the_advantages():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["ppo.lam_critic=1.5"], r"ppo.lam_critic=1.5: must be in \[0, 1\]"),
+    (["ppo.gamma=1.5"], r"ppo.gamma=1.5: must be in \[0, 1\]"),
+    (["ppo.lam=-0.1"], r"ppo.lam=-0.1: must be in \[0, 1\]"),
+    (["ppo.lam_critic=1.5"], r"ppo.lam_critic=1.5: must be in \[0, 1\] \(null: ppo.lam=0.95\)"),
     (["ppo.lam_policy=-0.5"], r"ppo.lam_policy=-0.5: must be in \[0, 1\]"),
     (["ppo.lam_policy_alpha=0"], r"ppo.lam_policy_alpha=0"),
     (["ppo.lam_policy=0.9", "ppo.lam_policy_alpha=0.05"], "set one of them to null"),
