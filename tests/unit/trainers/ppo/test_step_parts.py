@@ -46,8 +46,10 @@ def test_rollout_quality_hand_computed():
     batch = _batch(IDS, MASK, rollout)
     out = rollout_quality(ONE_RANK, batch, old, None)
     # |diff| on the 12 valid tokens: 0.5, 0.25, 2.0 (rest 0) -> mean 2.75 / 12, max 2.0
+    # k3 = exp(d) - d - 1 of d = old - rollout (-0.5, -0.25, 2.0; 0 elsewhere) over the 12
+    k3 = (math.exp(-0.5) + 0.5 - 1) + (math.exp(-0.25) + 0.25 - 1) + (math.exp(2.0) - 2.0 - 1)
     assert out == {"rollout_train_logprob_diff_mean": pytest.approx(2.75 / 12),
-                   "rollout_train_logprob_diff_max": 2.0,
+                   "rollout_train_logprob_diff_max": 2.0, "rollout_train_k3_kl": pytest.approx(k3 / 12),
                    "repetition": pytest.approx(0.75 / 3), "response_length_max": 6.0}
     # returns 1 2 3 4 (+1 masked-out elsewhere), R - V = 0 0 1 -1: var R = 5/3, var D = 2/3
     ev = torch.tensor([10.0, 30.0, 0.0, 2.0, 4.0], dtype=torch.float64)
