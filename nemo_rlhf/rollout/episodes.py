@@ -415,7 +415,7 @@ def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLi
             # only environment tokens (and finished rows) this step: prefill a chunk
             s = min([len(r.pending) for r in rows if not r.done] or [1])
             s = min(s, L - col)
-            chunk = torch.full((B, s), pad_token_id, dtype=torch.long)  # host: built from host ids, moved at the model call
+            chunk = torch.full((B, s), pad_token_id, dtype=torch.long)  # host; to dev at the model call
             for b, r in enumerate(rows):
                 if not r.done:
                     chunk[b] = torch.tensor(r.pending[:s])
@@ -452,7 +452,7 @@ def _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed, stop_ids,
         packed[2] = torch.isin(tokens, stop_ids).to(torch.float64)
     _share_choice(dims, packed)
     host = packed.cpu()  # one device->host copy per step: the environments are host code
-    step = torch.full((B, 1), pad_token_id, dtype=torch.long)  # host: filled per row from host ints, moved at the model call
+    step = torch.full((B, 1), pad_token_id, dtype=torch.long)  # host; to dev at the model call
     ended = []
     for b, r in enumerate(rows):
         if r.done:
