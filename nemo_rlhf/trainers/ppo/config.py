@@ -490,6 +490,12 @@ class PPOConfig:
         """``env.name``: what multi-turn rollouts support so far; the ``env`` reward
         function needs an environment."""
         names = [f.name for f in self.reward.functions]
+        checkers = [("trainer.eval_checker", self.trainer.eval_checker)] + [
+            (f"trainer.eval_extra_checkers[{i}]", c) for i, c in enumerate(self.trainer.eval_extra_checkers)]
+        for key, checker in checkers:
+            if checker == "env":
+                raise ValueError(f"{key}=env: the held-out evaluation is single-turn (no episode reward); "
+                                 f"name a checker of the final answer (e.g. arithmetic_exact_match)")
         if not self.env.enabled:
             if "env" in names:
                 raise ValueError("reward.functions names 'env' (the environment's episode reward) "

@@ -214,6 +214,8 @@ def test_async_refuses_pipeline_and_expert_parallel_trainers_naming_the_key():
     (["env.observation_template=obs"], "env.observation_template='obs': must contain '{observation}'"),
     (["reward.functions=[{name: env}]"], "reward.functions names 'env' (the environment's episode reward) "
      "with env.name=null"),
+    (["env.name=calculator", "trainer.eval_checker=env"], "trainer.eval_checker=env: the held-out evaluation "
+     "is single-turn"),
 ])
 def test_env_settings_that_cannot_work_are_refused_naming_the_keys(overrides, needle):
     with pytest.raises(ValueError) as err:
