@@ -32,7 +32,7 @@ from nemo_rlhf.rollout.generate import RolloutBatch
 from nemo_rlhf.rollout.trajectory import POLICY, to_padded_batch
 
 __all__ = ["EPISODE_METRICS", "EpisodeRolloutBatch", "EpisodeRolloutSource", "episode_extras",
-           "episode_metric_sums"]
+           "episode_metric_sums", "episode_metrics_from_sums", "is_episode_batch"]
 
 EPISODE_METRICS = ("episode/turns_mean", "episode/tool_calls_mean", "episode/malformed_call_rate",
                    "episode/truncated_rate", "episode/policy_tokens_mean", "episode/total_tokens_mean",
