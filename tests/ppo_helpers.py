@@ -116,3 +116,32 @@ def end_session(proc, timeout: float) -> int | None:
         pass
     proc.wait()
     return code
+
+
+
+from nemo_rlhf.envs import Environment, StepResult  # noqa: E402  (the test environment below)
+from nemo_rlhf.envs.builtin import answer_reward  # noqa: E402
+
+
+class TwoTurnEnv(Environment):
+    """Test environment (``env.name=tests.ppo_helpers:two_turn_env``): every episode has two
+    policy turns. The first turn is answered with the observation :attr:`OBSERVATION` (as
+    if a tool had been called: ``tool_calls`` 1), the second ends the episode with reward
+    1.0 when its last number is the row's ``answer``, else 0.25."""
+
+    OBSERVATION = "=7="
+
+    def reset(self, problem):
+        self.problem = problem
+        return problem["prompt"]
+
+    def step(self, trajectory_so_far, last_action_text):
+        info = {"tool_calls": 1, "malformed_calls": 0}
+        if trajectory_so_far.turns == 1:
+            return StepResult(self.OBSERVATION, False, None, info)
+        return StepResult(None, True, 1.0 if answer_reward(self.problem, last_action_text) else 0.25, info)
+
+
+def two_turn_env(env_cfg):
+    """Factory of :class:`TwoTurnEnv` (one per episode)."""
+    return TwoTurnEnv()

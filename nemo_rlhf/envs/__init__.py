@@ -2,9 +2,10 @@
 (:mod:`.base`: :class:`Environment`, :class:`StepResult`, the per-episode
 :class:`EnvLimits`), tools (:mod:`.tools`: :class:`Tool`, :class:`ToolRegistry`, the
 calculator), tool-call parsing in the Hermes/Qwen and Llama 3.1 formats (:mod:`.parsing`)
-and :class:`ToolEnvironment`, which wires them (:mod:`.tool_env`). Called by the megatron
-engine's :func:`~nemo_rlhf.rollout.episodes.run_episodes`, not yet by the trainer:
-docs/multi-turn.md says what is wired and what is not.
+and :class:`ToolEnvironment`, which wires them (:mod:`.tool_env`); the PPO config's ``env``
+section and the built-in environments (:mod:`.config`, :mod:`.builtin`). Called by the
+megatron engine's :func:`~nemo_rlhf.rollout.episodes.run_episodes`, which the PPO trainer
+runs with ``env.name`` set: docs/multi-turn.md says what is wired and what is not.
 """
 
 from nemo_rlhf.envs.base import EnvLimits, Environment, StepResult

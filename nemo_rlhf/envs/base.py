@@ -16,8 +16,9 @@ The shape follows NeMo-RL's ``EnvironmentInterface.step`` (observations, metadat
 rewards per step) and verl's agent loop (``AgentLoopBase``: generate, call tools, append);
 here it is per episode and text-in/text-out: the rollout engine tokenises the observation
 alone and appends its ids (:mod:`nemo_rlhf.rollout.trajectory`). The megatron engine's
-:func:`~nemo_rlhf.rollout.episodes.run_episodes` calls environments; the vLLM engine, the
-async workers and the trainer do not yet (docs/multi-turn.md).
+:func:`~nemo_rlhf.rollout.episodes.run_episodes` calls environments, and the PPO trainer
+runs it with ``env.name`` set (:mod:`nemo_rlhf.envs.config`); the vLLM engine and the async
+workers do not yet (docs/multi-turn.md).
 """
 
 from __future__ import annotations

@@ -51,8 +51,10 @@ BUILTIN_REWARD_FUNCTIONS: dict[str, str] = {
     "arithmetic_exact_match": "nemo_rlhf.tasks.precedence:arithmetic_exact_match",
     "two_digit_addition": "nemo_rlhf.tasks.addition:two_digit_addition",
     "just_the_number": "nemo_rlhf.tasks.addition:just_the_number",
+    "env": "nemo_rlhf.envs.builtin:env_reward",
 }
-"""Short name -> ``"package.module:function"`` of the demo tasks' checkers: the only short
+"""Short name -> ``"package.module:function"`` of the demo tasks' checkers (and ``env``: the
+environment's episode reward of a multi-turn rollout, ``env.name``): the only short
 names a config may use (``reward.functions[i].name``, ``trainer.eval_checker``,
 ``checker``, ...); every other reward function is named by its path. A fixed table, so
 whether a config is valid does not depend on what the process imported before; the

@@ -22,8 +22,9 @@ The loss mask is 1 on policy tokens and 0 on the prompt and environment tokens;
 does (prompt left-padded to ``P``, the rest from column ``P``, right-padded), with the
 loss mask (holes where the environment spoke) as ``response_mask``. The PPO reducers read
 such a mask correctly (``nemo_rlhf/algorithms/ppo/core.py``); the megatron engine's
-:func:`~nemo_rlhf.rollout.episodes.run_episodes` produces trajectories, the trainer does not
-consume them yet (see docs/multi-turn.md).
+:func:`~nemo_rlhf.rollout.episodes.run_episodes` produces trajectories, and the PPO
+trainer trains on them with ``env.name`` set
+(:class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutSource`; docs/multi-turn.md).
 """
 
 from __future__ import annotations

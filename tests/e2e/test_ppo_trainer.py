@@ -31,7 +31,7 @@ def _worker(rank: int, tmp: str):
     cfg = compose_ppo(data, tmp / "exp", "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]",
                       "rollout.temperature=0.7", "rollout.top_p=0.9", "optim.lr=1e-3")
     trainer = build(cfg)
-    out = {}
+    out = {"source": type(trainer.rollout_source).__name__}
     batch = trainer.generate([trainer.encoded[i] for i in range(8)])
     ref0 = trainer.compute_old_and_reference(batch).ref_logprobs
     out["rollout_vs_train"] = (trainer.compute_old_and_reference(batch).old_logprobs
@@ -111,6 +111,12 @@ def test_step_reports_the_metrics_users_read(results):
                 "policy_loss", "lr", "rollout_train_logprob_diff_max", "timing/rollout_s",
                 "generated_tokens_per_s", "truncated_fraction", "ratio_max"):
         assert key in results["metric_keys"], key
+
+
+def test_single_turn_builds_the_local_source_and_logs_no_episode_metrics(results):
+    # env.name null (the default): today's path, no EpisodeRolloutSource (#51)
+    assert results["source"] == "LocalRolloutSource"
+    assert not [k for k in results["metric_keys"] if k.startswith("episode/")]
 
 
 def test_kl_is_reported_per_sequence_and_per_token(results):

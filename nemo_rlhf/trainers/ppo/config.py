@@ -19,6 +19,7 @@ from nemo_rlhf.algorithms.ppo.rollout_correction import IS_MODES
 from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.datasets import DataConfig
 from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.envs.config import EnvConfig
 from nemo_rlhf.models.config import ModelConfig
 from nemo_rlhf.reward.config import RewardConfig
 from nemo_rlhf.reward.functions import check_reward_function_spec
@@ -451,6 +452,9 @@ class PPOConfig:
     guards: GuardConfig = field(default_factory=GuardConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """W&B / MLflow beside TensorBoard (:mod:`nemo_rlhf.metrics.trackers`)."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn / tool rollouts (:mod:`nemo_rlhf.envs.config`; ``env.name`` null:
+    single-turn, docs/multi-turn.md)."""
 
     def __post_init__(self) -> None:
         # Every rollout row holds at least its first generated token (an EOS drawn first
@@ -479,7 +483,33 @@ class PPOConfig:
             self._check_rollout_logprobs()
         if self.rollout.mode == "async":
             self._check_async()
+        self._check_env()
         self._resolve_reference_mode()
+
+    def _check_env(self) -> None:
+        """``env.name``: what multi-turn rollouts support so far; the ``env`` reward
+        function needs an environment."""
+        names = [f.name for f in self.reward.functions]
+        checkers = [("trainer.eval_checker", self.trainer.eval_checker)] + [
+            (f"trainer.eval_extra_checkers[{i}]", c) for i, c in enumerate(self.trainer.eval_extra_checkers)]
+        for key, checker in checkers:
+            if checker == "env":
+                raise ValueError(f"{key}=env: the held-out evaluation is single-turn (no episode reward); "
+                                 f"name a checker of the final answer (e.g. arithmetic_exact_match)")
+        if not self.env.enabled:
+            if "env" in names:
+                raise ValueError("reward.functions names 'env' (the environment's episode reward) "
+                                 "with env.name=null (single-turn rollouts, no environment): set "
+                                 "env.name or remove the 'env' reward function")
+            return
+        unsupported = [(key, value, ok) for key, value, ok in (
+            ("rollout.engine", self.rollout.engine, "megatron"),
+            ("rollout.mode", self.rollout.mode, "sync"),
+            ("ppo.old_logprobs_from_rollout", self.ppo.old_logprobs_from_rollout, False),
+            ("rollout.min_new_tokens", self.rollout.min_new_tokens, 0)) if value != ok]
+        for key, value, ok in unsupported:
+            raise ValueError(f"env.name={self.env.name!r} with {key}={value}: multi-turn episodes are "
+                             f"not supported there yet; set {key}={ok} (or env.name=null)")
 
     def _check_async(self) -> None:
         """``rollout.mode=async``: the trainer recomputes the old log-probs, and off-policy

@@ -13,19 +13,22 @@ before it draws the prompts, :meth:`RolloutSource.rollout` with ``s`` and this D
 prompt indices (a :class:`~nemo_rlhf.rollout.generate.RolloutBatch` on ``dims.device``),
 and :meth:`RolloutSource.after_update` with ``s`` once the actor's weights are version
 ``s``; :meth:`RolloutSource.metrics` with the step's metrics; its state rides in the
-checkpoint's trainer state. A source of multi-turn trajectories is one more implementation
-of this interface.
+checkpoint's trainer state.
+
+* :class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutSource` (``env.name`` set):
+  multi-turn episodes with an environment on the trainer's ranks (docs/multi-turn.md).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 from nemo_rlhf.models.engine import unwrap
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.engines import MegatronRolloutEngine, RolloutEngine, build_rollout_engine
 from nemo_rlhf.rollout.generate import RolloutBatch
 from nemo_rlhf.trainers.ppo.async_rollout import RemoteRolloutSource
+from nemo_rlhf.trainers.ppo.episode_source import EpisodeRolloutSource
 
 
 class RolloutSource(Protocol):
@@ -113,9 +116,10 @@ class LocalRolloutSource:
 
 
 def build_rollout_source(cfg, dims, actor, tokenizer, encoded: list, sampler, collectives, timers,
-                         with_values: bool = False) -> RolloutSource:
-    """The source ``rollout.mode`` names, built once (collective for ``rollout.engine=vllm``
-    in ``sync``).
+                         with_values: bool = False, prompts: Optional[list] = None) -> RolloutSource:
+    """The source ``rollout.mode`` and ``env.name`` name, built once (collective for
+    ``rollout.engine=vllm`` in ``sync``): :class:`EpisodeRolloutSource` when ``env.name``
+    is set (the config refuses it with ``vllm`` / ``async``), else as ``rollout.mode`` says.
 
     Args:
         cfg: the :class:`~nemo_rlhf.trainers.ppo.config.PPOConfig`.
@@ -128,9 +132,11 @@ def build_rollout_source(cfg, dims, actor, tokenizer, encoded: list, sampler, co
         timers: the trainer's :class:`~nemo_rlhf.metrics.timers.Timers`.
         with_values: the rollout also returns the actor-critic's values
             (``ppo.old_logprobs_from_rollout`` with the value head on the actor).
+        prompts: the training prompt rows (``.prompt``, ``.extras``); needed with ``env.name``.
 
     Raises:
-        ValueError / ImportError: as :func:`~nemo_rlhf.rollout.engines.build_rollout_engine`.
+        ValueError / ImportError: as :func:`~nemo_rlhf.rollout.engines.build_rollout_engine`
+        and :func:`~nemo_rlhf.envs.config.get_env_factory`; ``env.name`` without ``prompts``.
     """
     common = dict(eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id, decode_fn=tokenizer.decode)
     if cfg.rollout.mode == "async":  # the evaluation decodes with the actor itself: no engine's resources
@@ -140,7 +146,13 @@ def build_rollout_source(cfg, dims, actor, tokenizer, encoded: list, sampler, co
         return RemoteRolloutSource(cfg, dims, actor, encoded, sampler, collectives, timers, decode)
     engine = build_rollout_engine(cfg.rollout, dims, cfg.model, params_dtype=unwrap(actor.model).config.params_dtype,
                                   with_values=with_values, **common)
+    if cfg.env.enabled:
+        if prompts is None:
+            raise ValueError(f"env.name={cfg.env.name!r}: build_rollout_source needs the prompt rows "
+                             f"(prompts=) to start the episodes")
+        return EpisodeRolloutSource(cfg, dims, actor, tokenizer, prompts, engine, collectives)
     return LocalRolloutSource(engine, cfg.rollout, actor, encoded)
 
 
-__all__ = ["LocalRolloutSource", "RemoteRolloutSource", "RolloutSource", "build_rollout_source"]
+__all__ = ["EpisodeRolloutSource", "LocalRolloutSource", "RemoteRolloutSource", "RolloutSource",
+           "build_rollout_source"]

@@ -29,7 +29,7 @@ def rollout_quality(collectives, batch, old_logprobs: torch.Tensor,
                     ev_sums: Optional[torch.Tensor]) -> dict:
     """The rollout-vs-train log-prob mismatch, the critic's explained variance (with
     ``ev_sums``, :func:`~nemo_rlhf.algorithms.ppo.explained_variance_sums`'), the n-gram
-    repetition and the longest response, each over every DP rank's rows: one sum and one
+    repetition and the longest response (policy tokens), each over every DP rank's rows: one sum and one
     max all-reduce on the batch's device.
 
     The mismatch, over the policy tokens of ``batch.response_mask`` (a multi-turn row's
@@ -39,7 +39,9 @@ def rollout_quality(collectives, batch, old_logprobs: torch.Tensor,
     ``d = logp_old - logp_rollout``
     (:func:`~nemo_rlhf.algorithms.ppo.rollout_correction.rollout_train_k3`), each a global
     sum over DP divided by the global token count. All 0 when the old log-probs are the
-    rollout's (``ppo.old_logprobs_from_rollout``).
+    rollout's (``ppo.old_logprobs_from_rollout``). ``response_length_max``: the most policy
+    tokens of a row (a multi-turn row's environment tokens not counted; its extent,
+    ``response_lengths``, counts them).
 
     Args:
         collectives: the job's :class:`~nemo_rlhf.trainers.collectives.JobCollectives`.
@@ -58,7 +60,7 @@ def rollout_quality(collectives, batch, old_logprobs: torch.Tensor,
                                    torch.tensor(float(len(reps)), dtype=torch.float64, device=dev)]),
                       ev.to(dev), k3.sum().double().reshape(1)])
     maxes = torch.stack([torch.where(m, diff, 0.0).max() if diff.numel() else diff.new_zeros(()),
-                         batch.response_lengths.max().float().to(dev)])
+                         m.sum(-1).max().float() if m.numel() else diff.new_zeros(())])
     if dims.dp > 1:
         dist.all_reduce(sums, group=dims.dp_group)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dims.dp_group)

@@ -49,6 +49,7 @@ from nemo_rlhf.trainers.ppo.evaluation import HeldOutEvaluation, evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.micro_batches import training_minibatches
 from nemo_rlhf.trainers.ppo.roles import CriticRole, ForwardPasses, PolicyRole, build_critic_role
+from nemo_rlhf.trainers.ppo.episode_source import episode_extras, is_episode_batch
 from nemo_rlhf.trainers.ppo.rollout_source import RolloutSource, build_rollout_source
 from nemo_rlhf.trainers.ppo.scoring import RewardScoringError, score_rollout
 from nemo_rlhf.trainers.ppo.state import (dp_group_slice, log_prompt_ids, ppo_fingerprint, restore_run_state,
@@ -115,7 +116,7 @@ class PPOTrainer:
         self.collectives = JobCollectives(dims)
         self.rollout_source: RolloutSource = build_rollout_source(
             cfg, dims, self.actor, tokenizer, self.encoded, self.sampler, self.collectives, self.timers,
-            with_values=cfg.ppo.old_logprobs_from_rollout and self.critic.on_actor_backbone)
+            with_values=cfg.ppo.old_logprobs_from_rollout and self.critic.on_actor_backbone, prompts=prompts)
         """Where the samples come from (:mod:`~nemo_rlhf.trainers.ppo.rollout_source`): the
         local engine, or the rollout workers of ``rollout.mode=async``; chosen here, once."""
         self.is_mp_src, self.is_reporter = self.collectives.is_mp_src, self.collectives.is_reporter
@@ -159,7 +160,10 @@ class PPOTrainer:
         return self.rollout_source.generate(prompt_ids, cfg, call_index=self.step)
 
     def response_texts(self, batch) -> list[str]:
-        """The responses' text (EOS and padding dropped), one per row."""
+        """The responses' text (EOS and padding dropped), one per row; of a multi-turn
+        batch, each episode's final answer (its last policy turn)."""
+        if is_episode_batch(batch):
+            return batch.final_texts(self.tok.decode, self.tok.eos_id)
         out = []
         for ids, mask in zip(batch.response_ids.tolist(), batch.response_mask.tolist()):
             toks = [t for t, m in zip(ids, mask) if m and t != self.tok.eos_id]
@@ -200,9 +204,12 @@ class PPOTrainer:
             :class:`RewardScoringError` (same message) on every other rank, all in the
             same step: no rank is left waiting in a collective.
         """
+        rows = [self.prompts[i] for i in idx]
+        if is_episode_batch(batch):  # the reward functions see the episode's reward (the `env` one)
+            rows = [replace(r, extras={**r.extras, **episode_extras(ep)}) for r, ep in zip(rows, batch.episodes)]
         with self.timers("reward"):
             scores, metrics = score_rollout(
-                self.reward, self.collectives, [self.prompts[i] for i in idx], self.response_texts(batch),
+                self.reward, self.collectives, rows, self.response_texts(batch),
                 self.step + 1, self.cfg.rollout.n_samples_per_prompt, self.advantage_cfg.traits.needs_groups)
         return to_device(scores, self.dims.device), metrics
 

@@ -38,7 +38,7 @@ def test_reward_functions_resolve_by_path_and_short_name_and_errors_name_the_key
     assert get_reward_function(EXACT_MATCH) is exact_match
     assert get_reward_function(f"{__name__}:length_reward") is length_reward
     with pytest.raises(ValueError, match=r"reward.functions\[0\].name='exact_match': valid choices are "
-                                         r"\['arithmetic_exact_match', 'just_the_number', 'two_digit_addition'\] "
+                                         r"\['arithmetic_exact_match', 'env', 'just_the_number', 'two_digit_addition'\] "
                                          r"\(the built-in short names\) or a 'package.module:function' path"):
         get_reward_function("exact_match", "reward.functions[0].name")
     for bad in ("", ":fn", "mod:", None, 3):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from nemo_rlhf.envs.builtin import env_reward
 from nemo_rlhf.reward.functions import BUILTIN_REWARD_FUNCTIONS, check_reward_function_spec, get_reward_function
 from nemo_rlhf.tasks.addition import addition_answer, just_the_number, two_digit_addition
 from nemo_rlhf.tasks.precedence import arithmetic_exact_match
@@ -60,7 +61,8 @@ def test_just_the_number_is_format_not_correctness():
 
 def test_the_short_names_resolve_to_the_tasks_checkers():
     expected = {"arithmetic_exact_match": arithmetic_exact_match,
-                "two_digit_addition": two_digit_addition, "just_the_number": just_the_number}
+                "two_digit_addition": two_digit_addition, "just_the_number": just_the_number,
+                "env": env_reward}  # (env: the episode reward of multi-turn rollouts, #51)
     assert sorted(BUILTIN_REWARD_FUNCTIONS) == sorted(expected)
     for name, fn in expected.items():
         assert get_reward_function(name) is fn

@@ -194,3 +194,40 @@ def test_async_refuses_pipeline_and_expert_parallel_trainers_naming_the_key():
     with pytest.raises(ValueError, match="parallel.expert_model_parallel_size=1 \\(got 2\\)"):
         check_async_layout(rollout, SimpleNamespace(pp=1, ep=2))
     check_async_layout(typed_job("ppo", []).rollout, SimpleNamespace(pp=2, ep=2))  # sync: anything
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["env.name=calculator", "rollout.engine=vllm"],
+     "env.name='calculator' with rollout.engine=vllm: multi-turn episodes are not supported there yet; "
+     "set rollout.engine=megatron"),
+    (["env.name=calculator", "rollout.mode=async", "ppo.rollout_is_cap=2.0"],
+     "env.name='calculator' with rollout.mode=async: multi-turn episodes are not supported there yet; "
+     "set rollout.mode=sync"),
+    (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "kl.temperature=sampling"],
+     "with ppo.old_logprobs_from_rollout=True: multi-turn episodes are not supported there yet"),
+    (["env.name=calculator", "rollout.min_new_tokens=2"], "with rollout.min_new_tokens=2"),
+    (["env.name=calc"], "env.name='calc': valid choices are null (single-turn), ['calculator'] (built-in) "
+     "or a 'package.module:function' factory path"),
+    (["env.tool_call_format=json"], "env.tool_call_format='json': valid choices are ['hermes', 'llama3']"),
+    (["env.max_turns=0"], "env.max_turns=0: must be an integer >= 1"),
+    (["env.max_tool_time_s=0"], "env.max_tool_time_s=0.0: must be a finite number of seconds > 0"),
+    (["env.observation_template=obs"], "env.observation_template='obs': must contain '{observation}'"),
+    (["reward.functions=[{name: env}]"], "reward.functions names 'env' (the environment's episode reward) "
+     "with env.name=null"),
+    (["env.name=calculator", "trainer.eval_checker=env"], "trainer.eval_checker=env: the held-out evaluation "
+     "is single-turn"),
+])
+def test_env_settings_that_cannot_work_are_refused_naming_the_keys(overrides, needle):
+    with pytest.raises(ValueError) as err:
+        typed_job("ppo", overrides)
+    assert needle in str(err.value)
+
+
+def test_env_defaults_are_single_turn_and_the_limits_are_envlimits():
+    from nemo_rlhf.envs import EnvLimits
+
+    cfg = typed_job("ppo")
+    assert cfg.env.name is None and not cfg.env.enabled
+    assert cfg.env.limits() == EnvLimits()
+    cfg = typed_job("ppo", ["env.name=calculator", "env.max_turns=3", "reward.functions=[{name: env}]"])
+    assert cfg.env.enabled and cfg.env.limits().max_turns == 3

@@ -14,6 +14,7 @@ import torch
 
 from nemo_rlhf.algorithms.ppo import build_kl_controller
 from nemo_rlhf.data.sampler import ResumableSampler
+from nemo_rlhf.envs.config import EnvConfig
 from nemo_rlhf.metrics.timers import Timers
 from nemo_rlhf.rollout import engines
 from nemo_rlhf.rollout.config import RolloutConfig
@@ -152,6 +153,7 @@ def test_the_remote_source_answers_the_same_calls_with_the_versions_the_schedule
 def _build_cfg(mode: str):
     model = SimpleNamespace(vocab_size=11, max_position_embeddings=32, lora=SimpleNamespace(enabled=False))
     return SimpleNamespace(rollout=RolloutConfig(mode=mode, max_staleness=0, num_workers=1), model=model,
+                           env=EnvConfig(),
                            ppo=SimpleNamespace(num_rollout_samples=4), trainer=SimpleNamespace(max_steps=2),
                            exp_manager=SimpleNamespace(exp_dir="unused"))
 

@@ -39,6 +39,15 @@ def test_mismatch_metrics_over_policy_tokens_by_hand():
     assert same["rollout_train_k3_kl"] == 0.0 and same["rollout_train_logprob_diff_max"] == 0.0
 
 
+def test_response_length_max_counts_policy_tokens_not_the_holed_rows_extent():
+    # row 0: policy 2, env 3, policy 1 -> extent 6, 3 policy tokens; row 1: 4 policy tokens
+    mask = [[1, 1, 0, 0, 0, 1], [1, 1, 1, 1, 0, 0]]
+    batch = _batch([[0.0] * 6, [0.0] * 6], mask)
+    batch.response_lengths = torch.tensor([6, 4])  # the extent (to_padded_batch's)
+    m = rollout_quality(ONE_RANK, batch, torch.zeros(2, 6), None)
+    assert m["response_length_max"] == 4.0
+
+
 def test_correction_row_shares_are_global_sums_over_dp_by_hand():
     ppo = SimpleNamespace(rollout_is_cap=2.0, rollout_is_mode="truncate")
     other_rank = {"rows": 3.0, "masked_rows": 0.0, "capped_rows": 2.0}  # DP rank 1's counts

@@ -1,0 +1,187 @@
+"""Multi-turn rollouts for PPO (#51): :class:`EpisodeRolloutSource`, the
+:class:`~nemo_rlhf.trainers.ppo.rollout_source.RolloutSource` that runs one episode per
+sample with the environment ``env.name`` names, on the megatron actor
+(:func:`~nemo_rlhf.rollout.episodes.run_episodes`: KV cache kept across turns, TP/PP), and
+hands the trainer a :class:`EpisodeRolloutBatch` laid out by
+:func:`~nemo_rlhf.rollout.trajectory.to_padded_batch`.
+
+The batch is the single-turn ``RolloutBatch`` layout with holes: ``response_mask`` is the
+loss mask (False on the environment's tokens), ``attention_mask`` is 1 on every prompt,
+policy and environment token, ``response_lengths`` is each row's extent after the prompt
+(policy + environment tokens), ``logprobs`` the behaviour log-probs of the policy tokens (0
+elsewhere), ``truncated`` an episode cut at an ``env`` limit and ``ended`` its complement.
+Every reducer of the PPO step reads the mask (docs/multi-turn.md), so the score lands on
+each row's last *policy* token. The episodes ride along as host objects
+(:attr:`EpisodeRolloutBatch.episodes`): the trainer scores the final answer (the last
+policy turn's text, :meth:`EpisodeRolloutBatch.final_texts`) and gives reward functions
+the episode reward (``extras["env_reward"]``: the ``env`` reward function).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List
+
+import torch
+
+from nemo_rlhf.data.datasets import encode_prompt
+from nemo_rlhf.envs.builtin import ENV_REWARD_KEY
+from nemo_rlhf.envs.config import get_env_factory
+from nemo_rlhf.rollout.episodes import Episode, run_episodes
+from nemo_rlhf.rollout.generate import RolloutBatch
+from nemo_rlhf.rollout.trajectory import POLICY, to_padded_batch
+
+__all__ = ["EPISODE_METRICS", "EpisodeRolloutBatch", "EpisodeRolloutSource", "episode_extras",
+           "episode_metric_sums", "episode_metrics_from_sums", "is_episode_batch"]
+
+EPISODE_METRICS = ("episode/turns_mean", "episode/tool_calls_mean", "episode/malformed_call_rate",
+                   "episode/truncated_rate", "episode/policy_tokens_mean", "episode/total_tokens_mean",
+                   "episode/env_reward_mean")
+"""The per-step metrics of :class:`EpisodeRolloutSource` (means over every DP rank's
+episodes)."""
+
+
+@dataclass
+class EpisodeRolloutBatch(RolloutBatch):
+    """A ``RolloutBatch`` of episodes (tensor fields on ``dims.device``, layout in the module
+    docstring) with the episodes themselves (host objects)."""
+
+    episodes: List[Episode] = field(default_factory=list)
+    """One :class:`~nemo_rlhf.rollout.episodes.Episode` per row, in row order."""
+
+    def final_texts(self, decode, eos_id: int) -> list[str]:
+        """Each row's final answer: its last policy turn decoded, EOS dropped."""
+        out = []
+        for ep in self.episodes:
+            tr = ep.trajectory
+            last = [s for s in tr.segments if s.kind == POLICY][-1]
+            out.append(decode([t for t in tr.token_ids[last.start:last.end] if t != eos_id]))
+        return out
+
+
+def episode_extras(episode: Episode) -> dict:
+    """What a multi-turn row adds to its prompt row's ``extras`` for the reward functions:
+    ``env_reward`` (the sum of the environment's per-turn rewards, 0.0 when it gave none),
+    ``env_turn_rewards`` (per answered turn, None where none), ``turns``."""
+    rewards = episode.turn_rewards
+    return {ENV_REWARD_KEY: float(sum(r for r in rewards if r is not None)),
+            "env_turn_rewards": list(rewards), "turns": episode.trajectory.turns}
+
+
+def episode_metric_sums(episodes: List[Episode]) -> list[float]:
+    """This rank's sums behind :data:`EPISODE_METRICS`: ``[episodes, turns, tool calls,
+    episodes with a malformed call, truncated episodes, policy tokens, tokens after the
+    prompt, episode reward]``. Tool calls and malformed calls are the episode totals the
+    environment reports in its last ``info`` (``tool_calls``, ``malformed_calls``, as
+    :class:`~nemo_rlhf.envs.ToolEnvironment` does; 0 for an environment that reports none)."""
+    s = [0.0] * 8
+    for ep in episodes:
+        tr, last = ep.trajectory, (ep.infos[-1] if ep.infos else {})
+        s[0] += 1
+        s[1] += tr.turns
+        s[2] += float(last.get("tool_calls", 0))
+        s[3] += float(last.get("malformed_calls", 0) > 0)
+        s[4] += float(tr.truncated)
+        s[5] += tr.policy_tokens
+        s[6] += len(tr) - tr.prompt_length
+        s[7] += episode_extras(ep)[ENV_REWARD_KEY]
+    return s
+
+
+def episode_metrics_from_sums(sums: list[float]) -> dict[str, float]:
+    """:data:`EPISODE_METRICS` from :func:`episode_metric_sums` (summed over DP): each a sum
+    over episodes divided by the episodes; ``malformed_call_rate`` is the share of episodes
+    with at least one malformed tool call."""
+    n = max(sums[0], 1.0)
+    return dict(zip(EPISODE_METRICS, (sums[1] / n, sums[2] / n, sums[3] / n, sums[4] / n,
+                                      sums[5] / n, sums[6] / n, sums[7] / n)))
+
+
+class EpisodeRolloutSource:
+    """Multi-turn rollouts on the trainer's ranks (``env.name`` set; ``rollout.engine=megatron``,
+    ``rollout.mode=sync``): see the module docstring.
+
+    Args:
+        cfg: the :class:`~nemo_rlhf.trainers.ppo.config.PPOConfig` (``env``, ``rollout``,
+            ``model``, ``data``).
+        dims: this rank's :class:`~nemo_rlhf.distributed.ParallelDims`.
+        actor: the :class:`~nemo_rlhf.trainers.ppo.roles.PolicyRole`.
+        tokenizer: ``encode``, ``decode``, ``eos_id``, ``pad_id`` (and what
+            :func:`~nemo_rlhf.data.datasets.encode_prompt` reads).
+        prompts: the training prompt rows (``.prompt``, ``.extras``), by index.
+        engine: the single-turn engine the held-out evaluation decodes with.
+        collectives: :class:`~nemo_rlhf.trainers.collectives.JobCollectives` (the metrics'
+            DP sum).
+
+    Raises:
+        as :func:`~nemo_rlhf.envs.config.get_env_factory` (a bad ``env.name``).
+    """
+
+    def __init__(self, cfg, dims, actor, tokenizer, prompts: list, engine, collectives):
+        self.cfg, self.dims, self.actor, self.tok = cfg, dims, actor, tokenizer
+        self.prompts, self.engine, self.collectives = prompts, engine, collectives
+        self.factory = get_env_factory(cfg.env)
+        self.limits = cfg.env.limits()
+        self._metrics: dict[str, float] = {}
+
+    def problem(self, index: int) -> dict:
+        """Episode ``index``'s problem: ``{"prompt": text, **extras}``."""
+        row = self.prompts[index]
+        return {"prompt": row.prompt, **row.extras}
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The first observation's ids, as a single-turn prompt's (``data.chat_template``, BOS)."""
+        return encode_prompt(self.tok, text, self.cfg.data.chat_template, self.cfg.data.system_prompt)
+
+    def encode_observation(self, text: str) -> list[int]:
+        """An observation's ids: ``env.observation_template`` filled, tokenised alone."""
+        return self.tok.encode(self.cfg.env.encode_observation_text(text))
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def rollout(self, step: int, prompt_indices: list[int]) -> EpisodeRolloutBatch:
+        """Run one episode per index (a fresh environment each) and lay them out; the
+        episode metrics are summed over DP here (every rank calls it)."""
+        envs = [self.factory(self.cfg.env) for _ in prompt_indices]
+        episodes = run_episodes(
+            self.actor.model, self.dims, envs, [self.problem(i) for i in prompt_indices], self.cfg.rollout,
+            self.limits, encode_prompt=self.encode_prompt, encode_observation=self.encode_observation,
+            decode_fn=self.tok.decode, eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id,
+            vocab_size=self.cfg.model.vocab_size, max_sequence_length=self.cfg.model.max_position_embeddings,
+            call_index=step - 1)
+        padded = to_padded_batch([ep.trajectory for ep in episodes], self.tok.pad_id, device=self.dims.device)
+        P = padded.prompt_length
+        sums = torch.tensor(episode_metric_sums(episodes), dtype=torch.float64, device=self.dims.device)
+        self._metrics = episode_metrics_from_sums(self.collectives.dp_sum(sums).tolist())
+        return EpisodeRolloutBatch(
+            input_ids=padded.input_ids, attention_mask=padded.attention_mask, prompt_length=P,
+            response_ids=padded.input_ids[:, P:].clone(), response_mask=padded.response_mask,
+            response_lengths=padded.response_lengths, ended=~padded.truncated, truncated=padded.truncated,
+            logprobs=padded.logprobs, vocab_size=self.cfg.model.vocab_size, episodes=episodes)
+
+    def after_update(self, step: int) -> None:
+        pass
+
+    def generate(self, prompts, cfg, *, call_index: int) -> RolloutBatch:
+        """Single-turn decoding (the held-out evaluation), with the actor's weights."""
+        return self.engine.generate(self.actor.model, prompts, cfg, call_index=call_index,
+                                    weights_version=self.actor.weights_version)
+
+    def metrics(self) -> dict[str, float]:
+        """The last rollout's :data:`EPISODE_METRICS` and the engine's."""
+        return {**self.engine.metrics(), **self._metrics}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def is_episode_batch(batch: Any) -> bool:
+    """Whether ``batch`` holds episodes (multi-turn rows)."""
+    return isinstance(batch, EpisodeRolloutBatch)

@@ -1,0 +1,93 @@
+"""PPO on multi-turn episodes (#51): ``env.name`` makes the trainer roll out episodes with
+an environment (:class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutSource`) and
+train on them; ``env.name`` null keeps the single-turn source. One rank, the tiny model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.harness import run_ranks
+from tests.ppo_helpers import TwoTurnEnv, compose_ppo, make_demo_data
+
+EPISODE_KEYS = ("episode/turns_mean", "episode/tool_calls_mean", "episode/malformed_call_rate",
+                "episode/truncated_rate", "episode/policy_tokens_mean", "episode/total_tokens_mean",
+                "episode/env_reward_mean")
+
+
+def _worker(rank: int, tmp: str):
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    cfg = compose_ppo(data, tmp / "exp", "env.name=tests.ppo_helpers:two_turn_env", "env.max_total_tokens=64",
+                      "reward.functions=[{name: env}]")
+    trainer = build(cfg)
+    obs_ids = trainer.tok.encode(TwoTurnEnv.OBSERVATION)
+    out = {"source": type(trainer.rollout_source).__name__, "obs_ids": obs_ids, "metrics": [], "rows": []}
+    for _ in range(2):
+        out["metrics"].append(trainer.train_step())
+        idx, batch, scores = trainer._last_batch
+        P = batch.prompt_length
+        for b, ep in enumerate(batch.episodes):
+            tr = ep.trajectory
+            out["rows"].append({
+                "turns": tr.turns, "segments": [(s.kind, s.start - tr.prompt_length, s.end - tr.prompt_length)
+                                                for s in tr.segments],
+                "mask": batch.response_mask[b].tolist(), "attn": batch.attention_mask[b, P:].tolist(),
+                "ids": batch.input_ids[b, P:].tolist(), "length": int(batch.response_lengths[b]),
+                "score": float(scores[b]), "env_reward": sum(r for r in ep.turn_rewards if r is not None),
+                "device_ok": all(t.device == trainer.dims.device for t in (
+                    batch.input_ids, batch.attention_mask, batch.response_mask, batch.logprobs,
+                    batch.response_lengths))})
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_worker, world_size=1, tmp=str(tmp_path_factory.mktemp("ppo_mt")))[0]
+
+
+def test_env_name_builds_the_episode_source(results):
+    assert results["source"] == "EpisodeRolloutSource"
+
+
+def test_every_episode_has_two_policy_turns_and_the_mask_has_holes_exactly_at_the_observation(results):
+    obs = results["obs_ids"]
+    assert results["rows"]
+    for row in results["rows"]:
+        assert row["turns"] == 2
+        (k1, s1, e1), (k2, s2, e2), (k3, s3, e3) = row["segments"]
+        assert (k1, k2, k3) == ("policy", "env", "policy") and e1 == s2 and e2 == s3
+        assert row["ids"][s2:e2] == obs
+        expected = [True] * e1 + [False] * len(obs) + [True] * (e3 - s3)
+        assert row["mask"][:e3] == expected
+        assert not any(row["mask"][e3:])
+        assert row["attn"][:e3] == [1] * e3 and not any(row["attn"][e3:])  # env tokens attended
+        assert row["length"] == e3
+        assert row["device_ok"]
+
+
+def test_scores_are_the_episode_rewards(results):
+    for row in results["rows"]:
+        assert row["score"] == pytest.approx(row["env_reward"])
+        assert row["env_reward"] in (1.0, 0.25)
+
+
+def test_episode_metrics_are_logged_and_hand_checked(results):
+    for m, rows in zip(results["metrics"], (results["rows"][:8], results["rows"][8:])):
+        for k in EPISODE_KEYS:
+            assert k in m and math.isfinite(m[k]), k
+        assert m["episode/turns_mean"] == 2.0
+        assert m["episode/tool_calls_mean"] == 1.0
+        assert m["episode/malformed_call_rate"] == 0.0
+        assert m["episode/truncated_rate"] == 0.0
+        policy = sum(sum(r["mask"]) for r in rows) / len(rows)
+        assert m["episode/policy_tokens_mean"] == pytest.approx(policy)
+        assert m["response_length"] == pytest.approx(policy)  # policy tokens only
+        assert m["episode/total_tokens_mean"] == pytest.approx(sum(r["length"] for r in rows) / len(rows))
+        assert m["episode/total_tokens_mean"] - policy == pytest.approx(len(results["obs_ids"]))
+        assert m["episode/env_reward_mean"] == pytest.approx(sum(r["env_reward"] for r in rows) / len(rows))
+        assert math.isfinite(m["policy_loss"]) and math.isfinite(m["kl_mean"])

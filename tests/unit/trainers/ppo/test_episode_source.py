@@ -1,0 +1,173 @@
+"""The multi-turn rollout source without a model (#51): the episode metrics by hand, the
+final answer's text, the episode reward for the reward functions, the batch
+:class:`EpisodeRolloutSource` hands the trainer (over a stand-in ``run_episodes``), the
+choice in :func:`build_rollout_source`, and the built-in calculator environment."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nemo_rlhf.data.datasets import PromptSample
+from nemo_rlhf.envs.builtin import answer_reward, calculator_env, env_reward
+from nemo_rlhf.envs.config import EnvConfig, get_env_factory
+from nemo_rlhf.metrics.timers import Timers
+from nemo_rlhf.rollout.config import RolloutConfig
+from nemo_rlhf.rollout.episodes import Episode
+from nemo_rlhf.rollout.trajectory import Trajectory
+from nemo_rlhf.trainers.ppo import episode_source, rollout_source
+from nemo_rlhf.trainers.ppo.episode_source import (EpisodeRolloutBatch, EpisodeRolloutSource, episode_extras,
+                                                   episode_metric_sums, episode_metrics_from_sums)
+from nemo_rlhf.trainers.ppo.rollout_source import build_rollout_source
+from tests.unit.trainers.ppo.test_rollout_source import RecordingEngine
+
+EOS = 2
+
+
+def _episode(prompt, turns, rewards, infos, truncated=False):
+    """``turns``: a list of ("policy", ids) / ("env", ids)."""
+    tr = Trajectory(prompt)
+    for kind, ids in turns:
+        if kind == "policy":
+            tr.append_policy(ids, [-0.5] * len(ids))
+        else:
+            tr.append_env(ids)
+    if truncated:
+        tr.mark_truncated()
+    return Episode(tr, turn_rewards=rewards, infos=infos)
+
+
+def _episodes():
+    # A: 2 policy turns (2 + 1 tokens) around a 3-token observation, reward 0.5 then 1.0,
+    #    2 tool calls, 1 malformed; B: one turn of 2 tokens, truncated, no reward, no info
+    a = _episode([1, 5, 6], [("policy", [7, 8]), ("env", [9, 9, 9]), ("policy", [4, EOS])],
+                 [0.5, 1.0], [{"tool_calls": 1, "malformed_calls": 1}, {"tool_calls": 2, "malformed_calls": 1}])
+    b = _episode([1, 5], [("policy", [3, 3])], [None], [{}], truncated=True)
+    return [a, b]
+
+
+def test_episode_metrics_by_hand():
+    sums = episode_metric_sums(_episodes())
+    # episodes 2, turns 2 + 1, tool calls 2 + 0 (the last info's totals), 1 episode with a
+    # malformed call, 1 truncated, policy tokens 4 + 2, tokens after the prompt 7 + 2, reward 1.5 + 0
+    assert sums == [2.0, 3.0, 2.0, 1.0, 1.0, 6.0, 9.0, 1.5]
+    other_rank = [2.0, 2.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.5]  # a second DP rank's sums
+    m = episode_metrics_from_sums([x + y for x, y in zip(sums, other_rank)])
+    assert m == {"episode/turns_mean": 5 / 4, "episode/tool_calls_mean": 2 / 4,
+                 "episode/malformed_call_rate": 1 / 4, "episode/truncated_rate": 1 / 4,
+                 "episode/policy_tokens_mean": 8 / 4, "episode/total_tokens_mean": 11 / 4,
+                 "episode/env_reward_mean": 2.0 / 4}
+
+
+def test_extras_carry_the_summed_episode_reward_and_the_env_reward_function_reads_it():
+    a, b = _episodes()
+    assert episode_extras(a) == {"env_reward": 1.5, "env_turn_rewards": [0.5, 1.0], "turns": 2}
+    assert episode_extras(b)["env_reward"] == 0.0
+    assert env_reward(["p", "q"], ["x", "y"], [episode_extras(a), episode_extras(b)]) == [1.5, 0.0]
+    with pytest.raises(ValueError, match="row 0 has no episode reward.*set env.name"):
+        env_reward(["p"], ["x"], [{"answer": "3"}])
+
+
+def _fake_source(monkeypatch, episodes, other_rank_sums=None):
+    calls = []
+
+    def fake_run_episodes(model, dims, envs, problems, cfg, limits, **kw):
+        calls.append({"problems": problems, "envs": envs, "limits": limits, **kw})
+        return episodes
+
+    monkeypatch.setattr(episode_source, "run_episodes", fake_run_episodes)
+    tok = SimpleNamespace(eos_id=EOS, pad_id=0, bos_id=1, bos_token="<bos>", decode=lambda ids: " ".join(map(str, ids)),
+                          encode=lambda text: [int(c) for c in text if c.isdigit()])
+    cfg = SimpleNamespace(env=EnvConfig(name="tests.ppo_helpers:two_turn_env", max_total_tokens=64,
+                                        observation_template="={observation}="),
+                          rollout=RolloutConfig(), model=SimpleNamespace(vocab_size=11, max_position_embeddings=128),
+                          data=SimpleNamespace(chat_template=None, system_prompt=None))
+    prompts = [PromptSample([1, 5, 6], "56", {"answer": "11"}), PromptSample([1, 5], "5", {})]
+    extra = other_rank_sums or [0.0] * 8
+    collectives = SimpleNamespace(dp_sum=lambda t: t + torch.tensor(extra, dtype=t.dtype, device=t.device))
+    dims = SimpleNamespace(device=torch.device("cpu"))
+    src = EpisodeRolloutSource(cfg, dims, SimpleNamespace(model="actor", weights_version=3), tok, prompts,
+                               RecordingEngine(), collectives)
+    return src, calls
+
+
+def test_the_rollout_is_to_padded_batchs_layout_with_holes_and_the_episodes(monkeypatch):
+    episodes = _episodes()
+    src, calls = _fake_source(monkeypatch, episodes)
+    batch = src.rollout(4, [0, 1])
+    assert calls[0]["problems"] == [{"prompt": "56", "answer": "11"}, {"prompt": "5"}]
+    assert calls[0]["call_index"] == 3 and calls[0]["limits"].max_total_tokens == 64
+    assert calls[0]["encode_observation"]("7") == [7]  # "=7=" tokenised alone
+    assert len({id(e) for e in calls[0]["envs"]}) == 2  # a fresh environment per episode
+    assert isinstance(batch, EpisodeRolloutBatch) and batch.episodes is episodes
+    assert batch.prompt_length == 3
+    assert batch.input_ids.tolist() == [[1, 5, 6, 7, 8, 9, 9, 9, 4, EOS], [0, 1, 5, 3, 3, 0, 0, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1] * 10, [0] + [1] * 4 + [0] * 5]
+    assert batch.response_ids.tolist() == [[7, 8, 9, 9, 9, 4, EOS], [3, 3, 0, 0, 0, 0, 0]]
+    assert batch.response_mask.tolist() == [[True, True, False, False, False, True, True], [True, True] + [False] * 5]
+    assert batch.response_lengths.tolist() == [7, 2]  # the extent, environment tokens included
+    assert batch.logprobs.tolist() == [[-0.5, -0.5, 0, 0, 0, -0.5, -0.5], [-0.5, -0.5, 0, 0, 0, 0, 0]]
+    assert batch.truncated.tolist() == [False, True] and batch.ended.tolist() == [True, False]
+    # the final answer is the last policy turn only (EOS dropped), not every policy token
+    assert batch.final_texts(lambda ids: " ".join(map(str, ids)), EOS) == ["4", "3 3"]
+    padded = batch.pad_response_to(9, 0)  # (the trainer's DP padding keeps the episodes)
+    assert isinstance(padded, EpisodeRolloutBatch) and padded.episodes is episodes
+    assert src.metrics()["episode/turns_mean"] == 1.5 and src.metrics()["engine/calls"] == 0.0
+
+
+def test_the_metrics_are_summed_over_dp_before_the_means(monkeypatch):
+    src, _ = _fake_source(monkeypatch, _episodes(), other_rank_sums=[2.0, 2.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.5])
+    src.rollout(1, [0, 1])
+    assert src.metrics()["episode/turns_mean"] == 5 / 4
+    assert src.metrics()["episode/truncated_rate"] == 1 / 4
+
+
+def test_the_evaluation_decodes_single_turn_with_the_engine(monkeypatch):
+    src, _ = _fake_source(monkeypatch, _episodes())
+    src.generate([[1, 2]], RolloutConfig(greedy=True), call_index=5)
+    assert src.engine.calls == [{"model": "actor", "prompts": [[1, 2]], "greedy": True, "call_index": 5,
+                                 "weights_version": 3}]
+    src.close()
+    assert src.engine.closed
+
+
+def test_build_picks_the_episode_source_when_env_name_is_set(monkeypatch):
+    monkeypatch.setattr(rollout_source, "build_rollout_engine", lambda *a, **kw: RecordingEngine())
+    monkeypatch.setattr(rollout_source, "unwrap",
+                        lambda m: SimpleNamespace(config=SimpleNamespace(params_dtype=torch.float32)))
+    tok = SimpleNamespace(eos_id=1, pad_id=0, decode=str)
+    dims = SimpleNamespace(dp=1, dp_rank=0, rank=0, world_size=1, tp=1, pp=1, device=torch.device("cpu"))
+    actor = SimpleNamespace(model=object(), weights_version=0)
+    model = SimpleNamespace(vocab_size=11, max_position_embeddings=32)
+    cfg = SimpleNamespace(rollout=RolloutConfig(), model=model, env=EnvConfig(name="calculator"))
+    src = build_rollout_source(cfg, dims, actor, tok, [[1]], None, None, Timers(), prompts=["row"])
+    assert isinstance(src, EpisodeRolloutSource) and src.factory is calculator_env
+    with pytest.raises(ValueError, match="needs the prompt rows"):
+        build_rollout_source(cfg, dims, actor, tok, [[1]], None, None, Timers())
+    cfg.env = EnvConfig()
+    assert type(build_rollout_source(cfg, dims, actor, tok, [[1]], None, None, Timers())).__name__ == \
+        "LocalRolloutSource"
+
+
+def test_a_factory_path_that_does_not_resolve_names_env_name():
+    with pytest.raises(AttributeError, match="env.name='tests.ppo_helpers:nope'.*no attribute 'nope'"):
+        get_env_factory(EnvConfig(name="tests.ppo_helpers:nope"))
+    with pytest.raises(ImportError, match="env.name='no_such_module:f': cannot import module"):
+        get_env_factory(EnvConfig(name="no_such_module:f"))
+
+
+def test_the_calculator_environment_answers_a_hermes_call_then_scores_the_final_answer():
+    env = get_env_factory(EnvConfig(name="calculator"))(EnvConfig(name="calculator", max_turns=3))
+    assert env.reset({"prompt": "12*34=", "answer": "408"}) == "12*34="
+    tr = Trajectory([1, 2])
+    tr.append_policy([3], [0.0])
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>'
+    first = env.step(tr, call)
+    assert not first.done and "408" in first.observation and first.info["tool_calls"] == 1
+    tr.append_env([4])
+    tr.append_policy([5], [0.0])
+    last = env.step(tr, "The answer is 408")
+    assert last.done and last.reward == 1.0
+    assert answer_reward({"answer": "408"}, "it is 407") == 0.0 and answer_reward({}, "408") is None
