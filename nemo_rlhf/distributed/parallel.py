@@ -115,6 +115,7 @@ def validate_parallel_layout(
     Raises:
         ValueError: naming the offending key (``parallel.tensor_model_parallel_size``,
             ``parallel.pipeline_model_parallel_size``, ``parallel.expert_model_parallel_size``,
+            ``parallel.context_parallel_size`` (also refused with a MoE model),
             ``model.num_layers``, ...), its value and the values that would work.
     """
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size

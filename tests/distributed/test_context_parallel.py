@@ -115,6 +115,10 @@ def _worker(rank: int):
     out = {}
     # --- reference: CP=1 (each rank alone holds the whole sequence) --------------------
     dims = initialize_distributed(ParallelConfig(), seed=3, num_layers=cfg.num_layers)
+    from nemo_rlhf.models.context_parallel import cp_global_token_count
+
+    # DP=2 here: rank r counts r + 1 tokens, the global count is 1 + 2
+    out["dp_count"] = float(cp_global_token_count(torch.ones(1, rank + 1, device=dims.device), dims))
     dims = dataclasses.replace(dims, dp=1)  # both ranks hold the same batch: no DP sums here
     model = build_model(cfg, dims, seed=11).train()
     out["guard"] = device_guard.is_active()
@@ -174,6 +178,10 @@ def test_cp2_loss_and_gradients_equal_cp1(results, variant):
         for name, g in ref["grads"].items():
             torch.testing.assert_close(cp["grads"][name], g, atol=TOL, rtol=0, msg=name)
         assert sum(float(g.abs().sum()) for g in ref["grads"].values()) > 0
+
+
+def test_token_count_sums_over_data_parallel(results):
+    assert [r["dp_count"] for r in results] == [3.0, 3.0]
 
 
 def test_gather_backward_is_reduce_scatter(results):
