@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 from nemo_rlhf.config import to_typed
 from nemo_rlhf.distributed import destroy_distributed, initialize_distributed
 from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.models.context_parallel import refuse_context_parallel
 from nemo_rlhf.models.moe import refuse_expert_parallel
 from nemo_rlhf.reward.rm_scorer import RewardModelScorer, RMScorerConfig, read_rm_checkpoint
 from nemo_rlhf.reward.server import RMServerConfig, serve
@@ -69,6 +70,7 @@ def run(cfg: ServeRMConfig) -> None:
     """
     info = read_rm_checkpoint(cfg.checkpoint)
     refuse_expert_parallel(cfg.parallel, "RM server")
+    refuse_context_parallel(cfg.parallel, "RM server")
     dims = initialize_distributed(cfg.parallel, seed=cfg.seed, num_layers=info.model.num_layers,
                                   num_attention_heads=info.model.num_attention_heads,
                                   num_query_groups=info.model.num_query_groups)

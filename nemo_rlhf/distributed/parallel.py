@@ -44,6 +44,13 @@ class ParallelConfig:
     different data-parallel replicas (the same TP and PP position), so EP must divide the
     data-parallel size; the expert weights are then data-parallel over the remaining
     ``DP / EP`` ranks (megatron's expert-data-parallel group). 1 for a dense model."""
+    context_parallel_size: int = 1
+    """Ranks a sequence is split across (megatron CP, load-balanced: CP rank ``r`` holds
+    chunks ``r`` and ``2 CP - 1 - r`` of ``2 CP``; sequence lengths must be divisible by
+    ``2 CP``). The attention all-gathers keys and values over the CP group
+    (:mod:`nemo_rlhf.models.context_parallel`). The data-parallel size is
+    ``world / (TP x PP x CP)``. Model, log-prob and loss level only: the PPO trainer
+    refuses values > 1 (not wired in yet)."""
     backend: str = "auto"
     """``auto`` (NCCL for CUDA tensors plus gloo for host tensors with CUDA, gloo
     without), ``gloo``, or ``nccl`` (the same map as ``auto``: host-side flags and object
@@ -55,7 +62,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "expert_model_parallel_size"):
+                    "expert_model_parallel_size", "context_parallel_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{key}={value!r}: must be an integer >= 1")
@@ -99,7 +106,7 @@ def validate_parallel_layout(
     vocab_size: int | None = None,
     num_moe_experts: int | None = None,
 ) -> int:
-    """Check a TP/PP/EP layout against the world size and the model; return the DP size.
+    """Check a TP/PP/CP/EP layout against the world size and the model; return the DP size.
 
     Args:
         num_moe_experts: ``model.num_moe_experts`` (None: a dense model, or not known to
@@ -108,6 +115,7 @@ def validate_parallel_layout(
     Raises:
         ValueError: naming the offending key (``parallel.tensor_model_parallel_size``,
             ``parallel.pipeline_model_parallel_size``, ``parallel.expert_model_parallel_size``,
+            ``parallel.context_parallel_size`` (also refused with a MoE model),
             ``model.num_layers``, ...), its value and the values that would work.
     """
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -147,7 +155,20 @@ def validate_parallel_layout(
             f"parallel.tensor_model_parallel_size={tp} must divide {names}; valid TP sizes: "
             f"{fits}{where}"
         )
-    dp = world_size // (tp * pp)
+    cp = parallel.context_parallel_size
+    if world_size % (tp * pp * cp) != 0:
+        valid = _divisors(world_size // (tp * pp))
+        raise ValueError(
+            f"parallel.context_parallel_size={cp} with tensor_model_parallel_size={tp} and "
+            f"pipeline_model_parallel_size={pp}: tp*pp*cp={tp * pp * cp} does not divide the world "
+            f"size {world_size}; valid context_parallel_size values for this TP and PP: {valid}"
+        )
+    if cp > 1 and num_moe_experts is not None:
+        raise ValueError(
+            f"parallel.context_parallel_size={cp} with a mixture-of-experts model "
+            f"(model.num_moe_experts={num_moe_experts}): CP is built and tested for dense models "
+            f"only; set parallel.context_parallel_size=1")
+    dp = world_size // (tp * pp * cp)
     _validate_expert_parallel(parallel.expert_model_parallel_size, dp, tp, pp, num_moe_experts)
     return dp
 
@@ -222,6 +243,14 @@ class ParallelDims:
     expert_mp_group: object = None
     """Expert model-parallel group (expert TP x EP x PP): the ranks that together hold one
     copy of every expert, over which the experts' share of the gradient norm is summed."""
+    cp: int = 1
+    """Context-parallel size (``parallel.context_parallel_size``)."""
+    cp_rank: int = 0
+    """This rank's index in its CP group: it holds positions
+    :func:`nemo_rlhf.models.context_parallel.cp_positions` of every sequence."""
+    cp_group: object = None
+    """Context-parallel group: the ``cp`` ranks (same TP, PP and DP position) that split a
+    sequence. ``dp_group`` does not include it; gradients are summed over both."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -261,10 +290,12 @@ class ParallelDims:
 
     def describe(self) -> dict:
         """JSON-able summary: ``{"tp": .., "pp": .., "dp": .., "world_size": ..}``, with
-        ``"ep"`` under expert parallelism (absent: 1)."""
+        ``"ep"`` under expert parallelism and ``"cp"`` under context parallelism (absent: 1)."""
         out = {"tp": self.tp, "pp": self.pp, "dp": self.dp, "world_size": self.world_size}
         if self.ep > 1:
             out["ep"] = self.ep
+        if self.cp > 1:
+            out["cp"] = self.cp
         return out
 
 
@@ -297,6 +328,9 @@ def _make_dims(local_rank: int) -> ParallelDims:
         ep_group=ps.get_expert_model_parallel_group(),
         expert_dp_group=ps.get_expert_data_parallel_group(),
         expert_mp_group=ps.get_expert_tensor_model_pipeline_parallel_group(),
+        cp=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_group=ps.get_context_parallel_group(),
         device=device,
     )
 
@@ -360,6 +394,7 @@ def initialize_distributed(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         expert_model_parallel_size=parallel.expert_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
         distributed_timeout_minutes=parallel.timeout_minutes,
         create_gloo_process_groups="nccl" in backend,
     )

@@ -13,8 +13,11 @@ stages return megatron's hidden states ``[seq, batch, hidden]`` for the next sta
 
 The value head's weights are fp32 whatever the model precision and are part of
 ``sharded_state_dict()`` (replicated across TP, present on the last stage only).
-Simplified: sequence parallelism and context parallelism are not wired in (the value head
-would need the sequence-parallel gather); virtual pipeline stages are not used.
+Simplified: sequence parallelism is not wired in (the value head would need the
+sequence-parallel gather); virtual pipeline stages are not used. Context parallelism
+(``dims.cp`` > 1) builds the all-gather CP attention and megatron's CP RoPE slicing; each
+rank's forward then covers its own positions of the sequences
+(:mod:`nemo_rlhf.models.context_parallel`), the fused log-prob path excepted.
 """
 
 from __future__ import annotations
@@ -144,6 +147,10 @@ class ActorCriticModel(GPTModel):
         packed = getattr(self, "_packed", None)
         if self.post_process:
             hidden_states = self._unpacked(hidden_states)
+        if request is not None and self.config.context_parallel_size > 1:
+            raise ValueError("logprob_request (the fused output-layer log-probs) is not supported under "
+                             f"parallel.context_parallel_size={self.config.context_parallel_size}; use the "
+                             "logits (nemo_rlhf.models.context_parallel)")
         if request is not None and self.post_process and not kwargs.get("inference_context") \
                 and self.config.mtp_num_layers is None:
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
@@ -245,9 +252,11 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
         reseed_model_parallel(seed)
     if model_cfg.num_moe_experts is not None:
         patch_router_gemm_without_te()
-    config = build_transformer_config(model_cfg, dims.tp, dims.pp, precision, ep=dims.ep)
+    cp = getattr(dims, "cp", 1)
+    config = build_transformer_config(model_cfg, dims.tp, dims.pp, precision, ep=dims.ep, cp=cp)
     model = classes[kind](config, model_cfg, pre_process=dims.is_first_stage,
-                          post_process=dims.is_last_stage, layer_spec=_layer_spec(model_cfg))
+                          post_process=dims.is_last_stage,
+                          layer_spec=_layer_spec(model_cfg, context_parallel=cp > 1))
     # MoE: expert-parallel ranks may hold different token counts (nemo_rlhf.models.moe)
     use_padded_dispatcher(model)
     # the word embedding's weight gradient into DDP's main_grad, without a dense
@@ -258,7 +267,7 @@ def build_model(model_cfg: ModelConfig, dims, precision: str = "32", kind: str =
     return model.to(dims.device)
 
 
-def _layer_spec(model_cfg: ModelConfig):
+def _layer_spec(model_cfg: ModelConfig, context_parallel: bool = False):
     """The layer spec on every device: :func:`nemo_rlhf.models.decode_layers.local_layer_spec`,
     megatron's local spec with a layer and self-attention class that add an incremental
     KV-cache decoding path (same parameters and keys, same training forward).
@@ -271,4 +280,4 @@ def _layer_spec(model_cfg: ModelConfig):
     (left-padded prompts, padded keys, packed sequences). megatron's local attention runs on
     CUDA as on the host."""
     return local_layer_spec(normalization=model_cfg.normalization, qk_layernorm=model_cfg.qk_layernorm,
-                            num_experts=model_cfg.num_moe_experts)
+                            num_experts=model_cfg.num_moe_experts, context_parallel=context_parallel)

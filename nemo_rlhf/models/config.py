@@ -447,9 +447,11 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: str = "32", ep: int = 1):
+def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: str = "32", ep: int = 1,
+                             cp: int = 1):
     """megatron-core ``TransformerConfig`` for a model and a parallel layout (``ep``: the
-    expert-parallel size, MoE only; megatron's expert TP is left at ``tp``).
+    expert-parallel size, MoE only; megatron's expert TP is left at ``tp``; ``cp``: the
+    context-parallel size, which megatron's RoPE reads to give global positions).
 
     Weights are created on the CPU (``use_cpu_initialization``) and moved to the device by
     the caller; all CUDA-only fusions are off. megatron's ``deterministic_mode`` follows
@@ -504,6 +506,7 @@ def build_transformer_config(model: ModelConfig, tp: int, pp: int, precision: st
         kv_channels=model.kv_channels,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,

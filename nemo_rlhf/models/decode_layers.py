@@ -79,6 +79,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from nemo_rlhf.models.context_parallel import AllGatherCPAttention
 from nemo_rlhf.models.lora import has_lora
 
 CACHE_TAG = "bhsd"
@@ -502,7 +503,7 @@ class TensorParallelMoELayer(MoELayer):
 
 
 def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = False,
-                     num_experts: Optional[int] = None):
+                     num_experts: Optional[int] = None, context_parallel: bool = False):
     """megatron's local GPT layer spec with :class:`KVCacheTransformerLayer` and
     :class:`KVCacheSelfAttention` swapped in.
 
@@ -512,7 +513,9 @@ def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = F
     applies the query / key norms as megatron's ``get_query_key_value_tensors`` does). With
     ``num_experts`` the MLP is megatron's ``MoELayer`` with ``SequentialMLP`` experts (no
     grouped GEMM: that needs CUDA kernels), as
-    :class:`TensorParallelMoELayer` (trainable at TP > 1).
+    :class:`TensorParallelMoELayer` (trainable at TP > 1). With ``context_parallel`` the
+    core attention is :class:`nemo_rlhf.models.context_parallel.AllGatherCPAttention`
+    (megatron's local ``DotProductAttention`` refuses CP > 1).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -523,6 +526,8 @@ def local_layer_spec(normalization: Optional[str] = None, qk_layernorm: bool = F
     attn = spec.submodules.self_attention
     if attn.module is SelfAttention:
         attn.module = KVCacheSelfAttention
+    if context_parallel:
+        attn.submodules.core_attention = AllGatherCPAttention
     if num_experts is not None and spec.submodules.mlp.module is MoELayer:
         spec.submodules.mlp.module = TensorParallelMoELayer  # trains at TP > 1 (its docstring)
     return spec

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from nemo_rlhf.distributed import initialize_distributed
 from nemo_rlhf.distributed.split import chunks
+from nemo_rlhf.models.context_parallel import refuse_context_parallel
 
 
 def to_plain(cfg) -> dict:
@@ -36,8 +37,10 @@ def setup_run(parallel, model_cfg, tokenizer, seed: int):
     ``model_cfg.vocab_size`` 0 is filled in from the tokenizer; a set value must agree.
 
     Raises:
-        ValueError: ``model.vocab_size`` disagrees with the tokenizer, or a bad layout.
+        ValueError: ``model.vocab_size`` disagrees with the tokenizer, a bad layout, or
+            ``parallel.context_parallel_size`` > 1 (not wired into these jobs yet).
     """
+    refuse_context_parallel(parallel, "SFT / RM trainer or evaluate job")
     if model_cfg.vocab_size == 0:
         model_cfg = replace(model_cfg, vocab_size=tokenizer.vocab_size)
     elif model_cfg.vocab_size != tokenizer.vocab_size:

@@ -1,0 +1,304 @@
+"""Context parallelism (CP) on the local layer spec: sequences split across ranks.
+
+Why: megatron-core 0.16.1's CP attention is transformer-engine's
+(``TEDotProductAttention``); its local ``DotProductAttention`` asserts
+``context_parallel_size == 1``, and this project runs the local spec on every device
+(:func:`nemo_rlhf.models.actor_critic._layer_spec`). This module is the smallest CP for
+that spec, on gloo and on NCCL alike.
+
+Layout: megatron's load-balanced chunking. A sequence of ``S`` tokens is cut into
+``2 * cp`` chunks of ``S / (2 cp)``; CP rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``
+(:func:`cp_positions`), so under a causal mask every rank does the same attention work.
+It is the layout megatron's RoPE already slices its frequencies by
+(``rope_utils.get_pos_emb_on_this_cp_rank``, read from the CP group in ``parallel_state``),
+so rotary positions are global with no change to megatron's code; learned absolute
+positions come from the sharded ``position_ids``.
+
+Attention: :class:`AllGatherCPAttention` is the "all-gather CP" of the Llama 3 paper
+(Dubey et al. 2024, sec. 3.3.2): each rank all-gathers the keys and values of the whole
+sequence over the CP group, puts them in global order and attends its local queries to
+them under a mask of global positions. The gather's backward is a reduce-scatter: every
+rank's gradient of the gathered keys/values is summed and each rank keeps its own chunks
+(:class:`_GatherSequence`; on host tensors, where gloo has no reduce-scatter, an
+all-reduce followed by the rank's slice -- the same sums).
+
+Log-probs: the target of position ``t`` is token ``t + 1``; the target of a chunk's last
+token lives on the next chunk. Every rank holds the whole ``input_ids`` (integers, tiny
+next to the activations), so the targets are shifted globally first and then sharded like
+the inputs (:func:`cp_next_token_targets`), as megatron's ``get_batch_on_this_cp_rank``
+shards labels. The last global position has no target (masked).
+
+Losses: per-token terms are computed on the local chunk; a token-mean divides by the
+global count of valid tokens summed over the CP and DP groups
+(:func:`cp_global_token_count`); the parameter gradients are then summed over CP (and DP),
+which megatron's DDP does over its data-parallel-with-CP group.
+
+Simplified: only the model / log-prob / loss level is here; the PPO trainer, packing, the
+fused output-layer log-probs and the rollout are not wired for CP (the trainer refuses
+``parallel.context_parallel_size > 1``). The memory of the gathered keys/values is
+``O(S)`` per rank, as in Llama 3's all-gather CP (the scores are ``[S/cp, S]``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.module import MegatronModule
+
+from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for
+
+
+def cp_positions(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions held by CP rank ``cp_rank``: chunks ``cp_rank`` and
+    ``2 cp - 1 - cp_rank`` of ``2 cp`` equal chunks (megatron's load-balanced layout).
+
+    Args:
+        seq_len: ``S``, divisible by ``2 * cp``.
+        cp: the CP size (>= 1); ``cp == 1`` gives ``arange(S)``.
+        cp_rank: in ``[0, cp)``.
+        device: where the index tensor is made (``dims.device`` when it meets model tensors).
+
+    Returns:
+        ``[S / cp]`` int64, increasing.
+
+    Raises:
+        ValueError: ``S`` not divisible by ``2 * parallel.context_parallel_size``.
+    """
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by 2 * parallel.context_parallel_size = "
+            f"{2 * cp} (load-balanced CP chunks); pad the sequences to a multiple of {2 * cp}")
+    c = seq_len // (2 * cp)
+    return torch.cat([torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device),
+                      torch.arange((2 * cp - 1 - cp_rank) * c, (2 * cp - cp_rank) * c, device=device)])
+
+
+def _gathered_order(local_len: int, cp: int, device) -> torch.Tensor:
+    """Permutation putting an all-gather of every rank's local positions (rank order) in
+    global order: ``gathered[perm]`` is position 0, 1, ..., S-1."""
+    seq_len = local_len * cp
+    held = torch.cat([cp_positions(seq_len, cp, r, device) for r in range(cp)])
+    return torch.argsort(held)
+
+
+def shard_sequence(t: torch.Tensor, dims, dim: int = 1) -> torch.Tensor:
+    """This CP rank's positions of ``t`` along ``dim`` (:func:`cp_positions`); ``t`` itself
+    at CP 1.
+
+    Args:
+        t: any tensor whose ``dim`` is the global sequence (``[B, S]`` ids, masks, targets).
+        dims: :class:`~nemo_rlhf.distributed.ParallelDims` (``cp``, ``cp_rank``).
+        dim: the sequence dimension.
+
+    Raises:
+        ValueError: as :func:`cp_positions`.
+    """
+    if dims.cp == 1:
+        return t
+    return t.index_select(dim, cp_positions(t.shape[dim], dims.cp, dims.cp_rank, t.device))
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather ``[s_local, ...]`` over the CP group into ``[cp * s_local, ...]`` (rank
+    order); backward: the sum over ranks of the gradient, each rank keeping its slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = group.size()
+        out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        n, rank = group.size(), group.rank()
+        grad = grad.contiguous()
+        if grad.is_cuda:  # NCCL
+            out = grad.new_empty((grad.shape[0] // n,) + tuple(grad.shape[1:]))
+            dist.reduce_scatter_tensor(out, grad, group=group)
+            return out, None
+        total = grad.clone()  # gloo has no reduce-scatter: all-reduce, keep this rank's slice
+        dist.all_reduce(total, group=group)
+        return total.narrow(0, rank * (grad.shape[0] // n), grad.shape[0] // n).contiguous(), None
+
+
+def gather_sequence(x: torch.Tensor, dims, dim: int = 0) -> torch.Tensor:
+    """All-gather a CP-sharded tensor into the global sequence order (differentiable:
+    backward is a reduce-scatter).
+
+    Args:
+        x: this rank's ``[..., S/cp, ...]`` along ``dim`` (its :func:`cp_positions`).
+        dims: ``ParallelDims`` (``cp``, ``cp_group``).
+        dim: the sequence dimension.
+
+    Returns:
+        ``[..., S, ...]`` in global position order; ``x`` at CP 1.
+    """
+    if dims.cp == 1:
+        return x
+    return _gather_global(x, dims.cp_group, dim)
+
+
+def _gather_global(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    cp = group.size()
+    moved = x.movedim(dim, 0)
+    gathered = _GatherSequence.apply(moved, group)
+    perm = _gathered_order(moved.shape[0], cp, x.device)
+    return gathered.index_select(0, perm).movedim(0, dim)
+
+
+class AllGatherCPAttention(MegatronModule):
+    """Core attention of the local spec under context parallelism (all-gather K/V).
+
+    Same constructor as megatron's ``DotProductAttention`` (built from a layer spec); same
+    arithmetic (scale ``1/sqrt(head_dim)`` unless ``softmax_scale``, fp32 softmax when
+    ``config.attention_softmax_in_fp32``, GQA by repeating the key/value groups, dropout in
+    the TP RNG tracker), with the keys and values of the whole sequence.
+
+    Forward shapes (megatron's): ``query [s, b, heads/tp, d]``, ``key``/``value``
+    ``[s, b, groups/tp, d]`` for this rank's ``s = S/cp`` positions (:func:`cp_positions`);
+    ``attention_mask`` bool (True = masked out) ``[b or 1, 1, s, S]`` -- rows this rank's
+    queries, columns all keys in global order -- or None (causal by global position; a
+    given mask is combined with the causal one). Returns ``[s, b, heads/tp * d]``.
+
+    Raises:
+        ValueError: packed sequences or an attention bias (not supported here).
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__(config=config)
+        from megatron.core import parallel_state as ps
+
+        self.layer_number = max(1, layer_number)
+        tp = config.tensor_model_parallel_size
+        self.heads = config.num_attention_heads // tp
+        self.groups = (config.num_query_groups or config.num_attention_heads) // tp
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        if config.apply_query_key_layer_scaling:
+            raise ValueError("AllGatherCPAttention: apply_query_key_layer_scaling is not supported")
+        self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") \
+            else ps.get_context_parallel_group()
+        p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.attention_dropout = torch.nn.Dropout(p)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """See the class docstring."""
+        from megatron.core import tensor_parallel
+
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("AllGatherCPAttention: packed sequences and attention bias are not "
+                             "supported under parallel.context_parallel_size > 1")
+        s, b = query.shape[0], query.shape[1]
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        key = _gather_global(key, self.cp_group, 0)      # [S, b, g, d]
+        value = _gather_global(value, self.cp_group, 0)
+        S = key.shape[0]
+        if self.heads // self.groups > 1:
+            key = key.repeat_interleave(self.heads // self.groups, dim=2)
+            value = value.repeat_interleave(self.heads // self.groups, dim=2)
+        q = query.permute(1, 2, 0, 3)                     # [b, h, s, d]
+        k = key.permute(1, 2, 3, 0)                       # [b, h, d, S]
+        scores = torch.matmul(q, k) * self.softmax_scale  # [b, h, s, S]
+        q_pos = cp_positions(S, cp, rank, query.device)
+        masked = torch.arange(S, device=query.device).unsqueeze(0) > q_pos.unsqueeze(1)  # [s, S]
+        masked = masked.view(1, 1, s, S)
+        if attention_mask is not None:
+            masked = masked | attention_mask.bool()
+        if self.config.attention_softmax_in_fp32:
+            scores = scores.float()
+        scores = scores.masked_fill(masked, -10000.0)    # megatron's masked-fill value
+        probs = torch.softmax(scores, dim=-1).to(value.dtype)
+        if self.training and self.attention_dropout.p > 0:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                probs = self.attention_dropout(probs)
+        ctx = torch.matmul(probs, value.permute(1, 2, 0, 3))  # [b, h, s, d]
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def cp_next_token_targets(input_ids: torch.Tensor, dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token targets of this CP rank's positions, shifted globally before sharding.
+
+    Args:
+        input_ids: ``[B, S]`` int64, the whole (unsharded) sequences.
+        dims: ``ParallelDims``.
+
+    Returns:
+        ``(targets [B, S/cp] int64, has_target [B, S/cp] bool)``: position ``t``'s target
+        is ``input_ids[:, t+1]``; the global last position has none (target 0, False).
+    """
+    B, S = input_ids.shape
+    targets = torch.cat([input_ids[:, 1:], input_ids.new_zeros(B, 1)], dim=1)
+    has = torch.ones(B, S, dtype=torch.bool, device=input_ids.device)
+    has[:, -1] = False
+    return shard_sequence(targets, dims), shard_sequence(has, dims)
+
+
+def cp_global_token_count(mask: torch.Tensor, dims) -> torch.Tensor:
+    """The number of True entries of ``mask`` summed over this rank's CP and DP groups
+    (the denominator of a token-mean loss under CP).
+
+    Args:
+        mask: this rank's local ``[B, S/cp]`` bool/int mask, on ``dims.device``.
+        dims: ``ParallelDims``.
+
+    Returns:
+        0-d float32 on ``mask``'s device.
+    """
+    count = mask.bool().sum().to(torch.float32)
+    for group, size in ((getattr(dims, "cp_group", None), dims.cp), (dims.dp_group, dims.dp)):
+        if size > 1:
+            dist.all_reduce(count, group=group)
+    return count
+
+
+def cp_model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, dims,
+                     with_values: Optional[bool] = None):
+    """:func:`nemo_rlhf.models.engine.model_forward` of this CP rank's share of a batch.
+
+    The rank's positions of the ids, position ids and the causal-padding mask
+    (``[B, 1, S/cp, S]``: its query rows, every key) go through the model.
+
+    Args:
+        input_ids: ``[B, S]`` int64, the whole sequences (every CP rank gets them).
+        attention_mask: ``[B, S]``, 1 for real tokens.
+        dims: ``ParallelDims``.
+        with_values: as in ``model_forward``.
+
+    Returns:
+        The last stage's ``(logits [B, S/cp, V/tp], values [B, S/cp])`` (or what the model
+        returns) for this rank's positions.
+
+    Raises:
+        ValueError: ``S`` not divisible by ``2 * parallel.context_parallel_size``.
+    """
+    kwargs = {} if with_values is None else {"with_values": with_values}
+    ids = shard_sequence(input_ids, dims)
+    pos = shard_sequence(position_ids_for(attention_mask), dims)
+    mask = shard_sequence(causal_padding_mask(attention_mask), dims, dim=2)
+    return model(ids, pos, mask, **kwargs)
+
+
+def refuse_context_parallel(parallel, job: str) -> None:
+    """Refuse ``parallel.context_parallel_size`` > 1 in a job it is not wired into (the PPO,
+    SFT and RM trainers, the RM server, evaluate: their micro-batches, packing, fused
+    log-probs, rollout and checkpoints do not shard sequences yet).
+
+    Raises:
+        ValueError: naming the key, its value, the job and the value that works.
+    """
+    cp = getattr(parallel, "context_parallel_size", 1)
+    if cp > 1:
+        raise ValueError(
+            f"parallel.context_parallel_size={cp} in the {job}: context parallelism is not "
+            f"wired into the {job} yet (model, log-prob and loss level only: "
+            f"nemo_rlhf.models.context_parallel, docs/parallelism.md); set "
+            f"parallel.context_parallel_size=1")
