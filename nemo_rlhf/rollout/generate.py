@@ -24,7 +24,10 @@ prompts (checked). Stages hand hidden states ``[s, batch, hidden]`` to the next 
 across TP (megatron requires ``runtime_gather_output`` in inference); TP rank 0 of the last
 stage samples and broadcasts ``(token, log-prob, stop flag)`` to its TP group and then to
 every stage of its pipeline, so all ranks agree on every token and stop at the same step.
-DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index). With expert
+DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index); TP and PP
+ranks do not enter the seed, so a TP or PP layout with one rank's weights draws one rank's
+tokens (``tests/distributed/test_rollout_parallel.py``; a fresh random initialisation
+differs with PP, docs/models.md, so layouts that must agree start from one checkpoint). With expert
 parallelism (a MoE actor at ``parallel.expert_model_parallel_size`` > 1) every MoE layer call
 is a collective over DP ranks, so a rank whose rows are all done keeps stepping (finished
 rows, pad tokens) until every rank of its expert-parallel group is done: its batch then has
