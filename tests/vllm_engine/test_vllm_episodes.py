@@ -139,6 +139,12 @@ def _worker(rank: int) -> dict:
     tight = EnvLimits(max_turns=2, max_total_tokens=190)
     out["limits_vllm"] = _summary(vllm(greedy, tight, [Scripted(None) for _ in PROBLEMS]))
     out["limits_megatron"] = _summary(megatron(greedy, tight, [Scripted(None) for _ in PROBLEMS]))
+    # a stop string (one character the greedy first turns produce) ends turns as megatron's
+    first = out["greedy_megatron"][0]
+    stop = decode([first["ids"][len(first["prompt"]) + 2]])
+    stopping = RolloutConfig(max_new_tokens=12, greedy=True, stop_strings=[stop])
+    out["stop_string_vllm"] = _summary(vllm(stopping))
+    out["stop_string_megatron"] = _summary(megatron(stopping))
     engine.close()
     return out
 
@@ -204,3 +210,11 @@ def test_every_vllm_turn_is_checked_and_reuses_the_prefix_cache(res):
     later_turns = sum(e["turns"] - 1 for e in eps)
     # every later turn's prompt starts with >= 1 full block the previous turn computed
     assert res["cached_tokens"] >= res["block_size"] * later_turns > 0, res["cached_tokens"]
+
+
+def test_a_stop_string_ends_vllm_turns_where_it_ends_the_megatron_engines(res):
+    v, m = res["stop_string_vllm"], res["stop_string_megatron"]
+    assert [e["ids"] for e in v] == [e["ids"] for e in m]
+    assert [e["segments"] for e in v] == [e["segments"] for e in m]
+    first = v[0]["segments"][0]
+    assert first[2] - first[1] == 3, "the stop string did not cut the first turn at its 3rd token"
