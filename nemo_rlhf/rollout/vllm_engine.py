@@ -304,14 +304,20 @@ class VLLMRolloutEngine:
         return self._batch(prompts, ids, lps, ended)
 
     def _generate_rows(self, prompts, cfg: RolloutConfig, call_index: int,
-                       max_tokens: Optional[list[int]] = None):
+                       max_tokens: Optional[list[int]] = None,
+                       engine_of_row: Optional[list[int]] = None):
         """Every row's response ids, log-probs and stop flag (the same on every TP rank).
-        ``max_tokens``: each row's own bound (each <= ``cfg.max_new_tokens``; None: that)."""
+        ``max_tokens``: each row's own bound (each <= ``cfg.max_new_tokens``; None: that).
+        ``engine_of_row``: which of the DP group's ``tp / vllm_tp`` engines generates each
+        row (None: each engine a contiguous share of the rows)."""
         B = len(prompts)
         n_engines = self.dims.tp // self.vtp
         engine = self.dims.tp_rank // self.vtp
-        mine = dp_slice(B, engine, n_engines)  # this engine's contiguous share of the rows
-        rows = range(mine.start, mine.stop)
+        if engine_of_row is None:
+            mine = dp_slice(B, engine, n_engines)  # this engine's contiguous share of the rows
+            rows = list(range(mine.start, mine.stop))
+        else:
+            rows = [r for r in range(B) if engine_of_row[r] == engine]
         ids: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         ended = [False] * B

@@ -36,10 +36,13 @@ env.max_total_tokens - len(trajectory))`` (vLLM's ``max_tokens`` of that request
 episode's place among the episodes still running that turn: reproducible for the same
 inputs; not the megatron engine's draws (greedy: the same tokens up to ties within rounding).
 
-**Parallelism.** As the single-turn vLLM engine (PP = 1; TP ranks of one DP group hold
-engines that split the rows and share them): every rank holds the same trajectories; the
-rank that samples in the megatron path (TP rank 0) steps the environments and broadcasts
-the outcomes (``_finish_turns``). Only one rank is tested (``tests/vllm_engine``).
+**Parallelism.** As the single-turn vLLM engine (PP = 1; the TP ranks of one DP group hold
+``tp / vllm_tp`` engines that split the rows and share the results): every rank holds the
+same trajectories. Each episode stays on one engine for all its turns (the engines take
+contiguous shares of the episodes, not of each turn's running rows), so that its next turn
+finds its prefix in that engine's cache. TP rank 0 steps the environments and broadcasts
+the outcomes (``_finish_turns``). Tested at training TP=1 and TP=2 with vLLM TP=1
+(``tests/vllm_engine/test_vllm_episodes.py``).
 
 Not covered (an error naming it): ``rollout.min_new_tokens`` > 0; no ``recompute`` path
 (vLLM's cache is its own business).
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 from typing import Any, List, Optional, Sequence
 
+from nemo_rlhf.distributed.split import dp_slice
 from nemo_rlhf.envs.base import EnvLimits, Environment
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.episodes import (
@@ -110,6 +114,13 @@ def run_episodes_vllm(engine, model, envs: Sequence[Environment], problems: Sequ
     rows = _start(envs, problems, encode_prompt, limits, vocab_size)
     _check_prompts_agree(engine.dims, left_pad([r.traj.prompt_ids for r in rows],
                                                engine.pad_token_id)[0])
+    # each episode stays on one engine of the DP group (its contiguous share of the
+    # episodes), so that its next turn finds its keys/values in that engine's prefix cache
+    n_engines = engine.dims.tp // engine.vtp
+    engine_of = [0] * len(rows)
+    for e in range(n_engines):
+        for i in range(len(rows))[dp_slice(len(rows), e, n_engines)]:
+            engine_of[i] = e
     engine.refit(model, weights_version)
     engine._wake()
     try:
@@ -124,7 +135,8 @@ def run_episodes_vllm(engine, model, envs: Sequence[Environment], problems: Sequ
                 prompts.append(list(r.traj.token_ids))
             caps = [_turn_cap(r, cfg, limits) for _, r in live]
             ids, lps, stopped = engine._generate_rows(
-                prompts, cfg, (call_index * 1_000_003 + turn) * 1_009, max_tokens=caps)
+                prompts, cfg, (call_index * 1_000_003 + turn) * 1_009, max_tokens=caps,
+                engine_of_row=[engine_of[i] for i, _ in live])
             turn += 1
             ended = []
             for k, (i, r) in enumerate(live):

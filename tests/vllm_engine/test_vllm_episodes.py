@@ -66,7 +66,7 @@ def _summary(eps) -> list[dict]:
              "rewards": e.turn_rewards} for e in eps]
 
 
-def _worker(rank: int) -> dict:
+def _worker(rank: int, tp: int) -> dict:
     from nemo_rlhf.distributed import ParallelConfig, initialize_distributed
     from nemo_rlhf.envs import EnvLimits
     from nemo_rlhf.models.actor_critic import build_model
@@ -80,7 +80,7 @@ def _worker(rank: int) -> dict:
     from nemo_rlhf.rollout.vllm_engine import VLLMRolloutEngine
 
     Scripted = _env_class()
-    dims = initialize_distributed(ParallelConfig(), seed=0)
+    dims = initialize_distributed(ParallelConfig(tensor_model_parallel_size=tp), seed=0)
     # vLLM's CPU attention has no kernel for head dim 16: 2 heads of 32
     mcfg = load_model_preset("tiny", vocab_size=VOCAB, max_position_embeddings=MAX_SEQ,
                              num_attention_heads=2, num_query_groups=2, init_method_std=0.1)
@@ -123,7 +123,9 @@ def _worker(rank: int) -> dict:
            "prefix_caching": engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}
     greedy = RolloutConfig(max_new_tokens=12, greedy=True)
     cached0 = engine.cached_prompt_tokens
-    v = vllm(greedy)
+    envs = [Scripted(d) for d in DONE_AFTER]
+    v = vllm(greedy, envs=envs)
+    out["env_steps"] = sum(len(e.actions) for e in envs)  # only TP rank 0 steps them
     out["cached_tokens"] = engine.cached_prompt_tokens - cached0
     out["checked"] = list(checked)
     out["greedy_vllm"], out["greedy_megatron"] = _summary(v), _summary(megatron(greedy))
@@ -149,9 +151,16 @@ def _worker(rank: int) -> dict:
     return out
 
 
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2_two_engines"])
+def world(request):
+    """Training TP=1, and TP=2 with vLLM TP=1 (two engines split each turn's rows and share
+    them over the TP group); every rank's results."""
+    return run_ranks(_worker, world_size=request.param, tp=request.param)
+
+
 @pytest.fixture(scope="module")
-def res():
-    return run_ranks(_worker, world_size=1)[0]
+def res(world):
+    return world[0]
 
 
 def test_vllm_episode_logprobs_equal_the_training_forward(res):
@@ -199,7 +208,8 @@ def test_vllm_episodes_stop_at_the_same_limits_as_the_megatron_engine(res):
     assert [e["mask"] for e in v] == [e["mask"] for e in m]
 
 
-def test_every_vllm_turn_is_checked_and_reuses_the_prefix_cache(res):
+def test_every_vllm_turn_is_checked_and_reuses_the_prefix_cache(world):
+    res = world[0]
     eps = res["greedy_vllm"]
     # the append-only check once per policy turn, on the whole trajectory so far
     assert len(res["checked"]) == sum(e["turns"] for e in eps)
@@ -208,8 +218,10 @@ def test_every_vllm_turn_is_checked_and_reuses_the_prefix_cache(res):
         assert [n for j, n in res["checked"] if j == i] == starts
     assert res["prefix_caching"]
     later_turns = sum(e["turns"] - 1 for e in eps)
-    # every later turn's prompt starts with >= 1 full block the previous turn computed
-    assert res["cached_tokens"] >= res["block_size"] * later_turns > 0, res["cached_tokens"]
+    # every later turn's prompt starts with >= 1 full block the previous turn computed; each
+    # rank is one engine (vLLM TP=1) and counts the requests of its share of the rows
+    cached = sum(r["cached_tokens"] for r in world)
+    assert cached >= res["block_size"] * later_turns > 0, [r["cached_tokens"] for r in world]
 
 
 def test_a_stop_string_ends_vllm_turns_where_it_ends_the_megatron_engines(res):
@@ -218,3 +230,11 @@ def test_a_stop_string_ends_vllm_turns_where_it_ends_the_megatron_engines(res):
     assert [e["segments"] for e in v] == [e["segments"] for e in m]
     first = v[0]["segments"][0]
     assert first[2] - first[1] == 3, "the stop string did not cut the first turn at its 3rd token"
+
+
+def test_every_tp_rank_holds_the_same_episodes_and_only_rank_0_steps_the_environments(world):
+    keys = ("greedy_vllm", "sampled", "limits_vllm", "stop_string_vllm")
+    for other in world[1:]:
+        assert {k: other[k] for k in keys} == {k: world[0][k] for k in keys}
+        assert other["env_steps"] == 0
+    assert world[0]["env_steps"] == sum(DONE_AFTER)
