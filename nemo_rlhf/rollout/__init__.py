@@ -8,7 +8,8 @@ in the decode loop; ``engines`` the one interface the trainer uses (``rollout.en
 ``trajectory`` the multi-turn episode (token ids appended turn by turn, its loss mask, the
 append-only check) and ``episodes`` the megatron engine's multi-turn episodes with an
 environment (:func:`~nemo_rlhf.rollout.episodes.run_episodes`, KV cache kept across turns;
-not yet called by the trainer, docs/multi-turn.md). The training-side log-probs of the same tokens are
+not yet called by the trainer, docs/multi-turn.md), ``vllm_episodes`` the same on the vLLM
+engine (:func:`~nemo_rlhf.rollout.vllm_episodes.run_episodes_vllm`, prefix caching). The training-side log-probs of the same tokens are
 :func:`nemo_rlhf.models.logprobs.response_logprobs`.
 """
 

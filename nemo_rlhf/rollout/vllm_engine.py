@@ -202,7 +202,10 @@ class VLLMRolloutEngine:
                              torch.float16: "float16"}[self.dtype],
                       tensor_parallel_size=self.vtp, enforce_eager=vcfg.enforce_eager,
                       max_model_len=model_cfg.max_position_embeddings, seed=cfg.seed,
-                      logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode)
+                      logprobs_mode="processed_logprobs", enable_sleep_mode=self.sleep_mode,
+                      # vLLM's default, said explicitly: multi-turn episodes (vllm_episodes)
+                      # reuse the previous turns' keys/values through it (full blocks only)
+                      enable_prefix_caching=True)
         if self.cuda:
             kwargs["gpu_memory_utilization"] = vcfg.gpu_memory_utilization
         if distributed:
@@ -218,6 +221,9 @@ class VLLMRolloutEngine:
         """Refits skipped because ``weights_version`` had not changed."""
         self.last_refit_s = 0.0
         """Seconds of the last refit (gather + mapping + load)."""
+        self.cached_prompt_tokens = 0
+        """Prompt tokens vLLM served from its prefix cache (``num_cached_tokens``, summed
+        over this engine's requests since it was built)."""
         self._asleep = False
         if self.sleep_mode:
             self._sleep()
@@ -267,9 +273,11 @@ class VLLMRolloutEngine:
             self._asleep = False
 
     # --- generation --------------------------------------------------------------------
-    def _params(self, cfg: RolloutConfig, row: int, call_index: int):
+    def _params(self, cfg: RolloutConfig, row: int, call_index: int,
+                max_tokens: Optional[int] = None):
         stops = sorted({self.eos_token_id, *cfg.stop_token_ids})
-        common = dict(max_tokens=cfg.max_new_tokens, min_tokens=cfg.min_new_tokens,
+        common = dict(max_tokens=cfg.max_new_tokens if max_tokens is None else max_tokens,
+                      min_tokens=cfg.min_new_tokens,
                       stop_token_ids=stops, logprobs=0, detokenize=False)
         if cfg.greedy:
             return self._sampling_params(temperature=0.0, **common)
@@ -295,21 +303,31 @@ class VLLMRolloutEngine:
             self._sleep()
         return self._batch(prompts, ids, lps, ended)
 
-    def _generate_rows(self, prompts, cfg: RolloutConfig, call_index: int):
-        """Every row's response ids, log-probs and stop flag (the same on every TP rank)."""
+    def _generate_rows(self, prompts, cfg: RolloutConfig, call_index: int,
+                       max_tokens: Optional[list[int]] = None,
+                       engine_of_row: Optional[list[int]] = None):
+        """Every row's response ids, log-probs and stop flag (the same on every TP rank).
+        ``max_tokens``: each row's own bound (each <= ``cfg.max_new_tokens``; None: that).
+        ``engine_of_row``: which of the DP group's ``tp / vllm_tp`` engines generates each
+        row (None: each engine a contiguous share of the rows)."""
         B = len(prompts)
         n_engines = self.dims.tp // self.vtp
         engine = self.dims.tp_rank // self.vtp
-        mine = dp_slice(B, engine, n_engines)  # this engine's contiguous share of the rows
-        rows = range(mine.start, mine.stop)
+        if engine_of_row is None:
+            mine = dp_slice(B, engine, n_engines)  # this engine's contiguous share of the rows
+            rows = list(range(mine.start, mine.stop))
+        else:
+            rows = [r for r in range(B) if engine_of_row[r] == engine]
         ids: list[list[int]] = [[] for _ in range(B)]
         lps: list[list[float]] = [[] for _ in range(B)]
         ended = [False] * B
         if len(rows):
             outs = self.llm.generate(
                 [{"prompt_token_ids": list(prompts[r])} for r in rows],
-                [self._params(cfg, r, call_index) for r in rows], use_tqdm=False)
+                [self._params(cfg, r, call_index, None if max_tokens is None else max_tokens[r])
+                 for r in rows], use_tqdm=False)
             for r, out in zip(rows, outs):
+                self.cached_prompt_tokens += int(out.num_cached_tokens or 0)
                 o = out.outputs[0]
                 ids[r] = list(o.token_ids)
                 lps[r] = [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)]
