@@ -537,7 +537,9 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     if not default:  # (the default's settings file predates these keys: it stays as it was)
         settings.update({"task": task.name, "model": profile.name, "rm_val_prompts": a.rm_val_prompts,
                          "sft_steps": a.sft_steps, "sft_rows": a.sft_rows})
-    stages.check_stage_settings(rm_data / "settings.json", settings)
+    sizing = {"rm_heldout_sample_rounds": a.rm_heldout_sample_rounds, "rm_more_rounds": a.rm_more_rounds,
+              "sft_more_rounds": a.sft_more_rounds}  # the sizing loops' caps: recorded since issue 53
+    stages.check_stage_settings(rm_data / "settings.json", {**settings, **sizing}, added=tuple(sizing))
     stage_args = [new_tokens, *checkers]
     policy, sft, probe_acc, samples_train, pair_counts, sft_rounds = _policy_and_rm_data(
         a, task, profile, out, data, ckpt, tok, stage_args, clock)

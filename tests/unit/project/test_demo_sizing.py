@@ -191,3 +191,38 @@ def test_sft_stops_when_a_round_does_not_improve_and_keeps_the_best(tmp_path, mo
     assert _sft_runs(fake) == ["sft", "sft_more1"]
     assert "no better than 50.0%: SFT stops here" in capsys.readouterr().out
     assert f"exp_manager.init_from={tmp_path}/out/sft/checkpoints/step_1" in fake.ppo[0]["args"]
+
+
+# --- the sizing flags in rm_data/settings.json (a resume can tell what sizing was used) ---
+
+SIZING = ("rm_heldout_sample_rounds", "rm_more_rounds", "sft_more_rounds")
+
+
+def test_the_sizing_caps_are_recorded_and_a_resume_with_others_is_refused_naming_the_flag(tmp_path, monkeypatch):
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_argv(tmp_path, monkeypatch, "--rm-heldout-sample-rounds", "1", "--rm-more-rounds", "0")) == 0
+    path = tmp_path / "out" / "rm_data" / "settings.json"
+    recorded = json.loads(path.read_text())
+    assert {k: recorded[k] for k in SIZING} == {"rm_heldout_sample_rounds": 1, "rm_more_rounds": 0,
+                                                "sft_more_rounds": 0}
+    with pytest.raises(SystemExit, match=r"--rm-more-rounds 0 -> 2.*pass a new --out"):
+        demo.main(_argv(tmp_path, monkeypatch, "--rm-heldout-sample-rounds", "1"))
+    i = _argv(tmp_path, monkeypatch).index("--sft-more-rounds")
+    argv = _argv(tmp_path, monkeypatch, "--rm-heldout-sample-rounds", "1", "--rm-more-rounds", "0")
+    argv[i + 1] = "3"
+    with pytest.raises(SystemExit, match=r"--sft-more-rounds 0 -> 3"):
+        demo.main(argv)
+    assert json.loads(path.read_text()) == recorded  # not overwritten
+
+
+def test_a_settings_file_from_before_the_sizing_caps_says_so_and_records_them(tmp_path, capsys):
+    path = tmp_path / "exp" / "rm_data" / "settings.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"rm_prompts": 256}))
+    now = {"rm_prompts": 256, "rm_more_rounds": 2, "sft_more_rounds": 2}
+    stages.check_stage_settings(path, now, added=("rm_more_rounds", "sft_more_rounds"))
+    out = capsys.readouterr().out
+    assert "written before it recorded these settings" in out and "--rm-more-rounds 2, --sft-more-rounds 2" in out
+    assert json.loads(path.read_text()) == now
+    with pytest.raises(SystemExit, match=r"--rm-more-rounds 2 -> 1"):  # recorded now: compared as any other
+        stages.check_stage_settings(path, {**now, "rm_more_rounds": 1}, added=("rm_more_rounds", "sft_more_rounds"))
