@@ -291,9 +291,12 @@ def main(argv=None) -> int:
                         help="demonstrations (Task.demonstrate) of the PPO prompts for that SFT")
     custom.add_argument("--model-seed", type=int, default=0, help="--model tiny: seed of the random initial weights")
     tiny = ap.add_argument_group("--task tiny only")
-    tiny.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
-                      metavar="KEY=VALUE", help="a Hydra override of the SFT job (repeatable; a relative "
-                                                "path in it: to the working directory, where every stage runs)")
+    every.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="a Hydra override of the SFT job(s), after the recipe's own "
+                                                 "(repeatable; --task tiny: its SFT; the recipe: the SFT it runs "
+                                                 "when the model gets no sampled answer right, every round; a "
+                                                 "relative path in it: to the working directory, where every "
+                                                 "stage runs)")
     tiny.add_argument("--rm-override", dest="rm_overrides", action="append", default=[],
                       metavar="KEY=VALUE", help="a Hydra override of the RM job(s) (repeatable; paths as in "
                                                 "--sft-override)")

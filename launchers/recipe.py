@@ -15,7 +15,8 @@ the project's own entry point run as a subprocess and skipped when its output ex
    a right against a wrong answer of one prompt is a natural pair; ``--rm-edit-pairs`` per
    prompt are counterfactual edits (``Task.edit_answer``). **When no sampled answer is right**
    (no natural pair: the model cannot do the task) the recipe says so and follows
-   InstructGPT's order: SFT on ``--sft-rows`` demonstrations (``Task.demonstrate``) first,
+   InstructGPT's order: SFT on ``--sft-rows`` demonstrations (``Task.demonstrate``) first
+   (``--sft-override KEY=VALUE``: Hydra overrides of that SFT job, after the profile's),
    then the RM data from the SFT model; a task without demonstrations is refused, naming
    ``Task.demonstrate``. The sizing loops, each with a cap: SFT continues while its greedy
    exact match on the held-out RM prompts improves (``--sft-more-rounds``); the held-out RM
@@ -305,8 +306,8 @@ def _sft_first(a, task, profile: ModelProfile, out: Path, data: Path, policy, to
     exp = out / "sft"
     if stages.latest_checkpoint(exp) is None:
         stages.run_stage([sys.executable, "-m", "nemo_rlhf.train_sft",
-                          *profile.sft_overrides(a, exp, policy, sft_data, a.sft_steps, tok, profile)],
-                         out / "logs" / "sft.log")
+                          *profile.sft_overrides(a, exp, policy, sft_data, a.sft_steps, tok, profile),
+                          *a.sft_overrides], out / "logs" / "sft.log")  # --sft-override: the user's win
     return stages.latest_checkpoint(exp)
 
 
@@ -347,8 +348,8 @@ def _sft_until_it_stops_improving(a, profile: ModelProfile, out: Path, data: Pat
         exp = out / f"sft_more{n}"
         if stages.latest_checkpoint(exp) is None:
             stages.run_stage([sys.executable, "-m", "nemo_rlhf.train_sft",
-                              *profile.sft_overrides(a, exp, best, sft_data, a.sft_steps, tok, profile)],
-                             logs / f"{exp.name}.log")
+                              *profile.sft_overrides(a, exp, best, sft_data, a.sft_steps, tok, profile),
+                              *a.sft_overrides], logs / f"{exp.name}.log")
         ckpt = stages.latest_checkpoint(exp)
         em = _sft_exact_match(ckpt, data, sft_data / f"exact_match_{n}.json", stage_args, logs / "sft_eval.log")
         rounds.append({"round": n, "steps": a.sft_steps, "exact_match": em, "checkpoint": str(ckpt)})
@@ -538,7 +539,8 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         settings.update({"task": task.name, "model": profile.name, "rm_val_prompts": a.rm_val_prompts,
                          "sft_steps": a.sft_steps, "sft_rows": a.sft_rows})
     sizing = {"rm_heldout_sample_rounds": a.rm_heldout_sample_rounds, "rm_more_rounds": a.rm_more_rounds,
-              "sft_more_rounds": a.sft_more_rounds}  # the sizing loops' caps: recorded since issue 53
+              "sft_more_rounds": a.sft_more_rounds,  # the sizing loops' caps: recorded since issue 53
+              "sft_override": list(a.sft_overrides)}  # the SFT model is the RM data's policy
     stages.check_stage_settings(rm_data / "settings.json", {**settings, **sizing}, added=tuple(sizing))
     stage_args = [new_tokens, *checkers]
     policy, sft, probe_acc, samples_train, pair_counts, sft_rounds = _policy_and_rm_data(

@@ -334,10 +334,10 @@ def test_help_labels_the_flags_by_where_they_apply_and_they_do_apply_there(tmp_p
     assert groups["--rm-lr"] == groups["--rm-freeze-layers"] == SMOLLM2_GROUP
     assert {groups[f] for f in ("--model", "--sft-steps", "--sft-rows", "--model-seed")} == {
         "--task package.module:TASK only"}
-    assert groups["--sft-override"] == groups["--rm-override"] == "--task tiny only"
+    assert groups["--rm-override"] == "--task tiny only"
     assert {g for f, g in groups.items() if f.startswith("--refresh-")} == {
         "the refresh rounds (every task; needs the RM reward)"}
-    assert {groups[f] for f in ("--out", "--data", "--nproc", "--precision")} == {"every task"}
+    assert {groups[f] for f in ("--out", "--data", "--nproc", "--precision", "--sft-override")} == {"every task"}
 
     fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
     argv = _custom(tmp_path, monkeypatch)

@@ -226,3 +226,16 @@ def test_a_settings_file_from_before_the_sizing_caps_says_so_and_records_them(tm
     assert json.loads(path.read_text()) == now
     with pytest.raises(SystemExit, match=r"--rm-more-rounds 2 -> 1"):  # recorded now: compared as any other
         stages.check_stage_settings(path, {**now, "rm_more_rounds": 1}, added=("rm_more_rounds", "sft_more_rounds"))
+
+
+def test_sft_override_reaches_every_sft_job_of_the_recipe_after_its_own(tmp_path, monkeypatch):
+    """--sft-override once applied to --task tiny only: a package.module:TASK run dropped it."""
+    fake = FakeStages(monkeypatch, right=_right_by_stage({"sft": 0.25, "sft_more1": 0.5, "sft_more2": 0.5}))
+    assert demo.main([*_sft_argv(tmp_path, monkeypatch, 2), "--sft-override", "optim.lr=3.0e-4",
+                      "--sft-override", "trainer.max_steps=11"]) == 0
+    sft_cmds = [c for c in fake.cmds if "nemo_rlhf.train_sft" in c]
+    assert len(sft_cmds) == 3
+    for cmd in sft_cmds:  # last, so Hydra takes the user's value over the profile's
+        assert cmd[-2:] == ["optim.lr=3.0e-4", "trainer.max_steps=11"] and "trainer.max_steps=7" in cmd
+    settings = json.loads((tmp_path / "out" / "rm_data" / "settings.json").read_text())
+    assert settings["sft_override"] == ["optim.lr=3.0e-4", "trainer.max_steps=11"]
