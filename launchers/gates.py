@@ -13,10 +13,13 @@ work and why, with the number and its 95% interval.
 * :func:`rm_gate`: after the RM stage, refuse PPO against an RM whose held-out pair accuracy
   is not measurably above chance (its interval includes 50%) or is measured on too few
   natural held-out pairs.
+* :func:`check_prompt_lengths`: before any stage trains, refuse a task whose longest prompt
+  plus its response budget does not fit the model profile's ``data.max_seq_length``.
 * :func:`ppo_verdict`: after PPO, the held-out gain with its paired interval, the final KL
   against its band, and the reward's right-vs-wrong AUC trend, as one line and as fields.
 
-Pure functions of numbers the stages already wrote; no model runs here.
+Pure functions of numbers the stages already wrote (and, for the prompt lengths, of the
+prompt files and the tokenizer); no model runs here.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 Z95 = 1.959963984540054
 """The standard normal's 97.5% quantile: two-sided 95% intervals."""
@@ -283,3 +287,70 @@ def sft_heldout(accuracy, n: int) -> dict:
             + (f" (95% Wilson interval {pct_interval(*ci)})" if ci else ""))
     return {"exact_match": accuracy, "heldout_problems": n, "ci95": list(ci) if ci else None,
             "interval": "wilson", "line": line}
+
+
+PROMPT_FILES = ("rm_prompts.jsonl", "rm_val_prompts.jsonl", "ppo_prompts.jsonl", "eval.jsonl")
+"""The prompt files of :func:`nemo_rlhf.tasks.task.write_prompt_files` the stages read."""
+
+
+def prompt_token_lengths(tokenizer_dir, prompts: list[str], chat_template: Optional[str],
+                         system_prompt: Optional[str]) -> list[int]:
+    """Token counts of ``prompts`` as the SFT, RM and PPO jobs lay them out:
+    :func:`nemo_rlhf.data.datasets.encode_prompt` (``[BOS] + encode(format_prompt(...))``)
+    with the tokenizer of ``tokenizer_dir``."""
+    from nemo_rlhf.data.datasets import encode_prompt
+    from nemo_rlhf.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer_dir)
+    return [len(encode_prompt(tok, p, chat_template, system_prompt)) for p in prompts]
+
+
+def check_prompt_lengths(data: Path, tokenizer_dir, profile, max_new_tokens: int,
+                         budget_from: str) -> int:
+    """Refuse, before any stage samples or trains (only the model set-up, which gives the
+    tokenizer, has run), a task whose longest prompt (after the profile's chat
+    template, :func:`prompt_token_lengths`) plus ``max_new_tokens`` exceeds the profile's
+    ``data.max_seq_length`` (:attr:`launchers.recipe.ModelProfile.max_seq_length`, given to
+    its SFT, RM and PPO jobs): SFT and the RM drop or cut every such row (``data.overlong_policy``), which
+    once surfaced only as SFT's ``ValueError: the dataset is empty`` after minutes. The PPO
+    job's own limit, ``model.max_position_embeddings`` less ``rollout.max_new_tokens``, is
+    never the smaller one (the SFT trainer refuses a ``data.max_seq_length`` above
+    ``model.max_position_embeddings``).
+
+    Args:
+        data: the folder of :data:`PROMPT_FILES`.
+        budget_from: where ``max_new_tokens`` came from (``Task.max_new_tokens`` or the
+            profile's), for the message.
+
+    Returns the longest prompt's token count. Raises ``SystemExit`` naming
+    ``data.max_seq_length``, the longest prompt (file, line, text), the lengths and how many
+    prompts do not fit.
+    """
+    template = profile.chat_template
+    system = profile.system_prompt() if profile.system_prompt is not None else None
+    room = profile.max_seq_length - max_new_tokens
+    worst, over = None, 0
+    for name in PROMPT_FILES:
+        path = data / name
+        if not path.is_file():
+            continue
+        prompts = [json.loads(x)["prompt"] for x in path.read_text().splitlines() if x.strip()]
+        for i, n in enumerate(prompt_token_lengths(tokenizer_dir, prompts, template, system)):
+            over += n > room
+            if worst is None or n > worst[0]:
+                worst = (n, name, i + 1, prompts[i])
+    if worst is None:
+        return 0
+    n, name, line, prompt = worst
+    if over:
+        raise SystemExit(
+            f"the task's prompts do not fit the {profile.name} model's sequence length: {over} prompts are longer "
+            f"than {room} tokens; the longest, line {line} of {data / name} ({prompt!r}), is {n} tokens after the "
+            f"chat template ({template or 'none'}), and with max_new_tokens {max_new_tokens} ({budget_from}) needs "
+            f"{n + max_new_tokens} > data.max_seq_length {profile.max_seq_length} (the {profile.name} profile's "
+            f"ModelProfile.max_seq_length, launchers/recipe.py: its SFT, RM and PPO jobs' data.max_seq_length). "
+            f"SFT and the RM would drop or cut every such row. Shorten Task.prompt_template, lower "
+            f"Task.max_new_tokens, or use a model with a longer data.max_seq_length (--model)")
+    print(f"longest prompt: {n} tokens (line {line} of {name}) + max_new_tokens {max_new_tokens} <= "
+          f"data.max_seq_length {profile.max_seq_length}", flush=True)
+    return n

@@ -47,7 +47,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import launchers.gates as gates
 import launchers.stages as stages
@@ -78,6 +78,10 @@ class ModelProfile:
     """Mean response length (tokens) of the task the PPO config's ``kl.target`` was measured
     on: :func:`kl_target_for_task` scales the target by a task's length over this one
     (0: not measured; the config's target is kept)."""
+    chat_template: Optional[str] = None
+    """``data.chat_template`` of its SFT, RM and PPO jobs (None: the prompt as written)."""
+    system_prompt: Optional[Callable[[], str]] = None
+    """``() -> data.system_prompt`` of those jobs (None: no system message)."""
 
 
 def _smollm2_rm(a, exp, init_from, train_file, steps, rm_data, tok, profile) -> list[str]:
@@ -121,7 +125,8 @@ PROFILES = {
     # start: SmolLM2 on two-digit addition 14.385 tokens (target 6), the tiny demo's
     # reversal 5.05 tokens (conf/ppo_tiny.yaml's target 1.0)
     "smollm2": ModelProfile("smollm2", "ppo_smollm2", stages.SMOLLM2_MAX_NEW_TOKENS, 96, 50,
-                            _smollm2_rm, _smollm2_sft, kl_reference_length=14.385),
+                            _smollm2_rm, _smollm2_sft, kl_reference_length=14.385, chat_template="chatml",
+                            system_prompt=stages.system_prompt),
     "tiny": ModelProfile("tiny", "ppo_tiny", 8, 64, 600, _tiny_rm, _tiny_sft,
                          ("reward.normalization=fixed", "guards.gold_window=1"), kl_reference_length=5.05),
 }
@@ -205,24 +210,16 @@ def prepare_model(profile: ModelProfile, out: Path, seed: int) -> dict:
     return {"checkpoint": str(ckpt), "tokenizer_dir": str(ckpt / "tokenizer")}
 
 
-def write_tiny_model(folder: Path, seed: int) -> Path:
-    """A random ``conf/model/tiny.yaml`` model with a printable-ASCII character tokenizer
-    (``<pad> <bos> <eos>``, then ``string.printable``): ``folder/checkpoints/step_0``."""
+def write_tiny_tokenizer(tok_dir: Path) -> Path:
+    """The tiny profile's printable-ASCII character tokenizer (``<pad> <bos> <eos>``, then
+    ``string.printable``, one token a character) written to ``tok_dir``; returns it."""
     import string
-    from dataclasses import asdict
 
     from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
-    from nemo_rlhf.checkpoint import save_checkpoint
-    from nemo_rlhf.data.tokenizer import Tokenizer
-    from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
-    from nemo_rlhf.distributed.launch_env import LaunchEnv
-    from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.models.config import load_model_preset
     from nemo_rlhf.tasks.precedence import SPECIAL_TOKENS
 
-    tok_dir = folder / "tokenizer"
     tok_dir.mkdir(parents=True, exist_ok=True)
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())}
     for ch in string.printable:
@@ -233,6 +230,22 @@ def write_tiny_model(folder: Path, seed: int) -> Path:
     hf.add_special_tokens(list(SPECIAL_TOKENS.values()))
     hf.save(str(tok_dir / "tokenizer.json"))
     (tok_dir / "special_tokens.json").write_text(json.dumps(SPECIAL_TOKENS, indent=2) + "\n")
+    return tok_dir
+
+
+def write_tiny_model(folder: Path, seed: int) -> Path:
+    """A random ``conf/model/tiny.yaml`` model with a printable-ASCII character tokenizer
+    (:func:`write_tiny_tokenizer`): ``folder/checkpoints/step_0``."""
+    from dataclasses import asdict
+
+    from nemo_rlhf.checkpoint import save_checkpoint
+    from nemo_rlhf.data.tokenizer import Tokenizer
+    from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
+    from nemo_rlhf.distributed.launch_env import LaunchEnv
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import load_model_preset
+
+    tok_dir = write_tiny_tokenizer(folder / "tokenizer")
     cfg = load_model_preset("tiny", vocab_size=Tokenizer(tok_dir).vocab_size)
     config = {"model": asdict(cfg), "trainer": {"precision": "32", "seed": seed},
               "data": {"tokenizer_dir": str(tok_dir)}}
@@ -526,6 +539,9 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         write_prompt_files(task, data, n_rm=a.rm_prompts, n_rm_val=a.rm_val_prompts, n_ppo=a.ppo_prompts)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    budget = task.max_new_tokens or profile.max_new_tokens
+    gates.check_prompt_lengths(data, tok, profile, budget, "Task.max_new_tokens" if task.max_new_tokens
+                         else f"the {profile.name} profile's")
     clock.stop("data")
 
     clock.start()

@@ -258,3 +258,47 @@ def test_the_default_task_keeps_its_measured_kl_target(tmp_path, monkeypatch):
     assert not [a for a in fake.ppo[0]["args"] if a.startswith("kl.")]
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["defaults"]["kl.target"]["value"] == 6.0
+
+
+# --- the prompt-length check (before any stage samples or trains) -------------------------
+
+def test_prompt_token_lengths_lay_the_prompt_out_as_the_jobs_do(tmp_path):
+    """The tiny profile's character tokenizer: [BOS] + one token a character, no template."""
+    from launchers.recipe import write_tiny_tokenizer
+
+    tok = write_tiny_tokenizer(tmp_path / "tokenizer")
+    assert gates.prompt_token_lengths(tok, ["Upper: ant ->", "ab"], None, None) == [14, 3]
+
+
+LONG_TASK_MODULE = '''
+from nemo_rlhf.tasks.task import Task
+
+PROBLEMS = [{"word": w, "answer": w.upper()} for w in ("ant bee cat dog eel fox gnu hen ibis jay kiwi "
+                                                        "lark mole newt owl pig").split()]
+TASK = Task(name="upper_long", train=PROBLEMS[4:], heldout=PROBLEMS[:4],
+            prompt_template="Write the word {word} in capital letters, please. Answer with the word.",
+            check=lambda p, r, ex: r == ex["answer"], demonstrate=lambda p, ex: ex["answer"])
+'''
+
+
+def test_a_task_whose_prompts_do_not_fit_is_refused_before_any_stage_naming_the_key(tmp_path, monkeypatch):
+    """Issue 53: the docs' sorting task as written lost all 2000 SFT rows as overlong and
+    stopped with SFT's `ValueError: the dataset is empty` after 107 s."""
+    (tmp_path / "pkg_long_task.py").write_text(LONG_TASK_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0)
+    argv = _custom(tmp_path, monkeypatch)
+    argv[argv.index("--task") + 1] = "pkg_long_task:TASK"
+    try:
+        with pytest.raises(SystemExit) as err:
+            demo.main(argv)
+    finally:
+        sys.modules.pop("pkg_long_task", None)
+    msg = str(err.value)
+    # the longest prompt: "ibis" (the longest word): [BOS] + 69 characters
+    assert "the longest, line " in msg and "Write the word ibis in capital letters" in msg
+    assert "is 70 tokens after the chat template (none)" in msg
+    assert "with max_new_tokens 8 (the tiny profile's) needs 78 > data.max_seq_length 64" in msg
+    assert "16 prompts are longer than 56 tokens" in msg and "Task.max_new_tokens" in msg
+    assert fake.modules() == ["launchers.recipe"]  # only the model set-up: no sampling, SFT or RM
+    assert fake.ppo == []

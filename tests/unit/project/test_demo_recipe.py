@@ -40,6 +40,11 @@ class FakeStages:
         monkeypatch.setattr(stages, "ppo_stage", self.ppo_stage)
         monkeypatch.setattr(stages, "ppo_evaluation", lambda exp, step, num_examples=8: {
             "accuracy": 0.5, "mean_response_length": 2.0, "examples": []})
+        import launchers.gates as gates
+
+        # the model set-up is faked (no tokenizer folder): the prompt-length check counts characters
+        monkeypatch.setattr(gates, "prompt_token_lengths", lambda tok, prompts, template, system: [
+            1 + len(p) for p in prompts])
         import nemo_rlhf.tools.real_model as real_model
 
         monkeypatch.setattr(real_model, "setup", lambda path: {"checkpoint": "/MODEL/step_0",
