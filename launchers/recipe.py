@@ -507,6 +507,24 @@ def _enough_heldout_pairs(a, policy, data: Path, rm_data: Path, rows: list[dict]
     return combined
 
 
+def _rm_auc_on_heldout_samples(a, policy, rm, data: Path, rm_data: Path, stage_args: list, logs: Path) -> dict:
+    """The RM's right-vs-wrong AUC on what PPO will score (:func:`launchers.gates.rm_auc`):
+    the policy's answers to the held-out RM prompts, sampled as the RM's held-out samples were
+    (``a.rm_samples_per_prompt`` at ``a.rm_temperature``, seed 2), each scored by the RM
+    (``nemo_rlhf.evaluate`` with ``rm_checkpoint``) and labelled by the checker:
+    ``<rm_data>/rm_auc_samples.jsonl``, reused while it was scored by the same RM."""
+    out_json, rows = rm_data / "rm_auc_samples.json", rm_data / "rm_auc_samples.jsonl"
+    done = json.loads(out_json.read_text()) if out_json.exists() else {}
+    if not rows.exists() or Path(done.get("rm_checkpoint", "")).resolve() != Path(str(rm)).resolve():
+        rows.unlink(missing_ok=True)
+        stages.run_stage([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={policy}",
+                          f"data={data / 'rm_val_prompts.jsonl'}", f"out={out_json}", *stage_args,
+                          f"temperature={a.rm_temperature}", f"num_samples={a.rm_samples_per_prompt}",
+                          f"samples_out={rows}", "seed=2", "num_examples=0", "batch_size=128",
+                          f"rm_checkpoint={rm}"], logs / "rm_auc.log")
+    return gates.rm_auc(_read_rows(rows))
+
+
 def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     """The recipe (module docstring) on ``task`` (its stages name the checker ``checker``)
     with ``profile``'s model; writes ``<out>/summary.json``; returns 0, or
@@ -579,16 +597,20 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         train_rm(rm_exp, policy, rm_data / "preference_train.jsonl", rm_steps)
     rm = stages.latest_checkpoint(rm_exp)
 
-    def gate_of(accuracy):
+    def gate_of(accuracy, auc=None):
         return gates.rm_gate(accuracy, pair_counts["val"], a.rm_min_heldout_pairs, reward=a.reward,
                              custom_task=not default, has_edit_answer=task.edit_answer is not None,
-                             sft_steps=a.sft_steps if sft is not None else None, a=a)
+                             sft_steps=a.sft_steps if sft is not None else None, a=a, auc=auc)
 
     rm, rm_accuracy, rm_rounds = _train_rm_until_it_stops_improving(
         a, rm, stages.rm_accuracy(rm_exp), out, rm_data, rm_steps, train_rm, gate_of)
     clock.stop("rm")
 
-    gate = gate_of(rm_accuracy)
+    clock.start()
+    auc = None if a.reward == "checker" else _rm_auc_on_heldout_samples(a, policy, rm, data, rm_data, stage_args,
+                                                                        logs)
+    clock.stop("rm_auc")
+    gate = gate_of(rm_accuracy, auc)
     gate.fields["more_rm_rounds"] = rm_rounds
     print(gate.message, flush=True)
     if not gate.passed and a.force:

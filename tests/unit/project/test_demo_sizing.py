@@ -24,7 +24,8 @@ def _forget_the_task_module():
 
 def _val_sample_seeds(fake) -> list[int]:
     return [int(next(c for c in cmd if c.startswith("seed=")).split("=")[1]) for cmd in fake.cmds
-            if any(c.endswith("rm_val_prompts.jsonl") for c in cmd)]
+            if any(c.endswith("rm_val_prompts.jsonl") for c in cmd)
+            and not any(c.startswith("rm_checkpoint=") for c in cmd)]  # not the RM gate's AUC draw
 
 
 def _argv(tmp_path, monkeypatch, *extra):
