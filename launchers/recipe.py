@@ -10,7 +10,9 @@ the project's own entry point run as a subprocess and skipped when its output ex
 1. the model: ``smollm2`` (SmolLM2-135M-Instruct set up offline, ``nemo_rlhf.tools.real_model``)
    or ``tiny`` (``conf/model/tiny.yaml`` with random weights and a printable-ASCII character
    tokenizer: a minute on CPU to try a task's wiring; it can only learn a task by SFT);
-2. prompt files from the task's problems (:func:`~nemo_rlhf.tasks.task.write_prompt_files`);
+2. prompt files from the task's problems (:func:`~nemo_rlhf.tasks.task.write_prompt_files`),
+   refused at once when the longest prompt plus the response budget does not fit the
+   profile's ``data.max_seq_length`` (:func:`launchers.gates.check_prompt_lengths`);
 3. RM data: sampled answers of the policy to the RM prompts, labelled by the task's checker;
    a right against a wrong answer of one prompt is a natural pair; ``--rm-edit-pairs`` per
    prompt are counterfactual edits (``Task.edit_answer``). **When no sampled answer is right**
@@ -26,12 +28,15 @@ the project's own entry point run as a subprocess and skipped when its output ex
 4. the RM, started from the policy (the imported or the SFT model), and the RM gate
    (:func:`launchers.gates.rm_gate`): PPO starts only against an RM whose natural held-out
    pair accuracy has a 95% Wilson interval above 50%, on at least ``--rm-min-heldout-pairs``
-   pairs; otherwise the recipe says what to change and returns
-   :data:`launchers.gates.RM_GATE_EXIT` (``--force``: PPO anyway);
+   pairs, and (unless ``--reward checker``) whose right-vs-wrong AUC on the policy's sampled
+   answers to the held-out RM prompts, scored by it (:func:`_rm_auc_on_heldout_samples`),
+   has a 95% Hanley-McNeil interval above 0.5; otherwise the recipe says what to change and
+   returns :data:`launchers.gates.RM_GATE_EXIT` (``--force``: PPO anyway);
 5. PPO from the policy against the served RM (``--reward``), held-out evaluation at step 0
    and at the end, the gold guard (``guards.*``: the RM's reward rising while the checker's
    accuracy does not); ``kl.target`` scaled by the task's response length
-   (:func:`kl_target_for_task`; the default task keeps its config's);
+   (:func:`kl_target_for_task`; the default task keeps its config's) and the profile's
+   ``kl.type`` (:attr:`ModelProfile.kl_type`: ``pi`` for the tiny model);
 6. the before / after table, the verdict (:func:`launchers.gates.ppo_verdict`) and
    ``<out>/summary.json``. Every default picked for the task is printed with its reason
    (:func:`picked`; ``summary.json``'s ``defaults``).
@@ -78,6 +83,9 @@ class ModelProfile:
     """Mean response length (tokens) of the task the PPO config's ``kl.target`` was measured
     on: :func:`kl_target_for_task` scales the target by a task's length over this one
     (0: not measured; the config's target is kept)."""
+    kl_type: Optional[str] = None
+    """``kl.type`` the recipe gives its PPO job on a task it was not tuned on (None: the
+    config's; the default task keeps its config's either way; the user's override wins)."""
     chat_template: Optional[str] = None
     """``data.chat_template`` of its SFT, RM and PPO jobs (None: the prompt as written)."""
     system_prompt: Optional[Callable[[], str]] = None
@@ -127,8 +135,13 @@ PROFILES = {
     "smollm2": ModelProfile("smollm2", "ppo_smollm2", stages.SMOLLM2_MAX_NEW_TOKENS, 96, 50,
                             _smollm2_rm, _smollm2_sft, kl_reference_length=14.385, chat_template="chatml",
                             system_prompt=stages.system_prompt),
+    # kl_type pi: conf/ppo_tiny.yaml's adaptive rule (horizon 2000) moves beta at most 0.64% a
+    # step at 64 rollouts; at a target below what the policy reaches it let kl_mean run 2.7x
+    # the target (0.82 at 0.3) where pi held 1.3x (docs/algorithms.md, "The pi KL controller"),
+    # and issue 53's sorting run ended at 2.89x; at the tiny demo's own target pi changed nothing
     "tiny": ModelProfile("tiny", "ppo_tiny", 8, 64, 600, _tiny_rm, _tiny_sft,
-                         ("reward.normalization=fixed", "guards.gold_window=1"), kl_reference_length=5.05),
+                         ("reward.normalization=fixed", "guards.gold_window=1"), kl_reference_length=5.05,
+                         kl_type="pi"),
 }
 """``--model`` -> profile."""
 
@@ -192,6 +205,22 @@ def _kl_target_choice(a, profile: ModelProfile, samples: list[dict], default: bo
     return [f"kl.target={target}"]
 
 
+def _kl_type_choice(a, profile: ModelProfile, default: bool) -> list[str]:
+    """The ``kl.type`` override of the PPO job ([]: the config's), recorded with its reason
+    (:func:`picked`): the profile's :attr:`ModelProfile.kl_type` on a task other than the
+    default one; the user's ``kl.type=`` override wins (it comes later on the command line)."""
+    user = [o for o in a.ppo_overrides if o.startswith("kl.type=")]
+    if default or profile.kl_type is None:
+        return []
+    if user:
+        picked(a, "kl.type", user[-1].split("=", 1)[1], "your override")
+        return []
+    picked(a, "kl.type", profile.kl_type, f"the {profile.name} profile's: one update a PPO step, so beta can follow "
+                                          f"a kl.target scaled to this task within the run (conf/{profile.ppo_config}"
+                                          f".yaml's adaptive rule is tuned to the demo's task; docs/algorithms.md)")
+    return [f"kl.type={profile.kl_type}"]
+
+
 def prepare_model(profile: ModelProfile, out: Path, seed: int) -> dict:
     """``{"checkpoint", "tokenizer_dir"}`` of the initial policy: SmolLM2 set up offline, or
     the tiny model's random weights written by ``python -m launchers.recipe init-tiny``."""
@@ -208,55 +237,6 @@ def prepare_model(profile: ModelProfile, out: Path, seed: int) -> dict:
         stages.run_stage([sys.executable, "-m", "launchers.recipe", "init-tiny", str(folder), str(seed)],
                          out / "logs" / "model.log")
     return {"checkpoint": str(ckpt), "tokenizer_dir": str(ckpt / "tokenizer")}
-
-
-def write_tiny_tokenizer(tok_dir: Path) -> Path:
-    """The tiny profile's printable-ASCII character tokenizer (``<pad> <bos> <eos>``, then
-    ``string.printable``, one token a character) written to ``tok_dir``; returns it."""
-    import string
-
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from nemo_rlhf.tasks.precedence import SPECIAL_TOKENS
-
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())}
-    for ch in string.printable:
-        vocab.setdefault(ch, len(vocab))
-    hf = HFTokenizer(models.WordLevel(vocab))
-    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    hf.decoder = decoders.Fuse()
-    hf.add_special_tokens(list(SPECIAL_TOKENS.values()))
-    hf.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "special_tokens.json").write_text(json.dumps(SPECIAL_TOKENS, indent=2) + "\n")
-    return tok_dir
-
-
-def write_tiny_model(folder: Path, seed: int) -> Path:
-    """A random ``conf/model/tiny.yaml`` model with a printable-ASCII character tokenizer
-    (:func:`write_tiny_tokenizer`): ``folder/checkpoints/step_0``."""
-    from dataclasses import asdict
-
-    from nemo_rlhf.checkpoint import save_checkpoint
-    from nemo_rlhf.data.tokenizer import Tokenizer
-    from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
-    from nemo_rlhf.distributed.launch_env import LaunchEnv
-    from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.models.config import load_model_preset
-
-    tok_dir = write_tiny_tokenizer(folder / "tokenizer")
-    cfg = load_model_preset("tiny", vocab_size=Tokenizer(tok_dir).vocab_size)
-    config = {"model": asdict(cfg), "trainer": {"precision": "32", "seed": seed},
-              "data": {"tokenizer_dir": str(tok_dir)}}
-    env = LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
-                    launcher="single")
-    dims = initialize_distributed(ParallelConfig(), seed=seed, launch_env=env)
-    try:
-        model = build_model(cfg, dims, "32", seed=seed)
-        return save_checkpoint(folder / "checkpoints", 0, model, None, {"step": 0}, config, dims)
-    finally:
-        destroy_distributed()
 
 
 def importable(spec: str) -> None:
@@ -631,10 +611,11 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         f"trainer.eval_checker='{checker}'", f"trainer.eval_extra_checkers=[{','.join(task.extra_checkers)}]",
         f"data.max_seq_length={profile.max_seq_length}"]
     kl_target = _kl_target_choice(a, profile, samples_train, default)
+    kl_type = _kl_type_choice(a, profile, default)
     ppo_args = [f"exp_manager.init_from={policy}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
                 f"rollout.{new_tokens}", f"trainer.precision={a.precision}", *task_args, *profile.ppo_overrides,
-                *kl_target, *a.ppo_recipe, *reward, *a.ppo_overrides]
+                *kl_type, *kl_target, *a.ppo_recipe, *reward, *a.ppo_overrides]
     base_steps = stages.first_stage_steps(a, stages.ppo_max_steps(profile.ppo_config, a.ppo_overrides))
     stages.ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, profile.ppo_config, a.nproc,
                      base_steps)
@@ -791,6 +772,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3 or argv[0] != "init-tiny":
         raise SystemExit("usage: python -m launchers.recipe init-tiny FOLDER SEED")
+    from launchers.tiny_model import write_tiny_model
+
     print(f"wrote {write_tiny_model(Path(argv[1]), int(argv[2]))}")
     return 0
 

@@ -264,7 +264,7 @@ def test_the_default_task_keeps_its_measured_kl_target(tmp_path, monkeypatch):
 
 def test_prompt_token_lengths_lay_the_prompt_out_as_the_jobs_do(tmp_path):
     """The tiny profile's character tokenizer: [BOS] + one token a character, no template."""
-    from launchers.recipe import write_tiny_tokenizer
+    from launchers.tiny_model import write_tiny_tokenizer
 
     tok = write_tiny_tokenizer(tmp_path / "tokenizer")
     assert gates.prompt_token_lengths(tok, ["Upper: ant ->", "ab"], None, None) == [14, 3]
@@ -383,3 +383,26 @@ def test_with_the_checker_reward_the_rms_auc_is_not_measured(tmp_path, monkeypat
     assert demo.main(argv) == 0 and len(fake.ppo) == 1
     assert not [c for c in fake.cmds if any(x.startswith("rm_checkpoint=") for x in c)]
 
+
+def test_a_tiny_model_task_runs_ppo_with_the_pi_kl_controller_and_the_users_wins(tmp_path, monkeypatch):
+    """conf/ppo_tiny.yaml's adaptive rule (horizon 2000) barely moves beta in a run: issue
+    53's sorting run ended at kl_mean 2.89x its scaled target. The tiny profile's PPO job
+    gets kl.type=pi, before the user's overrides; the choice is in summary.json's defaults."""
+    from tests.conf_helpers import typed_job
+
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    args = fake.ppo[0]["args"]
+    assert [a for a in args if a.startswith("kl.type=")] == ["kl.type=pi"]
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["defaults"]["kl.type"]["value"] == "pi" and "tiny profile's" in s["defaults"]["kl.type"]["reason"]
+    cfg = typed_job("ppo_tiny", [a for a in args if a.startswith(("kl.", "reward.normalization", "guards."))])
+    assert cfg.kl.type == "pi" and cfg.kl.target == 0.4  # the schema takes it with the scaled target
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _custom(tmp_path, monkeypatch)
+    argv[argv.index("--out") + 1] = str(tmp_path / "out2")
+    assert demo.main([*argv, "kl.type=adaptive"]) == 0
+    args = fake.ppo[0]["args"]
+    assert [a for a in args if a.startswith("kl.type=")] == ["kl.type=adaptive"]
+    s = json.loads((tmp_path / "out2" / "summary.json").read_text())
+    assert s["defaults"]["kl.type"] == {"value": "adaptive", "reason": "your override"}
