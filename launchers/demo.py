@@ -271,7 +271,8 @@ def main(argv=None) -> int:
                              "pair accuracy (0: never)")
     recipe.add_argument("--force", action="store_true",
                         help="start PPO even when the RM gate refuses (its held-out pair accuracy's 95%% "
-                             f"interval includes 50%%, or too few held-out pairs; exit status {RM_GATE_EXIT})")
+                             "interval includes 50%%, too few held-out pairs, or its right-vs-wrong AUC on the "
+                             f"policy's held-out samples not above 0.5; exit status {RM_GATE_EXIT})")
     smollm2 = ap.add_argument_group("the SmolLM2 model's RM (--task smollm2, or --task package.module:TASK "
                                     "--model smollm2)")
     smollm2.add_argument("--rm-lr", type=float, default=1.0e-4, help="peak learning rate of the RM")
