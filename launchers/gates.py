@@ -394,11 +394,11 @@ def check_prompt_lengths(data: Path, tokenizer_dir, profile, max_new_tokens: int
     tokenizer, has run), a task whose longest prompt (after the profile's chat
     template, :func:`prompt_token_lengths`) plus ``max_new_tokens`` exceeds the profile's
     ``data.max_seq_length`` (:attr:`launchers.recipe.ModelProfile.max_seq_length`, given to
-    its SFT, RM and PPO jobs): SFT and the RM drop or cut every such row (``data.overlong_policy``), which
-    once surfaced only as SFT's ``ValueError: the dataset is empty`` after minutes. The PPO
-    job's own limit, ``model.max_position_embeddings`` less ``rollout.max_new_tokens``, is
-    never the smaller one (the SFT trainer refuses a ``data.max_seq_length`` above
-    ``model.max_position_embeddings``).
+    its SFT, RM and PPO jobs): SFT and the RM drop or cut every such row
+    (``data.overlong_policy``), which once surfaced only as SFT's ``ValueError: the dataset
+    is empty`` after minutes. The PPO job drops a prompt longer than
+    ``model.max_position_embeddings`` less ``rollout.max_new_tokens``, a larger room for both
+    profiles (tiny 128 positions for 64; SmolLM2 8192 for 96), so this check covers it.
 
     Args:
         data: the folder of :data:`PROMPT_FILES`.
