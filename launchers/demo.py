@@ -271,7 +271,8 @@ def main(argv=None) -> int:
                              "pair accuracy (0: never)")
     recipe.add_argument("--force", action="store_true",
                         help="start PPO even when the RM gate refuses (its held-out pair accuracy's 95%% "
-                             f"interval includes 50%%, or too few held-out pairs; exit status {RM_GATE_EXIT})")
+                             "interval includes 50%%, too few held-out pairs, or its right-vs-wrong AUC on the "
+                             f"policy's held-out samples not above 0.5; exit status {RM_GATE_EXIT})")
     smollm2 = ap.add_argument_group("the SmolLM2 model's RM (--task smollm2, or --task package.module:TASK "
                                     "--model smollm2)")
     smollm2.add_argument("--rm-lr", type=float, default=1.0e-4, help="peak learning rate of the RM")
@@ -291,9 +292,12 @@ def main(argv=None) -> int:
                         help="demonstrations (Task.demonstrate) of the PPO prompts for that SFT")
     custom.add_argument("--model-seed", type=int, default=0, help="--model tiny: seed of the random initial weights")
     tiny = ap.add_argument_group("--task tiny only")
-    tiny.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
-                      metavar="KEY=VALUE", help="a Hydra override of the SFT job (repeatable; a relative "
-                                                "path in it: to the working directory, where every stage runs)")
+    every.add_argument("--sft-override", dest="sft_overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="a Hydra override of the SFT job(s), after the recipe's own "
+                                                 "(repeatable; --task tiny: its SFT; the recipe: the SFT it runs "
+                                                 "when the model gets no sampled answer right, every round; a "
+                                                 "relative path in it: to the working directory, where every "
+                                                 "stage runs)")
     tiny.add_argument("--rm-override", dest="rm_overrides", action="append", default=[],
                       metavar="KEY=VALUE", help="a Hydra override of the RM job(s) (repeatable; paths as in "
                                                 "--sft-override)")

@@ -13,10 +13,13 @@ work and why, with the number and its 95% interval.
 * :func:`rm_gate`: after the RM stage, refuse PPO against an RM whose held-out pair accuracy
   is not measurably above chance (its interval includes 50%) or is measured on too few
   natural held-out pairs.
+* :func:`check_prompt_lengths`: before any stage trains, refuse a task whose longest prompt
+  plus its response budget does not fit the model profile's ``data.max_seq_length``.
 * :func:`ppo_verdict`: after PPO, the held-out gain with its paired interval, the final KL
   against its band, and the reward's right-vs-wrong AUC trend, as one line and as fields.
 
-Pure functions of numbers the stages already wrote; no model runs here.
+Pure functions of numbers the stages already wrote (and, for the prompt lengths, of the
+prompt files and the tokenizer); no model runs here.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 Z95 = 1.959963984540054
 """The standard normal's 97.5% quantile: two-sided 95% intervals."""
@@ -107,6 +111,68 @@ def pct_interval(lo: float, hi: float) -> str:
     return f"[{100 * lo:.1f}, {100 * hi:.1f}]%"
 
 
+def auc_from_scores(scores: list, right: list) -> float | None:
+    """The ROC AUC of ``scores`` as a detector of the ``right`` items: the Mann-Whitney U
+    statistic over ``n_right * n_wrong`` (ties count 1/2), from mid-ranks; the same number as
+    :func:`nemo_rlhf.trainers.ppo.evaluation.reward_auc` with 0/1 labels. None when every item
+    is right or every one wrong. Raises ``ValueError`` when the lists differ in length."""
+    if len(scores) != len(right):
+        raise ValueError(f"auc_from_scores: {len(scores)} scores and {len(right)} labels: need as many")
+    n1 = sum(1 for r in right if r)
+    n2 = len(right) - n1
+    if n1 == 0 or n2 == 0:
+        return None
+    order = sorted(range(len(scores)), key=lambda i: scores[i])
+    ranks = [0.0] * len(scores)
+    i = 0
+    while i < len(order):  # mid-ranks (1-based) over runs of equal scores
+        j = i
+        while j + 1 < len(order) and scores[order[j + 1]] == scores[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    u = sum(rk for rk, r in zip(ranks, right) if r) - n1 * (n1 + 1) / 2
+    return u / (n1 * n2)
+
+
+def hanley_mcneil_se(auc: float, n_right: int, n_wrong: int) -> float:
+    """The standard error of an AUC (J. A. Hanley and B. J. McNeil, "The meaning and use of
+    the area under a receiver operating characteristic (ROC) curve", Radiology 143:29-36,
+    1982, eq. 2): ``sqrt((A(1-A) + (n1-1)(Q1-A^2) + (n2-1)(Q2-A^2)) / (n1 n2))`` with
+    ``Q1 = A/(2-A)``, ``Q2 = 2A^2/(1+A)``, ``n1`` the right (positive) and ``n2`` the wrong
+    items. It is 0 at ``A`` = 0 or 1 whatever the counts (the formula's known limit; the RM
+    gate's minimum of natural held-out pairs guards the counts). Raises ``ValueError``
+    unless both counts are positive and ``0 <= A <= 1``."""
+    if n_right < 1 or n_wrong < 1 or not 0.0 <= auc <= 1.0:
+        raise ValueError(f"hanley_mcneil_se: auc={auc}, n_right={n_right}, n_wrong={n_wrong}: need "
+                         f"0 <= auc <= 1 and both counts >= 1")
+    q1, q2 = auc / (2 - auc), 2 * auc * auc / (1 + auc)
+    var = (auc * (1 - auc) + (n_right - 1) * (q1 - auc * auc) + (n_wrong - 1) * (q2 - auc * auc)) / (n_right * n_wrong)
+    return math.sqrt(max(0.0, var))
+
+
+def rm_auc(rows: list, z: float = Z95) -> dict:
+    """The RM's right-vs-wrong AUC on sampled answers scored by it: ``rows`` of
+    :mod:`nemo_rlhf.data.sample_rows` with ``rm_score`` (``nemo_rlhf.evaluate`` with
+    ``rm_checkpoint``) and ``correct`` (the checker: right above 0.5, as the RM's pairs);
+    rows without a finite ``rm_score`` are left out. Pairs are formed across prompts, as
+    PPO's ``eval/reward_auc``. Returns ``{"auc", "n_right", "n_wrong", "se", "ci95",
+    "interval"}``: ``auc`` / ``se`` / ``ci95`` None when no answer is right or none wrong;
+    ``ci95 = auc -+ z se`` (:func:`hanley_mcneil_se`) clipped to [0, 1]."""
+    kept = [r for r in rows if r.get("rm_score") is not None and math.isfinite(float(r["rm_score"]))]
+    scores = [float(r["rm_score"]) for r in kept]
+    right = [float(r["correct"]) > 0.5 for r in kept]
+    n1 = sum(right)
+    out = {"auc": None, "n_right": n1, "n_wrong": len(kept) - n1, "se": None, "ci95": None,
+           "interval": "hanley-mcneil (Hanley & McNeil 1982)"}
+    auc = auc_from_scores(scores, right)
+    if auc is not None:
+        se = hanley_mcneil_se(auc, n1, len(kept) - n1)
+        out.update(auc=auc, se=se, ci95=[max(0.0, auc - z * se), min(1.0, auc + z * se)])
+    return out
+
+
 @dataclass
 class GateResult:
     """A gate's decision: ``passed``; ``fields`` for ``summary.json``; ``message``: what
@@ -118,7 +184,7 @@ class GateResult:
 
 
 def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom_task: bool,
-            has_edit_answer: bool, sft_steps=None, a=None) -> GateResult:
+            has_edit_answer: bool, sft_steps=None, a=None, auc=None) -> GateResult:
     """The RM gate: may PPO train against this RM?
 
     Args:
@@ -132,12 +198,18 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
         has_edit_answer: the task has ``Task.edit_answer`` (``--rm-edit-pairs`` applies).
         sft_steps: the SFT steps run (None: no SFT came first).
         a: the parsed demo arguments, to quote the current flag values (optional).
+        auc: :func:`rm_auc` of the policy's sampled answers to the held-out RM prompts scored
+            by this RM (None: not measured; the sizing loop's gate, or ``--reward checker``).
 
     Passes when the Wilson 95% interval of ``round(accuracy * natural_pairs)`` right of
-    ``natural_pairs`` lies above 50% and ``natural_pairs >= min_pairs``. The fields:
-    ``passed``, ``applies`` (False with ``--reward checker``), ``heldout_pair_accuracy``,
-    ``natural_heldout_pairs``, ``min_heldout_pairs``, ``ci95`` ([low, high] or None),
-    ``interval`` (the method), ``reason``.
+    ``natural_pairs`` lies above 50%, ``natural_pairs >= min_pairs`` and, when ``auc`` is
+    given, its Hanley-McNeil 95% interval lies above 0.5: pair accuracy compares answers of
+    one prompt, the AUC compares them across prompts as PPO's rewards are compared (issue
+    53: an RM at 64.4% on its held-out pairs had an AUC of 0.47 on its policy's answers at
+    PPO's step 0). The fields: ``passed``, ``applies`` (False with ``--reward checker``),
+    ``heldout_pair_accuracy``, ``natural_heldout_pairs``, ``min_heldout_pairs``, ``ci95``
+    ([low, high] or None), ``interval`` (the method), ``reward_auc`` (``auc`` or None),
+    ``reason``.
     """
     applies = reward != "checker"
     n = int(natural_pairs)
@@ -159,12 +231,27 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
         else:
             reason = f"its 95% interval {pct_interval(*ci)} lies above 50%"
             ok = True
+    if auc is not None:
+        counts = f"{auc['n_right']} right and {auc['n_wrong']} wrong sampled answers"
+        if auc["auc"] is None:
+            auc_reason = (f"its right-vs-wrong AUC on the policy's held-out samples is not measurable ({counts}): "
+                          f"nothing says it ranks a right answer above a wrong one across prompts")
+            auc_ok = False
+        else:
+            lo, hi = auc["ci95"]
+            auc_ok = lo > 0.5
+            auc_reason = (f"its right-vs-wrong AUC on the policy's held-out samples is {auc['auc']:.2f} "
+                          f"(95% Hanley-McNeil interval [{lo:.2f}, {hi:.2f}], {counts}), "
+                          + ("above 0.5" if auc_ok else "not above 0.5: across prompts, as PPO compares "
+                             "rewards, it is not shown to rank a right answer above a wrong one"))
+        reason = f"{reason}; {auc_reason}"
+        ok = ok and auc_ok
     acc_text = "n/a" if accuracy is None else f"{100 * accuracy:.1f}%"
     head = (f"RM gate: held-out natural pair accuracy {acc_text} on {n} pairs"
             + (f" (95% Wilson interval {pct_interval(*ci)})" if ci else "") + f": {reason}")
     fields = {"passed": ok or not applies, "applies": applies, "rm_passed": ok,
               "heldout_pair_accuracy": accuracy, "natural_heldout_pairs": n, "min_heldout_pairs": min_pairs,
-              "ci95": list(ci) if ci else None, "interval": "wilson", "reason": reason}
+              "ci95": list(ci) if ci else None, "interval": "wilson", "reward_auc": auc, "reason": reason}
     if ok:
         return GateResult(True, head + ": PPO may train against it.", fields)
     if not applies:
@@ -283,3 +370,70 @@ def sft_heldout(accuracy, n: int) -> dict:
             + (f" (95% Wilson interval {pct_interval(*ci)})" if ci else ""))
     return {"exact_match": accuracy, "heldout_problems": n, "ci95": list(ci) if ci else None,
             "interval": "wilson", "line": line}
+
+
+PROMPT_FILES = ("rm_prompts.jsonl", "rm_val_prompts.jsonl", "ppo_prompts.jsonl", "eval.jsonl")
+"""The prompt files of :func:`nemo_rlhf.tasks.task.write_prompt_files` the stages read."""
+
+
+def prompt_token_lengths(tokenizer_dir, prompts: list[str], chat_template: Optional[str],
+                         system_prompt: Optional[str]) -> list[int]:
+    """Token counts of ``prompts`` as the SFT, RM and PPO jobs lay them out:
+    :func:`nemo_rlhf.data.datasets.encode_prompt` (``[BOS] + encode(format_prompt(...))``)
+    with the tokenizer of ``tokenizer_dir``."""
+    from nemo_rlhf.data.datasets import encode_prompt
+    from nemo_rlhf.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer_dir)
+    return [len(encode_prompt(tok, p, chat_template, system_prompt)) for p in prompts]
+
+
+def check_prompt_lengths(data: Path, tokenizer_dir, profile, max_new_tokens: int,
+                         budget_from: str) -> int:
+    """Refuse, before any stage samples or trains (only the model set-up, which gives the
+    tokenizer, has run), a task whose longest prompt (after the profile's chat
+    template, :func:`prompt_token_lengths`) plus ``max_new_tokens`` exceeds the profile's
+    ``data.max_seq_length`` (:attr:`launchers.recipe.ModelProfile.max_seq_length`, given to
+    its SFT, RM and PPO jobs): SFT and the RM drop or cut every such row
+    (``data.overlong_policy``), which once surfaced only as SFT's ``ValueError: the dataset
+    is empty`` after minutes. The PPO job drops a prompt longer than
+    ``model.max_position_embeddings`` less ``rollout.max_new_tokens``, a larger room for both
+    profiles (tiny 128 positions for 64; SmolLM2 8192 for 96), so this check covers it.
+
+    Args:
+        data: the folder of :data:`PROMPT_FILES`.
+        budget_from: where ``max_new_tokens`` came from (``Task.max_new_tokens`` or the
+            profile's), for the message.
+
+    Returns the longest prompt's token count. Raises ``SystemExit`` naming
+    ``data.max_seq_length``, the longest prompt (file, line, text), the lengths and how many
+    prompts do not fit.
+    """
+    template = profile.chat_template
+    system = profile.system_prompt() if profile.system_prompt is not None else None
+    room = profile.max_seq_length - max_new_tokens
+    worst, over = None, 0
+    for name in PROMPT_FILES:
+        path = data / name
+        if not path.is_file():
+            continue
+        prompts = [json.loads(x)["prompt"] for x in path.read_text().splitlines() if x.strip()]
+        for i, n in enumerate(prompt_token_lengths(tokenizer_dir, prompts, template, system)):
+            over += n > room
+            if worst is None or n > worst[0]:
+                worst = (n, name, i + 1, prompts[i])
+    if worst is None:
+        return 0
+    n, name, line, prompt = worst
+    if over:
+        raise SystemExit(
+            f"the task's prompts do not fit the {profile.name} model's sequence length: {over} prompts are longer "
+            f"than {room} tokens; the longest, line {line} of {data / name} ({prompt!r}), is {n} tokens after the "
+            f"chat template ({template or 'none'}), and with max_new_tokens {max_new_tokens} ({budget_from}) needs "
+            f"{n + max_new_tokens} > data.max_seq_length {profile.max_seq_length} (the {profile.name} profile's "
+            f"ModelProfile.max_seq_length, launchers/recipe.py: its SFT, RM and PPO jobs' data.max_seq_length). "
+            f"SFT and the RM would drop or cut every such row. Shorten Task.prompt_template, lower "
+            f"Task.max_new_tokens, or use a model with a longer data.max_seq_length (--model)")
+    print(f"longest prompt: {n} tokens (line {line} of {name}) + max_new_tokens {max_new_tokens} <= "
+          f"data.max_seq_length {profile.max_seq_length}", flush=True)
+    return n

@@ -10,12 +10,15 @@ the project's own entry point run as a subprocess and skipped when its output ex
 1. the model: ``smollm2`` (SmolLM2-135M-Instruct set up offline, ``nemo_rlhf.tools.real_model``)
    or ``tiny`` (``conf/model/tiny.yaml`` with random weights and a printable-ASCII character
    tokenizer: a minute on CPU to try a task's wiring; it can only learn a task by SFT);
-2. prompt files from the task's problems (:func:`~nemo_rlhf.tasks.task.write_prompt_files`);
+2. prompt files from the task's problems (:func:`~nemo_rlhf.tasks.task.write_prompt_files`),
+   refused at once when the longest prompt plus the response budget does not fit the
+   profile's ``data.max_seq_length`` (:func:`launchers.gates.check_prompt_lengths`);
 3. RM data: sampled answers of the policy to the RM prompts, labelled by the task's checker;
    a right against a wrong answer of one prompt is a natural pair; ``--rm-edit-pairs`` per
    prompt are counterfactual edits (``Task.edit_answer``). **When no sampled answer is right**
    (no natural pair: the model cannot do the task) the recipe says so and follows
-   InstructGPT's order: SFT on ``--sft-rows`` demonstrations (``Task.demonstrate``) first,
+   InstructGPT's order: SFT on ``--sft-rows`` demonstrations (``Task.demonstrate``) first
+   (``--sft-override KEY=VALUE``: Hydra overrides of that SFT job, after the profile's),
    then the RM data from the SFT model; a task without demonstrations is refused, naming
    ``Task.demonstrate``. The sizing loops, each with a cap: SFT continues while its greedy
    exact match on the held-out RM prompts improves (``--sft-more-rounds``); the held-out RM
@@ -25,12 +28,15 @@ the project's own entry point run as a subprocess and skipped when its output ex
 4. the RM, started from the policy (the imported or the SFT model), and the RM gate
    (:func:`launchers.gates.rm_gate`): PPO starts only against an RM whose natural held-out
    pair accuracy has a 95% Wilson interval above 50%, on at least ``--rm-min-heldout-pairs``
-   pairs; otherwise the recipe says what to change and returns
-   :data:`launchers.gates.RM_GATE_EXIT` (``--force``: PPO anyway);
+   pairs, and (unless ``--reward checker``) whose right-vs-wrong AUC on the policy's sampled
+   answers to the held-out RM prompts, scored by it (:func:`_rm_auc_on_heldout_samples`),
+   has a 95% Hanley-McNeil interval above 0.5; otherwise the recipe says what to change and
+   returns :data:`launchers.gates.RM_GATE_EXIT` (``--force``: PPO anyway);
 5. PPO from the policy against the served RM (``--reward``), held-out evaluation at step 0
    and at the end, the gold guard (``guards.*``: the RM's reward rising while the checker's
    accuracy does not); ``kl.target`` scaled by the task's response length
-   (:func:`kl_target_for_task`; the default task keeps its config's);
+   (:func:`kl_target_for_task`; the default task keeps its config's) and the profile's
+   ``kl.type`` (:attr:`ModelProfile.kl_type`: ``pi`` for the tiny model);
 6. the before / after table, the verdict (:func:`launchers.gates.ppo_verdict`) and
    ``<out>/summary.json``. Every default picked for the task is printed with its reason
    (:func:`picked`; ``summary.json``'s ``defaults``).
@@ -46,7 +52,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import launchers.gates as gates
 import launchers.stages as stages
@@ -77,6 +83,13 @@ class ModelProfile:
     """Mean response length (tokens) of the task the PPO config's ``kl.target`` was measured
     on: :func:`kl_target_for_task` scales the target by a task's length over this one
     (0: not measured; the config's target is kept)."""
+    kl_type: Optional[str] = None
+    """``kl.type`` the recipe gives its PPO job on a task it was not tuned on (None: the
+    config's; the default task keeps its config's either way; the user's override wins)."""
+    chat_template: Optional[str] = None
+    """``data.chat_template`` of its SFT, RM and PPO jobs (None: the prompt as written)."""
+    system_prompt: Optional[Callable[[], str]] = None
+    """``() -> data.system_prompt`` of those jobs (None: no system message)."""
 
 
 def _smollm2_rm(a, exp, init_from, train_file, steps, rm_data, tok, profile) -> list[str]:
@@ -120,9 +133,15 @@ PROFILES = {
     # start: SmolLM2 on two-digit addition 14.385 tokens (target 6), the tiny demo's
     # reversal 5.05 tokens (conf/ppo_tiny.yaml's target 1.0)
     "smollm2": ModelProfile("smollm2", "ppo_smollm2", stages.SMOLLM2_MAX_NEW_TOKENS, 96, 50,
-                            _smollm2_rm, _smollm2_sft, kl_reference_length=14.385),
+                            _smollm2_rm, _smollm2_sft, kl_reference_length=14.385, chat_template="chatml",
+                            system_prompt=stages.system_prompt),
+    # kl_type pi: conf/ppo_tiny.yaml's adaptive rule (horizon 2000) moves beta at most 0.64% a
+    # step at 64 rollouts; at a target below what the policy reaches it let kl_mean run 2.7x
+    # the target (0.82 at 0.3) where pi held 1.3x (docs/algorithms.md, "The pi KL controller"),
+    # and issue 53's sorting run ended at 2.89x; at the tiny demo's own target pi changed nothing
     "tiny": ModelProfile("tiny", "ppo_tiny", 8, 64, 600, _tiny_rm, _tiny_sft,
-                         ("reward.normalization=fixed", "guards.gold_window=1"), kl_reference_length=5.05),
+                         ("reward.normalization=fixed", "guards.gold_window=1"), kl_reference_length=5.05,
+                         kl_type="pi"),
 }
 """``--model`` -> profile."""
 
@@ -186,6 +205,22 @@ def _kl_target_choice(a, profile: ModelProfile, samples: list[dict], default: bo
     return [f"kl.target={target}"]
 
 
+def _kl_type_choice(a, profile: ModelProfile, default: bool) -> list[str]:
+    """The ``kl.type`` override of the PPO job ([]: the config's), recorded with its reason
+    (:func:`picked`): the profile's :attr:`ModelProfile.kl_type` on a task other than the
+    default one; the user's ``kl.type=`` override wins (it comes later on the command line)."""
+    user = [o for o in a.ppo_overrides if o.startswith("kl.type=")]
+    if default or profile.kl_type is None:
+        return []
+    if user:
+        picked(a, "kl.type", user[-1].split("=", 1)[1], "your override")
+        return []
+    picked(a, "kl.type", profile.kl_type, f"the {profile.name} profile's: one update a PPO step, so beta can follow "
+                                          f"a kl.target scaled to this task within the run (conf/{profile.ppo_config}"
+                                          f".yaml's adaptive rule is tuned to the demo's task; docs/algorithms.md)")
+    return [f"kl.type={profile.kl_type}"]
+
+
 def prepare_model(profile: ModelProfile, out: Path, seed: int) -> dict:
     """``{"checkpoint", "tokenizer_dir"}`` of the initial policy: SmolLM2 set up offline, or
     the tiny model's random weights written by ``python -m launchers.recipe init-tiny``."""
@@ -202,47 +237,6 @@ def prepare_model(profile: ModelProfile, out: Path, seed: int) -> dict:
         stages.run_stage([sys.executable, "-m", "launchers.recipe", "init-tiny", str(folder), str(seed)],
                          out / "logs" / "model.log")
     return {"checkpoint": str(ckpt), "tokenizer_dir": str(ckpt / "tokenizer")}
-
-
-def write_tiny_model(folder: Path, seed: int) -> Path:
-    """A random ``conf/model/tiny.yaml`` model with a printable-ASCII character tokenizer
-    (``<pad> <bos> <eos>``, then ``string.printable``): ``folder/checkpoints/step_0``."""
-    import string
-    from dataclasses import asdict
-
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    from nemo_rlhf.checkpoint import save_checkpoint
-    from nemo_rlhf.data.tokenizer import Tokenizer
-    from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
-    from nemo_rlhf.distributed.launch_env import LaunchEnv
-    from nemo_rlhf.models.actor_critic import build_model
-    from nemo_rlhf.models.config import load_model_preset
-    from nemo_rlhf.tasks.precedence import SPECIAL_TOKENS
-
-    tok_dir = folder / "tokenizer"
-    tok_dir.mkdir(parents=True, exist_ok=True)
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())}
-    for ch in string.printable:
-        vocab.setdefault(ch, len(vocab))
-    hf = HFTokenizer(models.WordLevel(vocab))
-    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    hf.decoder = decoders.Fuse()
-    hf.add_special_tokens(list(SPECIAL_TOKENS.values()))
-    hf.save(str(tok_dir / "tokenizer.json"))
-    (tok_dir / "special_tokens.json").write_text(json.dumps(SPECIAL_TOKENS, indent=2) + "\n")
-    cfg = load_model_preset("tiny", vocab_size=Tokenizer(tok_dir).vocab_size)
-    config = {"model": asdict(cfg), "trainer": {"precision": "32", "seed": seed},
-              "data": {"tokenizer_dir": str(tok_dir)}}
-    env = LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=0,
-                    launcher="single")
-    dims = initialize_distributed(ParallelConfig(), seed=seed, launch_env=env)
-    try:
-        model = build_model(cfg, dims, "32", seed=seed)
-        return save_checkpoint(folder / "checkpoints", 0, model, None, {"step": 0}, config, dims)
-    finally:
-        destroy_distributed()
 
 
 def importable(spec: str) -> None:
@@ -305,8 +299,8 @@ def _sft_first(a, task, profile: ModelProfile, out: Path, data: Path, policy, to
     exp = out / "sft"
     if stages.latest_checkpoint(exp) is None:
         stages.run_stage([sys.executable, "-m", "nemo_rlhf.train_sft",
-                          *profile.sft_overrides(a, exp, policy, sft_data, a.sft_steps, tok, profile)],
-                         out / "logs" / "sft.log")
+                          *profile.sft_overrides(a, exp, policy, sft_data, a.sft_steps, tok, profile),
+                          *a.sft_overrides], out / "logs" / "sft.log")  # --sft-override: the user's win
     return stages.latest_checkpoint(exp)
 
 
@@ -347,8 +341,8 @@ def _sft_until_it_stops_improving(a, profile: ModelProfile, out: Path, data: Pat
         exp = out / f"sft_more{n}"
         if stages.latest_checkpoint(exp) is None:
             stages.run_stage([sys.executable, "-m", "nemo_rlhf.train_sft",
-                              *profile.sft_overrides(a, exp, best, sft_data, a.sft_steps, tok, profile)],
-                             logs / f"{exp.name}.log")
+                              *profile.sft_overrides(a, exp, best, sft_data, a.sft_steps, tok, profile),
+                              *a.sft_overrides], logs / f"{exp.name}.log")
         ckpt = stages.latest_checkpoint(exp)
         em = _sft_exact_match(ckpt, data, sft_data / f"exact_match_{n}.json", stage_args, logs / "sft_eval.log")
         rounds.append({"round": n, "steps": a.sft_steps, "exact_match": em, "checkpoint": str(ckpt)})
@@ -493,6 +487,24 @@ def _enough_heldout_pairs(a, policy, data: Path, rm_data: Path, rows: list[dict]
     return combined
 
 
+def _rm_auc_on_heldout_samples(a, policy, rm, data: Path, rm_data: Path, stage_args: list, logs: Path) -> dict:
+    """The RM's right-vs-wrong AUC on what PPO will score (:func:`launchers.gates.rm_auc`):
+    the policy's answers to the held-out RM prompts, sampled as the RM's held-out samples were
+    (``a.rm_samples_per_prompt`` at ``a.rm_temperature``, seed 2), each scored by the RM
+    (``nemo_rlhf.evaluate`` with ``rm_checkpoint``) and labelled by the checker:
+    ``<rm_data>/rm_auc_samples.jsonl``, reused while it was scored by the same RM."""
+    out_json, rows = rm_data / "rm_auc_samples.json", rm_data / "rm_auc_samples.jsonl"
+    done = json.loads(out_json.read_text()) if out_json.exists() else {}
+    if not rows.exists() or Path(done.get("rm_checkpoint", "")).resolve() != Path(str(rm)).resolve():
+        rows.unlink(missing_ok=True)
+        stages.run_stage([sys.executable, "-m", "nemo_rlhf.evaluate", f"checkpoint={policy}",
+                          f"data={data / 'rm_val_prompts.jsonl'}", f"out={out_json}", *stage_args,
+                          f"temperature={a.rm_temperature}", f"num_samples={a.rm_samples_per_prompt}",
+                          f"samples_out={rows}", "seed=2", "num_examples=0", "batch_size=128",
+                          f"rm_checkpoint={rm}"], logs / "rm_auc.log")
+    return gates.rm_auc(_read_rows(rows))
+
+
 def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     """The recipe (module docstring) on ``task`` (its stages name the checker ``checker``)
     with ``profile``'s model; writes ``<out>/summary.json``; returns 0, or
@@ -525,6 +537,9 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         write_prompt_files(task, data, n_rm=a.rm_prompts, n_rm_val=a.rm_val_prompts, n_ppo=a.ppo_prompts)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    budget = task.max_new_tokens or profile.max_new_tokens
+    gates.check_prompt_lengths(data, tok, profile, budget, "Task.max_new_tokens" if task.max_new_tokens
+                         else f"the {profile.name} profile's")
     clock.stop("data")
 
     clock.start()
@@ -537,7 +552,10 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     if not default:  # (the default's settings file predates these keys: it stays as it was)
         settings.update({"task": task.name, "model": profile.name, "rm_val_prompts": a.rm_val_prompts,
                          "sft_steps": a.sft_steps, "sft_rows": a.sft_rows})
-    stages.check_stage_settings(rm_data / "settings.json", settings)
+    sizing = {"rm_heldout_sample_rounds": a.rm_heldout_sample_rounds, "rm_more_rounds": a.rm_more_rounds,
+              "sft_more_rounds": a.sft_more_rounds,  # the sizing loops' caps: recorded since issue 53
+              "sft_override": list(a.sft_overrides)}  # the SFT model is the RM data's policy
+    stages.check_stage_settings(rm_data / "settings.json", {**settings, **sizing}, added=tuple(sizing))
     stage_args = [new_tokens, *checkers]
     policy, sft, probe_acc, samples_train, pair_counts, sft_rounds = _policy_and_rm_data(
         a, task, profile, out, data, ckpt, tok, stage_args, clock)
@@ -559,16 +577,20 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         train_rm(rm_exp, policy, rm_data / "preference_train.jsonl", rm_steps)
     rm = stages.latest_checkpoint(rm_exp)
 
-    def gate_of(accuracy):
+    def gate_of(accuracy, auc=None):
         return gates.rm_gate(accuracy, pair_counts["val"], a.rm_min_heldout_pairs, reward=a.reward,
                              custom_task=not default, has_edit_answer=task.edit_answer is not None,
-                             sft_steps=a.sft_steps if sft is not None else None, a=a)
+                             sft_steps=a.sft_steps if sft is not None else None, a=a, auc=auc)
 
     rm, rm_accuracy, rm_rounds = _train_rm_until_it_stops_improving(
         a, rm, stages.rm_accuracy(rm_exp), out, rm_data, rm_steps, train_rm, gate_of)
     clock.stop("rm")
 
-    gate = gate_of(rm_accuracy)
+    clock.start()
+    auc = None if a.reward == "checker" else _rm_auc_on_heldout_samples(a, policy, rm, data, rm_data, stage_args,
+                                                                        logs)
+    clock.stop("rm_auc")
+    gate = gate_of(rm_accuracy, auc)
     gate.fields["more_rm_rounds"] = rm_rounds
     print(gate.message, flush=True)
     if not gate.passed and a.force:
@@ -589,10 +611,11 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         f"trainer.eval_checker='{checker}'", f"trainer.eval_extra_checkers=[{','.join(task.extra_checkers)}]",
         f"data.max_seq_length={profile.max_seq_length}"]
     kl_target = _kl_target_choice(a, profile, samples_train, default)
+    kl_type = _kl_type_choice(a, profile, default)
     ppo_args = [f"exp_manager.init_from={policy}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
                 f"rollout.{new_tokens}", f"trainer.precision={a.precision}", *task_args, *profile.ppo_overrides,
-                *kl_target, *a.ppo_recipe, *reward, *a.ppo_overrides]
+                *kl_type, *kl_target, *a.ppo_recipe, *reward, *a.ppo_overrides]
     base_steps = stages.first_stage_steps(a, stages.ppo_max_steps(profile.ppo_config, a.ppo_overrides))
     stages.ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, profile.ppo_config, a.nproc,
                      base_steps)
@@ -749,6 +772,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 3 or argv[0] != "init-tiny":
         raise SystemExit("usage: python -m launchers.recipe init-tiny FOLDER SEED")
+    from launchers.tiny_model import write_tiny_model
+
     print(f"wrote {write_tiny_model(Path(argv[1]), int(argv[2]))}")
     return 0
 

@@ -199,17 +199,34 @@ def pairs_from_samples(task, samples: Path, out: Path, max_pairs_per_prompt: int
     return sum(1 for line in out.read_text().splitlines() if line.strip())
 
 
-def check_stage_settings(path: Path, settings: dict) -> None:
+def _setting_name(key: str) -> str:
+    """A settings.json key as the user gives it: ``rm_prompts`` -> ``--rm-prompts`` (the
+    recipe's ``rm_*`` / ``sft_*`` flags), other keys as they are (``precision``, ``task``)."""
+    return "--" + key.replace("_", "-") if key.startswith(("rm_", "sft_")) else key
+
+
+def check_stage_settings(path: Path, settings: dict, added=()) -> None:
     """Record the RM stages' settings; refuse to continue an output folder made with others
-    (its pairs and RM would be reused silently)."""
+    (its pairs and RM would be reused silently), naming each flag with its old and new value.
+
+    ``added``: keys recorded only since a later version (the sizing loops' caps, issue 53):
+    a settings file without one cannot say what was used; that is printed, the current value
+    is added to the file and the run continues (a recorded value that differs is refused as
+    any other)."""
     if path.exists():
-        before = {"precision": "32", **json.loads(path.read_text())}  # fp32 before the flag existed
-        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        recorded = json.loads(path.read_text())
+        before = {"precision": "32", **recorded}  # fp32 before the flag existed
+        missing = [k for k in added if k in settings and k not in before]
+        changed = {k: (before.get(k), v) for k, v in settings.items() if k not in missing and before.get(k) != v}
         if changed:
-            diff = ", ".join(f"{'--' + k.replace('_', '-') if k.startswith('rm_') else k} {old} -> {new}"
-                             for k, (old, new) in changed.items())
+            diff = ", ".join(f"{_setting_name(k)} {old} -> {new}" for k, (old, new) in changed.items())
             raise SystemExit(f"{path.parent.parent} holds RM data and an RM made with other settings "
                              f"({diff}); pass a new --out (nothing there is overwritten)")
+        if missing:
+            now = ", ".join(f"{_setting_name(k)} {settings[k]}" for k in missing)
+            print(f"{path} was written before it recorded these settings, so it cannot say "
+                  f"which were used: continuing with {now} (now recorded there)", flush=True)
+            path.write_text(json.dumps({**recorded, **{k: settings[k] for k in missing}}, indent=2))
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(settings, indent=2))

@@ -82,6 +82,12 @@ def test_a_task_the_model_cannot_do_gets_sft_first_then_rm_and_ppo(tmp_path, mon
     assert s["rm_pairs"]["train"] > 0 and s["rm_pairs"]["val_same_form"] > 0
     assert s["rm_heldout_pair_accuracy"] is not None
     assert s["rm_gate"]["natural_heldout_pairs"] == s["rm_pairs"]["val"] and "passed" in s["rm_gate"]
+    # the RM gate's AUC: the SFT model's 4 answers to each of the 8 held-out RM prompts, scored by the RM
+    auc = s["rm_gate"]["reward_auc"]
+    scored = [json.loads(x) for x in (out / "rm_data" / "rm_auc_samples.jsonl").read_text().splitlines()]
+    assert len(scored) == 32 and all(isinstance(r["rm_score"], float) for r in scored)
+    assert auc["n_right"] + auc["n_wrong"] == 32 and auc["n_right"] == sum(r["correct"] > 0.5 for r in scored)
+    assert s["defaults"]["kl.type"]["value"] == "pi"  # the tiny profile's PPO job (the config composed it)
     assert s["verdict"]["heldout_problems"] == 6 and s["verdict"]["line"].startswith("verdict: ")
     sft = s["checkpoints"]["sft"]
     assert sft.endswith("sft/checkpoints/step_60")

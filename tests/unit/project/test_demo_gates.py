@@ -258,3 +258,151 @@ def test_the_default_task_keeps_its_measured_kl_target(tmp_path, monkeypatch):
     assert not [a for a in fake.ppo[0]["args"] if a.startswith("kl.")]
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert s["defaults"]["kl.target"]["value"] == 6.0
+
+
+# --- the prompt-length check (before any stage samples or trains) -------------------------
+
+def test_prompt_token_lengths_lay_the_prompt_out_as_the_jobs_do(tmp_path):
+    """The tiny profile's character tokenizer: [BOS] + one token a character, no template."""
+    from launchers.tiny_model import write_tiny_tokenizer
+
+    tok = write_tiny_tokenizer(tmp_path / "tokenizer")
+    assert gates.prompt_token_lengths(tok, ["Upper: ant ->", "ab"], None, None) == [14, 3]
+
+
+LONG_TASK_MODULE = '''
+from nemo_rlhf.tasks.task import Task
+
+PROBLEMS = [{"word": w, "answer": w.upper()} for w in ("ant bee cat dog eel fox gnu hen ibis jay kiwi "
+                                                        "lark mole newt owl pig").split()]
+TASK = Task(name="upper_long", train=PROBLEMS[4:], heldout=PROBLEMS[:4],
+            prompt_template="Write the word {word} in capital letters, please. Answer with the word.",
+            check=lambda p, r, ex: r == ex["answer"], demonstrate=lambda p, ex: ex["answer"])
+'''
+
+
+def test_a_task_whose_prompts_do_not_fit_is_refused_before_any_stage_naming_the_key(tmp_path, monkeypatch):
+    """Issue 53: the docs' sorting task as written lost all 2000 SFT rows as overlong and
+    stopped with SFT's `ValueError: the dataset is empty` after 107 s."""
+    (tmp_path / "pkg_long_task.py").write_text(LONG_TASK_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0)
+    argv = _custom(tmp_path, monkeypatch)
+    argv[argv.index("--task") + 1] = "pkg_long_task:TASK"
+    try:
+        with pytest.raises(SystemExit) as err:
+            demo.main(argv)
+    finally:
+        sys.modules.pop("pkg_long_task", None)
+    msg = str(err.value)
+    # the longest prompt: "ibis" (the longest word): [BOS] + 69 characters
+    assert "the longest, line " in msg and "Write the word ibis in capital letters" in msg
+    assert "is 70 tokens after the chat template (none)" in msg
+    assert "with max_new_tokens 8 (the tiny profile's) needs 78 > data.max_seq_length 64" in msg
+    assert "16 prompts are longer than 56 tokens" in msg and "Task.max_new_tokens" in msg
+    assert fake.modules() == ["launchers.recipe"]  # only the model set-up: no sampling, SFT or RM
+    assert fake.ppo == []
+
+
+# --- the RM gate's AUC on the policy's held-out samples (what PPO will score) -------------
+
+def test_auc_and_its_hanley_mcneil_interval_match_the_hand_computed_values():
+    # right scores {1, 2}, wrong {1, 0}: 1 vs 1 a tie (1/2), 1 vs 0, 2 vs 1, 2 vs 0: 3.5 / 4
+    assert gates.auc_from_scores([1.0, 1.0, 0.0, 2.0], [True, False, False, True]) == 0.875
+    assert gates.auc_from_scores([3.0, 1.0], [False, True]) == 0.0
+    assert gates.auc_from_scores([1.0, 2.0], [True, True]) is None
+    # A = 0.75, 10 right, 20 wrong: Q1 = 0.75/1.25 = 0.6, Q2 = 2*0.5625/1.75 = 0.642857;
+    # (0.1875 + 9*0.0375 + 19*0.080357) / 200 = 0.0102589, SE = 0.101286
+    assert gates.hanley_mcneil_se(0.75, 10, 20) == pytest.approx(0.101286, abs=1e-6)
+    assert gates.hanley_mcneil_se(0.5, 1, 1) == pytest.approx(math.sqrt(0.25), abs=1e-12)  # n1 = n2 = 1: A(1-A) alone
+    with pytest.raises(ValueError, match="n_right=0"):
+        gates.hanley_mcneil_se(0.7, 0, 5)
+    rows = ([{"correct": 1.0, "rm_score": s} for s in (0.9, 0.8, 0.1)]
+            + [{"correct": 0.0, "rm_score": s} for s in (0.5, 0.2, 0.0, float("nan"))] + [{"correct": 1.0}])
+    r = gates.rm_auc(rows)  # the NaN and the unscored row are left out: 3 right, 3 wrong
+    assert (r["n_right"], r["n_wrong"]) == (3, 3) and r["auc"] == pytest.approx(7 / 9)
+    se = gates.hanley_mcneil_se(7 / 9, 3, 3)
+    assert r["se"] == pytest.approx(se) and r["ci95"] == pytest.approx([7 / 9 - gates.Z95 * se, 1.0])
+
+
+def test_the_rm_gate_refuses_an_rm_good_on_its_pairs_whose_auc_interval_includes_chance():
+    """Issue 53's sorting RM: 64.4% on 59 natural held-out pairs passed the pair check, and
+    its right-vs-wrong AUC on the SFT policy's answers was 0.47 at PPO's step 0."""
+    auc = {"auc": 0.47, "n_right": 35, "n_wrong": 165, "se": gates.hanley_mcneil_se(0.47, 35, 165),
+           "interval": "hanley-mcneil (Hanley & McNeil 1982)"}
+    auc["ci95"] = [0.47 - gates.Z95 * auc["se"], 0.47 + gates.Z95 * auc["se"]]
+    assert gates.rm_gate(38 / 59, 59, 20, reward="rm", custom_task=True, has_edit_answer=True).passed  # pairs only
+    g = gates.rm_gate(38 / 59, 59, 20, reward="rm", custom_task=True, has_edit_answer=True, sft_steps=200, auc=auc)
+    assert not g.passed and g.fields["passed"] is False and g.fields["reward_auc"] == auc
+    assert "right-vs-wrong AUC on the policy's held-out samples is 0.47" in g.message
+    assert "35 right and 165 wrong sampled answers" in g.message and "not above 0.5" in g.message
+    assert f"exit status {gates.RM_GATE_EXIT}" in g.message
+    for flag in ("--sft-steps", "--rm-edit-pairs", "--reward checker", "--force"):
+        assert flag in g.message, flag
+    unmeasurable = {**auc, "auc": None, "se": None, "ci95": None, "n_right": 0}
+    g = gates.rm_gate(38 / 59, 59, 20, reward="rm", custom_task=True, has_edit_answer=True, auc=unmeasurable)
+    assert not g.passed and "not measurable (0 right and 165 wrong" in g.message
+    good = {**auc, "auc": 0.82, "se": 0.04, "ci95": [0.74, 0.90]}
+    g = gates.rm_gate(38 / 59, 59, 20, reward="rm", custom_task=True, has_edit_answer=True, auc=good)
+    assert g.passed and "is 0.82 (95% Hanley-McNeil interval [0.74, 0.90]" in g.message
+
+
+def test_the_recipe_refuses_ppo_against_an_rm_whose_auc_on_its_heldout_samples_is_not_above_chance(
+        tmp_path, monkeypatch, capsys):
+    """The default task's fake RM: 90% on its natural held-out pairs (the pair check passes)
+    but it scores each prompt's wrong samples above its right ones (AUC 0): exit 3, no PPO;
+    the AUC's draw is the held-out RM prompts' sampled as the RM's held-out samples, scored
+    by the RM PPO would take; --force runs PPO with the gate recorded."""
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    fake.rm_score = lambda ok, k: float(k)  # samples 0, 1 right, 2, 3 wrong: the wrong score higher
+    argv = ["--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--precision", "32"]
+    assert demo.main(argv) == gates.RM_GATE_EXIT and fake.ppo == []
+    (auc_cmd,) = [c for c in fake.cmds if any(x.startswith("rm_checkpoint=") for x in c)]
+    assert f"rm_checkpoint={tmp_path}/out/rm/checkpoints/step_1" in auc_cmd
+    assert f"data={tmp_path}/data/rm_val_prompts.jsonl" in auc_cmd and "temperature=0.7" in auc_cmd
+    assert "num_samples=4" in auc_cmd and "checkpoint=/MODEL/step_0" in auc_cmd
+    text = capsys.readouterr().out
+    assert "RM gate: held-out natural pair accuracy 90.0%" in text and "is 0.00 (95% Hanley-McNeil" in text
+    assert "PPO is not started" in text
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_gate"]["passed"] is False and s["exit_status"] == gates.RM_GATE_EXIT
+    assert s["rm_gate"]["reward_auc"]["auc"] == 0.0 and "not above 0.5" in s["rm_gate"]["reason"]
+    assert s["rm_gate"]["reward_auc"]["n_right"] == s["rm_gate"]["reward_auc"]["n_wrong"] > 0
+    n = len(fake.cmds)
+    assert demo.main([*argv, "--force"]) == 0 and len(fake.ppo) == 1
+    assert len(fake.cmds) == n  # the AUC's samples were scored by this RM: reused, not drawn again
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_gate"]["forced"] is True and s["rm_gate"]["reward_auc"]["auc"] == 0.0
+
+
+def test_with_the_checker_reward_the_rms_auc_is_not_measured(tmp_path, monkeypatch):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    fake.rm_score = lambda ok, k: float(k)
+    argv = ["--out", str(tmp_path / "out"), "--data", str(tmp_path / "data"), "--precision", "32",
+            "--reward", "checker"]
+    assert demo.main(argv) == 0 and len(fake.ppo) == 1
+    assert not [c for c in fake.cmds if any(x.startswith("rm_checkpoint=") for x in c)]
+
+
+def test_a_tiny_model_task_runs_ppo_with_the_pi_kl_controller_and_the_users_wins(tmp_path, monkeypatch):
+    """conf/ppo_tiny.yaml's adaptive rule (horizon 2000) barely moves beta in a run: issue
+    53's sorting run ended at kl_mean 2.89x its scaled target. The tiny profile's PPO job
+    gets kl.type=pi, before the user's overrides; the choice is in summary.json's defaults."""
+    from tests.conf_helpers import typed_job
+
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_custom(tmp_path, monkeypatch)) == 0
+    args = fake.ppo[0]["args"]
+    assert [a for a in args if a.startswith("kl.type=")] == ["kl.type=pi"]
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["defaults"]["kl.type"]["value"] == "pi" and "tiny profile's" in s["defaults"]["kl.type"]["reason"]
+    cfg = typed_job("ppo_tiny", [a for a in args if a.startswith(("kl.", "reward.normalization", "guards."))])
+    assert cfg.kl.type == "pi" and cfg.kl.target == 0.4  # the schema takes it with the scaled target
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _custom(tmp_path, monkeypatch)
+    argv[argv.index("--out") + 1] = str(tmp_path / "out2")
+    assert demo.main([*argv, "kl.type=adaptive"]) == 0
+    args = fake.ppo[0]["args"]
+    assert [a for a in args if a.startswith("kl.type=")] == ["kl.type=adaptive"]
+    s = json.loads((tmp_path / "out2" / "summary.json").read_text())
+    assert s["defaults"]["kl.type"] == {"value": "adaptive", "reason": "your override"}

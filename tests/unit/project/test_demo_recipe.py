@@ -31,15 +31,22 @@ TASK = Task(name="upper", train=PROBLEMS[4:], heldout=PROBLEMS[:4], prompt_templ
 class FakeStages:
     """``stages.run_stage`` / ``latest_checkpoint`` / ``ppo_stage`` / ``ppo_evaluation`` / the
     model set-up, recorded. An ``nemo_rlhf.evaluate`` stage writes ``num_samples`` rows per
-    prompt, the first ``right(checkpoint) * num_samples`` of them right."""
+    prompt, the first ``right(checkpoint) * num_samples`` of them right (with
+    ``rm_checkpoint``, each scored ``rm_score(right, sample index)``)."""
 
     def __init__(self, monkeypatch, right, rm_accuracy=0.9):
         self.cmds, self.ppo, self.right, self.rm_accuracy = [], [], right, rm_accuracy
+        self.rm_score = lambda ok, k: float(ok)  # with rm_checkpoint: the RM's score of a sample (AUC 1 here)
         monkeypatch.setattr(stages, "run_stage", self.run)
         monkeypatch.setattr(stages, "latest_checkpoint", self.latest)
         monkeypatch.setattr(stages, "ppo_stage", self.ppo_stage)
         monkeypatch.setattr(stages, "ppo_evaluation", lambda exp, step, num_examples=8: {
             "accuracy": 0.5, "mean_response_length": 2.0, "examples": []})
+        import launchers.gates as gates
+
+        # the model set-up is faked (no tokenizer folder): the prompt-length check counts characters
+        monkeypatch.setattr(gates, "prompt_token_lengths", lambda tok, prompts, template, system: [
+            1 + len(p) for p in prompts])
         import nemo_rlhf.tools.real_model as real_model
 
         monkeypatch.setattr(real_model, "setup", lambda path: {"checkpoint": "/MODEL/step_0",
@@ -58,8 +65,13 @@ class FakeStages:
                     ok = k < self.right(args["checkpoint"]) * n
                     answer = str(extras["answer"])
                     wrong = str(int(answer) + 1) if answer.isdigit() else answer.lower()
-                    out.append(sample_row(row["prompt"], answer if ok else wrong, float(ok), 2, extras, sample=k))
+                    more = {"rm_score": self.rm_score(ok, k)} if "rm_checkpoint" in args else {}
+                    out.append(sample_row(row["prompt"], answer if ok else wrong, float(ok), 2, extras, sample=k,
+                                          **more))
             Path(args["samples_out"]).write_text("".join(json.dumps(r) + "\n" for r in out))
+            if "rm_checkpoint" in args:  # as the evaluator: its result JSON names the RM that scored them
+                Path(args["out"]).write_text(json.dumps({"checkpoint": args["checkpoint"],
+                                                         "rm_checkpoint": args["rm_checkpoint"]}))
         elif "nemo_rlhf.train_rm" in cmd:  # what the RM job logs: its held-out pair accuracy (the RM gate)
             exp = Path(args["exp_manager.exp_dir"])
             exp.mkdir(parents=True, exist_ok=True)
@@ -117,7 +129,10 @@ def test_the_default_demo_runs_the_stage_commands_it_ran_before(tmp_path, monkey
           "trainer.micro_batch_size=8", f"trainer.val_check_interval={steps}", "trainer.log_every_n_steps=5",
           "optim.lr=0.0001", "optim.min_lr=1e-05", "optim.warmup_steps=3", "model.value_head_init_std=0.02",
           "rm.reward_stats_max_pairs=256", "trainer.precision=32"]
-    assert fake.cmds == [sample("train", 1), sample("val", 2), rm]
+    # the RM gate's AUC: the policy's held-out samples, drawn as the RM's, scored by the RM (issue 53)
+    auc = [*sample("val", 2), f"rm_checkpoint={out}/rm/checkpoints/step_1"]
+    auc[4], auc[11] = f"out={out}/rm_data/rm_auc_samples.json", f"samples_out={out}/rm_data/rm_auc_samples.jsonl"
+    assert fake.cmds == [sample("train", 1), sample("val", 2), rm, auc]
     assert fake.ppo == [{"args": ["exp_manager.init_from=/MODEL/step_0", f"data.train_file={data}/ppo_prompts.jsonl",
                                   f"data.val_file={data}/eval.jsonl", "data.tokenizer_dir=/MODEL/tokenizer",
                                   "rollout.max_new_tokens=24", "trainer.precision=32", "optim.lr=1e-05"],
@@ -142,7 +157,8 @@ def test_a_task_the_model_can_do_goes_straight_to_the_rm_data(tmp_path, monkeypa
     fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
     assert demo.main(_custom(tmp_path, monkeypatch)) == 0
     out = tmp_path / "out"
-    assert fake.modules() == ["launchers.recipe", "nemo_rlhf.evaluate", "nemo_rlhf.evaluate", "nemo_rlhf.train_rm"]
+    assert fake.modules() == ["launchers.recipe", "nemo_rlhf.evaluate", "nemo_rlhf.evaluate", "nemo_rlhf.train_rm",
+                              "nemo_rlhf.evaluate"]  # the RM's AUC on the held-out samples (the RM gate)
     assert all("checker=pkg_upper_task:TASK.score" in c for c in fake.cmds[1:3])
     assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), "/elsewhere"]  # the stages import it
     (ppo,) = fake.ppo
@@ -160,7 +176,7 @@ def test_a_task_the_model_cannot_do_gets_sft_on_its_demonstrations_first(tmp_pat
     assert demo.main(_custom(tmp_path, monkeypatch)) == 0
     out = tmp_path / "out"
     assert fake.modules() == ["launchers.recipe", "nemo_rlhf.evaluate", "nemo_rlhf.train_sft", "nemo_rlhf.evaluate",
-                              "nemo_rlhf.evaluate", "nemo_rlhf.train_rm",
+                              "nemo_rlhf.evaluate", "nemo_rlhf.train_rm", "nemo_rlhf.evaluate",  # the RM gate's AUC
                               "nemo_rlhf.evaluate"]  # the original model's held-out accuracy
     assert "the model cannot do task 'upper': 0 of 24 sampled answers" in capsys.readouterr().out
     sft = f"{out}/sft/checkpoints/step_1"
@@ -285,7 +301,7 @@ def test_a_rerun_that_skips_every_stage_keeps_the_timings_of_the_run_that_did_th
     path = tmp_path / "out" / "summary.json"
     first = json.loads(path.read_text())
     assert list(first["wall_time_s"]) == ["model_setup", "data", "first_samples_and_sft", "rm_samples", "rm",
-                                          "ppo", "refresh", "eval"]
+                                          "rm_auc", "ppo", "refresh", "eval"]
     assert first["wall_time_s_kept"] == []
     worked = {k: 100.0 + i for i, k in enumerate(first["wall_time_s"])}  # what a real run would have taken
     path.write_text(json.dumps({**first, "wall_time_s": worked}))
@@ -334,10 +350,10 @@ def test_help_labels_the_flags_by_where_they_apply_and_they_do_apply_there(tmp_p
     assert groups["--rm-lr"] == groups["--rm-freeze-layers"] == SMOLLM2_GROUP
     assert {groups[f] for f in ("--model", "--sft-steps", "--sft-rows", "--model-seed")} == {
         "--task package.module:TASK only"}
-    assert groups["--sft-override"] == groups["--rm-override"] == "--task tiny only"
+    assert groups["--rm-override"] == "--task tiny only"
     assert {g for f, g in groups.items() if f.startswith("--refresh-")} == {
         "the refresh rounds (every task; needs the RM reward)"}
-    assert {groups[f] for f in ("--out", "--data", "--nproc", "--precision")} == {"every task"}
+    assert {groups[f] for f in ("--out", "--data", "--nproc", "--precision", "--sft-override")} == {"every task"}
 
     fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
     argv = _custom(tmp_path, monkeypatch)

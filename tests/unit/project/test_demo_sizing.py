@@ -24,7 +24,8 @@ def _forget_the_task_module():
 
 def _val_sample_seeds(fake) -> list[int]:
     return [int(next(c for c in cmd if c.startswith("seed=")).split("=")[1]) for cmd in fake.cmds
-            if any(c.endswith("rm_val_prompts.jsonl") for c in cmd)]
+            if any(c.endswith("rm_val_prompts.jsonl") for c in cmd)
+            and not any(c.startswith("rm_checkpoint=") for c in cmd)]  # not the RM gate's AUC draw
 
 
 def _argv(tmp_path, monkeypatch, *extra):
@@ -191,3 +192,51 @@ def test_sft_stops_when_a_round_does_not_improve_and_keeps_the_best(tmp_path, mo
     assert _sft_runs(fake) == ["sft", "sft_more1"]
     assert "no better than 50.0%: SFT stops here" in capsys.readouterr().out
     assert f"exp_manager.init_from={tmp_path}/out/sft/checkpoints/step_1" in fake.ppo[0]["args"]
+
+
+# --- the sizing flags in rm_data/settings.json (a resume can tell what sizing was used) ---
+
+SIZING = ("rm_heldout_sample_rounds", "rm_more_rounds", "sft_more_rounds")
+
+
+def test_the_sizing_caps_are_recorded_and_a_resume_with_others_is_refused_naming_the_flag(tmp_path, monkeypatch):
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_argv(tmp_path, monkeypatch, "--rm-heldout-sample-rounds", "1", "--rm-more-rounds", "0")) == 0
+    path = tmp_path / "out" / "rm_data" / "settings.json"
+    recorded = json.loads(path.read_text())
+    assert {k: recorded[k] for k in SIZING} == {"rm_heldout_sample_rounds": 1, "rm_more_rounds": 0,
+                                                "sft_more_rounds": 0}
+    with pytest.raises(SystemExit, match=r"--rm-more-rounds 0 -> 2.*pass a new --out"):
+        demo.main(_argv(tmp_path, monkeypatch, "--rm-heldout-sample-rounds", "1"))
+    i = _argv(tmp_path, monkeypatch).index("--sft-more-rounds")
+    argv = _argv(tmp_path, monkeypatch, "--rm-heldout-sample-rounds", "1", "--rm-more-rounds", "0")
+    argv[i + 1] = "3"
+    with pytest.raises(SystemExit, match=r"--sft-more-rounds 0 -> 3"):
+        demo.main(argv)
+    assert json.loads(path.read_text()) == recorded  # not overwritten
+
+
+def test_a_settings_file_from_before_the_sizing_caps_says_so_and_records_them(tmp_path, capsys):
+    path = tmp_path / "exp" / "rm_data" / "settings.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"rm_prompts": 256}))
+    now = {"rm_prompts": 256, "rm_more_rounds": 2, "sft_more_rounds": 2}
+    stages.check_stage_settings(path, now, added=("rm_more_rounds", "sft_more_rounds"))
+    out = capsys.readouterr().out
+    assert "written before it recorded these settings" in out and "--rm-more-rounds 2, --sft-more-rounds 2" in out
+    assert json.loads(path.read_text()) == now
+    with pytest.raises(SystemExit, match=r"--rm-more-rounds 2 -> 1"):  # recorded now: compared as any other
+        stages.check_stage_settings(path, {**now, "rm_more_rounds": 1}, added=("rm_more_rounds", "sft_more_rounds"))
+
+
+def test_sft_override_reaches_every_sft_job_of_the_recipe_after_its_own(tmp_path, monkeypatch):
+    """--sft-override once applied to --task tiny only: a package.module:TASK run dropped it."""
+    fake = FakeStages(monkeypatch, right=_right_by_stage({"sft": 0.25, "sft_more1": 0.5, "sft_more2": 0.5}))
+    assert demo.main([*_sft_argv(tmp_path, monkeypatch, 2), "--sft-override", "optim.lr=3.0e-4",
+                      "--sft-override", "trainer.max_steps=11"]) == 0
+    sft_cmds = [c for c in fake.cmds if "nemo_rlhf.train_sft" in c]
+    assert len(sft_cmds) == 3
+    for cmd in sft_cmds:  # last, so Hydra takes the user's value over the profile's
+        assert cmd[-2:] == ["optim.lr=3.0e-4", "trainer.max_steps=11"] and "trainer.max_steps=7" in cmd
+    settings = json.loads((tmp_path / "out" / "rm_data" / "settings.json").read_text())
+    assert settings["sft_override"] == ["optim.lr=3.0e-4", "trainer.max_steps=11"]
