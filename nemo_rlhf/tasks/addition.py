@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from nemo_rlhf.data.answers import check_lengths, first_integer, integer_answers
-from nemo_rlhf.tasks.task import Task, edit_pairs
+from nemo_rlhf.tasks.task import Task, build_preference_pairs, edit_pairs  # noqa: F401 (build_preference_pairs: re-exported, the module docstring names it)
 
 PROMPT = "What is {a}+{b}? Answer with just the number."
 SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
