@@ -154,6 +154,28 @@ def test_replay_refuses_a_route_of_the_wrong_shape(model, dims):
     assert all(r.router_replay is None for r in moe_routers(model))  # uninstalled after the error
 
 
+def test_generate_records_the_routes_into_the_rollout_batch(model, dims):
+    """generate(record_routes=True): RolloutBatch.routes [B, P+R, L, k], -1 on the never-fed
+    last column and on pad_response_to's columns; replaying them is the record above."""
+    with RoutingReplay(model, "record") as rr:
+        plain = _gen(model, dims)
+    b = generate(
+        model, dims, random_prompts((5, 9, 3, 7), VOCAB, 5),
+        RolloutConfig(max_new_tokens=12, temperature=0.7, seed=4), eos_token_id=VOCAB - 1, pad_token_id=0,
+        vocab_size=VOCAB, max_sequence_length=MAX_SEQ, call_index=0, record_routes=True)
+    assert plain.routes is None and torch.equal(b.input_ids, plain.input_ids)
+    B, T = b.input_ids.shape
+    assert b.routes.shape == (B, T, 2, 2)
+    assert torch.equal(b.routes[:, :T - 1], rr.routes()) and bool((b.routes[:, T - 1] == -1).all())
+    padded = b.pad_response_to(b.response_length + 3, 0)
+    assert padded.routes.shape == (B, T + 3, 2, 2) and bool((padded.routes[:, T:] == -1).all())
+    torch.testing.assert_close(_train_logprobs(model, dims, padded, padded.routes)[:, :b.response_length],
+                               _train_logprobs(model, dims, b, b.routes), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="record_routes=True"):
+        generate(model, dims, [[1, 2]], RolloutConfig(max_new_tokens=2, use_kv_cache=False), eos_token_id=VOCAB - 1,
+                 pad_token_id=0, vocab_size=VOCAB, max_sequence_length=MAX_SEQ, record_routes=True)
+
+
 def test_record_needs_the_kv_cache(model, dims):
     with RoutingReplay(model, "record") as rr:
         _gen(model, dims, max_new_tokens=3, use_kv_cache=False)
