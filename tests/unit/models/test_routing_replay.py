@@ -3,7 +3,6 @@ KV-cache decode, replayed in the training forward; a forced route is the one the
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
