@@ -62,6 +62,7 @@ vocab-parallel sampling).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 from dataclasses import dataclass, replace
@@ -75,6 +76,7 @@ from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.models.actor_critic import ActorCriticModel
 from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for, unwrap
 from nemo_rlhf.models.moe import all_done_in_group, expert_exchange_group
+from nemo_rlhf.models.routing_replay import RoutingReplay, moe_routers
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.rollout.incremental_stage import IncrementalStage
 from nemo_rlhf.rollout.sampling import choose_tokens
@@ -116,6 +118,12 @@ class RolloutBatch:
     """``[B, R]`` float32, with ``generate(..., with_values=True)``: the critic's value of
     the state each response token is chosen in (the value head on the decode step's final
     hidden state: position ``P-1+j`` for token ``j``), 0 where masked; None otherwise."""
+    routes: Optional[torch.Tensor] = None
+    """``[B, P+R, L, k]`` int64, with ``generate(..., record_routes=True)`` (MoE routing
+    replay, :mod:`nemo_rlhf.models.routing_replay`): the top-k experts each MoE layer of this
+    pipeline stage (``L`` of them) routed each position of ``input_ids`` to in the decode;
+    ``-1`` at the last column (that token is never fed) and in the padding columns of
+    :meth:`pad_response_to` (the router's own choice there). None otherwise."""
 
     @property
     def batch_size(self) -> int:
@@ -154,6 +162,8 @@ class RolloutBatch:
             response_mask=pad(self.response_mask, False),
             logprobs=pad(self.logprobs, 0.0),
             values=None if self.values is None else pad(self.values, 0.0),
+            routes=None if self.routes is None else torch.cat(
+                [self.routes, self.routes.new_full((b, extra, *self.routes.shape[2:]), -1)], dim=1),
         )
 
 
@@ -302,6 +312,7 @@ def generate(
     decode_fn: Optional[DecodeFn] = None,
     call_index: Optional[int] = None,
     with_values: bool = False,
+    record_routes: bool = False,
 ) -> RolloutBatch:
     """Generate responses for this DP rank's prompts.
 
@@ -324,6 +335,9 @@ def generate(
             response tokens (:attr:`RolloutBatch.values`, on the last pipeline stage; None
             elsewhere), from its value head on each decode step's final hidden state (the
             old values of ``ppo.old_logprobs_from_rollout``). Needs the KV cache.
+        record_routes: also return each MoE layer's chosen experts per position
+            (:attr:`RolloutBatch.routes`, on this rank's stage's layers) for routing replay.
+            Needs the KV cache and a MoE model.
 
     Returns:
         :class:`RolloutBatch` on every rank of the group (same tokens on all of them).
@@ -333,7 +347,8 @@ def generate(
             vocabulary, ``len(prompt) + max_new_tokens > max_sequence_length`` (naming the
             prompt index and the lengths), stop strings without ``decode_fn``; raised
             before any forward. Also if the model-parallel ranks got different prompts, or
-            ``with_values`` without the KV cache or for a model with no value head.
+            ``with_values`` without the KV cache or for a model with no value head;
+            ``record_routes`` without the KV cache or for a dense model.
     """
     _check_inputs(prompts, cfg, eos_token_id, pad_token_id, vocab_size, max_sequence_length,
                   decode_fn)
@@ -341,6 +356,9 @@ def generate(
                         or type(unwrap(model)).head_name != "value_head"):
         raise ValueError("generate(with_values=True): the values come from an actor-critic's value head "
                          "on the KV-cache decode path (rollout.use_kv_cache=true)")
+    if record_routes and (not cfg.use_kv_cache or not moe_routers(model)):
+        raise ValueError("generate(record_routes=True): routing replay records a MoE model's routes "
+                         "on the KV-cache decode path (rollout.use_kv_cache=true, model.num_moe_experts set)")
     if call_index is None:
         call_index = next(_CALL_COUNTER)
     prompt_ids, prompt_mask, prompt_lengths = left_pad(prompts, pad_token_id)
@@ -353,10 +371,16 @@ def generate(
     was_training = core.training
     core.eval()
     try:
-        with torch.no_grad(), cpu_compat.suspended():
-            return _decode(core, dims, prompt_ids, prompt_mask, prompt_lengths, cfg,
-                           eos_token_id, pad_token_id, vocab_size, decode_fn, call_index,
-                           with_values)
+        recorder = RoutingReplay(core, "record") if record_routes else contextlib.nullcontext()
+        with torch.no_grad(), cpu_compat.suspended(), recorder:
+            out = _decode(core, dims, prompt_ids, prompt_mask, prompt_lengths, cfg,
+                          eos_token_id, pad_token_id, vocab_size, decode_fn, call_index,
+                          with_values)
+        if record_routes:  # [B, P+R-1, L, k] on the routers' device (dims.device)
+            rec = recorder.routes()
+            last = rec.new_full((rec.shape[0], 1, *rec.shape[2:]), -1)
+            out = replace(out, routes=torch.cat([rec, last], dim=1))
+        return out
     finally:
         core.train(was_training)
         if not dims.is_first_stage:

@@ -382,6 +382,34 @@ class PPOExpManagerConfig(ExpManagerConfig):
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts rollout settings (config section ``moe``; the MoE model itself is
+    ``model.num_moe_experts`` and the ``model.moe_*`` keys)."""
+
+    routing_replay: bool = False
+    """R3 routing replay (arXiv 2510.11370): the megatron rollout records each token's top-k
+    experts and the training forwards route the tokens to them
+    (:mod:`nemo_rlhf.models.routing_replay`). Refused for a dense model and with
+    ``rollout.engine=vllm``; the mechanism exists, the PPO trainer's plumbing (rollout batch
+    -> old log-probs and loss forwards) is not wired yet, so ``true`` is refused there too."""
+
+    def check(self, model: ModelConfig, rollout: RolloutConfig) -> None:
+        """Refuse ``moe.routing_replay=true`` where it cannot run (naming the key)."""
+        if not self.routing_replay:
+            return
+        if model.num_moe_experts is None:
+            raise ValueError("moe.routing_replay=true with a dense model (model.num_moe_experts=null): "
+                             "there are no routes to replay; set moe.routing_replay=false")
+        if rollout.engine != "megatron":
+            raise ValueError(f"moe.routing_replay=true with rollout.engine={rollout.engine}: only the "
+                             f"megatron engine records the routes; set rollout.engine=megatron or "
+                             f"moe.routing_replay=false")
+        raise ValueError("moe.routing_replay=true: not wired into the PPO trainer yet (the record / "
+                         "replay mechanism is nemo_rlhf.models.routing_replay.RoutingReplay); set "
+                         "moe.routing_replay=false")
+
+
+@dataclass
 class GuardConfig:
     """Reward-hacking guard (group ``guards``): warn or stop when the signs appear."""
 
@@ -450,6 +478,8 @@ class PPOConfig:
     """``train_file``: PPO prompts; ``val_file``: held-out evaluation prompts."""
     exp_manager: PPOExpManagerConfig = field(default_factory=PPOExpManagerConfig)
     guards: GuardConfig = field(default_factory=GuardConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """MoE rollout settings (``moe.routing_replay``)."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """W&B / MLflow beside TensorBoard (:mod:`nemo_rlhf.metrics.trackers`)."""
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -484,6 +514,7 @@ class PPOConfig:
         if self.rollout.mode == "async":
             self._check_async()
         self._check_env()
+        self.moe.check(self.model, self.rollout)
         self._resolve_reference_mode()
 
     def _check_env(self) -> None:

@@ -231,3 +231,20 @@ def test_env_defaults_are_single_turn_and_the_limits_are_envlimits():
     assert cfg.env.limits() == EnvLimits()
     cfg = typed_job("ppo", ["env.name=calculator", "env.max_turns=3", "reward.functions=[{name: env}]"])
     assert cfg.env.enabled and cfg.env.limits().max_turns == 3
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["moe.routing_replay=true"], "moe.routing_replay=true with a dense model (model.num_moe_experts=null)"),
+    (["moe.routing_replay=true", "model.num_moe_experts=4", "rollout.engine=vllm"],
+     "moe.routing_replay=true with rollout.engine=vllm: only the megatron engine records the routes"),
+    (["moe.routing_replay=true", "model.num_moe_experts=4"],
+     "moe.routing_replay=true: not wired into the PPO trainer yet"),
+])
+def test_routing_replay_is_refused_naming_the_key(overrides, needle):
+    with pytest.raises(ValueError) as err:
+        typed_job("ppo", overrides)
+    assert needle in str(err.value)
+
+
+def test_routing_replay_is_off_by_default():
+    assert typed_job("ppo", ["model.num_moe_experts=4"]).moe.routing_replay is False
