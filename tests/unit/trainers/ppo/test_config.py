@@ -197,9 +197,6 @@ def test_async_refuses_pipeline_and_expert_parallel_trainers_naming_the_key():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["env.name=calculator", "rollout.engine=vllm"],
-     "env.name='calculator' with rollout.engine=vllm: multi-turn episodes are not supported there yet; "
-     "set rollout.engine=megatron"),
     (["env.name=calculator", "rollout.mode=async", "ppo.rollout_is_cap=2.0"],
      "env.name='calculator' with rollout.mode=async: multi-turn episodes are not supported there yet; "
      "set rollout.mode=sync"),
@@ -231,3 +228,12 @@ def test_env_defaults_are_single_turn_and_the_limits_are_envlimits():
     assert cfg.env.limits() == EnvLimits()
     cfg = typed_job("ppo", ["env.name=calculator", "env.max_turns=3", "reward.functions=[{name: env}]"])
     assert cfg.env.enabled and cfg.env.limits().max_turns == 3
+
+
+def test_env_runs_on_the_vllm_engine_in_sync_mode_but_not_async():
+    cfg = typed_job("ppo", ["env.name=calculator", "rollout.engine=vllm"])
+    assert cfg.env.enabled and cfg.rollout.engine == "vllm"
+    with pytest.raises(ValueError, match="env.name='calculator' with rollout.mode=async: multi-turn "
+                                         "episodes are not supported there yet; set rollout.mode=sync"):
+        typed_job("ppo", ["env.name=calculator", "rollout.engine=vllm", "rollout.mode=async",
+                          "ppo.rollout_is_cap=2.0"])
