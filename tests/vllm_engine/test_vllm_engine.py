@@ -43,6 +43,9 @@ MIXTRAL = ("model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_
 WORLDS = {"tp1_vllm_tp1": (1, 1, LLAMA3_ROPE), "tp2_vllm_tp2": (2, 2, QWEN3), "tp2_vllm_tp1": (2, 1, ()),
           "tp1_vllm_tp1_qwen3_moe": (1, 1, QWEN3_MOE), "tp2_vllm_tp1_mixtral": (2, 1, MIXTRAL)}
 """The PPO trainer worlds: training TP, vLLM TP and the model's overrides of each."""
+EPISODE_WORLD = "tp2_vllm_tp1"
+"""The world that also runs two PPO steps on multi-turn episodes (#51) at its end: training
+TP=2 with two vLLM engines (each episode on one engine for all its turns)."""
 
 
 def _engines(trainer):
@@ -60,7 +63,7 @@ def _responses(batch) -> list[list[int]]:
     return [batch.response_ids[i, :n].tolist() for i, n in enumerate(batch.response_lengths.tolist())]
 
 
-def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = ()) -> dict:
+def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = (), episodes: bool = False) -> dict:
     from dataclasses import replace
 
     from nemo_rlhf.models.engine import unwrap
@@ -134,15 +137,49 @@ def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = (
     v2, m2 = both()
     out["greedy_after_perturb"] = (_responses(v2), _responses(m2))
     out["last_refit_s"] = vllm.last_refit_s
+    if episodes:
+        out["episodes"] = _episode_steps(trainer, vllm)
     trainer.close()
     return out if rank == 0 else {}
+
+
+def _episode_steps(trainer, vllm) -> dict:
+    """Two PPO steps on multi-turn episodes (``env.name=tests.ppo_helpers:two_turn_env``) run on
+    this world's vLLM engine: the trainer's rollout source swapped for the
+    :class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutSource` that ``build`` makes
+    with ``env.name`` set (the same engine: no second vLLM engine in the process)."""
+    from dataclasses import replace
+
+    from nemo_rlhf.trainers.ppo.episode_source import EpisodeRolloutSource
+    from tests.ppo_helpers import TwoTurnEnv
+
+    cfg = trainer.cfg
+    cfg = replace(cfg, env=replace(cfg.env, name="tests.ppo_helpers:two_turn_env", max_total_tokens=64))
+    trainer.rollout_source = EpisodeRolloutSource(cfg, trainer.dims, trainer.actor, trainer.tok, trainer.prompts,
+                                                  vllm, trainer.collectives)
+    out = {"obs_ids": trainer.tok.encode(TwoTurnEnv.OBSERVATION), "rows": [], "mismatch": [],
+           "refits": [vllm.refits]}
+    for _ in range(2):
+        metrics = trainer.train_step()
+        trainer.step += 1
+        out["refits"].append(vllm.refits)
+        out["mismatch"].append(float(metrics["rollout_train_logprob_diff_max"]))
+        out["turns_mean"] = float(metrics["episode/turns_mean"])
+        _, batch, _ = trainer._last_batch
+        P = batch.prompt_length
+        for b, ep in enumerate(batch.episodes):
+            tr = ep.trajectory
+            out["rows"].append({"turns": tr.turns, "mask": batch.response_mask[b].tolist(),
+                                "ids": batch.input_ids[b, P:].tolist(),
+                                "segments": [(s.kind, s.start - P, s.end - P) for s in tr.segments]})
+    return out
 
 
 @pytest.fixture(scope="module", params=list(WORLDS))
 def layout(request, tmp_path_factory):
     tp, vllm_tp, extra = WORLDS[request.param]
     res = run_ranks(_trainer_worker, world_size=tp, tmp=str(tmp_path_factory.mktemp("vllm")),
-                    tp=tp, vllm_tp=vllm_tp, extra=extra)
+                    tp=tp, vllm_tp=vllm_tp, extra=extra, episodes=request.param == EPISODE_WORLD)
     return res[0]
 
 
@@ -193,6 +230,27 @@ def test_truncated_importance_sampling_runs_in_a_ppo_step_with_vllm_rollouts(lay
     # no row masked (no threshold), none truncated (|d| < 1e-4: every weight far below the cap 2)
     assert tis["rollout_correction/masked_rows_fraction"] == 0.0
     assert tis["rollout_correction/is_truncated_rows_fraction"] == 0.0
+
+
+def test_ppo_steps_on_multi_turn_episodes_run_on_the_vllm_engine(layout):
+    if "episodes" not in layout:
+        pytest.skip(f"the multi-turn PPO steps run in the {EPISODE_WORLD} world only")
+    res = layout["episodes"]
+    obs = res["obs_ids"]
+    assert len(res["rows"]) == 16 and res["turns_mean"] == 2.0
+    for row in res["rows"]:
+        assert row["turns"] == 2
+        (k1, s1, e1), (k2, s2, e2), (k3, s3, e3) = row["segments"]
+        assert (k1, k2, k3) == ("policy", "env", "policy") and s1 == 0 and e1 == s2 and e2 == s3
+        assert row["ids"][s2:e2] == obs
+        assert row["mask"][:e3] == [True] * e1 + [False] * len(obs) + [True] * (e3 - s3)
+        assert not any(row["mask"][e3:])
+    # the episodes' behaviour log-probs (vLLM's) against the training forward, both steps
+    assert all(m < LOGPROB_TOL for m in res["mismatch"]), res["mismatch"]
+    # the first step's weights are the ones the engine holds (refit by the checks before); the
+    # second step's are the first update's: refit once, by the weights version
+    r0, r1, r2 = res["refits"]
+    assert r1 == r0 and r2 == r0 + 1, res["refits"]
 
 
 # --------------------------------------------------------------------------- LoRA

@@ -533,8 +533,7 @@ class PPOConfig:
                                  "with env.name=null (single-turn rollouts, no environment): set "
                                  "env.name or remove the 'env' reward function")
             return
-        unsupported = [(key, value, ok) for key, value, ok in (
-            ("rollout.engine", self.rollout.engine, "megatron"),
+        unsupported = [(key, value, ok) for key, value, ok in (  # rollout.engine: megatron or vllm
             ("rollout.mode", self.rollout.mode, "sync"),
             ("ppo.old_logprobs_from_rollout", self.ppo.old_logprobs_from_rollout, False),
             ("rollout.min_new_tokens", self.rollout.min_new_tokens, 0)) if value != ok]

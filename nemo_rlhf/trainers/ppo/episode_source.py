@@ -1,7 +1,10 @@
 """Multi-turn rollouts for PPO (#51): :class:`EpisodeRolloutSource`, the
 :class:`~nemo_rlhf.trainers.ppo.rollout_source.RolloutSource` that runs one episode per
 sample with the environment ``env.name`` names, on the megatron actor
-(:func:`~nemo_rlhf.rollout.episodes.run_episodes`: KV cache kept across turns, TP/PP), and
+(:func:`~nemo_rlhf.rollout.episodes.run_episodes`: KV cache kept across turns, TP/PP) or,
+with ``rollout.engine=vllm``, on the vLLM engine
+(:func:`~nemo_rlhf.rollout.vllm_episodes.run_episodes_vllm`: refit from the actor when its
+weights version moved; prefix caching across turns), and
 hands the trainer a :class:`EpisodeRolloutBatch` laid out by
 :func:`~nemo_rlhf.rollout.trajectory.to_padded_batch`.
 
@@ -30,6 +33,7 @@ from nemo_rlhf.envs.config import get_env_factory
 from nemo_rlhf.rollout.episodes import Episode, run_episodes
 from nemo_rlhf.rollout.generate import RolloutBatch
 from nemo_rlhf.rollout.trajectory import POLICY, to_padded_batch
+from nemo_rlhf.rollout.vllm_episodes import run_episodes_vllm
 
 __all__ = ["EPISODE_METRICS", "EpisodeRolloutBatch", "EpisodeRolloutSource", "episode_extras",
            "episode_metric_sums", "episode_metrics_from_sums", "is_episode_batch"]
@@ -98,8 +102,8 @@ def episode_metrics_from_sums(sums: list[float]) -> dict[str, float]:
 
 
 class EpisodeRolloutSource:
-    """Multi-turn rollouts on the trainer's ranks (``env.name`` set; ``rollout.engine=megatron``,
-    ``rollout.mode=sync``): see the module docstring.
+    """Multi-turn rollouts on the trainer's ranks (``env.name`` set; ``rollout.engine`` megatron
+    or vllm, ``rollout.mode=sync``): see the module docstring.
 
     Args:
         cfg: the :class:`~nemo_rlhf.trainers.ppo.config.PPOConfig` (``env``, ``rollout``,
@@ -109,7 +113,8 @@ class EpisodeRolloutSource:
         tokenizer: ``encode``, ``decode``, ``eos_id``, ``pad_id`` (and what
             :func:`~nemo_rlhf.data.datasets.encode_prompt` reads).
         prompts: the training prompt rows (``.prompt``, ``.extras``), by index.
-        engine: the single-turn engine the held-out evaluation decodes with.
+        engine: the engine ``build_rollout_source`` built: the held-out evaluation decodes
+            with it, and with ``rollout.engine=vllm`` the episodes run on it.
         collectives: :class:`~nemo_rlhf.trainers.collectives.JobCollectives` (the metrics'
             DP sum).
 
@@ -144,12 +149,17 @@ class EpisodeRolloutSource:
         """Run one episode per index (a fresh environment each) and lay them out; the
         episode metrics are summed over DP here (every rank calls it)."""
         envs = [self.factory(self.cfg.env) for _ in prompt_indices]
-        episodes = run_episodes(
-            self.actor.model, self.dims, envs, [self.problem(i) for i in prompt_indices], self.cfg.rollout,
-            self.limits, encode_prompt=self.encode_prompt, encode_observation=self.encode_observation,
-            decode_fn=self.tok.decode, eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id,
-            vocab_size=self.cfg.model.vocab_size, max_sequence_length=self.cfg.model.max_position_embeddings,
-            call_index=step - 1)
+        problems = [self.problem(i) for i in prompt_indices]
+        io = dict(encode_prompt=self.encode_prompt, encode_observation=self.encode_observation,
+                  decode_fn=self.tok.decode, call_index=step - 1)
+        if self.cfg.rollout.engine == "vllm":  # the engine is refit when the weights version moved
+            episodes = run_episodes_vllm(self.engine, self.actor.model, envs, problems, self.cfg.rollout,
+                                         self.limits, weights_version=self.actor.weights_version, **io)
+        else:
+            episodes = run_episodes(
+                self.actor.model, self.dims, envs, problems, self.cfg.rollout, self.limits,
+                eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id, vocab_size=self.cfg.model.vocab_size,
+                max_sequence_length=self.cfg.model.max_position_embeddings, **io)
         padded = to_padded_batch([ep.trajectory for ep in episodes], self.tok.pad_id, device=self.dims.device)
         P = padded.prompt_length
         sums = torch.tensor(episode_metric_sums(episodes), dtype=torch.float64, device=self.dims.device)

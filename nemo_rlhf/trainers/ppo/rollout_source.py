@@ -119,7 +119,8 @@ def build_rollout_source(cfg, dims, actor, tokenizer, encoded: list, sampler, co
                          with_values: bool = False, prompts: Optional[list] = None) -> RolloutSource:
     """The source ``rollout.mode`` and ``env.name`` name, built once (collective for
     ``rollout.engine=vllm`` in ``sync``): :class:`EpisodeRolloutSource` when ``env.name``
-    is set (the config refuses it with ``vllm`` / ``async``), else as ``rollout.mode`` says.
+    is set (on the engine built here, megatron or vllm; the config refuses it with ``async``),
+    else as ``rollout.mode`` says.
 
     Args:
         cfg: the :class:`~nemo_rlhf.trainers.ppo.config.PPOConfig`.
