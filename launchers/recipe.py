@@ -497,7 +497,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     """The recipe (module docstring) on ``task`` (its stages name the checker ``checker``)
     with ``profile``'s model; writes ``<out>/summary.json``; returns 0, or
     :data:`launchers.gates.RM_GATE_EXIT` when the RM gate refused PPO."""
-    from nemo_rlhf.tasks.task import count_right, write_prompt_files
+    from nemo_rlhf.tasks.task import count_right, env_overrides, write_prompt_files
 
     default = a.task == "smollm2"
     out = REPO / (a.out or ("experiments/smollm2" if default else f"experiments/{task.name}"))
@@ -592,7 +592,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     ppo_args = [f"exp_manager.init_from={policy}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
                 f"rollout.{new_tokens}", f"trainer.precision={a.precision}", *task_args, *profile.ppo_overrides,
-                *kl_target, *a.ppo_recipe, *reward, *a.ppo_overrides]
+                *kl_target, *a.ppo_recipe, *reward, *env_overrides(task), *a.ppo_overrides]
     base_steps = stages.first_stage_steps(a, stages.ppo_max_steps(profile.ppo_config, a.ppo_overrides))
     stages.ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, profile.ppo_config, a.nproc,
                      base_steps)
