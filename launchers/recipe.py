@@ -400,6 +400,10 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     samples_val = _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
                           logs / "rm_samples.log")
     val_file = _enough_heldout_pairs(a, policy, data, rm_data, samples_val, stage_args, logs)
+    if count_right(samples_train) == 0 and task.env is not None:  # (#51) not yet multi-turn
+        raise SystemExit(f"task {task.name!r} (Task.env={task.env!r}): 0 of {len(samples_train)} sampled "
+                         f"answers right; the recipe samples single-turn, so a tool call ends the answer: "
+                         f"measure it with benchmarks/tool_task_eval.py (docs/tasks.md, 'A tool task')")
     if count_right(samples_train) == 0:
         raise SystemExit(f"task {task.name!r}: after SFT ({a.sft_steps} steps on {a.sft_rows} demonstrations) "
                          f"the model still got 0 of {len(samples_train)} sampled answers right; raise "
