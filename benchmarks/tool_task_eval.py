@@ -52,15 +52,16 @@ def heldout_episodes(trainer, checker) -> dict:
         finals.append(src.tok.decode([t for t in tr.token_ids[last.start:last.end] if t != src.tok.eos_id]))
     scores = checker([p["prompt"] for p in problems], finals, [dict(r.extras) for r in rows])
     n = len(episodes)
+    text = [src.tok.decode(ep.trajectory.token_ids[ep.trajectory.prompt_length:], skip_special_tokens=False)
+            for ep in episodes]
     last_info = [ep.infos[-1] if ep.infos else {} for ep in episodes]
     return {"n": n, "accuracy": sum(s > 0.5 for s in scores) / n,
             "tool_call_rate": sum(i.get("tool_calls", 0) > 0 for i in last_info) / n,
             "malformed_rate": sum(i.get("malformed_calls", 0) > 0 for i in last_info) / n,
             "turns_mean": sum(ep.trajectory.turns for ep in episodes) / n,
             "truncated_rate": sum(bool(ep.trajectory.truncated) for ep in episodes) / n,
-            "examples": [[p["prompt"], src.tok.decode(ep.trajectory.token_ids[ep.trajectory.prompt_length:],
-                                                     skip_special_tokens=False)]
-                         for p, ep in list(zip(problems, episodes))[:4]]}
+            "examples": [[p["prompt"], t] for p, t in list(zip(problems, text))[:4]],
+            "wrong": [[p["prompt"], p.get("answer"), t] for p, t, s in zip(problems, text, scores) if s <= 0.5]}
 
 
 def main(argv=None) -> int:
