@@ -10,7 +10,8 @@ each final answer (the last policy turn) with the reward functions' checker
 
 Printed (one JSON line each): ``heldout`` before and after (accuracy, tool-call rate =
 episodes with at least one evaluated call, malformed rate, turns per episode, truncated
-rate), and every PPO step's metrics (``episode/*``, reward, KL).
+rate, the first episodes' texts and every wrong one's ``[prompt, answer, text]``), and every
+PPO step's metrics (``episode/*``, reward, KL).
 
     PYTHONPATH=. python benchmarks/tool_task_eval.py --checker nemo_rlhf.tasks.calc:TASK.score \
         exp_manager.init_from=<sft checkpoint> data.train_file=... data.val_file=... \
@@ -39,7 +40,7 @@ def heldout_episodes(trainer, checker) -> dict:
     rows = trainer.eval_prompts
     problems = [{"prompt": r.prompt, **r.extras} for r in rows]
     episodes = run_episodes(
-        trainer.actor.model if hasattr(trainer, "actor") else src.actor.model, trainer.dims,
+        src.actor.model, trainer.dims,
         [src.factory(cfg.env) for _ in problems], problems, replace(cfg.rollout, greedy=True), src.limits,
         encode_prompt=src.encode_prompt, encode_observation=src.encode_observation,
         decode_fn=src.tok.decode, eos_token_id=src.tok.eos_id, pad_token_id=src.tok.pad_id,
