@@ -394,6 +394,10 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     samples_val = _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
                           logs / "rm_samples.log")
     val_file = _enough_heldout_pairs(a, policy, data, rm_data, samples_val, stage_args, logs)
+    if count_right(samples_train) == 0 and task.env is not None:  # (#51) not yet multi-turn
+        raise SystemExit(f"task {task.name!r} (Task.env={task.env!r}): 0 of {len(samples_train)} sampled "
+                         f"answers right; the recipe samples single-turn, so a tool call ends the answer: "
+                         f"measure it with benchmarks/tool_task_eval.py (docs/tasks.md, 'A tool task')")
     if count_right(samples_train) == 0:
         raise SystemExit(f"task {task.name!r}: after SFT ({a.sft_steps} steps on {a.sft_rows} demonstrations) "
                          f"the model still got 0 of {len(samples_train)} sampled answers right; raise "
@@ -509,7 +513,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     """The recipe (module docstring) on ``task`` (its stages name the checker ``checker``)
     with ``profile``'s model; writes ``<out>/summary.json``; returns 0, or
     :data:`launchers.gates.RM_GATE_EXIT` when the RM gate refused PPO."""
-    from nemo_rlhf.tasks.task import count_right, write_prompt_files
+    from nemo_rlhf.tasks.task import count_right, env_overrides, write_prompt_files
 
     default = a.task == "smollm2"
     out = REPO / (a.out or ("experiments/smollm2" if default else f"experiments/{task.name}"))
@@ -615,7 +619,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     ppo_args = [f"exp_manager.init_from={policy}", f"data.train_file={data / 'ppo_prompts.jsonl'}",
                 f"data.val_file={data / 'eval.jsonl'}", f"data.tokenizer_dir={tok}",
                 f"rollout.{new_tokens}", f"trainer.precision={a.precision}", *task_args, *profile.ppo_overrides,
-                *kl_type, *kl_target, *a.ppo_recipe, *reward, *a.ppo_overrides]
+                *kl_type, *kl_target, *a.ppo_recipe, *reward, *env_overrides(task), *a.ppo_overrides]
     base_steps = stages.first_stage_steps(a, stages.ppo_max_steps(profile.ppo_config, a.ppo_overrides))
     stages.ppo_stage(ppo_args, rm if a.reward != "checker" else None, ppo_exp, profile.ppo_config, a.nproc,
                      base_steps)

@@ -5,7 +5,9 @@ per-episode limits and how its observations become tokens.
 an environment **factory**, called once per episode with the :class:`EnvConfig`:
 
 * a built-in short name of :data:`BUILTIN_ENVIRONMENTS` (``calculator``: a
-  :class:`~nemo_rlhf.envs.ToolEnvironment` with the calculator tool), or
+  :class:`~nemo_rlhf.envs.ToolEnvironment` with the calculator tool; ``digit_calculator``:
+  :class:`~nemo_rlhf.envs.digit_calculator.DigitCalculatorEnv`, calls written ``37*12=`` in
+  the tiny model's digit vocabulary), or
 * a ``"package.module:function"`` path, as reward functions are named
   (:mod:`nemo_rlhf.reward.functions`): ``function(env_cfg: EnvConfig) -> Environment``.
 
@@ -30,6 +32,7 @@ EnvFactory = Callable[["EnvConfig"], Environment]
 
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "calculator": "nemo_rlhf.envs.builtin:calculator_env",
+    "digit_calculator": "nemo_rlhf.envs.digit_calculator:digit_calculator_env",
 }
 """Short name -> ``"package.module:function"`` of the built-in environment factories; every
 other environment is named by its path."""

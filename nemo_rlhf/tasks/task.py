@@ -32,9 +32,15 @@ the task's own batch method ``<module>:<attribute>.score`` (:meth:`Task.score`),
 the ``--task`` path. The task's module must therefore be importable by those processes:
 from the working directory or ``PYTHONPATH`` (the recipe passes its own ``sys.path`` on).
 
+* ``env`` (optional): an environment (an ``env.name``) PPO's rollouts run, e.g. a tool the
+  policy calls (``digit_calculator``, :mod:`nemo_rlhf.tasks.calc`); the recipe passes it
+  and ``env_overrides`` to the PPO stage. The recipe's sampling, SFT gating and held-out
+  evaluations still decode single-turn (docs/tasks.md, "A tool task").
+
 Simplified: one checker per task (plus ``extra_checkers`` that are only reported), scores
 thresholded at 0.5 into right / wrong for the pairs, and the prompt is one ``str.format``
-template (no few-shot examples, no multi-turn).
+template (no few-shot examples); a multi-turn demonstration is one response text (the
+observation tokens in it are trained on by SFT).
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from nemo_rlhf.data.answers import check_lengths
 from nemo_rlhf.data.sample_rows import row_extras
 
 __all__ = ["Task", "PROMPT_FILES", "build_preference_pairs", "count_right", "demonstration_rows",
-           "edit_pairs", "load_task", "write_prompt_files"]
+           "edit_pairs", "env_overrides", "load_task", "write_prompt_files"]
 
 Problem = Mapping[str, Any]
 """One problem: a JSON-able dict of fields (no ``prompt`` key: the template makes it)."""
@@ -89,6 +95,14 @@ class Task:
     """Response budget in tokens (None: the model profile's, ``launchers/recipe.py``)."""
     edit_labels: tuple = ("wrong_answer", "right_answer")
     """The ``edit`` field of an edit pair: right made wrong, wrong made right."""
+    env: Optional[str] = None
+    """The environment PPO's rollouts run (an ``env.name``: a built-in short name or a
+    ``package.module:function`` factory, :mod:`nemo_rlhf.envs.config`); None: single-turn
+    rollouts. The recipe passes ``env.name=<env>`` and :attr:`env_overrides` to PPO; the
+    checker then scores an episode's final answer (its last policy turn)."""
+    env_overrides: tuple = ()
+    """More ``env.*`` overrides of the PPO stage when :attr:`env` is set (e.g.
+    ``("env.max_turns=2",)``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -102,6 +116,16 @@ class Task:
             if value is not None and not callable(value):
                 raise TypeError(f"Task {self.name!r}: Task.{key} must be callable or None, got "
                                 f"{type(value).__name__}")
+        if self.env is not None and (not isinstance(self.env, str) or not self.env):
+            raise ValueError(f"Task {self.name!r}: Task.env={self.env!r}: must be None or an env.name "
+                             f"(a built-in short name or a 'package.module:function' factory)")
+        for i, o in enumerate(self.env_overrides):
+            if not isinstance(o, str) or not o.startswith("env.") or "=" not in o or o.startswith("env.name="):
+                raise ValueError(f"Task {self.name!r}: Task.env_overrides[{i}]={o!r}: must be an "
+                                 f"'env.<key>=<value>' override other than env.name (Task.env sets it)")
+        if self.env_overrides and self.env is None:
+            raise ValueError(f"Task {self.name!r}: Task.env_overrides={self.env_overrides!r} without "
+                             f"Task.env: set Task.env (the environment they configure)")
         for key in ("train", "heldout"):
             problems = getattr(self, key)
             if len(problems) == 0:
@@ -147,6 +171,14 @@ class Task:
         """
         check_lengths(prompts, responses, extras, f"task {self.name!r}")
         return [_score(self.check(p, r, e), self.name) for p, r, e in zip(prompts, responses, extras)]
+
+
+def env_overrides(task: Task) -> list[str]:
+    """The PPO stage's ``env`` overrides of ``task``: ``["env.name='<env>'", *env_overrides]``
+    when :attr:`Task.env` is set, else ``[]`` (single-turn PPO)."""
+    if task.env is None:
+        return []
+    return [f"env.name='{task.env}'", *task.env_overrides]
 
 
 def _score(value: Any, name: str) -> float:

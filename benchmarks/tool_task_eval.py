@@ -1,0 +1,95 @@
+"""Held-out accuracy of a tool task *with the tool*, before and after PPO (#51).
+
+The recipe's own evaluations decode single-turn (``nemo_rlhf.evaluate``, the PPO trainer's
+held-out evaluation), so they cannot measure a policy that calls a tool. This script builds
+the PPO trainer (``conf/ppo_tiny.yaml`` + the overrides given, ``env.name`` set), runs one
+greedy episode per held-out row (``data.val_file``) through the trainer's own episode code
+(:func:`~nemo_rlhf.rollout.episodes.run_episodes`, the rollout source's encoders), scores
+each final answer (the last policy turn) with the reward functions' checker
+(``--checker``), then trains ``trainer.max_steps`` PPO steps and evaluates again.
+
+Printed (one JSON line each): ``heldout`` before and after (accuracy, tool-call rate =
+episodes with at least one evaluated call, malformed rate, turns per episode, truncated
+rate, the first episodes' texts and every wrong one's ``[prompt, answer, text]``), and every
+PPO step's metrics (``episode/*``, reward, KL).
+
+    PYTHONPATH=. python benchmarks/tool_task_eval.py --checker nemo_rlhf.tasks.calc:TASK.score \
+        exp_manager.init_from=<sft checkpoint> data.train_file=... data.val_file=... \
+        data.tokenizer_dir=... env.name=digit_calculator ... trainer.max_steps=10
+
+One process, one rank (``exp_manager.exp_dir`` gets the run's checkpoints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def heldout_episodes(trainer, checker) -> dict:
+    """Greedy episodes of the current policy on every held-out row; their metrics."""
+    from nemo_rlhf.rollout.episodes import run_episodes
+    from nemo_rlhf.rollout.trajectory import POLICY
+
+    src, cfg = trainer.rollout_source, trainer.cfg
+    rows = trainer.eval_prompts
+    problems = [{"prompt": r.prompt, **r.extras} for r in rows]
+    episodes = run_episodes(
+        src.actor.model, trainer.dims,
+        [src.factory(cfg.env) for _ in problems], problems, replace(cfg.rollout, greedy=True), src.limits,
+        encode_prompt=src.encode_prompt, encode_observation=src.encode_observation,
+        decode_fn=src.tok.decode, eos_token_id=src.tok.eos_id, pad_token_id=src.tok.pad_id,
+        vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.max_position_embeddings,
+        call_index=10_000)
+    finals = []
+    for ep in episodes:
+        tr = ep.trajectory
+        last = [s for s in tr.segments if s.kind == POLICY][-1]
+        finals.append(src.tok.decode([t for t in tr.token_ids[last.start:last.end] if t != src.tok.eos_id]))
+    scores = checker([p["prompt"] for p in problems], finals, [dict(r.extras) for r in rows])
+    n = len(episodes)
+    text = [src.tok.decode(ep.trajectory.token_ids[ep.trajectory.prompt_length:], skip_special_tokens=False)
+            for ep in episodes]
+    last_info = [ep.infos[-1] if ep.infos else {} for ep in episodes]
+    return {"n": n, "accuracy": sum(s > 0.5 for s in scores) / n,
+            "tool_call_rate": sum(i.get("tool_calls", 0) > 0 for i in last_info) / n,
+            "malformed_rate": sum(i.get("malformed_calls", 0) > 0 for i in last_info) / n,
+            "turns_mean": sum(ep.trajectory.turns for ep in episodes) / n,
+            "truncated_rate": sum(bool(ep.trajectory.truncated) for ep in episodes) / n,
+            "examples": [[p["prompt"], t] for p, t in list(zip(problems, text))[:4]],
+            "wrong": [[p["prompt"], p.get("answer"), t] for p, t, s in zip(problems, text, scores) if s <= 0.5]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checker", required=True, help="reward function spec (package.module:attr)")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/ppo_tiny.yaml")
+    a = ap.parse_args(argv)
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from nemo_rlhf.reward.functions import get_reward_function
+    from nemo_rlhf.train_ppo import build
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        cfg = OmegaConf.to_object(compose("ppo_tiny", overrides=a.overrides))
+    trainer = build(cfg)
+    checker = get_reward_function(a.checker)
+    print(json.dumps({"heldout": "before", **heldout_episodes(trainer, checker)}), flush=True)
+    for _ in range(cfg.trainer.max_steps):
+        m = trainer.train_step()
+        print(json.dumps({"step": {k: float(v) for k, v in m.items()
+                                   if isinstance(v, (int, float)) and (k.startswith(("episode/", "rollout/reward",
+                                                                                    "reward", "kl", "train/kl"))
+                                                                       or "kl" in k)}}), flush=True)
+    print(json.dumps({"heldout": "after", **heldout_episodes(trainer, checker)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
