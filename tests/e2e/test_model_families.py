@@ -2,7 +2,7 @@
 
 For each of Llama with Llama 3.1's ``llama3`` RoPE scaling, Mistral, Qwen3 (dense) and
 Qwen3-MoE (4 experts, top-2; TP=1, as MoE training must be) (:data:`ARCHS`), the module
-fixture (:func:`runs`) runs, as real subprocesses:
+fixture (:func:`runs`) runs, as separate processes (forked by :mod:`tests.fork_server`):
 
 1. ``nemo-rlhf-ckpt import-hf`` of a tiny random model written by transformers' own classes
    (:mod:`tests.hf_tiny`: 2 layers, its family's tokenizer special tokens and chat template);
@@ -17,9 +17,12 @@ served RM: what differs between families is the model, and the walkthrough
 resumed run's final weights and optimizer state must be bit-identical to the uninterrupted
 run's (CPU, fp32), its per-step metrics equal, and every step's prompts the same.
 
-Cost: the 16 subprocesses (each mostly torch's and megatron's import) run two at a time,
-each single-threaded, in the order their dependencies allow (:func:`_run_jobs`): the suite
-runs serially on 2 cores, so the second one is otherwise idle (about 65 s in all there).
+Cost: the 16 processes run two at a time, each single-threaded, in the order their
+dependencies allow (:func:`_run_jobs`): the suite runs serially on 2 cores, so the second one
+is otherwise idle. Each is forked from a server that has imported torch, megatron and the
+entry points once (:mod:`tests.fork_server`; its own session, environment and log, as a
+fresh ``python -m`` process would have), not a fresh interpreter that imports them again
+(about 4-5 s of CPU each).
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +38,7 @@ import pytest
 import torch
 import yaml
 
+from tests.fork_server import ForkServer
 from tests.hf_tiny import write_data, write_hf_folder
 
 pytest.importorskip("transformers")
@@ -69,50 +72,54 @@ def _env(crash: str | None) -> dict[str, str]:
     return env
 
 
-def _run_jobs(jobs: dict[str, dict]) -> dict[str, tuple[int | None, str]]:
+def _run_jobs(jobs: dict[str, dict], outdir: Path) -> dict[str, tuple[int | None, str]]:
     """Runs ``jobs`` (name -> ``cmd``, ``log``, optional ``crash``, ``after``: (name, exit code)
     of a job that must have exited so first, and ``on_exit``: called with the exit code before
-    any dependent starts), :data:`PARALLEL` at a time, each in its own session (killed once it
-    exits: a SIGKILLed trainer may leave forked checkpoint writers), in the dict's order as
-    dependencies allow. Returns name -> (exit code, output); a job whose dependency did not
-    exit as required gets (None, the reason), one past :data:`TIMEOUT_S` is killed (None)."""
+    any dependent starts), :data:`PARALLEL` at a time, each forked by a
+    :class:`~tests.fork_server.ForkServer` as its ``python -m`` command in its own session
+    (killed once it exits: a SIGKILLed trainer may leave forked checkpoint writers), in the
+    dict's order as dependencies allow. Returns name -> (exit code, output); a job whose
+    dependency did not exit as required gets (None, the reason), one past :data:`TIMEOUT_S`
+    is killed (None)."""
     done: dict[str, tuple[int | None, str]] = {}
-    running: dict[str, tuple[subprocess.Popen, float]] = {}
+    running: dict[str, tuple[int, float]] = {}
+    exited: dict[int, int] = {}
     pending = list(jobs)
 
     def finish(name: str, code: int | None, note: str = "") -> None:
-        proc, _ = running.pop(name)
+        pid, _ = running.pop(name)
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait()
         done[name] = (code, note + Path(jobs[name]["log"]).read_text())
         if "on_exit" in jobs[name]:
             jobs[name]["on_exit"](code)
 
-    try:
-        while pending or running:
-            for name in list(pending):
-                after, code = jobs[name].get("after", (None, 0))
-                if after in done and done[after][0] != code:
-                    pending.remove(name)
-                    done[name] = (None, f"not run: {after} exited {done[after][0]}, not {code}")
-                elif len(running) < PARALLEL and (after is None or after in done):
-                    pending.remove(name)
-                    with open(jobs[name]["log"], "w") as out:
-                        running[name] = (subprocess.Popen(
-                            jobs[name]["cmd"], cwd=REPO, env=_env(jobs[name].get("crash")), stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True), time.monotonic())
-            for name, (proc, start) in list(running.items()):
-                if proc.poll() is not None:
-                    finish(name, proc.returncode)
-                elif time.monotonic() - start > TIMEOUT_S:
-                    finish(name, None, f"killed after {TIMEOUT_S:.0f} s\n")
-            time.sleep(0.05)
-    finally:
-        for name in list(running):
-            finish(name, None, "killed: the fixture stopped\n")
+    with ForkServer(_env(None), outdir) as server:
+        try:
+            while pending or running:
+                for name in list(pending):
+                    after, code = jobs[name].get("after", (None, 0))
+                    if after in done and done[after][0] != code:
+                        pending.remove(name)
+                        done[name] = (None, f"not run: {after} exited {done[after][0]}, not {code}")
+                    elif len(running) < PARALLEL and (after is None or after in done):
+                        pending.remove(name)
+                        python, dash_m, module, *argv = jobs[name]["cmd"]
+                        assert (python, dash_m) == (sys.executable, "-m"), jobs[name]["cmd"]
+                        running[name] = (server.start(module, argv, _env(jobs[name].get("crash")),
+                                                      Path(jobs[name]["log"]), cwd=REPO), time.monotonic())
+                exited.update(server.poll())
+                for name, (pid, start) in list(running.items()):
+                    if pid in exited:
+                        finish(name, exited.pop(pid))
+                    elif time.monotonic() - start > TIMEOUT_S:
+                        finish(name, None, f"killed after {TIMEOUT_S:.0f} s\n")
+                time.sleep(0.05)
+        finally:
+            for name in list(running):
+                finish(name, None, "killed: the fixture stopped\n")
     return done
 
 
@@ -159,7 +166,7 @@ def runs(tmp_path_factory):
             if kind == "killed":
                 job["crash"], job["on_exit"] = CRASH[arch], after_kill(arch)
             jobs[f"{arch}/{kind}"] = job
-    for name, result in _run_jobs(jobs).items():
+    for name, result in _run_jobs(jobs, tmp).items():
         arch, kind = name.split("/")
         got[arch]["jobs"][kind] = result
     return got

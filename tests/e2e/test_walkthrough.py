@@ -16,14 +16,15 @@ back with transformers.
 from __future__ import annotations
 
 import json
+import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.fork_server import ForkServer
 from tests.hf_tiny import write_data, write_hf_folder
 
 pytest.importorskip("transformers")
@@ -104,11 +105,19 @@ def _words(cmd: list[str], shared: Path) -> list[str]:
     return [SCALE.get(w, w).replace(SHARED, str(shared)) for w in cmd]
 
 
+_SERVER: list[ForkServer] = []  # the module fixture's, while it runs
+
+
 def _run(cmd: list[str], log: Path, timeout: int = 600) -> str:
-    res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    log.write_text(res.stdout + res.stderr)
-    assert res.returncode == 0, f"{shlex.join(cmd)} failed ({res.returncode}):\n{(res.stdout + res.stderr)[-4000:]}"
-    return res.stdout + res.stderr
+    """``cmd`` (``python -m MODULE ...``) run to its end, forked by the module fixture's
+    :class:`~tests.fork_server.ForkServer` (this process's environment, the repository as the
+    working directory), its stdout and stderr in ``log``; returns them."""
+    python, dash_m, module, *argv = cmd
+    assert (python, dash_m) == (sys.executable, "-m"), cmd
+    code = _SERVER[0].run(module, argv, dict(os.environ), log, timeout)
+    out = log.read_text()
+    assert code == 0, f"{shlex.join(cmd)} failed ({code}):\n{out[-4000:]}"
+    return out
 
 
 def _job_overrides(words: list[str]) -> tuple[list[str], dict]:
@@ -164,7 +173,8 @@ def _walk(arch: str, tmp: Path) -> dict:
 def walks(tmp_path_factory):
     """The walkthrough of each family of :data:`FAKE_8B`: the HF folders and data written
     here, then the two walkthroughs' commands run side by side (each walkthrough's commands
-    one after another: their subprocesses use one core each, mostly importing torch);
+    one after another), each forked by a :class:`~tests.fork_server.ForkServer` that has
+    imported torch, megatron and the entry points once (not a fresh interpreter each);
     returns family -> :func:`_walk`'s result, or the exception it raised."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -175,8 +185,13 @@ def walks(tmp_path_factory):
         write_hf_folder(tmp / "shared" / "hf" / "llama3-8b-sft", arch)
         _data(tmp / "shared" / "data")
         _fake_8b(tmp / "fake", FAKE_8B[arch][0])
-    with ThreadPoolExecutor(len(tmps)) as pool:
-        futures = {arch: pool.submit(_walk, arch, tmp) for arch, tmp in tmps.items()}
+    with ForkServer(dict(os.environ), tmp_path_factory.mktemp("fork_server")) as server:
+        _SERVER[:] = [server]
+        try:
+            with ThreadPoolExecutor(len(tmps)) as pool:
+                futures = {arch: pool.submit(_walk, arch, tmp) for arch, tmp in tmps.items()}
+        finally:
+            _SERVER.clear()
     return {arch: f.exception() or f.result() for arch, f in futures.items()}
 
 
