@@ -53,7 +53,7 @@ CHOICES = [  # (job, override, the message names: key=value, and the valid value
     ("ppo", "rollout.mode=asynchronous", "rollout.mode='asynchronous': valid choices are ['sync', 'async']"),
     ("rm", "optim.adam_impl=apex", "optim.adam_impl='apex': valid choices are ["),
     ("ppo", "env.tool_call_format=qwen", "env.tool_call_format='qwen': valid choices are ['hermes', 'llama3']"),
-    ("ppo", "env.name=calc", "env.name='calc': valid choices are null (single-turn), ['calculator'] (built-in)"),
+    ("ppo", "env.name=calc", "env.name='calc': valid choices are null (single-turn), ['calculator', 'digit_calculator'] (built-in)"),
     ("ppo", "logger.wandb.mode=cloud", "logger.wandb.mode='cloud': valid choices are ['offline', 'online']"),
     ("rm_server", "server.log_level=loud", "server.log_level='loud': valid choices are ['critical', 'error', 'warning'"),
 ]
