@@ -203,7 +203,7 @@ def test_async_refuses_pipeline_and_expert_parallel_trainers_naming_the_key():
     (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "kl.temperature=sampling"],
      "with ppo.old_logprobs_from_rollout=True: multi-turn episodes are not supported there yet"),
     (["env.name=calculator", "rollout.min_new_tokens=2"], "with rollout.min_new_tokens=2"),
-    (["env.name=calc"], "env.name='calc': valid choices are null (single-turn), ['calculator'] (built-in) "
+    (["env.name=calc"], "env.name='calc': valid choices are null (single-turn), ['calculator', 'digit_calculator'] (built-in) "
      "or a 'package.module:function' factory path"),
     (["env.tool_call_format=json"], "env.tool_call_format='json': valid choices are ['hermes', 'llama3']"),
     (["env.max_turns=0"], "env.max_turns=0: must be an integer >= 1"),
