@@ -22,7 +22,10 @@ Two channels:
 A generated item's batch has two forms besides the :class:`RolloutBatch` itself: host
 tensors (:func:`batch_to_host` / :func:`batch_from_host`, what a worker sends) and JSON
 (:func:`batch_to_json` / :func:`batch_from_json`, what a checkpoint keeps of the buffered
-items; :func:`result_to_json` / :func:`result_from_json` for the whole item).
+items; :func:`result_to_json` / :func:`result_from_json` for the whole item). A multi-turn
+batch (``EpisodeRolloutBatch``, #51) crosses the same way: its tensors (the padded layout
+with the holed ``response_mask``) as tensors, its episodes as plain host data
+(:func:`episode_to_json` / :func:`episode_from_json`), bit for bit.
 
 Fault injection (tests): ``NEMO_RLHF_FAULT=corrupt_weights:<version>`` makes a worker
 change one received element of that weights version before its checksum.
@@ -45,12 +48,16 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.distributed.fault_spec import FAULT_ENV, spec_matches
+from nemo_rlhf.rollout.episodes import Episode
 from nemo_rlhf.rollout.generate import RolloutBatch
+from nemo_rlhf.rollout.trajectory import POLICY, Trajectory
 
 log = logging.getLogger("nemo_rlhf.rollout.remote")
 
 ADDRESS_FILE = "rollout_controller"
 """Name of the controller's address file in the experiment folder (``host:port``)."""
+EPISODES_FIELD = "episodes"
+"""The field of a multi-turn batch that holds its episodes (host objects)."""
 HEARTBEAT_S = 1.0
 """Seconds between a worker's heartbeats."""
 POLL_S = 0.002
@@ -91,16 +98,71 @@ class RolloutResult:
     """Seconds the worker spent generating it."""
 
 
+def episode_to_json(episode: Episode) -> dict:
+    """One multi-turn :class:`~nemo_rlhf.rollout.episodes.Episode` as plain JSON-able host
+    data: the trajectory's ``token_ids`` (prompt included), ``prompt_length``, ``logprobs``
+    (one Python float per token, 0 off the policy), ``segments`` (``[kind, start, end]``)
+    and ``truncated``; the episode's ``turn_rewards``, ``infos``, ``stop_reason`` and
+    ``env_time_s``. The loss mask is not stored: the segments give it. ``infos`` are kept
+    as the environment returned them (JSON-able for a checkpoint's copy: the built-in
+    environments' are)."""
+    tr = episode.trajectory
+    return {"token_ids": list(tr.token_ids), "prompt_length": tr.prompt_length, "logprobs": list(tr.logprobs),
+            "segments": [[s.kind, s.start, s.end] for s in tr.segments], "truncated": tr.truncated,
+            "turn_rewards": list(episode.turn_rewards), "infos": list(episode.infos),
+            "stop_reason": episode.stop_reason, "env_time_s": episode.env_time_s}
+
+
+def episode_from_json(obj: dict) -> Episode:
+    """The inverse of :func:`episode_to_json`: the trajectory is rebuilt by appending its
+    segments again (``append_policy`` / ``append_env``: the same checks as when it was
+    made), so ``loss_mask`` follows from the segments.
+
+    Raises:
+        ValueError: segments that do not tile ``token_ids`` after the prompt, or a form
+            whose policy segments fail :meth:`~nemo_rlhf.rollout.trajectory.Trajectory.append_policy`.
+    """
+    ids, lps, p = obj["token_ids"], obj["logprobs"], obj["prompt_length"]
+    tr = Trajectory(ids[:p])
+    for kind, start, end in obj["segments"]:
+        if start != len(tr.token_ids) or not start < end <= len(ids):
+            raise ValueError(f"episode_from_json: segment {kind} [{start}, {end}) does not follow the "
+                             f"{len(tr.token_ids)} tokens before it (of {len(ids)})")
+        if kind == POLICY:
+            tr.append_policy(ids[start:end], lps[start:end])
+        else:
+            tr.append_env(ids[start:end])
+    if len(tr.token_ids) != len(ids):
+        raise ValueError(f"episode_from_json: segments cover {len(tr.token_ids)} of {len(ids)} tokens")
+    if obj["truncated"]:
+        tr.mark_truncated()
+    return Episode(trajectory=tr, turn_rewards=list(obj["turn_rewards"]), infos=list(obj["infos"]),
+                   stop_reason=obj["stop_reason"], env_time_s=obj["env_time_s"])
+
+
 def batch_to_host(batch) -> dict:
     """A ``RolloutBatch``'s fields with every tensor moved to the host (the boundary where
-    samples leave a worker's device)."""
-    return {f.name: (getattr(batch, f.name).cpu() if torch.is_tensor(getattr(batch, f.name))
-                     else getattr(batch, f.name)) for f in fields(batch)}
+    samples leave a worker's device). For a multi-turn
+    :class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutBatch` the ``episodes``
+    field becomes a list of :func:`episode_to_json` forms (so the host form is also
+    JSON-able: :func:`batch_to_json` keeps it as it is)."""
+    out = {f.name: (getattr(batch, f.name).cpu() if torch.is_tensor(getattr(batch, f.name))
+                    else getattr(batch, f.name)) for f in fields(batch)}
+    if EPISODES_FIELD in out:
+        out[EPISODES_FIELD] = [episode_to_json(ep) for ep in out[EPISODES_FIELD]]
+    return out
 
 
 def batch_from_host(fields_: dict, device: torch.device):
-    """The inverse of :func:`batch_to_host`: a ``RolloutBatch`` on ``device``."""
-    return RolloutBatch(**{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in fields_.items()})
+    """The inverse of :func:`batch_to_host`: a ``RolloutBatch`` on ``device``, or an
+    ``EpisodeRolloutBatch`` (its episodes rebuilt by :func:`episode_from_json`) when the
+    fields hold ``episodes``."""
+    kw = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in fields_.items()}
+    if EPISODES_FIELD not in kw:
+        return RolloutBatch(**kw)
+    from nemo_rlhf.trainers.ppo.episode_source import EpisodeRolloutBatch  # (the trainer's type; no cycle)
+    kw[EPISODES_FIELD] = [episode_from_json(e) for e in kw[EPISODES_FIELD]]
+    return EpisodeRolloutBatch(**kw)
 
 
 def batch_to_json(fields_: dict) -> dict:
@@ -296,6 +358,7 @@ def serve_rollout_worker(index: int, exp_dir, timeout_s: float, device: torch.de
 
 
 __all__ = ["ADDRESS_FILE", "HEARTBEAT_S", "POLL_S", "RolloutItem", "RolloutResult", "RolloutWorkerError",
-           "batch_from_host", "batch_from_json", "batch_to_host", "batch_to_json", "bits_checksum", "dump_message",
+           "EPISODES_FIELD", "batch_from_host", "batch_from_json", "batch_to_host", "batch_to_json", "bits_checksum",
+           "dump_message", "episode_from_json", "episode_to_json",
            "open_weights_group", "read_address", "result_from_json", "result_to_json", "serve_rollout_worker",
            "write_address"]
