@@ -49,7 +49,7 @@ from nemo_rlhf.trainers.ppo.evaluation import HeldOutEvaluation, evaluate_policy
 from nemo_rlhf.trainers.ppo.guards import RewardHackingGuard
 from nemo_rlhf.trainers.ppo.micro_batches import training_minibatches
 from nemo_rlhf.trainers.ppo.roles import CriticRole, ForwardPasses, PolicyRole, build_critic_role
-from nemo_rlhf.trainers.ppo.episode_source import EpisodeRolloutSource, episode_extras, is_episode_batch
+from nemo_rlhf.trainers.ppo.episode_source import episode_extras, is_episode_batch
 from nemo_rlhf.trainers.ppo.rollout_source import RolloutSource, build_rollout_source
 from nemo_rlhf.trainers.ppo.scoring import RewardScoringError, score_rollout
 from nemo_rlhf.trainers.ppo.state import (dp_group_slice, log_prompt_ids, ppo_fingerprint, restore_run_state,
@@ -165,7 +165,7 @@ class PPOTrainer:
         greedy episodes with the environment (fresh ones; problems ``{"prompt": prompt,
         **extras}``), an :class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutBatch`
         (:meth:`EpisodeRolloutSource.generate_episodes`)."""
-        if isinstance(self.rollout_source, EpisodeRolloutSource):
+        if self.cfg.env.name is not None:  # the source is an EpisodeRolloutSource (build_rollout_source)
             return self.rollout_source.generate_episodes(
                 [{"prompt": r.prompt, **r.extras} for r in rows], replace(self.cfg.rollout, greedy=True),
                 call_index=self.step)
