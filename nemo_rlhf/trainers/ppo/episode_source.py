@@ -118,8 +118,9 @@ class EpisodeRolloutSource:
         tokenizer: ``encode``, ``decode``, ``eos_id``, ``pad_id`` (and what
             :func:`~nemo_rlhf.data.datasets.encode_prompt` reads).
         prompts: the training prompt rows (``.prompt``, ``.extras``), by index.
-        engine: the engine ``build_rollout_source`` built: the held-out evaluation decodes
-            with it, and with ``rollout.engine=vllm`` the episodes run on it.
+        engine: the engine ``build_rollout_source`` built: :meth:`generate` decodes with it,
+            and with ``rollout.engine=vllm`` the episodes (the training rollout's and the
+            held-out evaluation's, :meth:`generate_episodes`) run on it.
         collectives: :class:`~nemo_rlhf.trainers.collectives.JobCollectives` (the metrics'
             DP sum).
 

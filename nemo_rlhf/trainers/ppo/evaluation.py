@@ -354,4 +354,5 @@ def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict
     return out
 
 
-__all__ = ["EVAL_EPISODE_METRICS", "HeldOutEvaluation", "evaluate_policy", "reward_auc", "win_rate", "write_eval_samples"]
+__all__ = ["EVAL_EPISODE_METRICS", "HeldOutEvaluation", "evaluate_policy", "reward_auc", "win_rate",
+           "write_eval_samples"]
