@@ -4,6 +4,7 @@ train on them; ``env.name`` null keeps the single-turn source. One rank, the tin
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -42,6 +43,11 @@ def _worker(rank: int, tmp: str):
                 "device_ok": all(t.device == trainer.dims.device for t in (
                     batch.input_ids, batch.attention_mask, batch.response_mask, batch.logprobs,
                     batch.response_lengths))})
+    # the held-out evaluation of the trained policy: greedy episodes with the environment
+    out["eval"] = trainer.evaluate()
+    samples = Path(cfg.exp_manager.exp_dir) / "eval_samples" / f"step_{trainer.step:06d}.jsonl"
+    out["samples"] = [json.loads(line) for line in samples.read_text().splitlines()]
+    out["obs_text"] = trainer.tok.decode(obs_ids)
     return out
 
 
@@ -91,3 +97,18 @@ def test_episode_metrics_are_logged_and_hand_checked(results):
         assert m["episode/total_tokens_mean"] - policy == pytest.approx(len(results["obs_ids"]))
         assert m["episode/env_reward_mean"] == pytest.approx(sum(r["env_reward"] for r in rows) / len(rows))
         assert math.isfinite(m["policy_loss"]) and math.isfinite(m["kl_mean"])
+
+
+def test_the_heldout_evaluation_runs_episodes_with_the_environment(results):
+    m, samples = results["eval"], results["samples"]
+    assert m["eval/episode/turns_mean"] == 2.0  # single-turn decoding would have no turns at all
+    assert m["eval/episode/tool_calls_mean"] == 1.0
+    assert m["eval/episode/malformed_call_rate"] == 0.0 and m["eval/episode/truncated_rate"] == 0.0
+    assert samples
+    for row in samples:
+        assert row["turns"] == 2
+        assert results["obs_text"] in row["episode"]  # the environment's observation, between the turns
+        # the reward (the `env` function: the episode's reward) scored the final answer
+        assert row["score"] in (1.0, 0.25)
+        assert row["episode"].endswith(row["response"]) and len(row["response"]) < len(row["episode"])
+    assert m["eval/reward"] == pytest.approx(sum(r["score"] for r in samples) / len(samples))

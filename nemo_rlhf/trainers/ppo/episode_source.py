@@ -53,6 +53,11 @@ class EpisodeRolloutBatch(RolloutBatch):
     episodes: List[Episode] = field(default_factory=list)
     """One :class:`~nemo_rlhf.rollout.episodes.Episode` per row, in row order."""
 
+    episode_texts: List[str] = field(default_factory=list)
+    """Each row's whole episode after the prompt (policy turns and observations) decoded,
+    EOS dropped; filled by :meth:`EpisodeRolloutSource.generate_episodes` (the held-out
+    evaluation's samples), empty for a training rollout."""
+
     def final_texts(self, decode, eos_id: int) -> list[str]:
         """Each row's final answer: its last policy turn decoded, EOS dropped."""
         out = []
@@ -113,8 +118,9 @@ class EpisodeRolloutSource:
         tokenizer: ``encode``, ``decode``, ``eos_id``, ``pad_id`` (and what
             :func:`~nemo_rlhf.data.datasets.encode_prompt` reads).
         prompts: the training prompt rows (``.prompt``, ``.extras``), by index.
-        engine: the engine ``build_rollout_source`` built: the held-out evaluation decodes
-            with it, and with ``rollout.engine=vllm`` the episodes run on it.
+        engine: the engine ``build_rollout_source`` built: :meth:`generate` decodes with it,
+            and with ``rollout.engine=vllm`` the episodes (the training rollout's and the
+            held-out evaluation's, :meth:`generate_episodes`) run on it.
         collectives: :class:`~nemo_rlhf.trainers.collectives.JobCollectives` (the metrics'
             DP sum).
 
@@ -148,22 +154,27 @@ class EpisodeRolloutSource:
     def rollout(self, step: int, prompt_indices: list[int]) -> EpisodeRolloutBatch:
         """Run one episode per index (a fresh environment each) and lay them out; the
         episode metrics are summed over DP here (every rank calls it)."""
-        envs = [self.factory(self.cfg.env) for _ in prompt_indices]
-        problems = [self.problem(i) for i in prompt_indices]
+        batch = self._run([self.problem(i) for i in prompt_indices], self.cfg.rollout, step - 1)
+        sums = torch.tensor(episode_metric_sums(batch.episodes), dtype=torch.float64, device=self.dims.device)
+        self._metrics = episode_metrics_from_sums(self.collectives.dp_sum(sums).tolist())
+        return batch
+
+    def _run(self, problems: list[dict], cfg, call_index: int) -> EpisodeRolloutBatch:
+        """One episode per problem (a fresh environment each) with the decoding settings
+        ``cfg`` (a ``RolloutConfig``), laid out as an :class:`EpisodeRolloutBatch`."""
+        envs = [self.factory(self.cfg.env) for _ in problems]
         io = dict(encode_prompt=self.encode_prompt, encode_observation=self.encode_observation,
-                  decode_fn=self.tok.decode, call_index=step - 1)
+                  decode_fn=self.tok.decode, call_index=call_index)
         if self.cfg.rollout.engine == "vllm":  # the engine is refit when the weights version moved
-            episodes = run_episodes_vllm(self.engine, self.actor.model, envs, problems, self.cfg.rollout,
+            episodes = run_episodes_vllm(self.engine, self.actor.model, envs, problems, cfg,
                                          self.limits, weights_version=self.actor.weights_version, **io)
         else:
             episodes = run_episodes(
-                self.actor.model, self.dims, envs, problems, self.cfg.rollout, self.limits,
+                self.actor.model, self.dims, envs, problems, cfg, self.limits,
                 eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id, vocab_size=self.cfg.model.vocab_size,
                 max_sequence_length=self.cfg.model.max_position_embeddings, **io)
         padded = to_padded_batch([ep.trajectory for ep in episodes], self.tok.pad_id, device=self.dims.device)
         P = padded.prompt_length
-        sums = torch.tensor(episode_metric_sums(episodes), dtype=torch.float64, device=self.dims.device)
-        self._metrics = episode_metrics_from_sums(self.collectives.dp_sum(sums).tolist())
         return EpisodeRolloutBatch(
             input_ids=padded.input_ids, attention_mask=padded.attention_mask, prompt_length=P,
             response_ids=padded.input_ids[:, P:].clone(), response_mask=padded.response_mask,
@@ -174,9 +185,23 @@ class EpisodeRolloutSource:
         pass
 
     def generate(self, prompts, cfg, *, call_index: int) -> RolloutBatch:
-        """Single-turn decoding (the held-out evaluation), with the actor's weights."""
+        """Single-turn decoding of token-id prompts, with the actor's weights (no
+        environment; the held-out evaluation runs episodes: :meth:`generate_episodes`)."""
         return self.engine.generate(self.actor.model, prompts, cfg, call_index=call_index,
                                     weights_version=self.actor.weights_version)
+
+    def generate_episodes(self, problems: list[dict], cfg, *, call_index: int) -> EpisodeRolloutBatch:
+        """Episodes outside the training rollout (the held-out evaluation's, ``cfg`` greedy):
+        one per problem (``{"prompt": raw prompt text, **extras}``), a fresh environment
+        each, on the same path as :meth:`rollout` but with the decoding settings ``cfg``;
+        :attr:`EpisodeRolloutBatch.episode_texts` filled. The step's episode metrics are
+        left as they are (the evaluation reports its own) and nothing is reduced over DP
+        here; every rank calls it with its rows (decoding may hold collectives)."""
+        batch = self._run(list(problems), cfg, call_index)
+        eos = self.tok.eos_id
+        batch.episode_texts = [self.tok.decode([t for t in ep.trajectory.token_ids[ep.trajectory.prompt_length:]
+                                                if t != eos]) for ep in batch.episodes]
+        return batch
 
     def metrics(self) -> dict[str, float]:
         """The last rollout's :data:`EPISODE_METRICS` and the engine's."""

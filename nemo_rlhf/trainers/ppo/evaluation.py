@@ -14,6 +14,7 @@ the steps after that optimise what the RM sees instead of what the checker score
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -27,9 +28,16 @@ from nemo_rlhf.data.sample_rows import sample_row
 from nemo_rlhf.distributed.split import chunk_slices
 from nemo_rlhf.reward.client import RewardModelClient
 from nemo_rlhf.reward.functions import get_reward_function
+from nemo_rlhf.trainers.ppo.episode_source import (episode_extras, episode_metric_sums,
+                                                   episode_metrics_from_sums, is_episode_batch)
 from nemo_rlhf.trainers.ppo.step_metrics import response_repetition
 
 log = logging.getLogger("nemo_rlhf.ppo")
+
+EVAL_EPISODE_METRICS = ("episode/turns_mean", "episode/tool_calls_mean", "episode/malformed_call_rate",
+                        "episode/truncated_rate")
+"""The episode metrics a multi-turn held-out evaluation reports (as ``eval/<name>``; the
+training step's of the same name, :data:`~nemo_rlhf.trainers.ppo.episode_source.EPISODE_METRICS`)."""
 
 
 class HeldOutEvaluation:
@@ -93,7 +101,7 @@ class HeldOutEvaluation:
         return self._checkers
 
 
-def evaluate_policy(state: HeldOutEvaluation, prompts: Sequence, generate: Callable[[list[list[int]]], Any],
+def evaluate_policy(state: HeldOutEvaluation, prompts: Sequence, generate: Callable[[list], Any],
                     response_texts: Callable[[Any], list[str]], reward, dims, step: int, is_scorer: bool,
                     raise_if_failed: Callable[[Optional[BaseException]], None]) -> dict:
     """Greedy decoding on the held-out set (the first ``state.max_samples`` of ``prompts``,
@@ -104,13 +112,24 @@ def evaluate_policy(state: HeldOutEvaluation, prompts: Sequence, generate: Calla
     one JSON line per held-out prompt in file order, to
     ``<exp_dir>/eval_samples/step_<step>.jsonl`` (:func:`write_eval_samples`).
 
+    Multi-turn (``generate`` returns an
+    :class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutBatch`: ``env.name`` set):
+    the checkers, judge and reward score each episode's final answer (``response_texts``:
+    its last policy turn), the reward functions see the episode's reward in ``extras``
+    (:func:`~nemo_rlhf.trainers.ppo.episode_source.episode_extras`, as in training),
+    ``eval/response_length`` counts policy tokens, the metrics gain
+    ``eval/episode/{turns_mean,tool_calls_mean,malformed_call_rate,truncated_rate}``
+    (:data:`EVAL_EPISODE_METRICS`, means over the held-out episodes) and each samples row
+    carries ``episode`` (the whole episode after the prompt) and ``turns``.
+
     Args:
         state: the evaluation's settings and state (``initial`` is set by the first call
             and updated when ``rescore_initial``).
         prompts: the held-out rows (``prompt_ids``, ``prompt``, ``extras``), the same on
             every rank; empty: nothing is evaluated (``{}``).
-        generate: ``prompt_ids -> RolloutBatch`` with greedy decoding (every rank calls it
-            with its rows: it may hold collectives).
+        generate: held-out rows (``prompt_ids``, ``prompt``, ``extras``) -> ``RolloutBatch``
+            with greedy decoding, or an ``EpisodeRolloutBatch`` of greedy episodes (every
+            rank calls it with its rows: it may hold collectives).
         response_texts: a batch's responses as text, one per row.
         reward: the :class:`~nemo_rlhf.reward.functions.CombinedReward` (``score``), called
             on the scoring ranks only.
@@ -134,13 +153,16 @@ def evaluate_policy(state: HeldOutEvaluation, prompts: Sequence, generate: Calla
     # fewer held-out prompts than DP ranks: a rank without one decodes a copy of the first
     # (its decoding collectives, under expert parallelism or a rollout engine's, match the
     # other ranks') and leaves it out of the metrics
-    batch = generate([prompts[i].prompt_ids for i in mine or [0]])
+    batch = generate([prompts[i] for i in mine or [0]])
     texts = response_texts(batch)
     reps = response_repetition(batch)
+    episodes = is_episode_batch(batch)
     result, failure = None, None
     if is_scorer and mine:
         try:
             rows = [prompts[i] for i in mine]
+            if episodes:  # the reward functions see the episode's reward (the `env` one), as in training
+                rows = [_with_extras(r, episode_extras(ep)) for r, ep in zip(rows, batch.episodes)]
             out = reward.score([r.prompt for r in rows], texts, [r.extras for r in rows],
                                update_stats=False, normalize=False)
             checker, extra_checkers = state.checkers()
@@ -169,7 +191,11 @@ def evaluate_policy(state: HeldOutEvaluation, prompts: Sequence, generate: Calla
                       "initial_scores": initial_scores, "initial_valid": initial_valid, "judge": judged,
                       "correct": list(correct), "extra": extra,
                       "per_source": {k: v.tolist() for k, v in out.per_source.items()},
-                      "lengths": batch.response_lengths.tolist(), "rep": reps}
+                      "lengths": ([ep.trajectory.policy_tokens for ep in batch.episodes] if episodes
+                                  else batch.response_lengths.tolist()), "rep": reps}
+            if episodes:
+                result["episode"] = {"sums": episode_metric_sums(batch.episodes), "texts": batch.episode_texts,
+                                     "turns": [ep.trajectory.turns for ep in batch.episodes]}
         except Exception as exc:  # noqa: BLE001 - every rank raises it below
             failure = exc
     raise_if_failed(failure)
@@ -187,6 +213,9 @@ def evaluate_policy(state: HeldOutEvaluation, prompts: Sequence, generate: Calla
                          "len": r["lengths"][j], "rep": r["rep"][j]}
             if r.get("judge") is not None:
                 merged[i]["judge"] = r["judge"][j]
+            if r.get("episode") is not None:
+                merged[i]["episode"] = r["episode"]["texts"][j]
+                merged[i]["turns"] = r["episode"]["turns"][j]
     items = [merged[i] for i in sorted(merged)]
     if dims.rank == 0:
         write_eval_samples(state.exp_dir, step, [prompts[i] for i in sorted(merged)], items)
@@ -213,6 +242,10 @@ def evaluate_policy(state: HeldOutEvaluation, prompts: Sequence, generate: Calla
         metrics["eval/invalid_scores"] = float(len(items) - len(scored))
     for name in items[0]["src"]:
         metrics[f"eval/{name}"] = _mean([x["src"][name] for x in scored])
+    if rows[0].get("episode") is not None:  # one row per DP rank: its episodes' sums
+        sums = [sum(col) for col in zip(*(r["episode"]["sums"] for r in rows))]
+        per_episode = episode_metrics_from_sums(sums)
+        metrics.update({f"eval/{k}": per_episode[k] for k in EVAL_EPISODE_METRICS})
     if "judge" in items[0]:
         metrics["eval/judge_score"] = sum(x["judge"] for x in items) / len(items)
     if state.initial is None:
@@ -222,6 +255,13 @@ def evaluate_policy(state: HeldOutEvaluation, prompts: Sequence, generate: Calla
         if "judge" in items[0] and "judge" in state.initial[0]:
             metrics["eval/judge_win_rate_vs_initial"] = win_rate(items, state.initial, "judge")
     return metrics
+
+
+def _with_extras(row, extra: dict):
+    """A copy of the held-out ``row`` whose ``extras`` also hold ``extra``."""
+    out = copy.copy(row)
+    out.extras = {**row.extras, **extra}
+    return out
 
 
 def _mean(values: list[float]) -> float:
@@ -284,7 +324,9 @@ def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict
     uses too (:mod:`nemo_rlhf.data.sample_rows`): ``prompt``, ``response``, ``correct``
     (``trainer.eval_checker``'s score, 0 when none is set), ``length`` (response tokens),
     the row's own fields (``extras``); then ``score`` (the raw reward), ``repetition``, the
-    extra checkers' and the reward sources' (``sources``) scores, ``judge``. Written to a temporary file and renamed, so a
+    extra checkers' and the reward sources' (``sources``) scores, ``judge``; of a multi-turn
+    evaluation, ``episode`` (the whole episode after the prompt: policy turns and
+    observations) and ``turns`` (``response`` is its final answer). Written to a temporary file and renamed, so a
     reader never sees half a file; a re-run of the same step (after a resume) replaces it.
 
     Args:
@@ -305,9 +347,12 @@ def write_eval_samples(exp_dir: Path, step: int, prompts: list, items: list[dict
                 row.prompt, x["text"], x["correct"], x["len"], row.extras, score=float(x["score"]),
                 repetition=float(x["rep"]), **{k: float(v) for k, v in x["extra"].items()},
                 sources={k: float(v) for k, v in x["src"].items()},
-                **({"judge": float(x["judge"])} if "judge" in x else {})), default=str) + "\n")
+                **({"judge": float(x["judge"])} if "judge" in x else {}),
+                **({"episode": x["episode"], "turns": int(x["turns"])} if "episode" in x else {})),
+                default=str) + "\n")
     os.replace(tmp, out)
     return out
 
 
-__all__ = ["HeldOutEvaluation", "evaluate_policy", "reward_auc", "win_rate", "write_eval_samples"]
+__all__ = ["EVAL_EPISODE_METRICS", "HeldOutEvaluation", "evaluate_policy", "reward_auc", "win_rate",
+           "write_eval_samples"]

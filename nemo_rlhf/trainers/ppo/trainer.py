@@ -159,6 +159,18 @@ class PPOTrainer:
         cfg = replace(self.cfg.rollout, greedy=True) if greedy else self.cfg.rollout
         return self.rollout_source.generate(prompt_ids, cfg, call_index=self.step)
 
+    def generate_eval(self, rows: list):
+        """The held-out evaluation's greedy decoding of ``rows`` (``prompt_ids``, ``prompt``,
+        ``extras``): single-turn, :meth:`generate` of the ``prompt_ids``; with ``env.name``,
+        greedy episodes with the environment (fresh ones; problems ``{"prompt": prompt,
+        **extras}``), an :class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutBatch`
+        (:meth:`EpisodeRolloutSource.generate_episodes`)."""
+        if self.cfg.env.name is not None:  # the source is an EpisodeRolloutSource (build_rollout_source)
+            return self.rollout_source.generate_episodes(
+                [{"prompt": r.prompt, **r.extras} for r in rows], replace(self.cfg.rollout, greedy=True),
+                call_index=self.step)
+        return self.generate([r.prompt_ids for r in rows], greedy=True)
+
     def response_texts(self, batch) -> list[str]:
         """The responses' text (EOS and padding dropped), one per row; of a multi-turn
         batch, each episode's final answer (its last policy turn)."""
@@ -348,7 +360,7 @@ class PPOTrainer:
     @in_phase("eval", step_offset=0)
     def evaluate(self) -> dict:
         """The held-out evaluation (:func:`~nemo_rlhf.trainers.ppo.evaluation.evaluate_policy`)."""
-        return evaluate_policy(self.evaluation, self.eval_prompts, lambda ids: self.generate(ids, greedy=True),
+        return evaluate_policy(self.evaluation, self.eval_prompts, self.generate_eval,
                                self.response_texts, self.reward, self.dims, self.step, self.is_mp_src,
                                self.raise_if_scoring_failed)
 

@@ -74,7 +74,7 @@ def _fake_source(monkeypatch, episodes, other_rank_sums=None):
     calls = []
 
     def fake_run_episodes(model, dims, envs, problems, cfg, limits, **kw):
-        calls.append({"problems": problems, "envs": envs, "limits": limits, **kw})
+        calls.append({"problems": problems, "envs": envs, "limits": limits, "greedy": cfg.greedy, **kw})
         return episodes
 
     monkeypatch.setattr(episode_source, "run_episodes", fake_run_episodes)
@@ -131,6 +131,65 @@ def test_the_evaluation_decodes_single_turn_with_the_engine(monkeypatch):
                                  "weights_version": 3}]
     src.close()
     assert src.engine.closed
+
+
+def test_the_evaluation_episodes_are_greedy_fresh_and_leave_the_step_metrics(monkeypatch):
+    src, calls = _fake_source(monkeypatch, _episodes())
+    src.rollout(4, [0, 1])
+    step_metrics = src.metrics()
+    batch = src.generate_episodes([{"prompt": "56", "answer": "11"}], RolloutConfig(greedy=True), call_index=7)
+    assert calls[1]["problems"] == [{"prompt": "56", "answer": "11"}] and calls[1]["greedy"]
+    assert calls[1]["call_index"] == 7 and not calls[0]["greedy"]
+    assert not set(map(id, calls[1]["envs"])) & set(map(id, calls[0]["envs"]))  # fresh environments
+    assert isinstance(batch, EpisodeRolloutBatch) and src.engine.calls == []  # no single-turn decoding
+    # the whole episode after the prompt (policy turns and the observation), EOS dropped
+    assert batch.episode_texts == ["7 8 9 9 9 4", "3 3"]
+    assert src.metrics() == step_metrics
+
+
+def _final_is_4(prompts, responses, extras):
+    return [float(r == "4") for r in responses]
+
+
+def test_a_multi_turn_evaluation_scores_the_final_answer_and_reports_the_episodes(monkeypatch, tmp_path):
+    import json
+
+    from nemo_rlhf.reward.functions import CombinedReward, RewardFunctionScorer, WeightedSource
+    from nemo_rlhf.trainers.ppo import evaluation
+    from nemo_rlhf.trainers.ppo.config import PPOTrainerConfig
+    from nemo_rlhf.reward.config import RewardConfig
+    from tests.single_rank import single_rank
+
+    src, _ = _fake_source(monkeypatch, _episodes())
+    seen = {}
+
+    def generate(rows):
+        seen["rows"] = rows
+        return src.generate_episodes([{"prompt": r.prompt, **r.extras} for r in rows], RolloutConfig(greedy=True),
+                                     call_index=0)
+
+    def reward_fn(prompts, responses, extras):
+        seen["scored"] = (list(responses), [dict(e) for e in extras])
+        return [e["env_reward"] for e in extras]
+
+    reward = CombinedReward([WeightedSource("f", RewardFunctionScorer(reward_fn))])
+    cfg = SimpleNamespace(trainer=PPOTrainerConfig(max_eval_samples=2, eval_checker=f"{__name__}:_final_is_4"),
+                          reward=RewardConfig(), exp_manager=SimpleNamespace(exp_dir=str(tmp_path)))
+    state = evaluation.HeldOutEvaluation(cfg, has_prompts=True)
+    decode = src.tok.decode
+    with single_rank() as dims:
+        m = evaluation.evaluate_policy(state, src.prompts, generate, lambda b: b.final_texts(decode, EOS), reward,
+                                       dims, 3, True, lambda failure: None)
+    # the final answers (last policy turns) are scored, with the episode reward in extras
+    assert seen["scored"][0] == ["4", "3 3"]
+    assert [e["env_reward"] for e in seen["scored"][1]] == [1.5, 0.0] and seen["scored"][1][0]["answer"] == "11"
+    assert m["eval/accuracy"] == 0.5 and m["eval/reward"] == 0.75
+    assert m["eval/episode/turns_mean"] == 1.5 and m["eval/episode/tool_calls_mean"] == 1.0
+    assert m["eval/episode/malformed_call_rate"] == 0.5 and m["eval/episode/truncated_rate"] == 0.5
+    assert m["eval/response_length"] == 3.0  # policy tokens: (4 + 2) / 2
+    lines = [json.loads(x) for x in (tmp_path / "eval_samples" / "step_000003.jsonl").read_text().splitlines()]
+    assert [(x["response"], x["episode"], x["turns"]) for x in lines] == [("4", "7 8 9 9 9 4", 2), ("3 3", "3 3", 1)]
+    assert lines[0]["extras"] == {"answer": "11"}  # the prompt row's own fields
 
 
 def test_build_picks_the_episode_source_when_env_name_is_set(monkeypatch):

@@ -73,7 +73,7 @@ def _evaluate(state, n, batch, texts, reward, dims, step=0):
             raise failure
 
     decoded = []
-    out = evaluation.evaluate_policy(state, prompts, lambda ids: decoded.append(ids) or batch,
+    out = evaluation.evaluate_policy(state, prompts, lambda rows: decoded.append([r.prompt_ids for r in rows]) or batch,
                                      lambda b: list(texts), reward, dims, step, True, raise_if_failed)
     assert decoded == [[[i + 1] for i in range(min(n, state.max_samples))]] and failures == [None]
     return out
