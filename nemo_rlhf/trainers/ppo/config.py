@@ -519,7 +519,9 @@ class PPOConfig:
 
     def _check_env(self) -> None:
         """``env.name``: what multi-turn rollouts support so far; the ``env`` reward
-        function needs an environment."""
+        function needs an environment; ``env.turn_rewards=per_turn`` needs one too, a
+        per-token estimator (not ``EstimatorTraits.outcome_only``) and no ``env`` reward
+        function (it would count the environment's reward twice)."""
         names = [f.name for f in self.reward.functions]
         checkers = [("trainer.eval_checker", self.trainer.eval_checker)] + [
             (f"trainer.eval_extra_checkers[{i}]", c) for i, c in enumerate(self.trainer.eval_extra_checkers)]
