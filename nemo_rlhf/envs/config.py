@@ -26,7 +26,10 @@ from nemo_rlhf.config import check_choice
 from nemo_rlhf.envs.base import EnvLimits, Environment
 from nemo_rlhf.envs.parsing import TOOL_CALL_FORMATS
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "EnvConfig", "EnvFactory", "get_env_factory"]
+__all__ = ["BUILTIN_ENVIRONMENTS", "EnvConfig", "EnvFactory", "TURN_REWARD_MODES", "get_env_factory"]
+
+TURN_REWARD_MODES = ("sum", "per_turn")
+"""Valid ``env.turn_rewards``: where the environment's per-turn rewards go (:class:`EnvConfig`)."""
 
 EnvFactory = Callable[["EnvConfig"], Environment]
 
@@ -65,10 +68,20 @@ class EnvConfig:
     next assistant header, e.g. for ChatML
     ``"<|im_end|>\\n<|im_start|>tool\\n{observation}<|im_end|>\\n<|im_start|>assistant\\n"``;
     the default (the bare text) fits a plain-text model such as the tiny demo's."""
+    turn_rewards: str = "sum"
+    """Where the environment's per-turn rewards go (:data:`TURN_REWARD_MODES`). ``sum``: their
+    sum is the row's ``extras["env_reward"]``, which the ``env`` reward function returns as one
+    weighted, normalised source of the sequence score (on the row's last policy token).
+    ``per_turn``: each turn's reward, raw (no weight, no normalisation), is added to the token
+    reward at the last policy token of that turn; the score of the reward sources stays on the
+    last policy token. ``per_turn`` needs ``env.name``, a per-token advantage estimator
+    (``gae``, ``reinforce_plus_plus``) and no ``env`` reward function (it would count the
+    environment's reward twice)."""
 
     def __post_init__(self) -> None:
         self.limits()  # validates the three limits, naming env.<key>
         check_choice("env.tool_call_format", self.tool_call_format, TOOL_CALL_FORMATS)
+        check_choice("env.turn_rewards", self.turn_rewards, TURN_REWARD_MODES)
         if "{observation}" not in str(self.observation_template):
             raise ValueError(f"env.observation_template={self.observation_template!r}: must contain "
                              f"'{{observation}}' (where the environment's text goes)")

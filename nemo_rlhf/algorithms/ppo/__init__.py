@@ -79,7 +79,8 @@ from nemo_rlhf.algorithms.ppo.losses import (
     value_loss,
 )
 from nemo_rlhf.algorithms.ppo.objective import PPOObjective, critic_loss, ppo_loss
-from nemo_rlhf.algorithms.ppo.token_rewards import compute_token_rewards, drop_empty_responses
+from nemo_rlhf.algorithms.ppo.token_rewards import (compute_token_rewards, drop_empty_responses,
+                                                   turn_reward_tensor)
 from nemo_rlhf.algorithms.ppo.rollout_correction import (
     rollout_correction_row_counts,
     rollout_correction_weights,
@@ -144,6 +145,7 @@ __all__ = [
     "reinforce_plus_plus_advantages",
     "rloo_advantages",
     "stat_reduce_op",
+    "turn_reward_tensor",
     "value_error_by_position_from_sums",
     "value_error_by_position_sums",
     "value_loss",

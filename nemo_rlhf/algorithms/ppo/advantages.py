@@ -426,6 +426,10 @@ class EstimatorTraits:
     needs_groups: bool = False
     """Compares the samples of one prompt (``group_ids``): needs
     ``rollout.n_samples_per_prompt >= 2`` (with one sample every advantage would be 0)."""
+    outcome_only: bool = False
+    """Reads each row's token rewards only through their sum (its outcome, ``grpo``,
+    ``rloo``): where in the row a reward sits changes nothing, so a trainer refuses per-turn
+    reward placement (``env.turn_rewards=per_turn``) with it."""
     batch_whitening: bool = False
     """``ppo.normalize_advantages`` whitens its advantages over the batch (``gae``; ``grpo``
     and ``reinforce_plus_plus`` normalise by their own rule, ``rloo`` keeps its baseline's
@@ -435,8 +439,8 @@ class EstimatorTraits:
 #: name -> :class:`EstimatorTraits`, the same names as :data:`ADVANTAGE_ESTIMATORS`.
 ESTIMATOR_TRAITS: Dict[str, EstimatorTraits] = {
     "gae": EstimatorTraits(needs_values=True, batch_whitening=True),
-    "grpo": EstimatorTraits(needs_groups=True),
-    "rloo": EstimatorTraits(needs_groups=True),
+    "grpo": EstimatorTraits(needs_groups=True, outcome_only=True),
+    "rloo": EstimatorTraits(needs_groups=True, outcome_only=True),
     "reinforce_plus_plus": EstimatorTraits(),
 }
 

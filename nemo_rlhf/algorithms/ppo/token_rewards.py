@@ -23,6 +23,11 @@ or stop token drawn first gives the one-token response ``[EOS]``, whose score si
 that token), and the PPO config requires ``rollout.max_new_tokens >= 1``. Callers with
 other data can filter rows with ``drop_empty_responses`` first.
 
+Per-turn rewards (#51, ``env.turn_rewards=per_turn``): ``turn_reward_tensor`` lays out
+rewards given at chosen positions (an environment's reward of each turn at the last
+policy token of that turn) as a ``[batch, response_len]`` tensor the caller adds to the
+token rewards; the sequence score stays on the row's last valid token.
+
 Simplified / left out: no reward clipping/normalisation of the score (done by the
 reward module if wanted), no per-sequence KL reward (all KL is per token).
 """
@@ -30,7 +35,7 @@ reward module if wanted), no per-sequence KL reward (all KL is per token).
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -44,7 +49,7 @@ from nemo_rlhf.algorithms.ppo.core import (
 )
 from nemo_rlhf.algorithms.ppo.kl import kl_penalty
 
-__all__ = ["compute_token_rewards", "drop_empty_responses"]
+__all__ = ["compute_token_rewards", "drop_empty_responses", "turn_reward_tensor"]
 
 
 def drop_empty_responses(response_mask: torch.Tensor) -> torch.Tensor:
@@ -149,3 +154,56 @@ def compute_token_rewards(
     last = last_valid_index(mask)
     rewards = rewards.scatter_add(1, last.unsqueeze(1), score.unsqueeze(1))
     return rewards, kl
+
+
+def turn_reward_tensor(placements: Sequence[Sequence[Tuple[int, float]]],
+                       response_mask: torch.Tensor) -> torch.Tensor:
+    """Rewards given at chosen response positions, as a ``[batch, response_len]`` tensor.
+
+    Row ``b`` gets ``reward`` at column ``position`` for each ``(position, reward)`` of
+    ``placements[b]`` (rewards at the same position add up); every other slot is 0. The
+    multi-turn PPO trainer passes each turn's environment reward at the last policy token
+    of that turn (``env.turn_rewards=per_turn``) and adds the result to
+    ``compute_token_rewards``' rewards, so ``r_t = -beta * KL_t + [t = end of turn k] *
+    reward_k + [t = last valid] * score``.
+
+    Args:
+        placements: one list per row of ``(position, reward)``: ``position`` a response
+            column (``0 <= position < response_len``) where ``response_mask`` is True,
+            ``reward`` a finite float.
+        response_mask: ``[batch, response_len]`` bool or 0/1 (holes allowed).
+
+    Returns:
+        ``[batch, response_len]`` fp32 on ``response_mask``'s device, 0 off the positions.
+
+    Raises:
+        ValueError: ``len(placements) != batch``; a position out of range or on a masked
+            slot (naming the row and position); a non-finite reward. The mask check reads
+            the mask at the positions on the host (one sync per call).
+    """
+    _check_2d(response_mask)
+    mask = _bool_mask(response_mask)
+    batch, length = mask.shape
+    if len(placements) != batch:
+        raise ValueError(f"placements has {len(placements)} rows, response_mask has {batch}")
+    rows, cols, vals = [], [], []
+    for b, row in enumerate(placements):
+        for position, reward in row:
+            position, reward = int(position), float(reward)
+            if not 0 <= position < length:
+                raise ValueError(f"row {b}: position {position} is outside the response (length {length})")
+            if not math.isfinite(reward):
+                raise ValueError(f"row {b}: reward {reward} at position {position} is not finite")
+            rows.append(b)
+            cols.append(position)
+            vals.append(reward)
+    out = torch.zeros(batch, length, dtype=torch.float32, device=mask.device)
+    if not rows:
+        return out
+    r = torch.tensor(rows, dtype=torch.long, device=mask.device)
+    c = torch.tensor(cols, dtype=torch.long, device=mask.device)
+    on_mask = mask[r, c]
+    if not bool(on_mask.all()):
+        bad = [(rows[i], cols[i]) for i in torch.nonzero(~on_mask).flatten().tolist()]
+        raise ValueError(f"(row, position) {bad}: a reward must sit on a valid (mask True) token")
+    return out.index_put((r, c), torch.tensor(vals, dtype=torch.float32, device=mask.device), accumulate=True)

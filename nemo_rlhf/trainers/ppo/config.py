@@ -519,7 +519,9 @@ class PPOConfig:
 
     def _check_env(self) -> None:
         """``env.name``: what multi-turn rollouts support so far; the ``env`` reward
-        function needs an environment."""
+        function needs an environment; ``env.turn_rewards=per_turn`` needs one too, a
+        per-token estimator (not ``EstimatorTraits.outcome_only``) and no ``env`` reward
+        function (it would count the environment's reward twice)."""
         names = [f.name for f in self.reward.functions]
         checkers = [("trainer.eval_checker", self.trainer.eval_checker)] + [
             (f"trainer.eval_extra_checkers[{i}]", c) for i, c in enumerate(self.trainer.eval_extra_checkers)]
@@ -532,7 +534,23 @@ class PPOConfig:
                 raise ValueError("reward.functions names 'env' (the environment's episode reward) "
                                  "with env.name=null (single-turn rollouts, no environment): set "
                                  "env.name or remove the 'env' reward function")
+            if self.env.turn_rewards != "sum":
+                raise ValueError(f"env.turn_rewards={self.env.turn_rewards} with env.name=null "
+                                 f"(single-turn rollouts, no environment reward): set env.name or "
+                                 f"env.turn_rewards=sum")
             return
+        if self.env.turn_rewards == "per_turn":
+            est = self.ppo.advantage_estimator
+            if estimator_traits(est).outcome_only:
+                raise ValueError(f"env.turn_rewards=per_turn with ppo.advantage_estimator={est}, which reads "
+                                 f"only each row's summed reward (where a turn's reward sits changes "
+                                 f"nothing): use env.turn_rewards=sum, or a per-token estimator (gae, "
+                                 f"reinforce_plus_plus)")
+            if "env" in names:
+                raise ValueError("env.turn_rewards=per_turn with reward.functions naming 'env': the "
+                                 "environment's rewards already sit at the end of their turns, the 'env' "
+                                 "function would count them again: remove it from reward.functions (or "
+                                 "use env.turn_rewards=sum)")
         unsupported = [(key, value, ok) for key, value, ok in (  # rollout.engine: megatron or vllm
             ("rollout.mode", self.rollout.mode, "sync"),
             ("ppo.old_logprobs_from_rollout", self.ppo.old_logprobs_from_rollout, False),

@@ -67,6 +67,19 @@ class EpisodeRolloutBatch(RolloutBatch):
             out.append(decode([t for t in tr.token_ids[last.start:last.end] if t != eos_id]))
         return out
 
+    def turn_reward_placements(self) -> list[list[tuple[int, float]]]:
+        """Per row, ``(response column, reward)`` of each turn the environment rewarded: the
+        ``k``-th reward of ``Episode.turn_rewards`` at the last token of the ``k``-th policy
+        segment (column = trajectory index - prompt length, :func:`to_padded_batch`'s layout);
+        turns rewarded None are left out (the input of
+        :func:`~nemo_rlhf.algorithms.ppo.token_rewards.turn_reward_tensor`)."""
+        out = []
+        for ep in self.episodes:
+            tr = ep.trajectory
+            ends = [s.end - 1 - tr.prompt_length for s in tr.segments if s.kind == POLICY]
+            out.append([(end, float(r)) for end, r in zip(ends, ep.turn_rewards) if r is not None])
+        return out
+
 
 def episode_extras(episode: Episode) -> dict:
     """What a multi-turn row adds to its prompt row's ``extras`` for the reward functions:

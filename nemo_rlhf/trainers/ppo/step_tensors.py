@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from nemo_rlhf.algorithms import ppo as P
+from nemo_rlhf.trainers.ppo.episode_source import is_episode_batch
 from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
 
 
@@ -17,7 +18,11 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
     """Token rewards, advantages and returns of the rollout, and its metrics over DP.
 
     Token rewards are ``-beta * KL_t`` (``beta``: ``kl_coef``, the KL controller's value;
-    0 without ``kl.in_reward``) plus the score at the last response token; the advantage estimator
+    0 without ``kl.in_reward``) plus the score at the last response token, and with
+    ``env.turn_rewards=per_turn`` on an episode batch each turn's environment reward at the
+    last policy token of that turn
+    (:meth:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutBatch.turn_reward_placements`);
+    the advantage estimator
     is ``advantage_cfg``'s (``gae``: the returns with ``ppo.lam_critic``, the advantages
     with ``ppo.lam_policy`` or VAPO's per-row ``ppo.lam_policy_alpha`` lambda, each
     ``ppo.lam`` when null); ``gae`` advantages are whitened over every DP rank's valid
@@ -48,6 +53,8 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
         fwd.kl_logprobs, fwd.ref_logprobs, torch.where(keep, scores, 0.0), mask, beta,
         kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
         missing_eos_penalty=c.ppo.missing_eos_penalty)
+    if c.env.turn_rewards == "per_turn" and is_episode_batch(batch):  # each turn's reward at its end
+        rewards = rewards + P.turn_reward_tensor(batch.turn_reward_placements(), mask)
     full_mask, mask = mask, mask & keep[:, None]  # from here on: the rows that train
     group_ids = P.group_ids_from_samples(mask.shape[0], c.rollout.n_samples_per_prompt, device=mask.device)
     adv, ret = P.compute_advantages(  # group estimators: whole groups left out, see step_scores

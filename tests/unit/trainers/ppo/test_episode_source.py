@@ -21,6 +21,9 @@ from nemo_rlhf.trainers.ppo import episode_source, rollout_source
 from nemo_rlhf.trainers.ppo.episode_source import (EpisodeRolloutBatch, EpisodeRolloutSource, episode_extras,
                                                    episode_metric_sums, episode_metrics_from_sums)
 from nemo_rlhf.trainers.ppo.rollout_source import build_rollout_source
+from nemo_rlhf.trainers.ppo.step_data import ForwardResults
+from nemo_rlhf.trainers.ppo.step_tensors import step_advantages
+from tests.conf_helpers import typed_job
 from tests.unit.trainers.ppo.test_rollout_source import RecordingEngine
 
 EOS = 2
@@ -230,3 +233,58 @@ def test_the_calculator_environment_answers_a_hermes_call_then_scores_the_final_
     last = env.step(tr, "The answer is 408")
     assert last.done and last.reward == 1.0
     assert answer_reward({"answer": "408"}, "it is 407") == 0.0 and answer_reward({}, "408") is None
+
+
+def test_each_turns_reward_is_placed_at_the_last_token_of_its_policy_segment(monkeypatch):
+    # A: policy [7, 8] at columns 0-1 (reward 0.5), observation 2-4, policy [4, EOS] at 5-6
+    # (reward 1.0); B: one turn rewarded None, so nothing placed
+    src, _ = _fake_source(monkeypatch, _episodes())
+    batch = src.rollout(1, [0, 1])
+    assert batch.turn_reward_placements() == [[(1, 0.5), (6, 1.0)], []]
+    assert batch.pad_response_to(9, 0).turn_reward_placements() == [[(1, 0.5), (6, 1.0)], []]
+
+
+def _step_returns(monkeypatch, turn_rewards):
+    """The returns of ``step_advantages`` on the batch of :func:`_episodes`: no KL (beta 0, equal
+    log-probs), V = 0, gamma = lam = 1, so the return of a policy token is the sum of the token
+    rewards from it to the row's end (environment tokens skipped)."""
+    src, _ = _fake_source(monkeypatch, _episodes())
+    batch = src.rollout(1, [0, 1])
+    cfg = typed_job("ppo_tiny", ["env.name=tests.ppo_helpers:two_turn_env", f"env.turn_rewards={turn_rewards}",
+                                 "ppo.gamma=1.0", "ppo.lam=1.0"])
+    zeros = torch.zeros(2, 7)
+    fwd = ForwardResults(old_logprobs=zeros, ref_logprobs=zeros, kl_logprobs=zeros, values=zeros)
+    one_rank = SimpleNamespace(dp_sum_named=lambda sums: sums, whiten_reduce=lambda s, sq, n: (s, sq, n))
+    adv, _ = step_advantages(cfg, cfg.advantage_config(), 0.0, one_rank, batch, torch.tensor([2.0, 3.0]), fwd)
+    return adv.returns.tolist()
+
+
+def test_per_turn_rewards_reach_the_returns_at_the_end_of_their_turns(monkeypatch):
+    # per_turn: row A's token rewards are 0.5 at column 1 and 1.0 + score 2 at column 6, so
+    # returns 3.5 on turn 1 and 3.0 on turn 2; row B holds only its score 3 at column 1
+    assert _step_returns(monkeypatch, "per_turn") == [[3.5, 3.5, 0, 0, 0, 3.0, 3.0], [3.0, 3.0, 0, 0, 0, 0, 0]]
+    # sum (the default): the environment's rewards reach the score only through the `env`
+    # reward function (not named here), the score alone on the last policy token
+    assert _step_returns(monkeypatch, "sum") == [[2.0, 2.0, 0, 0, 0, 2.0, 2.0], [3.0, 3.0, 0, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["env.turn_rewards=last"], r"env.turn_rewards.*'last'.*sum.*per_turn"),
+    (["env.turn_rewards=per_turn"], "env.turn_rewards=per_turn with env.name=null"),
+    (["env.name=calculator", "env.turn_rewards=per_turn", "ppo.advantage_estimator=grpo",
+      "rollout.n_samples_per_prompt=2"], "env.turn_rewards=per_turn with ppo.advantage_estimator=grpo"),
+    (["env.name=calculator", "env.turn_rewards=per_turn", "ppo.advantage_estimator=rloo",
+      "rollout.n_samples_per_prompt=2"], "env.turn_rewards=per_turn with ppo.advantage_estimator=rloo"),
+    (["env.name=calculator", "env.turn_rewards=per_turn", "reward.functions=[{name: env}]"],
+     "env.turn_rewards=per_turn with reward.functions naming 'env'"),
+])
+def test_per_turn_placement_is_refused_where_it_means_nothing_naming_the_keys(overrides, needle):
+    with pytest.raises(ValueError, match=needle):
+        typed_job("ppo_tiny", overrides)
+
+
+def test_per_turn_placement_is_accepted_with_the_per_token_estimators():
+    for est in ("gae", "reinforce_plus_plus"):
+        cfg = typed_job("ppo_tiny", ["env.name=calculator", "env.turn_rewards=per_turn",
+                                     f"ppo.advantage_estimator={est}"])
+        assert cfg.env.turn_rewards == "per_turn"
