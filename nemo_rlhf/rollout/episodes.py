@@ -91,14 +91,15 @@ from nemo_rlhf.rollout.generate import (
     _check_prompts_agree,
     _share_choice,
     _StageRunner,
+    RolloutBatch,
     generate,
     left_pad,
     sampler_seed,
 )
 from nemo_rlhf.rollout.sampling import choose_tokens
-from nemo_rlhf.rollout.trajectory import Trajectory, check_prefix_extension
+from nemo_rlhf.rollout.trajectory import POLICY, Trajectory, check_prefix_extension
 
-__all__ = ["Episode", "run_episodes"]
+__all__ = ["Episode", "EpisodeRolloutBatch", "run_episodes"]
 
 EncodeFn = Callable[[str], List[int]]
 DecodeFn = Callable[[List[int]], str]
@@ -523,3 +524,42 @@ def _run_recompute(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: En
             if not r.done:
                 r.pending = []  # generate's next call reads the whole trajectory
                 _check_turn_input(r, i, r.traj.token_ids)
+
+
+@dataclass
+class EpisodeRolloutBatch(RolloutBatch):
+    """A ``RolloutBatch`` of episodes (tensor fields on ``dims.device``, laid out by
+    :func:`~nemo_rlhf.rollout.trajectory.to_padded_batch`: ``response_mask`` is the loss
+    mask with holes on environment tokens) with the episodes themselves (host objects).
+    Built by :class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutSource`; here, in
+    the rollout layer, so the async transport can rebuild it."""
+
+    episodes: List[Episode] = field(default_factory=list)
+    """One :class:`~nemo_rlhf.rollout.episodes.Episode` per row, in row order."""
+
+    episode_texts: List[str] = field(default_factory=list)
+    """Each row's whole episode after the prompt (policy turns and observations) decoded,
+    EOS dropped; filled by :meth:`EpisodeRolloutSource.generate_episodes` (the held-out
+    evaluation's samples), empty for a training rollout."""
+
+    def final_texts(self, decode, eos_id: int) -> list[str]:
+        """Each row's final answer: its last policy turn decoded, EOS dropped."""
+        out = []
+        for ep in self.episodes:
+            tr = ep.trajectory
+            last = [s for s in tr.segments if s.kind == POLICY][-1]
+            out.append(decode([t for t in tr.token_ids[last.start:last.end] if t != eos_id]))
+        return out
+
+    def turn_reward_placements(self) -> list[list[tuple[int, float]]]:
+        """Per row, ``(response column, reward)`` of each turn the environment rewarded: the
+        ``k``-th reward of ``Episode.turn_rewards`` at the last token of the ``k``-th policy
+        segment (column = trajectory index - prompt length, :func:`to_padded_batch`'s layout);
+        turns rewarded None are left out (the input of
+        :func:`~nemo_rlhf.algorithms.ppo.token_rewards.turn_reward_tensor`)."""
+        out = []
+        for ep in self.episodes:
+            tr = ep.trajectory
+            ends = [s.end - 1 - tr.prompt_length for s in tr.segments if s.kind == POLICY]
+            out.append([(end, float(r)) for end, r in zip(ends, ep.turn_rewards) if r is not None])
+        return out

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_rlhf.distributed.fault_spec import FAULT_ENV, spec_matches
-from nemo_rlhf.rollout.episodes import Episode
+from nemo_rlhf.rollout.episodes import Episode, EpisodeRolloutBatch
 from nemo_rlhf.rollout.generate import RolloutBatch
 from nemo_rlhf.rollout.trajectory import POLICY, Trajectory
 
@@ -160,7 +160,6 @@ def batch_from_host(fields_: dict, device: torch.device):
     kw = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in fields_.items()}
     if EPISODES_FIELD not in kw:
         return RolloutBatch(**kw)
-    from nemo_rlhf.trainers.ppo.episode_source import EpisodeRolloutBatch  # (the trainer's type; no cycle)
     kw[EPISODES_FIELD] = [episode_from_json(e) for e in kw[EPISODES_FIELD]]
     return EpisodeRolloutBatch(**kw)
 

@@ -22,7 +22,6 @@ the episode reward (``extras["env_reward"]``: the ``env`` reward function).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, List
 
 import torch
@@ -30,9 +29,9 @@ import torch
 from nemo_rlhf.data.datasets import encode_prompt
 from nemo_rlhf.envs.builtin import ENV_REWARD_KEY
 from nemo_rlhf.envs.config import get_env_factory
-from nemo_rlhf.rollout.episodes import Episode, run_episodes
+from nemo_rlhf.rollout.episodes import Episode, EpisodeRolloutBatch, run_episodes
 from nemo_rlhf.rollout.generate import RolloutBatch
-from nemo_rlhf.rollout.trajectory import POLICY, to_padded_batch
+from nemo_rlhf.rollout.trajectory import to_padded_batch
 from nemo_rlhf.rollout.vllm_episodes import run_episodes_vllm
 
 __all__ = ["EPISODE_METRICS", "EpisodeRolloutBatch", "EpisodeRolloutSource", "episode_extras",
@@ -43,42 +42,6 @@ EPISODE_METRICS = ("episode/turns_mean", "episode/tool_calls_mean", "episode/mal
                    "episode/env_reward_mean")
 """The per-step metrics of :class:`EpisodeRolloutSource` (means over every DP rank's
 episodes)."""
-
-
-@dataclass
-class EpisodeRolloutBatch(RolloutBatch):
-    """A ``RolloutBatch`` of episodes (tensor fields on ``dims.device``, layout in the module
-    docstring) with the episodes themselves (host objects)."""
-
-    episodes: List[Episode] = field(default_factory=list)
-    """One :class:`~nemo_rlhf.rollout.episodes.Episode` per row, in row order."""
-
-    episode_texts: List[str] = field(default_factory=list)
-    """Each row's whole episode after the prompt (policy turns and observations) decoded,
-    EOS dropped; filled by :meth:`EpisodeRolloutSource.generate_episodes` (the held-out
-    evaluation's samples), empty for a training rollout."""
-
-    def final_texts(self, decode, eos_id: int) -> list[str]:
-        """Each row's final answer: its last policy turn decoded, EOS dropped."""
-        out = []
-        for ep in self.episodes:
-            tr = ep.trajectory
-            last = [s for s in tr.segments if s.kind == POLICY][-1]
-            out.append(decode([t for t in tr.token_ids[last.start:last.end] if t != eos_id]))
-        return out
-
-    def turn_reward_placements(self) -> list[list[tuple[int, float]]]:
-        """Per row, ``(response column, reward)`` of each turn the environment rewarded: the
-        ``k``-th reward of ``Episode.turn_rewards`` at the last token of the ``k``-th policy
-        segment (column = trajectory index - prompt length, :func:`to_padded_batch`'s layout);
-        turns rewarded None are left out (the input of
-        :func:`~nemo_rlhf.algorithms.ppo.token_rewards.turn_reward_tensor`)."""
-        out = []
-        for ep in self.episodes:
-            tr = ep.trajectory
-            ends = [s.end - 1 - tr.prompt_length for s in tr.segments if s.kind == POLICY]
-            out.append([(end, float(r)) for end, r in zip(ends, ep.turn_rewards) if r is not None])
-        return out
 
 
 def episode_extras(episode: Episode) -> dict:
