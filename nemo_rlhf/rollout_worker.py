@@ -12,7 +12,9 @@ composes the same config (``--config-name`` as the trainer's), adopts the same
   their dtype (LoRA arrives merged, the value head is not sent);
 * ``rollout.engine`` (megatron's KV-cache decode, or a vLLM engine refit in memory from
   that copy) generates each item with the sampling seeds of the DP rank and step it is for,
-  exactly as a trainer rank would in ``rollout.mode=sync``.
+  exactly as a trainer rank would in ``rollout.mode=sync``; with ``env.name``, one episode
+  per row (a fresh environment each, the item's problems), as the synchronous
+  ``EpisodeRolloutSource`` runs them.
 
 The worker index comes from ``--worker-index``, else ``NEMO_RLHF_ROLLOUT_WORKER`` or, under
 ``srun``, ``SLURM_PROCID``. Exit codes: 0 when the controller stopped it, 1 on an error
@@ -38,12 +40,14 @@ from nemo_rlhf.config import configure_job_logging, to_typed
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed import ParallelConfig, destroy_distributed, initialize_distributed
 from nemo_rlhf.distributed.launch_env import LaunchEnv
+from nemo_rlhf.envs.config import get_env_factory
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import LoRAConfig
 from nemo_rlhf.models.full_tensors import fill_model, model_full_tensors
 from nemo_rlhf.rollout.engines import build_rollout_engine
 from nemo_rlhf.rollout.transport import RolloutItem, serve_rollout_worker
 from nemo_rlhf.trainers.ppo.config import PPOConfig
+from nemo_rlhf.trainers.ppo.episode_source import run_episode_batch
 
 log = logging.getLogger("nemo_rlhf.rollout_worker")
 
@@ -71,6 +75,7 @@ class RolloutWorker:
                                            seed=cfg.trainer.seed, launch_env=local)
         self.model = None
         self.engine = None
+        self.env_factory = get_env_factory(cfg.env) if cfg.env.enabled else None
 
     def _build(self, dtype: torch.dtype) -> None:
         if dtype not in PRECISION_OF_DTYPE:
@@ -106,9 +111,27 @@ class RolloutWorker:
 
     def generate(self, item: RolloutItem, version: int):
         """The item's responses, sampled as DP rank ``item.dp_rank`` of step ``item.step``
-        (``NEMO_RLHF_CRASH_AT=rollout_worker:<step>`` kills the worker there: a test)."""
+        (``NEMO_RLHF_CRASH_AT=rollout_worker:<step>`` kills the worker there: a test). With
+        ``env.name``: one episode per row of ``item.problems`` (a fresh environment each),
+        on the same path as the synchronous
+        :class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutSource`
+        (:func:`~nemo_rlhf.trainers.ppo.episode_source.run_episode_batch`), an
+        ``EpisodeRolloutBatch``.
+
+        Raises:
+            ValueError: ``env.name`` set and the item carries no problems.
+        """
         maybe_crash("rollout_worker", item.step)
-        self.engine.dims = replace(self.dims, dp_rank=item.dp_rank)  # its sampling seeds
+        dims = replace(self.dims, dp_rank=item.dp_rank)  # its sampling seeds
+        self.engine.dims = dims
+        if self.cfg.env.enabled:
+            if item.problems is None or len(item.problems) != len(item.prompts):
+                raise ValueError(f"env.name={self.cfg.env.name!r}: the rollout item of step {item.step} carries "
+                                 f"no problem per row (the trainer runs without env.name?)")
+            vllm = self.engine if self.cfg.rollout.engine == "vllm" else None
+            return run_episode_batch(self.cfg, dims, self.model, self.tok, item.problems, self.cfg.rollout,
+                                     call_index=item.step - 1, factory=self.env_factory, vllm_engine=vllm,
+                                     weights_version=version)
         return self.engine.generate(self.model, item.prompts, self.cfg.rollout, call_index=item.step - 1,
                                     weights_version=version)
 

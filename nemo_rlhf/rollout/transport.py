@@ -82,6 +82,10 @@ class RolloutItem:
     """The prompts' token ids (so a worker needs no dataset)."""
     version: int
     """The weights version that generates them (see the module docstring)."""
+    problems: Optional[list[dict]] = None
+    """With ``env.name`` (multi-turn episodes, #51): each row's problem, ``{"prompt": text,
+    **extras}`` (JSON-able), which the environment's ``reset`` reads; None for single-turn
+    items."""
 
 
 @dataclass
@@ -179,18 +183,21 @@ def batch_from_json(obj: dict) -> dict:
 
 
 def result_to_json(r: RolloutResult) -> dict:
-    """A generated item as a checkpoint keeps it (JSON-able; the prompts' token ids left
-    out: the resumed run has them by index)."""
+    """A generated item as a checkpoint keeps it (JSON-able; the prompts' token ids and
+    problems left out: the resumed run has them by index)."""
     return {"step": r.item.step, "dp_rank": r.item.dp_rank, "version": r.version,
             "prompt_indices": r.item.prompt_indices, "item_version": r.item.version,
             "generate_s": r.generate_s, "batch": batch_to_json(r.batch)}
 
 
-def result_from_json(obj: dict, encoded: list) -> RolloutResult:
+def result_from_json(obj: dict, encoded: list, problems: Optional[list] = None) -> RolloutResult:
     """The inverse of :func:`result_to_json` (``encoded``: the prompts' token ids by index;
+    ``problems``: the prompts' problems by index, for a multi-turn item, else None;
     ``worker`` -1: restored, not generated; ``generate_s`` 0 when the checkpoint predates it)."""
-    item = RolloutItem(step=obj["step"], dp_rank=obj["dp_rank"], prompt_indices=obj["prompt_indices"],
-                       prompts=[encoded[i] for i in obj["prompt_indices"]], version=obj["item_version"])
+    idx = obj["prompt_indices"]
+    item = RolloutItem(step=obj["step"], dp_rank=obj["dp_rank"], prompt_indices=idx,
+                       prompts=[encoded[i] for i in idx], version=obj["item_version"],
+                       problems=None if problems is None else [problems[i] for i in idx])
     return RolloutResult(item=item, version=obj["version"], batch=batch_from_json(obj["batch"]), worker=-1,
                          generate_s=obj.get("generate_s", 0.0))
 

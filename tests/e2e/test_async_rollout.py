@@ -1,7 +1,8 @@
 """``rollout.mode=async`` end to end, as real processes (the tiny model, CPU, fp32):
 
 * ``max_staleness=0``: one trainer rank and one rollout worker give the same metrics as the
-  synchronous run for the same seed (generation moved, nothing else), in bf16-mixed;
+  synchronous run for the same seed (generation moved, nothing else), in bf16-mixed; and
+  with multi-turn episodes (``env.name``, two turns each), in fp32;
 * ``max_staleness=1`` under ``launchers.local --nproc 2`` at TP=2: the launcher starts the
   worker the trainer's controller asks for; every step after the first trains on samples one
   version old; the weights reach the worker gathered over TP, bit-checked at every sync;
@@ -111,6 +112,33 @@ def test_on_policy_async_equals_sync_for_the_same_seed(data, tmp_path):
         tokens = raw_s[step]["generated_tokens_per_s"] * raw_s[step]["timing/rollout_s"]
         assert raw_a[step]["generated_tokens_per_s"] == pytest.approx(tokens / raw_a[step]["async/generate_s"],
                                                                       rel=1e-6), (step, tokens, raw_a[step])
+
+
+MULTI_TURN = ("env.name=tests.ppo_helpers:two_turn_env", "env.max_total_tokens=64",
+              "reward.functions=[{name: env}]", "trainer.max_steps=2")
+
+
+def test_on_policy_async_multi_turn_equals_sync_for_the_same_seed(data, tmp_path):
+    """``env.name`` with ``rollout.mode=async`` (#51): the worker runs the episodes (two
+    policy turns each, ``tests.ppo_helpers:two_turn_env``) with the DP rank's seeds, and at
+    ``max_staleness=0`` the trainer sees the synchronous run's episodes: every metric
+    (``episode/*`` included) within 1e-6."""
+    sync = tmp_path / "sync"
+    proc = _start(_trainer(_overrides(data, sync, *MULTI_TURN)), tmp_path / "sync.log")
+    assert _finish(proc) == 0, (tmp_path / "sync.log").read_text()[-3000:]
+    exp = tmp_path / "async0"
+    t_code, w_code, text = _run_pair(_overrides(data, exp, *MULTI_TURN, "rollout.mode=async",
+                                                "rollout.max_staleness=0"), exp)
+    assert t_code == 0 and w_code == 0, text[-3000:] + (exp / "worker.log").read_text()[-2000:]
+    a, s = _metrics(exp), _metrics(sync)
+    assert sorted(a) == [1, 2]
+    for step in a:
+        assert a[step]["async/staleness_max"] == 0 and a[step]["async/weight_syncs"] == 1
+        assert a[step]["episode/turns_mean"] == 2.0 and a[step]["episode/tool_calls_mean"] == 1.0
+        mine = {k: v for k, v in a[step].items() if not k.startswith("async/")}
+        assert sorted(mine) == sorted(s[step])
+        assert mine == {k: pytest.approx(v, rel=1e-6, abs=1e-6) for k, v in s[step].items()}, step
+    assert _prompt_ids(exp) == _prompt_ids(sync)
 
 
 def test_the_local_launcher_runs_an_async_job_at_tp2(data, tmp_path):

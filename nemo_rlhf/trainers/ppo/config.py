@@ -552,7 +552,6 @@ class PPOConfig:
                                  "function would count them again: remove it from reward.functions (or "
                                  "use env.turn_rewards=sum)")
         unsupported = [(key, value, ok) for key, value, ok in (  # rollout.engine: megatron or vllm
-            ("rollout.mode", self.rollout.mode, "sync"),
             ("ppo.old_logprobs_from_rollout", self.ppo.old_logprobs_from_rollout, False),
             ("rollout.min_new_tokens", self.rollout.min_new_tokens, 0)) if value != ok]
         for key, value, ok in unsupported:

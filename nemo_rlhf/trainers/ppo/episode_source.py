@@ -22,7 +22,7 @@ the episode reward (``extras["env_reward"]``: the ``env`` reward function).
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 
@@ -35,7 +35,8 @@ from nemo_rlhf.rollout.trajectory import to_padded_batch
 from nemo_rlhf.rollout.vllm_episodes import run_episodes_vllm
 
 __all__ = ["EPISODE_METRICS", "EpisodeRolloutBatch", "EpisodeRolloutSource", "episode_extras",
-           "episode_metric_sums", "episode_metrics_from_sums", "is_episode_batch"]
+           "episode_metric_sums", "episode_metrics_from_sums", "episode_texts", "is_episode_batch",
+           "run_episode_batch"]
 
 EPISODE_METRICS = ("episode/turns_mean", "episode/tool_calls_mean", "episode/malformed_call_rate",
                    "episode/truncated_rate", "episode/policy_tokens_mean", "episode/total_tokens_mean",
@@ -82,6 +83,60 @@ def episode_metrics_from_sums(sums: list[float]) -> dict[str, float]:
                                       sums[5] / n, sums[6] / n, sums[7] / n)))
 
 
+def run_episode_batch(cfg, dims, model, tokenizer, problems: list[dict], rollout_cfg, *, call_index: int,
+                      factory=None, vllm_engine=None, weights_version: Optional[int] = None) -> EpisodeRolloutBatch:
+    """One episode per problem (``{"prompt": text, **extras}``; a fresh environment each,
+    from ``factory`` or :func:`~nemo_rlhf.envs.config.get_env_factory` of ``cfg.env``), laid
+    out by :func:`~nemo_rlhf.rollout.trajectory.to_padded_batch` on ``dims.device`` as an
+    :class:`EpisodeRolloutBatch`. The path of :class:`EpisodeRolloutSource` (sync) and of a
+    rollout worker (``rollout.mode=async``): the same seeds for the same ``dims.dp_rank``
+    and ``call_index``.
+
+    Args:
+        cfg: the PPO config (``env``, ``data.chat_template``, ``data.system_prompt``,
+            ``model.vocab_size``, ``model.max_position_embeddings``).
+        dims: the :class:`~nemo_rlhf.distributed.ParallelDims` the sampling seeds read
+            (``dp_rank``) and the batch's device.
+        model: the actor (megatron) the episodes decode with (the vLLM engine refits from it).
+        tokenizer: ``encode``, ``decode``, ``eos_id``, ``pad_id``.
+        rollout_cfg: the decoding settings (a ``RolloutConfig``).
+        call_index: mixes into the sampler seed (the step's: ``step - 1``).
+        vllm_engine: run on this vLLM engine (:func:`run_episodes_vllm`) rather than
+            megatron's decode (:func:`run_episodes`).
+        weights_version: the model's weights version (the vLLM engine refits when it moved).
+
+    Raises:
+        as :func:`~nemo_rlhf.envs.config.get_env_factory` (a bad ``env.name``).
+    """
+    factory = factory or get_env_factory(cfg.env)
+    envs = [factory(cfg.env) for _ in problems]
+    io = dict(encode_prompt=lambda text: encode_prompt(tokenizer, text, cfg.data.chat_template,
+                                                       cfg.data.system_prompt),
+              encode_observation=lambda text: tokenizer.encode(cfg.env.encode_observation_text(text)),
+              decode_fn=tokenizer.decode, call_index=call_index)
+    limits = cfg.env.limits()
+    if vllm_engine is not None:
+        episodes = run_episodes_vllm(vllm_engine, model, envs, problems, rollout_cfg, limits,
+                                     weights_version=weights_version, **io)
+    else:
+        episodes = run_episodes(model, dims, envs, problems, rollout_cfg, limits, eos_token_id=tokenizer.eos_id,
+                                pad_token_id=tokenizer.pad_id, vocab_size=cfg.model.vocab_size,
+                                max_sequence_length=cfg.model.max_position_embeddings, **io)
+    padded = to_padded_batch([ep.trajectory for ep in episodes], tokenizer.pad_id, device=dims.device)
+    P = padded.prompt_length
+    return EpisodeRolloutBatch(
+        input_ids=padded.input_ids, attention_mask=padded.attention_mask, prompt_length=P,
+        response_ids=padded.input_ids[:, P:].clone(), response_mask=padded.response_mask,
+        response_lengths=padded.response_lengths, ended=~padded.truncated, truncated=padded.truncated,
+        logprobs=padded.logprobs, vocab_size=cfg.model.vocab_size, episodes=episodes)
+
+
+def episode_texts(batch: EpisodeRolloutBatch, tokenizer) -> list[str]:
+    """Each episode's text after its prompt (policy and environment tokens, EOS dropped)."""
+    eos = tokenizer.eos_id
+    return [tokenizer.decode([t for t in ep.trajectory.token_ids[ep.trajectory.prompt_length:] if t != eos])
+            for ep in batch.episodes]
+
 class EpisodeRolloutSource:
     """Multi-turn rollouts on the trainer's ranks (``env.name`` set; ``rollout.engine`` megatron
     or vllm, ``rollout.mode=sync``): see the module docstring.
@@ -108,21 +163,12 @@ class EpisodeRolloutSource:
         self.cfg, self.dims, self.actor, self.tok = cfg, dims, actor, tokenizer
         self.prompts, self.engine, self.collectives = prompts, engine, collectives
         self.factory = get_env_factory(cfg.env)
-        self.limits = cfg.env.limits()
         self._metrics: dict[str, float] = {}
 
     def problem(self, index: int) -> dict:
         """Episode ``index``'s problem: ``{"prompt": text, **extras}``."""
         row = self.prompts[index]
         return {"prompt": row.prompt, **row.extras}
-
-    def encode_prompt(self, text: str) -> list[int]:
-        """The first observation's ids, as a single-turn prompt's (``data.chat_template``, BOS)."""
-        return encode_prompt(self.tok, text, self.cfg.data.chat_template, self.cfg.data.system_prompt)
-
-    def encode_observation(self, text: str) -> list[int]:
-        """An observation's ids: ``env.observation_template`` filled, tokenised alone."""
-        return self.tok.encode(self.cfg.env.encode_observation_text(text))
 
     def begin(self, step: int) -> None:
         pass
@@ -137,25 +183,12 @@ class EpisodeRolloutSource:
 
     def _run(self, problems: list[dict], cfg, call_index: int) -> EpisodeRolloutBatch:
         """One episode per problem (a fresh environment each) with the decoding settings
-        ``cfg`` (a ``RolloutConfig``), laid out as an :class:`EpisodeRolloutBatch`."""
-        envs = [self.factory(self.cfg.env) for _ in problems]
-        io = dict(encode_prompt=self.encode_prompt, encode_observation=self.encode_observation,
-                  decode_fn=self.tok.decode, call_index=call_index)
-        if self.cfg.rollout.engine == "vllm":  # the engine is refit when the weights version moved
-            episodes = run_episodes_vllm(self.engine, self.actor.model, envs, problems, cfg,
-                                         self.limits, weights_version=self.actor.weights_version, **io)
-        else:
-            episodes = run_episodes(
-                self.actor.model, self.dims, envs, problems, cfg, self.limits,
-                eos_token_id=self.tok.eos_id, pad_token_id=self.tok.pad_id, vocab_size=self.cfg.model.vocab_size,
-                max_sequence_length=self.cfg.model.max_position_embeddings, **io)
-        padded = to_padded_batch([ep.trajectory for ep in episodes], self.tok.pad_id, device=self.dims.device)
-        P = padded.prompt_length
-        return EpisodeRolloutBatch(
-            input_ids=padded.input_ids, attention_mask=padded.attention_mask, prompt_length=P,
-            response_ids=padded.input_ids[:, P:].clone(), response_mask=padded.response_mask,
-            response_lengths=padded.response_lengths, ended=~padded.truncated, truncated=padded.truncated,
-            logprobs=padded.logprobs, vocab_size=self.cfg.model.vocab_size, episodes=episodes)
+        ``cfg`` (a ``RolloutConfig``), laid out as an :class:`EpisodeRolloutBatch`
+        (:func:`run_episode_batch`)."""
+        vllm = self.engine if self.cfg.rollout.engine == "vllm" else None
+        return run_episode_batch(self.cfg, self.dims, self.actor.model, self.tok, problems, cfg,
+                                 call_index=call_index, factory=self.factory, vllm_engine=vllm,
+                                 weights_version=self.actor.weights_version)
 
     def after_update(self, step: int) -> None:
         pass
@@ -174,9 +207,7 @@ class EpisodeRolloutSource:
         left as they are (the evaluation reports its own) and nothing is reduced over DP
         here; every rank calls it with its rows (decoding may hold collectives)."""
         batch = self._run(list(problems), cfg, call_index)
-        eos = self.tok.eos_id
-        batch.episode_texts = [self.tok.decode([t for t in ep.trajectory.token_ids[ep.trajectory.prompt_length:]
-                                                if t != eos]) for ep in batch.episodes]
+        batch.episode_texts = episode_texts(batch, self.tok)
         return batch
 
     def metrics(self) -> dict[str, float]:

@@ -119,8 +119,8 @@ def build_rollout_source(cfg, dims, actor, tokenizer, encoded: list, sampler, co
                          with_values: bool = False, prompts: Optional[list] = None) -> RolloutSource:
     """The source ``rollout.mode`` and ``env.name`` name, built once (collective for
     ``rollout.engine=vllm`` in ``sync``): :class:`EpisodeRolloutSource` when ``env.name``
-    is set (on the engine built here, megatron or vllm; the config refuses it with ``async``),
-    else as ``rollout.mode`` says.
+    is set in ``sync`` (on the engine built here, megatron or vllm), else as ``rollout.mode``
+    says (``async`` with ``env.name``: the workers run the episodes).
 
     Args:
         cfg: the :class:`~nemo_rlhf.trainers.ppo.config.PPOConfig`.
@@ -144,7 +144,8 @@ def build_rollout_source(cfg, dims, actor, tokenizer, encoded: list, sampler, co
         decode = MegatronRolloutEngine(dims, vocab_size=cfg.model.vocab_size,
                                        max_sequence_length=cfg.model.max_position_embeddings,
                                        with_values=with_values, **common)
-        return RemoteRolloutSource(cfg, dims, actor, encoded, sampler, collectives, timers, decode)
+        return RemoteRolloutSource(cfg, dims, actor, encoded, sampler, collectives, timers, decode,
+                                   tokenizer=tokenizer, prompts=prompts)
     engine = build_rollout_engine(cfg.rollout, dims, cfg.model, params_dtype=unwrap(actor.model).config.params_dtype,
                                   with_values=with_values, **common)
     if cfg.env.enabled:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nemo_rlhf.data.sampler import ResumableSampler
+from nemo_rlhf.envs.config import EnvConfig
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.trainers.ppo import async_rollout
 from nemo_rlhf.metrics.timers import Timers
@@ -35,7 +36,7 @@ def _cfg(exp_dir, samples=8, n=1, k=1) -> SimpleNamespace:
                               n_samples_per_prompt=n),
         ppo=SimpleNamespace(num_rollout_samples=samples), trainer=SimpleNamespace(max_steps=STEPS),
         exp_manager=SimpleNamespace(exp_dir=exp_dir),
-        model=SimpleNamespace(lora=SimpleNamespace(enabled=False, scale=1.0)))
+        model=SimpleNamespace(lora=SimpleNamespace(enabled=False, scale=1.0)), env=EnvConfig())
 
 
 def _raise_together(failure, what, error=RuntimeError):

@@ -197,9 +197,6 @@ def test_async_refuses_pipeline_and_expert_parallel_trainers_naming_the_key():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["env.name=calculator", "rollout.mode=async", "ppo.rollout_is_cap=2.0"],
-     "env.name='calculator' with rollout.mode=async: multi-turn episodes are not supported there yet; "
-     "set rollout.mode=sync"),
     (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "kl.temperature=sampling"],
      "with ppo.old_logprobs_from_rollout=True: multi-turn episodes are not supported there yet"),
     (["env.name=calculator", "rollout.min_new_tokens=2"], "with rollout.min_new_tokens=2"),
@@ -247,10 +244,10 @@ def test_routing_replay_is_off_by_default():
     assert typed_job("ppo", ["model.num_moe_experts=4"]).moe.routing_replay is False
 
 
-def test_env_runs_on_the_vllm_engine_in_sync_mode_but_not_async():
+def test_env_runs_on_either_engine_in_sync_and_async_mode():
     cfg = typed_job("ppo", ["env.name=calculator", "rollout.engine=vllm"])
     assert cfg.env.enabled and cfg.rollout.engine == "vllm"
-    with pytest.raises(ValueError, match="env.name='calculator' with rollout.mode=async: multi-turn "
-                                         "episodes are not supported there yet; set rollout.mode=sync"):
-        typed_job("ppo", ["env.name=calculator", "rollout.engine=vllm", "rollout.mode=async",
-                          "ppo.rollout_is_cap=2.0"])
+    for engine in ("megatron", "vllm"):  # the rollout workers run the episodes (#51)
+        cfg = typed_job("ppo", ["env.name=calculator", f"rollout.engine={engine}", "rollout.mode=async",
+                                "ppo.rollout_is_cap=2.0"])
+        assert cfg.env.enabled and cfg.rollout.mode == "async" and cfg.rollout.engine == engine

@@ -103,7 +103,8 @@ def _remote_cfg(exp_dir, k: int, steps: int):
     return SimpleNamespace(
         rollout=RolloutConfig(mode="async", max_staleness=k, num_workers=1, worker_timeout_s=20.0),
         ppo=SimpleNamespace(num_rollout_samples=4), trainer=SimpleNamespace(max_steps=steps),
-        exp_manager=SimpleNamespace(exp_dir=exp_dir), model=SimpleNamespace(lora=SimpleNamespace(enabled=False)))
+        exp_manager=SimpleNamespace(exp_dir=exp_dir), model=SimpleNamespace(lora=SimpleNamespace(enabled=False)),
+        env=EnvConfig())
 
 
 def _raise_together(failure, what, error=RuntimeError):
