@@ -102,11 +102,19 @@ def test_an_episode_batch_crosses_from_a_worker_bit_for_bit():
 
 
 def test_a_buffered_episode_item_survives_its_json_form_bit_for_bit():
+    """The item's problems (what the worker's environments reset with) are restored by
+    index, as its prompts' ids are (the checkpoint keeps neither)."""
     batch = _episode_batch()
-    item = RolloutItem(step=2, dp_rank=0, prompt_indices=[1, 4], prompts=[ENCODED[1], ENCODED[4]], version=1)
+    problems = [{"prompt": f"q{i}", "answer": str(i)} for i in range(8)]
+    item = RolloutItem(step=2, dp_rank=0, prompt_indices=[1, 4], prompts=[ENCODED[1], ENCODED[4]], version=1,
+                       problems=[problems[1], problems[4]])
     res = RolloutResult(item=item, version=1, batch=batch_to_host(batch), worker=0, generate_s=0.5)
-    again = result_from_json(json.loads(json.dumps(result_to_json(res))), ENCODED)
+    form = json.loads(json.dumps(result_to_json(res)))
+    assert "problems" not in form
+    again = result_from_json(form, ENCODED, problems)
     _assert_same_batch(batch_from_host(again.batch, torch.device("cpu")), batch)
+    assert again.item == item
+    assert result_from_json(form, ENCODED).item.problems is None  # a single-turn run's items carry none
 
 
 def test_an_episode_form_whose_segments_do_not_tile_its_tokens_is_refused():
