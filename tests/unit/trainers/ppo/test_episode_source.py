@@ -288,3 +288,33 @@ def test_per_turn_placement_is_accepted_with_the_per_token_estimators():
         cfg = typed_job("ppo_tiny", ["env.name=calculator", "env.turn_rewards=per_turn",
                                      f"ppo.advantage_estimator={est}"])
         assert cfg.env.turn_rewards == "per_turn"
+
+
+def test_the_async_source_sends_each_rows_problem_and_runs_the_evaluations_episodes_itself(monkeypatch, tmp_path):
+    """``rollout.mode=async`` with ``env.name`` (#51): each item carries its rows' problems
+    (what the worker's environments reset with), and the held-out evaluation's episodes run
+    on the trainer's ranks, on the path of the synchronous source (``run_episodes``)."""
+    from nemo_rlhf.data.sampler import ResumableSampler
+    from nemo_rlhf.trainers.ppo.async_rollout import RemoteRolloutSource
+
+    src, calls = _fake_source(monkeypatch, _episodes())
+    c = src.cfg
+    cfg = SimpleNamespace(env=c.env, data=c.data, model=SimpleNamespace(**vars(c.model), lora=SimpleNamespace(enabled=False)),
+                          rollout=RolloutConfig(mode="async", max_staleness=0, num_workers=1),
+                          ppo=SimpleNamespace(num_rollout_samples=2), trainer=SimpleNamespace(max_steps=2),
+                          exp_manager=SimpleNamespace(exp_dir=str(tmp_path)))
+    dims = SimpleNamespace(rank=1, dp=1, dp_rank=0, world_size=1, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="env.name='tests.ppo_helpers:two_turn_env': RemoteRolloutSource needs"):
+        RemoteRolloutSource(cfg, dims, src.actor, [[1, 5, 6], [1, 5]], None, None, None, RecordingEngine())
+    remote = RemoteRolloutSource(cfg, dims, src.actor, [[1, 5, 6], [1, 5]], None, None, None, RecordingEngine(),
+                                 tokenizer=src.tok, prompts=src.prompts)
+    items = []
+    remote.controller = SimpleNamespace(submit=items.append, retain_from=lambda version: None)
+    remote.lookahead = ResumableSampler(2, seed=3, shuffle=False)
+    remote._submit_until(1)
+    assert [(it.step, it.prompt_indices) for it in items] == [(1, [0, 1])]
+    assert items[0].problems == [{"prompt": "56", "answer": "11"}, {"prompt": "5"}]
+    batch = remote.generate_episodes([{"prompt": "56", "answer": "11"}], RolloutConfig(greedy=True), call_index=7)
+    assert calls[-1]["problems"] == [{"prompt": "56", "answer": "11"}] and calls[-1]["greedy"]
+    assert calls[-1]["call_index"] == 7 and remote.eval_engine.calls == []  # no single-turn decoding
+    assert isinstance(batch, EpisodeRolloutBatch) and batch.episode_texts == ["7 8 9 9 9 4", "3 3"]
