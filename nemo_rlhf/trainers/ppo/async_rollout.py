@@ -238,7 +238,8 @@ class RemoteRolloutSource:
         self.controller.retain_from(self.schedule.version_for(self.submitted + 1))
 
     def rollout(self, step: int, prompt_indices: list[int]):
-        """This DP rank's samples of step ``step`` (a ``RolloutBatch`` on ``dims.device``);
+        """This DP rank's samples of step ``step`` (a ``RolloutBatch``, with ``env.name`` an
+        ``EpisodeRolloutBatch``, on ``dims.device``);
         collective. ``prompt_indices``: the prompts the trainer's sampler drew for this rank
         (checked against the item's).
 

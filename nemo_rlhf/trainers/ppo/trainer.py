@@ -165,7 +165,7 @@ class PPOTrainer:
         greedy episodes with the environment (fresh ones; problems ``{"prompt": prompt,
         **extras}``), an :class:`~nemo_rlhf.trainers.ppo.episode_source.EpisodeRolloutBatch`
         (:meth:`EpisodeRolloutSource.generate_episodes`)."""
-        if self.cfg.env.name is not None:  # the source is an EpisodeRolloutSource (build_rollout_source)
+        if self.cfg.env.name is not None:  # an EpisodeRolloutSource, or async a RemoteRolloutSource
             return self.rollout_source.generate_episodes(
                 [{"prompt": r.prompt, **r.extras} for r in rows], replace(self.cfg.rollout, greedy=True),
                 call_index=self.step)
