@@ -33,19 +33,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 def heldout_episodes(trainer, checker) -> dict:
     """Greedy episodes of the current policy on every held-out row; their metrics."""
-    from nemo_rlhf.rollout.episodes import run_episodes
     from nemo_rlhf.rollout.trajectory import POLICY
+    from nemo_rlhf.trainers.ppo.episode_source import run_episode_batch
 
     src, cfg = trainer.rollout_source, trainer.cfg
     rows = trainer.eval_prompts
     problems = [{"prompt": r.prompt, **r.extras} for r in rows]
-    episodes = run_episodes(
-        src.actor.model, trainer.dims,
-        [src.factory(cfg.env) for _ in problems], problems, replace(cfg.rollout, greedy=True), src.limits,
-        encode_prompt=src.encode_prompt, encode_observation=src.encode_observation,
-        decode_fn=src.tok.decode, eos_token_id=src.tok.eos_id, pad_token_id=src.tok.pad_id,
-        vocab_size=cfg.model.vocab_size, max_sequence_length=cfg.model.max_position_embeddings,
-        call_index=10_000)
+    # the trainer's own episode path (the rollout's encoders and limits), greedy
+    episodes = run_episode_batch(cfg, trainer.dims, src.actor.model, src.tok, problems,
+                                 replace(cfg.rollout, greedy=True), call_index=10_000,
+                                 factory=src.factory).episodes
     finals = []
     for ep in episodes:
         tr = ep.trajectory
