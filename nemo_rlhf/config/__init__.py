@@ -3,12 +3,16 @@
 * :func:`to_typed`: a composed Hydra config -> its dataclass schema, once, at the entry point;
 * :func:`check_choice`: the one check of a closed choice (``__post_init__`` of every schema);
 * :data:`RENAMED_KEYS` / :func:`check_renamed_keys`: keys that moved, refused on a command
-  line with the new key's name.
+  line with the new key's name;
+* :func:`callable_path` / :func:`resolve_callable`: a config value that names a Python callable
+  by a built-in short name or a ``"package.module:function"`` path (reward functions,
+  checkers, environment factories).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence, TypeVar
+import importlib
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -65,6 +69,46 @@ def check_choice(key: str, value, valid: Iterable, note: str = "") -> None:
     valid = list(valid)
     if value not in valid:
         raise ValueError(f"{key}={value!r}: valid choices are {valid}{note}")
+
+
+def callable_path(spec: Any, builtins: Mapping[str, str]) -> Optional[str]:
+    """``spec``'s ``"package.module:function"`` path: a built-in short name's from
+    ``builtins`` (short name -> path), ``spec`` itself when it has that form, else None.
+    Nothing is imported, so the answer does not depend on what the process imported."""
+    if not isinstance(spec, str):
+        return None
+    spec = builtins.get(spec, spec)
+    module_name, colon, attr = spec.partition(":")
+    return spec if colon and module_name and attr else None
+
+
+def resolve_callable(spec: str, path: str, key: str) -> Callable:
+    """Import the callable ``path`` (``"package.module:function"``, the function part may be
+    dotted, e.g. ``module:TASK.score``) that the config value ``spec`` of ``key`` named.
+
+    Args:
+        spec: the value as written (a short name or the path), named in the errors.
+        path: its path, from :func:`callable_path`.
+        key: the config key (e.g. ``env.name``, ``trainer.eval_checker``).
+    Raises:
+        ImportError / AttributeError: the module cannot be imported / has no such attribute
+        (naming ``key``, the value, and the module or attribute tried);
+        TypeError: the target is not callable.
+    """
+    tried = f"{key}={spec!r}" + (f" (built-in: {path!r})" if path != spec else "")
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ImportError(f"{tried}: cannot import module {module_name!r}: {exc}") from exc
+    fn: Any = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise AttributeError(f"{tried}: module {module_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise TypeError(f"{tried}: {path} is a {type(fn).__name__}, not a callable")
+    return fn
 
 
 def check_renamed_keys(overrides: Sequence[str]) -> None:

@@ -18,11 +18,10 @@ returns is encoded like a single-turn prompt (``data.chat_template``, BOS).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from nemo_rlhf.config import check_choice
+from nemo_rlhf.config import callable_path, check_choice, resolve_callable
 from nemo_rlhf.envs.base import EnvLimits, Environment
 from nemo_rlhf.envs.parsing import TOOL_CALL_FORMATS
 
@@ -106,11 +105,7 @@ class EnvConfig:
 
 
 def _path_of(spec: Any) -> Optional[str]:
-    if not isinstance(spec, str):
-        return None
-    spec = BUILTIN_ENVIRONMENTS.get(spec, spec)
-    module_name, colon, attr = spec.partition(":")
-    return spec if colon and module_name and attr else None
+    return callable_path(spec, BUILTIN_ENVIRONMENTS)
 
 
 def get_env_factory(cfg: EnvConfig) -> EnvFactory:
@@ -125,17 +120,4 @@ def get_env_factory(cfg: EnvConfig) -> EnvFactory:
     if path is None:
         raise ValueError(f"env.name={cfg.name!r}: valid choices are {sorted(BUILTIN_ENVIRONMENTS)} "
                          f"or a 'package.module:function' factory path")
-    module_name, _, attr = path.partition(":")
-    tried = f"env.name={cfg.name!r}" + (f" (built-in: {path!r})" if path != cfg.name else "")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"{tried}: cannot import module {module_name!r}: {exc}") from exc
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise AttributeError(f"{tried}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise TypeError(f"{tried}: {path} is a {type(fn).__name__}, not a callable")
-    return fn
+    return resolve_callable(cfg.name, path, "env.name")

@@ -19,7 +19,6 @@ one and batches on its side).
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from nemo_rlhf.config import check_choice
+from nemo_rlhf.config import callable_path, check_choice, resolve_callable
 from nemo_rlhf.data.answers import check_lengths
 from nemo_rlhf.reward.normalization import RewardNormalizer
 
@@ -64,11 +63,7 @@ modules are imported only when a function is resolved (:func:`get_reward_functio
 def _path_of(spec: Any) -> str | None:
     """``spec``'s ``"package.module:function"`` path (a built-in name's from the table), or
     None when ``spec`` is neither a built-in name nor of that form."""
-    if not isinstance(spec, str):
-        return None
-    spec = BUILTIN_REWARD_FUNCTIONS.get(spec, spec)
-    module_name, colon, attr = spec.partition(":")
-    return spec if colon and module_name and attr else None
+    return callable_path(spec, BUILTIN_REWARD_FUNCTIONS)
 
 
 def _bad_spec(key: str, spec: Any) -> str:
@@ -108,20 +103,7 @@ def get_reward_function(spec: str, key: str = "reward function") -> RewardFn:
     path = _path_of(spec)
     if path is None:
         raise ValueError(_bad_spec(key, spec))
-    tried = f"{key}={spec!r}" + (f" (built-in: {path!r})" if path != spec else "")
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ImportError(f"{tried}: cannot import module {module_name!r}: {exc}") from exc
-    fn: Any = module
-    for part in attr.split("."):
-        if not hasattr(fn, part):
-            raise AttributeError(f"{tried}: module {module_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise TypeError(f"{tried}: {module_name}:{attr} is a {type(fn).__name__}, not a callable")
-    return fn
+    return resolve_callable(spec, path, key)
 
 
 # --------------------------------------------------------------------------- sources
