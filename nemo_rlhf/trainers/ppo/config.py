@@ -514,8 +514,20 @@ class PPOConfig:
         if self.rollout.mode == "async":
             self._check_async()
         self._check_env()
+        self._check_eval_metric_names()
         self.moe.check(self.model, self.rollout)
         self._resolve_reference_mode()
+
+    def _check_eval_metric_names(self) -> None:
+        """A reward function that is also a held-out extra checker would write one metric,
+        ``eval/<name>``, twice (the source's mean over the valid scores, then the checker's over
+        every answer): refused, naming both keys."""
+        sources = {f.name for f in self.reward.functions}
+        for i, name in enumerate(self.trainer.eval_extra_checkers):
+            if name in sources:
+                raise ValueError(f"trainer.eval_extra_checkers[{i}]={name!r} is also in reward.functions: "
+                                 f"the held-out evaluation logs each reward source as eval/{name} already; "
+                                 f"remove it from trainer.eval_extra_checkers")
 
     def _check_env(self) -> None:
         """``env.name``: what multi-turn rollouts support so far; the ``env`` reward

@@ -251,3 +251,13 @@ def test_env_runs_on_either_engine_in_sync_and_async_mode():
         cfg = typed_job("ppo", ["env.name=calculator", f"rollout.engine={engine}", "rollout.mode=async",
                                 "ppo.rollout_is_cap=2.0"])
         assert cfg.env.enabled and cfg.rollout.mode == "async" and cfg.rollout.engine == engine
+
+
+def test_a_reward_function_that_is_also_an_extra_checker_is_refused_naming_both_keys():
+    with pytest.raises(ValueError, match=r"trainer.eval_extra_checkers\[1\]='just_the_number' is also in "
+                                         r"reward.functions: .* eval/just_the_number already"):
+        typed_job("ppo", ["reward.functions=[{name: just_the_number}]",
+                          "trainer.eval_extra_checkers=[arithmetic_exact_match,just_the_number]"])
+    cfg = typed_job("ppo", ["reward.functions=[{name: arithmetic_exact_match}]",
+                            "trainer.eval_extra_checkers=[just_the_number]"])
+    assert cfg.trainer.eval_extra_checkers == ["just_the_number"]
