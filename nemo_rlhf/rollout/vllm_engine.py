@@ -332,7 +332,7 @@ class VLLMRolloutEngine:
                 ids[r] = list(o.token_ids)
                 lps[r] = [float(d[t].logprob) for t, d in zip(o.token_ids, o.logprobs)]
                 ended[r] = o.finish_reason == "stop"
-                if cfg.stop_strings and not ended[r]:
+                if cfg.stop_strings:  # also when vLLM stopped at a stop id: a string may come first
                     n = cut_at_stop_strings(ids[r], cfg.stop_strings, self.decode_fn, cfg.min_new_tokens)
                     if n is not None:
                         ids[r], lps[r], ended[r] = ids[r][:n], lps[r][:n], True

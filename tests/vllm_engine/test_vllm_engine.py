@@ -99,7 +99,10 @@ def _trainer_worker(rank: int, tmp: str, tp: int, vllm_tp: int, extra: tuple = (
     row0 = out["greedy_before"][1][0]
     stops = {"stop_id": replace(greedy, stop_token_ids=[row0[2]]),
              "stop_id_min_new": replace(greedy, stop_token_ids=[row0[2]], min_new_tokens=4),
-             "stop_string": replace(greedy, stop_strings=[trainer.tok.decode([row0[1]]) or "x"])}
+             "stop_string": replace(greedy, stop_strings=[trainer.tok.decode([row0[1]]) or "x"]),
+             # a stop string that ends row 0 one token before vLLM stops at the stop id
+             "stop_string_before_stop_id": replace(greedy, stop_token_ids=[row0[2]],
+                                                   stop_strings=[trainer.tok.decode([row0[1]]) or "x"])}
     for name, c in stops.items():
         v = vllm.generate(trainer.model, prompts, c, call_index=0, weights_version=trainer.weights_version)
         m = megatron.generate(trainer.model, prompts, c, call_index=0, weights_version=trainer.weights_version)
@@ -191,7 +194,7 @@ def test_greedy_generations_equal_the_megatron_engines_token_for_token(layout):
     assert vllm == megatron
 
 
-@pytest.mark.parametrize("rule", ["stop_id", "stop_id_min_new", "stop_string"])
+@pytest.mark.parametrize("rule", ["stop_id", "stop_id_min_new", "stop_string", "stop_string_before_stop_id"])
 def test_stop_rules_end_the_same_rows_at_the_same_tokens_as_the_megatron_engine(layout, rule):
     got = layout[rule]
     assert got["vllm"] == got["megatron"]
