@@ -21,7 +21,9 @@ the end of a response hundreds of tokens long, decided by mistakes anywhere in i
 The checker (:func:`chain_answer_right`) reads the final answer as the number after the
 last ``=`` and compares it with the problem's ``answer``; it does not check the lines
 (a chain that skips or garbles a line almost always ends on a wrong number; no partial
-credit). :attr:`Task.demonstrate` writes the whole chain (SFT).
+credit). :attr:`Task.demonstrate` writes the whole chain (SFT). :func:`prefix_score`, the
+share of lines right before the first slip, is a partial-credit reward function kept apart
+from the checker (``benchmarks/critic_at_length.py --reward prefix``).
 
 The tiny model reads 64 tokens by default (``conf/model/tiny.yaml``: 128 positions; the
 recipe's profile ``data.max_seq_length`` 64): :func:`chain_overrides` gives the model and
@@ -32,7 +34,7 @@ data lengths a chain task needs (``model.max_position_embeddings``,
 its length check (docs/tasks.md, "A long task").
 
 Problems: every ``(aa, d)``, 900, shuffled by a seed; 100 held out. Simplified: one
-operation (addition modulo 100), no partial credit, no edit rule (``Task.edit_answer``).
+operation (addition modulo 100), no partial credit in the checker, no edit rule (``Task.edit_answer``).
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ import random
 import re
 from typing import Any, Mapping, Optional
 
+from nemo_rlhf.data.answers import check_lengths
 from nemo_rlhf.tasks.task import Task
 
-__all__ = ["TASK", "TASK_2K", "chain_answer", "chain_answer_right", "chain_overrides", "chain_problems",
-           "chain_response", "chain_task", "line_width", "response_tokens"]
+__all__ = ["TASK", "TASK_2K", "chain_answer", "chain_answer_right", "chain_overrides", "chain_prefix_right",
+           "chain_problems", "chain_response", "chain_task", "line_width", "prefix_score", "response_tokens"]
 
 PROMPT = "{start}+{step}="
 _ANSWER = re.compile(r"\d+")
@@ -111,6 +114,30 @@ def chain_answer_right(prompt: str, response: str, extras: Mapping[str, Any]) ->
         KeyError: ``extras`` without ``answer``.
     """
     return chain_answer(response) == str(extras["answer"]).strip()
+
+
+def chain_prefix_right(prompt: str, response: str, extras: Mapping[str, Any]) -> float:
+    """Partial credit, not the task's checker: the share of the ``steps`` lines that are right
+    before the first wrong one (lines compared as text with :func:`chain_response`'s; a
+    missing line is wrong). 1.0 exactly when the whole chain is right, whatever follows it.
+
+    Raises:
+        KeyError: ``extras`` without ``start``, ``step`` or ``steps``.
+    """
+    steps = int(extras["steps"])
+    right = chain_response(str(extras["start"]), int(extras["step"]), steps).split("\n")
+    got = response.split("\n")
+    n = 0
+    while n < steps and n < len(got) and got[n].strip() == right[n]:
+        n += 1
+    return n / steps
+
+
+def prefix_score(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
+    """The batch form of :func:`chain_prefix_right` (a reward function,
+    ``nemo_rlhf.tasks.chain:prefix_score``: ``benchmarks/critic_at_length.py --reward prefix``)."""
+    check_lengths(prompts, responses, extras, "chain prefix_score")
+    return [chain_prefix_right(p, r, e) for p, r, e in zip(prompts, responses, extras)]
 
 
 def _demonstrate(prompt: str, extras: Mapping[str, Any]) -> str:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from nemo_rlhf.tasks.chain import (TASK, TASK_2K, chain_answer, chain_answer_right, chain_overrides,
-                                   chain_problems, chain_response, chain_task, line_width, response_tokens)
+                                   chain_prefix_right, chain_problems, chain_response, chain_task, line_width,
+                                   prefix_score, response_tokens)
 from nemo_rlhf.tasks.task import demonstration_rows
 
 
@@ -86,3 +87,17 @@ def test_chain_task_names_and_budget():
     assert chain_overrides(t) == ["model.max_position_embeddings=64", "data.max_seq_length=64",
                                   "rollout.max_new_tokens=50"]
     assert chain_overrides(chain_task(5))[:2] == ["model.max_position_embeddings=128", "data.max_seq_length=128"]
+
+
+def test_prefix_score_is_the_share_of_lines_right_before_the_first_slip():
+    ex = {"start": "07", "step": 3, "steps": 4, "answer": "19"}
+    right = chain_response("07", 3, 4)  # 1:07+3=10 2:10+3=13 3:13+3=16 4:16+3=19
+    assert chain_prefix_right("07+3=", right, ex) == 1.0
+    assert chain_prefix_right("07+3=", right + "\n5:19+3=22", ex) == 1.0  # lines past the chain: not read
+    slipped = right.replace("2:10+3=13", "2:10+3=14")
+    assert chain_prefix_right("07+3=", slipped, ex) == 0.25  # line 3 right again, but after the slip
+    assert chain_prefix_right("07+3=", right.rsplit("\n", 1)[0], ex) == 0.75  # a missing line
+    assert chain_prefix_right("07+3=", "", ex) == 0.0
+    assert prefix_score(["07+3="] * 2, [right, slipped], [ex, ex]) == [1.0, 0.25]
+    with pytest.raises(ValueError, match="same length"):
+        prefix_score(["07+3="], [], [ex])
