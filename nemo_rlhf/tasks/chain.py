@@ -23,7 +23,9 @@ last ``=`` and compares it with the problem's ``answer``; it does not check the 
 (a chain that skips or garbles a line almost always ends on a wrong number; no partial
 credit). :attr:`Task.demonstrate` writes the whole chain (SFT). :func:`prefix_score`, the
 share of lines right before the first slip, is a partial-credit reward function kept apart
-from the checker (``benchmarks/critic_at_length.py --reward prefix``).
+from the checker (``benchmarks/critic_at_length.py --reward prefix``), as is
+:func:`char_score`, the share of the chain's characters written right at their position
+(``--reward chars``).
 
 The tiny model reads 64 tokens by default (``conf/model/tiny.yaml``: 128 positions; the
 recipe's profile ``data.max_seq_length`` 64): :func:`chain_overrides` gives the model and
@@ -46,7 +48,8 @@ from typing import Any, Mapping, Optional
 from nemo_rlhf.data.answers import check_lengths
 from nemo_rlhf.tasks.task import Task
 
-__all__ = ["TASK", "TASK_2K", "chain_answer", "chain_answer_right", "chain_overrides", "chain_prefix_right",
+__all__ = ["TASK", "TASK_2K", "chain_answer", "chain_answer_right", "chain_char_match", "chain_overrides",
+           "chain_prefix_right", "char_score",
            "chain_problems", "chain_response", "chain_task", "line_width", "prefix_score", "response_tokens"]
 
 PROMPT = "{start}+{step}="
@@ -138,6 +141,27 @@ def prefix_score(prompts: list[str], responses: list[str], extras: list[dict]) -
     ``nemo_rlhf.tasks.chain:prefix_score``: ``benchmarks/critic_at_length.py --reward prefix``)."""
     check_lengths(prompts, responses, extras, "chain prefix_score")
     return [chain_prefix_right(p, r, e) for p, r, e in zip(prompts, responses, extras)]
+
+
+def chain_char_match(prompt: str, response: str, extras: Mapping[str, Any]) -> float:
+    """Partial credit, not the task's checker: the share of the correct chain's characters
+    (:func:`chain_response`) that ``response`` has at the same position (a missing one is
+    wrong; characters past the chain's end are not read). The lines' fixed width keeps the
+    positions aligned while the format holds, so a chain with every number wrong still earns
+    its line numbers and ``:+=`` (about half).
+
+    Raises:
+        KeyError: ``extras`` without ``start``, ``step`` or ``steps``.
+    """
+    right = chain_response(str(extras["start"]), int(extras["step"]), int(extras["steps"]))
+    return sum(a == b for a, b in zip(response, right)) / len(right)
+
+
+def char_score(prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
+    """The batch form of :func:`chain_char_match` (``nemo_rlhf.tasks.chain:char_score``:
+    ``benchmarks/critic_at_length.py --reward chars``)."""
+    check_lengths(prompts, responses, extras, "chain char_score")
+    return [chain_char_match(p, r, e) for p, r, e in zip(prompts, responses, extras)]
 
 
 def _demonstrate(prompt: str, extras: Mapping[str, Any]) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_rlhf.tasks.chain import (TASK, TASK_2K, chain_answer, chain_answer_right, chain_overrides,
-                                   chain_prefix_right, chain_problems, chain_response, chain_task, line_width,
-                                   prefix_score, response_tokens)
+from nemo_rlhf.tasks.chain import (TASK, TASK_2K, chain_answer, chain_answer_right, chain_char_match,
+                                   chain_overrides, chain_prefix_right, chain_problems, chain_response, chain_task,
+                                   char_score, line_width, prefix_score, response_tokens)
 from nemo_rlhf.tasks.task import demonstration_rows
 
 
@@ -101,3 +101,18 @@ def test_prefix_score_is_the_share_of_lines_right_before_the_first_slip():
     assert prefix_score(["07+3="] * 2, [right, slipped], [ex, ex]) == [1.0, 0.25]
     with pytest.raises(ValueError, match="same length"):
         prefix_score(["07+3="], [], [ex])
+
+
+def test_char_score_is_the_share_of_the_chains_characters_right_at_their_position():
+    ex = {"start": "07", "step": 3, "steps": 2, "answer": "13"}
+    right = chain_response("07", 3, 2)  # "1:07+3=10\n2:10+3=13": 19 characters
+    assert chain_char_match("07+3=", right, ex) == 1.0
+    assert chain_char_match("07+3=", right + "\n3:13+3=16", ex) == 1.0  # past the end: not read
+    # every one of the 10 digits wrong, the 9 others (line numbers, ":+=", newline) right
+    assert chain_char_match("07+3=", "1:99+9=99\n2:99+9=99", ex) == pytest.approx(9 / 19)
+    assert chain_char_match("07+3=", "1:00+0=00\n2:00+0=00", ex) == pytest.approx(12 / 19)  # 3 zeros right
+    assert chain_char_match("07+3=", "1:07", ex) == pytest.approx(4 / 19)  # the rest missing
+    assert chain_char_match("07+3=", "", ex) == 0.0
+    assert char_score(["07+3="] * 2, [right, "1:07"], [ex, ex]) == pytest.approx([1.0, 4 / 19])
+    with pytest.raises(ValueError, match="same length"):
+        char_score(["07+3="], [], [ex])
