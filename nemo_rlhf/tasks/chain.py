@@ -13,7 +13,9 @@ so the correct response of :data:`TASK` (47 steps, lines of 11 characters) is 51
 on the tiny model's character vocabulary, EOS included, and :data:`TASK_2K`'s (170 steps,
 3-digit line numbers, 12 characters a line) 2040. Each line is local work (the line number
 plus one, the last line's result copied, ``d`` added with its carry) at a fixed distance
-back in the text, so a 2-layer model can learn it by SFT; the final answer, ``(aa + steps *
+back in the text, chosen so that a 2-layer model could learn it by SFT (not shown: after
+400 SFT steps the tiny model writes the lines' format but not their numbers,
+docs/algorithms.md "The critic at length, measured"); the final answer, ``(aa + steps *
 d) mod 100``, is right only if every one of the ``steps`` lines is. That is the shape the
 critic at length needs (issue #52, docs/algorithms.md "The critic at length"): one reward at
 the end of a response hundreds of tokens long, decided by mistakes anywhere in it.
@@ -36,7 +38,8 @@ data lengths a chain task needs (``model.max_position_embeddings``,
 its length check (docs/tasks.md, "A long task").
 
 Problems: every ``(aa, d)``, 900, shuffled by a seed; 100 held out. Simplified: one
-operation (addition modulo 100), no partial credit in the checker, no edit rule (``Task.edit_answer``).
+operation (addition modulo 100), no partial credit in the checker, no edit rule
+(``Task.edit_answer``).
 """
 
 from __future__ import annotations
