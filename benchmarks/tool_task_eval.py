@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     print(json.dumps({"heldout": "before", **heldout_episodes(trainer, checker)}), flush=True)
     for _ in range(cfg.trainer.max_steps):
         m = trainer.train_step()
+        trainer.step += 1  # as the training loop does (nemo_rlhf.trainers.loop.fit): prompts and seeds follow it
         print(json.dumps({"step": {k: float(v) for k, v in m.items()
                                    if isinstance(v, (int, float)) and (k.startswith(("episode/", "rollout/reward",
                                                                                     "reward", "kl", "train/kl"))
