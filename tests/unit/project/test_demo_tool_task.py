@@ -65,3 +65,16 @@ def test_a_tool_task_with_an_rm_reward_is_refused_before_any_stage_naming_reward
                                          r"whole conversations.*--reward checker"):
         demo.main(argv)
     assert fake.cmds == [] and fake.ppo == []
+
+
+def test_task_calc_is_the_calc_tool_task_on_the_tiny_model(tmp_path, monkeypatch):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(["--task", "calc", "--reward", "checker", "--out", str(tmp_path / "out"), "--rm-prompts", "6",
+                      "--rm-val-prompts", "3", "--ppo-prompts", "10", "--sft-more-rounds", "0"]) == 0
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["task"] == "calc" and s["model"] == "tiny" and s["env"] == "digit_calculator"
+    assert s["defaults"]["model"]["value"] == "tiny"
+    (ppo,) = fake.ppo
+    assert ppo["config"] == "ppo_tiny" and "env.name='digit_calculator'" in ppo["args"]
+    with pytest.raises(SystemExit, match="--reward rm is not supported on a tool task yet"):
+        demo.main(["--task", "calc", "--out", str(tmp_path / "out2")])
