@@ -23,7 +23,8 @@ lengths, never from comparing ids with PAD (PAD may equal EOS).
 
 Over-long rows (``len(prompt_ids) + len(response_ids) > max_seq_length``):
 ``overlong_policy=truncate`` cuts the response (its EOS goes first; a segmented row's loss
-mask with it) and keeps the row when at least one response (policy) token is left; ``drop`` drops it. A preference pair is dropped when
+mask with it) and keeps the row when at least one response (policy) token is left;
+``drop`` drops it. A preference pair is dropped when
 either side would be, or when truncation makes chosen and rejected identical. A prompt
 row (PPO) is always dropped when its prompt is longer than ``max_prompt_length``: a cut
 question changes its answer. Every case is counted in the :class:`LoadReport`.
