@@ -36,7 +36,8 @@ the project's own entry point run as a subprocess and skipped when its output ex
    and at the end, the gold guard (``guards.*``: the RM's reward rising while the checker's
    accuracy does not); ``kl.target`` scaled by the task's response length
    (:func:`kl_target_for_task`; the default task keeps its config's) and the profile's
-   ``kl.type`` (:attr:`ModelProfile.kl_type`: ``pi`` for the tiny model);
+   ``kl.type`` (:attr:`ModelProfile.kl_type`: ``pi`` for the tiny model). A tool task
+   (``Task.env``): every evaluation runs episodes, no RM (``--reward checker`` only, #51);
 6. the before / after table, the verdict (:func:`launchers.gates.ppo_verdict`) and
    ``<out>/summary.json``. Every default picked for the task is printed with its reason
    (:func:`picked`; ``summary.json``'s ``defaults``).
@@ -530,11 +531,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     checkers = [f"checker={checker}",
                 *([f"extra_checkers=[{','.join(task.extra_checkers)}]"] if task.extra_checkers else []),
                 f"precision={a.precision}", *env_overrides(task)]  # a tool task: every evaluation runs episodes
-    if task.env is not None and a.reward != "checker":
-        raise SystemExit(f"task {task.name!r} (Task.env={task.env!r}): --reward {a.reward} is not supported on "
-                         f"a tool task yet: the RM would be trained on pairs of final answers, not on whole "
-                         f"conversations (the tool's output unseen); run it with --reward checker "
-                         f"(docs/tasks.md, 'A tool task')")
+    gates.refuse_rm_on_tool_task(task, a.reward)
 
     clock.start()
     model = prepare_model(profile, out, a.model_seed)
