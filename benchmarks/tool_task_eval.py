@@ -1,7 +1,8 @@
 """Held-out accuracy of a tool task *with the tool*, before and after PPO (#51).
 
-The recipe's own evaluations decode single-turn (``nemo_rlhf.evaluate``, the PPO trainer's
-held-out evaluation), so they cannot measure a policy that calls a tool. This script builds
+The recipe measures a tool task itself (``python -m launchers.demo --task calc --reward
+checker``: ``nemo_rlhf.evaluate`` and the PPO trainer run episodes with ``env.name``); this
+script measures a given checkpoint without the recipe's stages. It builds
 the PPO trainer (``conf/ppo_tiny.yaml`` + the overrides given, ``env.name`` set), runs one
 greedy episode per held-out row (``data.val_file``) through the trainer's own episode code
 (:func:`~nemo_rlhf.rollout.episodes.run_episodes`, the rollout source's encoders), scores

@@ -1,12 +1,18 @@
 """The demo pipelines behind ``make demo``: RLHF on a real model (default) or on a tiny one.
 
-    python -m launchers.demo [--task smollm2|tiny|package.module:TASK] [--model smollm2|tiny]
+    python -m launchers.demo [--task smollm2|tiny|calc|package.module:TASK] [--model smollm2|tiny]
                              [--out DIR] [--nproc 1] [-- <extra PPO overrides>]
 
 ``--task package.module:TASK``: the recipe below on your own verifiable task, a
 :class:`nemo_rlhf.tasks.task.Task` (prompts, a checker, optionally an answer-edit rule and a
 demonstration writer; docs/tasks.md), from ``--model``: :mod:`launchers.recipe`. When the
 model gets no sampled answer right, the recipe does SFT on the task's demonstrations first.
+
+``--task calc`` (#51): the recipe on the tool task :data:`nemo_rlhf.tasks.calc.TASK` (two-digit
+multiplication with a calculator the policy calls, ``env.name=digit_calculator``) with the
+tiny model unless ``--model`` says otherwise; it needs ``--reward checker`` (no RM on a tool
+task yet). Its samples, SFT gate and held-out evaluations run episodes with the calculator
+(docs/tasks.md, "A tool task").
 
 ``--task smollm2`` (the default): SmolLM2-135M-Instruct, set up offline from its PyPI
 package (``nemo_rlhf/tools/real_model.py``), learns two-digit addition asked through its
@@ -201,6 +207,10 @@ def run_smollm2(a) -> int:
     return run_recipe(a, TASK, "two_digit_addition", PROFILES["smollm2"])
 
 
+CALC_TASK = "nemo_rlhf.tasks.calc:TASK"
+"""``--task calc``: the tool task (:mod:`nemo_rlhf.tasks.calc`)."""
+
+
 def run_task(a) -> int:
     """The recipe on the task ``a.task`` names (``package.module:ATTRIBUTE``) with ``a.model``."""
     from nemo_rlhf.tasks.task import load_task
@@ -217,9 +227,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="Flags are grouped by where they apply. Words after the flags: overrides of the PPO job.")
-    ap.add_argument("--task", default="smollm2", metavar="smollm2|tiny|package.module:TASK",
+    ap.add_argument("--task", default="smollm2", metavar="smollm2|tiny|calc|package.module:TASK",
                     help="smollm2: SmolLM2-135M-Instruct on two-digit addition (default); "
-                         "tiny: the synthetic demo on a tiny model; package.module:TASK: the recipe on "
+                         "tiny: the synthetic demo on a tiny model; calc: the tool task nemo_rlhf.tasks.calc:TASK "
+                         "on the tiny model (with --reward checker); package.module:TASK: the recipe on "
                          "your task, a nemo_rlhf.tasks.task.Task (docs/tasks.md), with --model")
     every = ap.add_argument_group("every task")
     every.add_argument("--out", default=None, help="experiment root; relative: to the working directory "
@@ -336,12 +347,17 @@ def main(argv=None) -> int:
         if value is not None:
             setattr(a, flag, os.path.abspath(os.path.expanduser(value)))
     a.ppo_recipe = []
+    a.defaults = {}  # what the recipe picked for the task, with why (launchers.recipe.picked; summary.json)
+    if a.task == "calc":  # the tool task's short name: its module path, the tiny model (its digit vocabulary)
+        a.task = CALC_TASK
+        if a.model is None:
+            a.model = "tiny"
+            picked(a, "model", "tiny", "--task calc: the digit-vocabulary calculator is the tiny model's")
     custom = a.task not in ("smollm2", "tiny")
     if custom and ":" not in a.task:
         ap.error(f"--task {a.task!r}: give smollm2, tiny or package.module:TASK (a nemo_rlhf.tasks.task.Task)")
     if a.model is not None and not custom:
         ap.error(f"--model applies to --task package.module:TASK; --task {a.task} has its own model")
-    a.defaults = {}  # what the recipe picked for the task, with why (launchers.recipe.picked; summary.json)
     if custom and a.model is None:
         picked(a, "model", "smollm2", "--model not given: SmolLM2-135M-Instruct, the demo's model")
     a.model = a.model or "smollm2"

@@ -183,6 +183,20 @@ class GateResult:
     fields: dict = field(default_factory=dict)
 
 
+def refuse_rm_on_tool_task(task, reward: str) -> None:
+    """Refuse ``--reward rm|both`` on a task with an environment (``Task.env``, #51), before
+    any stage: the RM would be trained on pairs of final answers, not on whole conversations.
+
+    Raises:
+        SystemExit: naming the task, the flag and ``--reward checker``.
+    """
+    if task.env is not None and reward != "checker":
+        raise SystemExit(f"task {task.name!r} (Task.env={task.env!r}): --reward {reward} is not supported on "
+                         f"a tool task yet: the RM would be trained on pairs of final answers, not on whole "
+                         f"conversations (the tool's output unseen); run it with --reward checker "
+                         f"(docs/tasks.md, 'A tool task')")
+
+
 def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom_task: bool,
             has_edit_answer: bool, sft_steps=None, a=None, auc=None) -> GateResult:
     """The RM gate: may PPO train against this RM?

@@ -36,7 +36,8 @@ the project's own entry point run as a subprocess and skipped when its output ex
    and at the end, the gold guard (``guards.*``: the RM's reward rising while the checker's
    accuracy does not); ``kl.target`` scaled by the task's response length
    (:func:`kl_target_for_task`; the default task keeps its config's) and the profile's
-   ``kl.type`` (:attr:`ModelProfile.kl_type`: ``pi`` for the tiny model);
+   ``kl.type`` (:attr:`ModelProfile.kl_type`: ``pi`` for the tiny model). A tool task
+   (``Task.env``): every evaluation runs episodes, no RM (``--reward checker`` only, #51);
 6. the before / after table, the verdict (:func:`launchers.gates.ppo_verdict`) and
    ``<out>/summary.json``. Every default picked for the task is printed with its reason
    (:func:`picked`; ``summary.json``'s ``defaults``).
@@ -391,13 +392,10 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
         clock.start()
     samples_train = _sample(a, policy, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args,
                             logs / "rm_samples.log")
-    samples_val = _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
-                          logs / "rm_samples.log")
-    val_file = _enough_heldout_pairs(a, policy, data, rm_data, samples_val, stage_args, logs)
-    if count_right(samples_train) == 0 and task.env is not None:  # (#51) not yet multi-turn
-        raise SystemExit(f"task {task.name!r} (Task.env={task.env!r}): 0 of {len(samples_train)} sampled "
-                         f"answers right; the recipe samples single-turn, so a tool call ends the answer: "
-                         f"measure it with benchmarks/tool_task_eval.py (docs/tasks.md, 'A tool task')")
+    if task.env is None:  # a tool task trains no RM (run_recipe): no held-out pairs
+        samples_val = _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
+                              logs / "rm_samples.log")
+        val_file = _enough_heldout_pairs(a, policy, data, rm_data, samples_val, stage_args, logs)
     if count_right(samples_train) == 0:
         raise SystemExit(f"task {task.name!r}: after SFT ({a.sft_steps} steps on {a.sft_rows} demonstrations) "
                          f"the model still got 0 of {len(samples_train)} sampled answers right; raise "
@@ -407,6 +405,9 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
         print(f"after SFT: {k} of {n} sampled answers to the RM prompts right ({100 * k / n:.1f}%, 95% Wilson "
               f"interval {gates.pct_interval(*gates.wilson_interval(k, n))}; T={a.rm_temperature}); its "
               f"greedy held-out exact match is PPO's step-0 evaluation", flush=True)
+    if task.env is not None:
+        clock.stop("rm_samples")
+        return policy, sft, probe_acc, samples_train, {"train": 0, "val": 0, "val_same_form": 0}, sft_rounds
     edits = a.rm_edit_pairs if task.edit_answer is not None else 0
     pair_counts = {}
     for split in ("train", "val"):  # held-out: the natural pairs only; the same-form ones are their own file
@@ -529,7 +530,8 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     picked(a, "ppo_config", profile.ppo_config, f"the {profile.name} model profile's PPO config")
     checkers = [f"checker={checker}",
                 *([f"extra_checkers=[{','.join(task.extra_checkers)}]"] if task.extra_checkers else []),
-                f"precision={a.precision}"]
+                f"precision={a.precision}", *env_overrides(task)]  # a tool task: every evaluation runs episodes
+    gates.refuse_rm_on_tool_task(task, a.reward)
 
     clock.start()
     model = prepare_model(profile, out, a.model_seed)
@@ -565,44 +567,49 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         a, task, profile, out, data, ckpt, tok, stage_args, clock)
     right = count_right(samples_train)
 
-    clock.start()
     rm_exp = out / "rm"
+    if task.env is not None:  # (#51) a tool task: no RM stage (its pairs would be final answers, not conversations)
+        rm = train_rm = None
+        gate = gates.GateResult(True, "a tool task (Task.env): no RM is trained; PPO's reward is the checker",
+                                {"applies": False, "skipped": "tool task: --reward checker"})
+    else:
+        clock.start()
 
-    def train_rm(exp: Path, init_from: str, train_file: Path, steps: int, extra=()) -> None:
-        overrides = [*profile.rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok, profile), *extra]
-        if task.edit_answer is None:  # no same-form pairs to validate on
-            overrides = [o for o in overrides if not o.startswith("+rm.extra_val_files.same_form=")]
-        stages.run_stage([py, "-m", "nemo_rlhf.train_rm", *overrides], logs / f"{exp.name}.log")
+        def train_rm(exp: Path, init_from: str, train_file: Path, steps: int, extra=()) -> None:
+            overrides = [*profile.rm_overrides(a, exp, init_from, train_file, steps, rm_data, tok, profile), *extra]
+            if task.edit_answer is None:  # no same-form pairs to validate on
+                overrides = [o for o in overrides if not o.startswith("+rm.extra_val_files.same_form=")]
+            stages.run_stage([py, "-m", "nemo_rlhf.train_rm", *overrides], logs / f"{exp.name}.log")
 
-    rm_steps = max(1, int(a.rm_epochs * pair_counts["train"] // 16))
-    picked(a, "rm_steps", rm_steps, f"--rm-epochs {a.rm_epochs:g} passes over {pair_counts['train']} training "
-                                    f"pairs in batches of 16")
-    if stages.latest_checkpoint(rm_exp) is None:  # from the policy, as InstructGPT's RM (sec. 3.5)
-        train_rm(rm_exp, policy, rm_data / "preference_train.jsonl", rm_steps)
-    rm = stages.latest_checkpoint(rm_exp)
+        rm_steps = max(1, int(a.rm_epochs * pair_counts["train"] // 16))
+        picked(a, "rm_steps", rm_steps, f"--rm-epochs {a.rm_epochs:g} passes over {pair_counts['train']} training "
+                                        f"pairs in batches of 16")
+        if stages.latest_checkpoint(rm_exp) is None:  # from the policy, as InstructGPT's RM (sec. 3.5)
+            train_rm(rm_exp, policy, rm_data / "preference_train.jsonl", rm_steps)
+        rm = stages.latest_checkpoint(rm_exp)
 
-    def gate_of(accuracy, auc=None):
-        return gates.rm_gate(accuracy, pair_counts["val"], a.rm_min_heldout_pairs, reward=a.reward,
-                             custom_task=not default, has_edit_answer=task.edit_answer is not None,
-                             sft_steps=a.sft_steps if sft is not None else None, a=a, auc=auc)
+        def gate_of(accuracy, auc=None):
+            return gates.rm_gate(accuracy, pair_counts["val"], a.rm_min_heldout_pairs, reward=a.reward,
+                                 custom_task=not default, has_edit_answer=task.edit_answer is not None,
+                                 sft_steps=a.sft_steps if sft is not None else None, a=a, auc=auc)
 
-    rm, rm_accuracy, rm_rounds = _train_rm_until_it_stops_improving(
-        a, rm, stages.rm_accuracy(rm_exp), out, rm_data, rm_steps, train_rm, gate_of)
-    clock.stop("rm")
+        rm, rm_accuracy, rm_rounds = _train_rm_until_it_stops_improving(
+            a, rm, stages.rm_accuracy(rm_exp), out, rm_data, rm_steps, train_rm, gate_of)
+        clock.stop("rm")
 
-    clock.start()
-    auc = None if a.reward == "checker" else _rm_auc_on_heldout_samples(a, policy, rm, data, rm_data, stage_args,
-                                                                        logs)
-    clock.stop("rm_auc")
-    gate = gate_of(rm_accuracy, auc)
-    gate.fields["more_rm_rounds"] = rm_rounds
-    print(gate.message, flush=True)
-    if not gate.passed and a.force:
-        print("--force: PPO trains against this RM anyway", flush=True)
-        gate.fields["forced"] = True
-    elif not gate.passed:
-        _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs)
-        return gates.RM_GATE_EXIT
+        clock.start()
+        auc = None if a.reward == "checker" else _rm_auc_on_heldout_samples(a, policy, rm, data, rm_data, stage_args,
+                                                                            logs)
+        clock.stop("rm_auc")
+        gate = gate_of(rm_accuracy, auc)
+        gate.fields["more_rm_rounds"] = rm_rounds
+        print(gate.message, flush=True)
+        if not gate.passed and a.force:
+            print("--force: PPO trains against this RM anyway", flush=True)
+            gate.fields["forced"] = True
+        elif not gate.passed:
+            _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs)
+            return gates.RM_GATE_EXIT
 
     clock.start()
     ppo_exp = out / "ppo"
@@ -711,6 +718,9 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
             "original_mean_response_length": original.get("mean_response_length"),
             **({} if fmt is None else {"original_format_compliance": original.get(fmt)})}),
         "baseline_accuracy": baseline["accuracy"], "ppo_accuracy": final["accuracy"],
+        **({} if task.env is None else {"env": task.env, "baseline_episode": baseline.get("episode"),
+                                        "ppo_episode": final.get("episode"),
+                                        **({} if original is None else {"original_episode": original.get("episode")})}),
         "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
         **({} if fmt is None and not default else {
             "baseline_format_compliance": baseline.get(fmt), "ppo_format_compliance": final.get(fmt)}),
@@ -736,10 +746,11 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
         summary["sft_rounds"] = list(sft_rounds)
     summary["defaults"] = getattr(a, "defaults", {})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("\n=== before / after PPO (held-out, greedy) ===")
+    print("\n=== before / after PPO (held-out, greedy" + (f", episodes with {task.env}" if task.env else "") + ") ===")
     for before, after in zip(baseline["examples"], final["examples"]):
-        print(f"{before['prompt']!r}\n   before: {before['response']!r} ({before['correct']:.0f})"
-              f"\n   after : {after['response']!r} ({after['correct']:.0f})")
+        print(f"{before['prompt']!r}\n   before: {before.get('episode') or before['response']!r} "
+              f"({before['correct']:.0f})\n   after : {after.get('episode') or after['response']!r} "
+              f"({after['correct']:.0f})")
     title = "SmolLM2-135M-Instruct, two-digit addition" if default else f"{profile.name} model, task {task.name}"
     print(f"\n=== demo summary ({title}) ===")
     if sft is not None:
@@ -751,15 +762,19 @@ def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe
              (f"PPO policy (step {ppo_step})" if ppo_step is not None else "PPO policy",
               final, f"{summary['improvement_points']:+.1f} points over PPO's start")]
     width = max(len(name) for name, _, _ in rows)
-    print("held-out accuracy (greedy, the task's checker):")
+    print("held-out accuracy (greedy, the task's checker" + (f"; with the tool: episodes with {task.env}, the "
+                                                           f"final answer checked" if task.env else "") + "):")
     for name, ev, note in rows:
         notes = [n for n in (note, f"format: {label} {100 * ev.get(fmt, 0):.1f}%" if fmt else None,
                              f"mean length {ev['mean_response_length']:.1f} tokens"
-                             if ev.get("mean_response_length") is not None else None) if n]
+                             if ev.get("mean_response_length") is not None else None, stages.episode_note(ev)) if n]
         print(f"  {name:<{width}} : {100 * ev['accuracy']:5.1f}% ({'; '.join(notes)})")
-    print(f"RM held-out pair accuracy   : {'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'} "
-          f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong answer, same "
-          f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
+    if task.env is not None:
+        print("RM                          : none (a tool task: PPO's reward is the checker)")
+    else:
+        print(f"RM held-out pair accuracy   : {'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'} "
+              f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong answer, same "
+              f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
     print(f"final kl_mean (nats/seq)    : {stages.kl_line(kl)}")
     stages.print_reward_auc(summary["reward_auc_by_step"])
     stages.print_rounds(rounds)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -151,7 +152,10 @@ def ppo_evaluation(exp: Path, step: int, num_examples: int = 8) -> dict | None:
     ``<exp>/eval_samples/step_<step>.jsonl``) in the form of ``nemo_rlhf.evaluate``'s
     output: ``accuracy`` (the ``correct`` column: ``trainer.eval_checker``),
     ``just_the_number`` when that checker ran, ``mean_response_length`` (tokens) and the
-    first ``num_examples`` rows as ``examples`` (``correct``: the checker's). ``None`` when
+    first ``num_examples`` rows as ``examples`` (``correct``: the checker's); for episodes
+    (``env.name``) also ``episode`` (``turns_mean``, ``tool_calls_mean``,
+    ``malformed_call_rate``: the run's ``eval/episode/*`` of that step) and each example's
+    ``episode`` text. ``None`` when
     the run did not evaluate that step (``trainer.val_check_interval=0``): the caller then
     runs ``nemo_rlhf.evaluate`` itself. The demo measured both on the same checkpoints:
     14.0% / 14.385 tokens at step 0 and 53.5% / 11.815 at step 10 from each."""
@@ -168,7 +172,22 @@ def ppo_evaluation(exp: Path, step: int, num_examples: int = 8) -> dict | None:
                         for r in rows[:num_examples]]}
     if all("just_the_number" in r for r in rows):
         out["just_the_number"] = sum(r["just_the_number"] for r in rows) / len(rows)
+    if all("turns" in r for r in rows):  # episodes (env.name): the run's eval/episode/* of that step
+        out["episode"] = {k: metric_by_step(exp, f"eval/episode/{k}").get(step)
+                          for k in ("turns_mean", "tool_calls_mean", "malformed_call_rate")}
+        for ex, r in zip(out["examples"], rows):
+            ex["episode"] = r.get("episode")
     return out
+
+
+def episode_note(ev: dict) -> Optional[str]:
+    """``tool calls <mean> an episode, <turns> turns, malformed <rate>%`` of an evaluation
+    that ran episodes (its ``episode`` record), else None."""
+    e = ev.get("episode") or {}
+    if e.get("tool_calls_mean") is None:
+        return None
+    return (f"tool calls {e['tool_calls_mean']:.2f} an episode, {e['turns_mean']:.2f} turns, malformed "
+            f"{100 * e['malformed_call_rate']:.1f}%")
 
 
 SMOLLM2_MAX_NEW_TOKENS = 24

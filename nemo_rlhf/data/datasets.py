@@ -6,13 +6,25 @@ Token layout (the same in SFT, RM and PPO)::
     response_ids = encode(response) + [EOS]
 
 (no BOS when the tokenizer has none). Prompt and response are encoded separately, so a
-BPE merge never spans the boundary and the prompt length is exact. Batches are
+BPE merge never spans the boundary and the prompt length is exact.
+
+A multi-turn SFT row (a demonstration of a tool-calling episode, #51) carries ``segments``
+instead of ``response``: ``[{"kind": "policy" | "env", "text": str}, ...]``, policy first
+and last, kinds alternating. Its ``response_ids`` are built token-in/token-out as an
+episode's trajectory is (:mod:`nemo_rlhf.rollout.trajectory`; the data layer sits below
+the rollout's, so :func:`encode_segments` appends the ids itself): each segment is
+tokenised **alone** and appended, a policy segment as ``encode(text) + [EOS]`` (a turn
+ends at EOS, as the episodes' turns do), an environment segment as ``encode(text)`` (the
+observation exactly as the episode appends it: ``env.observation_template`` filled, chat
+headers included). ``SFTSample.loss_mask`` is then 1 on policy tokens and 0 on the
+environment's, so the SFT loss never trains the model to predict a tool's output. Batches are
 right-padded with the tokenizer's PAD id; ``attention_mask`` and ``loss_mask`` come from
 lengths, never from comparing ids with PAD (PAD may equal EOS).
 
 Over-long rows (``len(prompt_ids) + len(response_ids) > max_seq_length``):
-``overlong_policy=truncate`` cuts the response (its EOS goes first) and keeps the row when
-at least one response token is left; ``drop`` drops it. A preference pair is dropped when
+``overlong_policy=truncate`` cuts the response (its EOS goes first; a segmented row's loss
+mask with it) and keeps the row when at least one response (policy) token is left;
+``drop`` drops it. A preference pair is dropped when
 either side would be, or when truncation makes chosen and rejected identical. A prompt
 row (PPO) is always dropped when its prompt is longer than ``max_prompt_length``: a cut
 question changes its answer. Every case is counted in the :class:`LoadReport`.
@@ -34,6 +46,9 @@ from nemo_rlhf.data.templates import check_template, format_prompt
 from nemo_rlhf.data.tokenizer import Tokenizer
 
 OVERLONG_POLICIES = ("truncate", "drop")
+SEGMENT_KINDS = ("policy", "env")
+"""``kind`` of an SFT row's segment: the policy's text (trained on) or the environment's
+(not trained on); the values of :data:`nemo_rlhf.rollout.trajectory.POLICY` / ``ENV``."""
 
 
 @dataclass
@@ -81,7 +96,10 @@ class SFTSample:
     prompt_ids: list[int]
     """BOS + formatted prompt."""
     response_ids: list[int]
-    """Response + EOS (no EOS when truncated)."""
+    """Response + EOS (no EOS when truncated); a segmented row's segments' ids, appended."""
+    loss_mask: Optional[list[int]] = None
+    """Per ``response_ids`` token: 1 trained on (policy), 0 not (environment); None: every
+    response token is trained on (a single-turn row)."""
 
 
 @dataclass
@@ -147,7 +165,39 @@ def encode_response(tokenizer: Tokenizer, response: str) -> list[int]:
     return tokenizer.encode(response) + [tokenizer.eos_id]
 
 
-def _encode_field(fn, where: str, name: str, *args) -> list[int]:
+def encode_segments(tokenizer: Tokenizer, segments: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """A segmented SFT row's response, token-in/token-out (module docstring): each segment
+    tokenised alone and appended, a policy segment as ``encode(text) + [EOS]``, an
+    environment segment as ``encode(text)``.
+
+    Args:
+        segments: ``[{"kind": "policy" | "env", "text": str}]``, as the row holds them
+            (validated on reading, :mod:`nemo_rlhf.data.jsonl`).
+
+    Returns:
+        ``(ids, loss_mask)``: the appended ids and, per id, 1 on policy tokens, 0 on
+        environment tokens (same length).
+
+    Raises:
+        ValueError: a segment kind not in :data:`SEGMENT_KINDS` (naming it and the choices),
+            an environment segment that encodes to no tokens, or text the tokenizer cannot
+            encode.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, seg in enumerate(segments):
+        kind = seg["kind"]
+        if kind not in SEGMENT_KINDS:
+            raise ValueError(f"segments[{i}].kind={kind!r}: valid kinds are {list(SEGMENT_KINDS)}")
+        part = encode_response(tokenizer, seg["text"]) if kind == "policy" else tokenizer.encode(seg["text"])
+        if not part:
+            raise ValueError(f"segments[{i}]: the environment's text {seg['text']!r} encodes to no tokens")
+        ids.extend(part)
+        mask.extend([1 if kind == "policy" else 0] * len(part))
+    return ids, mask
+
+
+def _encode_field(fn, where: str, name: str, *args):
     try:
         return fn(*args)
     except ValueError as exc:
@@ -162,6 +212,12 @@ def _fit(prompt_len: int, response: list[int], cfg: DataConfig) -> Optional[list
     if cfg.overlong_policy == "drop" or room < 1:
         return None
     return response[:room]
+
+
+def sft_loss_tokens(sample: SFTSample) -> int:
+    """Tokens of ``sample`` the SFT loss counts: its policy tokens (every response token
+    of a single-turn row)."""
+    return len(sample.response_ids) if sample.loss_mask is None else sum(sample.loss_mask)
 
 
 def _load(path, kind: str, cfg: DataConfig, build) -> TokenizedDataset:
@@ -182,7 +238,8 @@ def _load(path, kind: str, cfg: DataConfig, build) -> TokenizedDataset:
 
 
 def load_sft_dataset(path: str | Path, tokenizer: Tokenizer, cfg: DataConfig) -> TokenizedDataset[SFTSample]:
-    """Read, validate and tokenize an SFT JSONL file.
+    """Read, validate and tokenize an SFT JSONL file (``response`` rows, or ``segments``
+    rows: the module docstring).
 
     Raises:
         DataError: an invalid row (file, line, field) unless ``cfg.skip_invalid``.
@@ -190,13 +247,21 @@ def load_sft_dataset(path: str | Path, tokenizer: Tokenizer, cfg: DataConfig) ->
     def build(row, where, report):
         p = _encode_field(encode_prompt, where, "messages" if "messages" in row else "prompt", tokenizer,
                           row["prompt"], cfg.chat_template, cfg.system_prompt, row.get("messages"))
-        r = _encode_field(encode_response, where, "response", tokenizer, row["response"])
+        mask = None
+        if "segments" in row:
+            r, mask = _encode_field(encode_segments, where, "segments", tokenizer, row["segments"])
+        else:
+            r = _encode_field(encode_response, where, "response", tokenizer, row["response"])
         fitted = _fit(len(p), r, cfg)
+        if fitted is not None and mask is not None:
+            mask = mask[:len(fitted)]
+            if not any(mask):  # the cut left only environment tokens: nothing to train on
+                fitted = None
         if fitted is None:
             report.dropped_overlong += 1
             return None
         report.truncated += len(fitted) < len(r)
-        return SFTSample(p, fitted)
+        return SFTSample(p, fitted, mask)
 
     return _load(path, "sft", cfg, build)
 
@@ -290,14 +355,18 @@ def collate_sft(samples: Sequence[SFTSample], pad_id: int, length: Optional[int]
 
     Returns:
         ``input_ids [B, L]`` int64, ``attention_mask [B, L]`` int64 and ``loss_mask
-        [B, L]`` float32: 1.0 at response tokens (the targets of the loss; EOS included),
-        0.0 at BOS, prompt and padding.
+        [B, L]`` float32: 1.0 at response tokens (the targets of the loss; EOS included)
+        that :attr:`SFTSample.loss_mask` does not exclude (a segmented row: policy tokens
+        only), 0.0 at BOS, prompt, environment tokens and padding.
     """
     ids, mask = pad_right([s.prompt_ids + s.response_ids for s in samples], pad_id, length)
     loss_mask = torch.zeros(ids.shape, dtype=torch.float32, device="cpu")  # host, as ids
     for i, s in enumerate(samples):
         p = len(s.prompt_ids)
-        loss_mask[i, p:p + len(s.response_ids)] = 1.0
+        if s.loss_mask is None:
+            loss_mask[i, p:p + len(s.response_ids)] = 1.0
+        else:
+            loss_mask[i, p:p + len(s.response_ids)] = torch.tensor(s.loss_mask, dtype=torch.float32)
     return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
 
 

@@ -2,7 +2,10 @@
 
 Formats (one JSON object a line):
 
-* ``sft``: ``{"prompt": str, "response": str, ...}``
+* ``sft``: ``{"prompt": str, "response": str, ...}``, or a multi-turn demonstration
+  ``{"prompt": str, "segments": [{"kind": "policy" | "env", "text": str}, ...], ...}``
+  (policy first and last, kinds alternating; the loss is on the policy segments only:
+  :mod:`nemo_rlhf.data.datasets`)
 * ``preference``: ``{"prompt": str, "chosen": str, "rejected": str, ...}``
 * ``prompt`` (PPO): ``{"prompt": str, ...}``; the other fields (e.g. ``answer``) are passed
   through as the row's *extras* for reward functions.
@@ -155,7 +158,7 @@ def _normalise_chat(obj: dict, kind: str, where: str) -> dict:
         if "prompt" in obj:
             raise DataError(f"{where}: field 'messages': give 'messages' or 'prompt', not both")
         msgs = _check_messages(obj.pop("messages"), where, "messages")
-        if kind == "sft":
+        if kind == "sft" and "segments" not in obj:  # (a segmented row's conversation ends with the user)
             if "response" in obj:
                 raise DataError(f"{where}: field 'messages': the response is its last assistant "
                                 f"message; drop 'response'")
@@ -179,6 +182,27 @@ def _normalise_chat(obj: dict, kind: str, where: str) -> dict:
     return obj
 
 
+def _check_segments(obj: dict, where: str) -> None:
+    """A multi-turn SFT row's ``segments`` (module docstring)."""
+    segments = obj["segments"]
+    if "response" in obj:
+        raise DataError(f"{where}: field 'segments': give 'response' or 'segments', not both")
+    if not isinstance(segments, list) or not segments:
+        raise DataError(f"{where}: field 'segments': expected a non-empty list of "
+                        f"{{'kind': 'policy' | 'env', 'text': str}}, got {segments!r}")
+    for i, seg in enumerate(segments):
+        if (not isinstance(seg, dict) or set(seg) != {"kind", "text"} or seg["kind"] not in ("policy", "env")
+                or not isinstance(seg["text"], str)):
+            raise DataError(f"{where}: field 'segments[{i}]': expected {{'kind': 'policy' | 'env', "
+                            f"'text': str}}, got {seg!r}")
+        if i and seg["kind"] == segments[i - 1]["kind"]:
+            raise DataError(f"{where}: field 'segments[{i}]': two {seg['kind']!r} segments in a row; "
+                            f"policy and env segments alternate (join the texts)")
+    if segments[0]["kind"] != "policy" or segments[-1]["kind"] != "policy":
+        raise DataError(f"{where}: field 'segments': the first and the last segment must be the "
+                        f"policy's (the prompt is the first observation; the final answer ends it)")
+
+
 def _validate_row(obj, kind: str, where: str, fields: dict | None = None) -> dict:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -190,7 +214,11 @@ def _validate_row(obj, kind: str, where: str, fields: dict | None = None) -> dic
                                 f"{ours!r}; fix the column name or drop the mapping (keys present: {present})")
         obj = _rename_fields(obj, fields)
     obj = _normalise_chat(obj, kind, where)
-    for name in REQUIRED_FIELDS[kind]:
+    required = REQUIRED_FIELDS[kind]
+    if kind == "sft" and "segments" in obj:
+        _check_segments(obj, where)
+        required = ("prompt",)
+    for name in required:
         if name not in obj:
             label = f"{fields[name]!r} (data.fields.{name})" if fields and name in fields else repr(name)
             raise DataError(f"{where}: field {label}: missing (keys present: {present})")

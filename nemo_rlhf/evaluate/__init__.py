@@ -23,6 +23,16 @@ TP/PP layout works (checkpoints are resharded on load). The checker is a reward 
 (``package.module:function`` or a built-in short name, ``nemo_rlhf.reward.functions``) called with the raw prompts, the decoded
 responses (EOS excluded) and the rows' extra fields (e.g. ``answer``).
 
+Tool tasks (#51): with ``env.name`` (and the other ``env.*`` keys of the PPO config) each
+prompt row is one episode with that environment, run by the PPO trainer's own episode path
+(:func:`~nemo_rlhf.trainers.ppo.episode_source.run_episode_batch`: the KV cache kept across
+turns, the observations tokenised alone and appended; ``max_new_tokens`` per policy turn),
+and the checker scores each episode's final answer (its last policy turn), as PPO's reward
+and held-out evaluation do. The result gains ``episode`` (``turns_mean``,
+``tool_calls_mean``, ``tool_call_rate``, ``malformed_call_rate``), ``mean_response_length``
+counts policy tokens, and each sample row (and example) gains ``episode`` (the text after
+the prompt, the tool's output included) and ``turns``. Not with ``reference`` (refused).
+
 One checkpoint writes one JSON: ``accuracy`` (mean checker score), ``mean_response_length``
 (generated tokens, EOS included, as in ``RolloutBatch.response_lengths``), ``repetition``
 (mean 3-gram repetition rate of the generated tokens, the PPO trainer's

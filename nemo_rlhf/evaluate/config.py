@@ -11,6 +11,7 @@ from omegaconf import MISSING
 from nemo_rlhf.config import check_choice
 from nemo_rlhf.data.templates import check_template
 from nemo_rlhf.distributed.parallel import ParallelConfig
+from nemo_rlhf.envs.config import EnvConfig
 from nemo_rlhf.models.config import PRECISIONS
 from nemo_rlhf.reward.functions import check_reward_function_spec
 
@@ -73,6 +74,11 @@ class EvalConfig:
     system_prompt: Optional[str] = None
     """Override the checkpoint's ``data.system_prompt``."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn evaluation (#51): with ``env.name`` set each prompt row is one episode with
+    that environment (the PPO trainer's :func:`~nemo_rlhf.trainers.ppo.episode_source.run_episode_batch`,
+    the same ``env.*`` keys as PPO's; ``max_new_tokens`` is per policy turn); the checker
+    scores the final answer (the last policy turn). Null: single-turn decoding."""
 
     def __post_init__(self) -> None:
         self.precision = str(self.precision)
@@ -101,6 +107,9 @@ class EvalConfig:
         for key in ("rm_checkpoint", "reference"):
             if getattr(self, key) == "":
                 raise ValueError(f"{key}='': give a checkpoint folder or null")
+        if self.env.enabled and self.reference:
+            raise ValueError(f"reference={self.reference!r} with env.name={self.env.name!r}: the KL to a "
+                             f"reference is not measured on episodes yet; drop reference or env.name")
 
 
 def register_configs() -> None:

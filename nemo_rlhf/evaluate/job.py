@@ -8,6 +8,7 @@ import gc
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -18,6 +19,7 @@ from nemo_rlhf.data.sample_rows import sample_row
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed.parallel import validate_parallel_layout
 from nemo_rlhf.distributed.split import chunks, dp_shard
+from nemo_rlhf.envs.config import get_env_factory
 from nemo_rlhf.evaluate.checkpoints import (LazyReference, build_rm, checkpoint_config, checkpoint_paths,
                                             find_tokenizer_dir, policy_model_config)
 from nemo_rlhf.evaluate.config import EvalConfig
@@ -30,6 +32,7 @@ from nemo_rlhf.models.moe import refuse_expert_parallel
 from nemo_rlhf.reward.functions import get_reward_function
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.common import setup_run
+from nemo_rlhf.trainers.ppo.episode_source import episode_texts, run_episode_batch
 
 
 def steps_report_paths(out: str | Path) -> tuple[Path, Path]:
@@ -38,6 +41,40 @@ def steps_report_paths(out: str | Path) -> tuple[Path, Path]:
     base = s[:-len(".json")] if s.endswith(".json") else s
     return Path(base + ".md"), Path(base + ".png")
 
+
+
+def _episode_results(cfg: EvalConfig, data_cfg: DataConfig, dims, model, tok, group: list, rollout: RolloutConfig,
+                     call: int, factory, limit: int) -> list[tuple]:
+    """``env.name`` set: one episode per row of ``group`` (``(index, sample, PromptSample)``)
+    through the PPO trainer's :func:`run_episode_batch` (its encoders, limits and seeds:
+    ``call`` is the call index); per row ``((index, sample), final answer, policy tokens,
+    not truncated, repetition of the policy tokens, None, {"episode", "turns",
+    "tool_calls", "malformed"})``. The final answer is the last policy turn decoded, EOS
+    dropped (what the checker scores, as in PPO)."""
+    episode_cfg = SimpleNamespace(env=cfg.env, data=data_cfg,
+                                  model=SimpleNamespace(vocab_size=tok.vocab_size, max_position_embeddings=limit))
+    problems = [{"prompt": s.prompt, **s.extras} for *_, s in group]
+    batch = run_episode_batch(episode_cfg, dims, model, tok, problems, rollout, call_index=call, factory=factory)
+    finals, texts = batch.final_texts(tok.decode, tok.eos_id), episode_texts(batch, tok)
+    reps = repetition_rates(batch.response_ids.tolist(), batch.response_mask.tolist())
+    out = []
+    for (i, k, _), ep, final, text, rep in zip(group, batch.episodes, finals, texts, reps):
+        tr, last = ep.trajectory, (ep.infos[-1] if ep.infos else {})
+        out.append(((i, k), final, tr.policy_tokens, not tr.truncated, rep, None,
+                    {"episode": text, "turns": tr.turns, "tool_calls": int(last.get("tool_calls", 0)),
+                     "malformed": int(last.get("malformed_calls", 0) > 0)}))
+    return out
+
+
+def episode_summary(episodes: list[dict]) -> dict:
+    """Means over the episodes' records (:func:`_episode_results`' last field):
+    ``turns_mean``, ``tool_calls_mean``, ``tool_call_rate`` (episodes with at least one
+    evaluated call), ``malformed_call_rate`` (episodes with a malformed call)."""
+    n = max(len(episodes), 1)
+    return {"turns_mean": sum(e["turns"] for e in episodes) / n,
+            "tool_calls_mean": sum(e["tool_calls"] for e in episodes) / n,
+            "tool_call_rate": sum(e["tool_calls"] > 0 for e in episodes) / n,
+            "malformed_call_rate": sum(e["malformed"] for e in episodes) / n}
 
 
 def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, reference,
@@ -73,7 +110,11 @@ def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, r
     rollout = RolloutConfig(max_new_tokens=cfg.max_new_tokens, greedy=greedy,
                             temperature=1.0 if greedy else cfg.temperature, seed=cfg.seed)
     results = []
+    factory = get_env_factory(cfg.env) if cfg.env.enabled else None
     for call, group in enumerate(chunks(local, cfg.batch_size)):
+        if factory is not None:  # multi-turn: episodes with the environment
+            results += _episode_results(cfg, data_cfg, dims, model, tok, group, rollout, call, factory, limit)
+            continue
         batch = generate(model, dims, [s.prompt_ids for *_, s in group], rollout,
                          eos_token_id=tok.eos_id, pad_token_id=tok.pad_id, vocab_size=tok.vocab_size,
                          max_sequence_length=limit, call_index=call)
@@ -91,7 +132,7 @@ def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, r
             content = [t for t, m in zip(ids, mask) if m]
             if ended and content and content[-1] == tok.eos_id:
                 content = content[:-1]
-            results.append(((i, k), tok.decode(content), int(n), bool(ended), rep, kl))
+            results.append(((i, k), tok.decode(content), int(n), bool(ended), rep, kl, None))
     if dims.dp > 1:
         gathered = [None] * dims.dp
         dist.all_gather_object(gathered, results, group=dims.dp_group)
@@ -112,6 +153,8 @@ def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, r
         measured["rm_reward"] = mean_or_nan(rm_out)
     if reference is not None:
         measured["kl_to_reference"] = mean_or_nan(kls)
+    if cfg.env.enabled:
+        measured["episode"] = episode_summary([r[6] for r in results])
     out = {
         "checkpoint": str(path),
         "step": read_metadata(path).get("step"),
@@ -136,14 +179,16 @@ def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, r
                         "invalid": ds.report.invalid, "dropped_overlong": ds.report.dropped_overlong},
         "time_s": time.perf_counter() - start,
         "examples": [{"prompt": samples[i].prompt, "response": r, "correct": scores[j], **samples[i].extras,
-                      **({"rm_score": rm_out[j]} if rm is not None else {})}
-                     for j, ((i, _), r, *_) in enumerate(results[:cfg.num_examples])],
+                      **({"rm_score": rm_out[j]} if rm is not None else {}),
+                      **({"episode": ep["episode"], "turns": ep["turns"]} if ep is not None else {})}
+                     for j, ((i, _), r, *_, ep) in enumerate(results[:cfg.num_examples])],
     }
     sample_rows = []
     if cfg.samples_out:
-        for j, ((i, k), r, length, ended, _rep, _kl) in enumerate(results):
+        for j, ((i, k), r, length, ended, _rep, _kl, ep) in enumerate(results):
             sample_rows.append(sample_row(
                 samples[i].prompt, r, scores[j], length, samples[i].extras, sample=k, ended=ended,
+                **({"episode": ep["episode"], "turns": ep["turns"]} if ep is not None else {}),
                 **{name: v[j] for name, v in extra_scores.items()},
                 **({"rm_score": float(rm_out[j])} if rm is not None else {}),
                 **({"kl_to_reference": float(kls[j])} if reference is not None else {})))
@@ -151,7 +196,10 @@ def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, r
         for ex in out["examples"]:
             rm_part = f"  rm={ex['rm_score']:.4f}" if "rm_score" in ex else ""
             print(f"  {ex['prompt']!r} -> {ex['response']!r}  correct={ex['correct']}{rm_part}")
-        extra = "".join(f", {name} {out[name]:.4f}" for name in [*extra_scores, *measured, "repetition"])
+        extra = "".join(f", {name} {out[name]:.4f}" for name in [*extra_scores, *measured, "repetition"]
+                        if name != "episode")
+        if "episode" in out:
+            extra += "".join(f", {k} {v:.4f}" for k, v in out["episode"].items())
         prefix, suffix = (f"step {out['step']} ({path}): ", "") if multi else ("", f" -> {cfg.out}")
         print(f"{prefix}{cfg.checker}: accuracy {out['accuracy']:.4f}{extra} on {n} responses, mean response "
               f"length {out['mean_response_length']:.2f} tokens, {out['time_s']:.1f}s{suffix}", flush=True)

@@ -12,11 +12,10 @@ can copy: with the digit-vocabulary calculator (``env.name=digit_calculator``,
 so the policy has to learn to call (repeat the expression) and to copy the result.
 
 * :data:`TASK` (``--task nemo_rlhf.tasks.calc:TASK``): with the tool. Its demonstrations
-  (:attr:`Task.demonstrate`, for SFT) are the whole episode after the prompt as one
-  response, ``37*12=<eos>444=444``: the tiny tokenizer reads ``<eos>`` in text as the EOS
-  id, so the SFT row has the episode's tokens exactly. Simplification: SFT has no
-  multi-turn rows, so its loss also trains on the observation ``444=`` (PPO masks
-  observation tokens out of its loss).
+  (:attr:`Task.demonstrate`, for SFT) are the episode after the prompt as segments: policy
+  ``37*12=``, env ``444=``, policy ``444``; the SFT row holds the episode's tokens exactly
+  (each policy segment ends with EOS, as a turn does) and its loss trains on the two policy
+  turns only, not on the observation ``444=`` (as PPO masks it).
 * :data:`NO_TOOL`: the same problems, checker and budget, single-turn (``Task.env``
   None), demonstrations the bare product: the comparison.
 
@@ -65,8 +64,10 @@ def calc_answer_right(prompt: str, response: str, extras: Mapping[str, Any]) -> 
     return calc_answer(response) == str(extras["answer"]).strip()
 
 
-def _demonstrate_with_tool(prompt: str, extras: Mapping[str, Any]) -> str:
-    return f"{prompt}<eos>{extras['answer']}={extras['answer']}"
+def _demonstrate_with_tool(prompt: str, extras: Mapping[str, Any]) -> list[dict]:
+    answer = extras["answer"]
+    return [{"kind": "policy", "text": prompt}, {"kind": "env", "text": f"{answer}="},
+            {"kind": "policy", "text": str(answer)}]
 
 
 def _demonstrate_alone(prompt: str, extras: Mapping[str, Any]) -> str:

@@ -20,10 +20,14 @@ whole one):
   The recipe re-checks every edit and keeps it only if the checker's verdict flipped
   (:func:`edit_pairs`): pairs in the same wording, which make an RM score the answer, not
   the form (docs/demo.md).
-* ``demonstrate(prompt, extras) -> str`` (optional): a right response, written for SFT. The
-  recipe uses it only when the model cannot do the task (no right answer among its samples,
-  so no natural pair): SFT on demonstrations first, then RM and PPO, InstructGPT's order
-  (Ouyang et al. 2022, sec. 3.5). Without it, such a task is refused, naming this field.
+* ``demonstrate(prompt, extras) -> str | list[dict]`` (optional): a right response, written
+  for SFT; for a task with an environment, the episode after the prompt as segments
+  ``[{"kind": "policy" | "env", "text": str}, ...]`` (the SFT row's ``segments``: the loss
+  trains on the policy's turns only, never on the tool's output;
+  :mod:`nemo_rlhf.data.datasets`). The recipe uses it only when the model cannot do the
+  task (no right answer among its samples, so no natural pair): SFT on demonstrations
+  first, then RM and PPO, InstructGPT's order (Ouyang et al. 2022, sec. 3.5). Without it,
+  such a task is refused, naming this field.
 
 The subprocess stages (``nemo_rlhf.evaluate``, the PPO trainer) name the checker by a
 string: ``checker_name`` (``package.module:function`` or a built-in short name, of the
@@ -34,13 +38,13 @@ from the working directory or ``PYTHONPATH`` (the recipe passes its own ``sys.pa
 
 * ``env`` (optional): an environment (an ``env.name``) PPO's rollouts run, e.g. a tool the
   policy calls (``digit_calculator``, :mod:`nemo_rlhf.tasks.calc`); the recipe passes it
-  and ``env_overrides`` to the PPO stage. The recipe's sampling, SFT gating and held-out
-  evaluations still decode single-turn (docs/tasks.md, "A tool task").
+  and ``env_overrides`` to the PPO stage and to every ``nemo_rlhf.evaluate`` of the
+  recipe (its samples, SFT gate and held-out evaluations then run episodes and score the
+  final answer; docs/tasks.md, "A tool task").
 
 Simplified: one checker per task (plus ``extra_checkers`` that are only reported), scores
 thresholded at 0.5 into right / wrong for the pairs, and the prompt is one ``str.format``
-template (no few-shot examples); a multi-turn demonstration is one response text (the
-observation tokens in it are trained on by SFT).
+template (no few-shot examples).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ Problem = Mapping[str, Any]
 """One problem: a JSON-able dict of fields (no ``prompt`` key: the template makes it)."""
 Checker = Callable[[str, str, Mapping[str, Any]], Union[bool, float]]
 AnswerEdit = Callable[[str, str, Mapping[str, Any], bool, random.Random], Optional[str]]
-Demonstrator = Callable[[str, Mapping[str, Any]], str]
+Demonstrator = Callable[[str, Mapping[str, Any]], Union[str, list]]
 
 PROMPT_FILES = ("eval.jsonl", "rm_val_prompts.jsonl", "rm_prompts.jsonl", "ppo_prompts.jsonl")
 """The prompt files :func:`write_prompt_files` writes, in the order the problems fill them."""
@@ -86,7 +90,8 @@ class Task:
     edit_answer: Optional[AnswerEdit] = None
     """``(prompt, response, extras, right, rng) -> str | None``: the counterfactual edit."""
     demonstrate: Optional[Demonstrator] = None
-    """``(prompt, extras) -> str``: a right response, for SFT when the model cannot do the task."""
+    """``(prompt, extras) -> str | [{"kind", "text"}]``: a right response (or, with an
+    environment, the episode's segments), for SFT when the model cannot do the task."""
     checker_name: Optional[str] = None
     """``module:function`` or a built-in short name the stages name (None: ``<task>.score``)."""
     extra_checkers: tuple = ()
@@ -356,21 +361,37 @@ def edit_pairs(task: Task, samples: Sequence[Mapping], per_prompt: int = 1, seed
 
 
 def demonstration_rows(task: Task, rows: Sequence[Mapping]) -> list[dict]:
-    """SFT rows ``{"prompt", "response"}`` of prompt rows (``{"prompt", **fields}``) by
-    ``task.demonstrate``; each demonstration is checked and a wrong one is an error.
+    """SFT rows of prompt rows (``{"prompt", **fields}``) by ``task.demonstrate``: ``{"prompt",
+    "response"}`` for a text, ``{"prompt", "segments"}`` for a list of segments (a
+    multi-turn demonstration, the SFT row format of :mod:`nemo_rlhf.data.jsonl`). Each is
+    checked: a text by the checker; segments by the checker on the last policy segment's
+    text (the final answer, as PPO scores an episode); a wrong one is an error.
 
     Raises:
-        ValueError: the task has no ``demonstrate`` (naming the field), a demonstration is
-            not a string or the checker marks it wrong (naming the prompt).
+        ValueError: the task has no ``demonstrate`` (naming the field), a demonstration that
+            is neither a string nor a list of ``{"kind": "policy" | "env", "text": str}``
+            ending with a policy segment, or one the checker marks wrong (naming the prompt).
     """
     if task.demonstrate is None:
         raise ValueError(f"task {task.name!r} has no Task.demonstrate: no SFT demonstrations")
     out = []
     for row in rows:
         extras = {k: v for k, v in row.items() if k != "prompt"}
-        response = task.demonstrate(row["prompt"], extras)
-        if not isinstance(response, str) or not task.right(row["prompt"], response, extras):
-            raise ValueError(f"task {task.name!r}: Task.demonstrate gave {response!r} for "
+        demo = task.demonstrate(row["prompt"], extras)
+        if isinstance(demo, (list, tuple)):
+            segments = [dict(s) if isinstance(s, Mapping) else s for s in demo]
+            ok = bool(segments) and all(isinstance(s, dict) and set(s) == {"kind", "text"}
+                                        and s["kind"] in ("policy", "env") and isinstance(s["text"], str)
+                                        for s in segments) and segments[-1]["kind"] == "policy"
+            if not ok:
+                raise ValueError(f"task {task.name!r}: Task.demonstrate gave {demo!r} for {row['prompt']!r}: "
+                                 f"segments must be [{{'kind': 'policy' | 'env', 'text': str}}, ...] ending "
+                                 f"with a policy segment")
+            final, made = segments[-1]["text"], {"prompt": row["prompt"], "segments": segments}
+        else:
+            final, made = demo, {"prompt": row["prompt"], "response": demo}
+        if not isinstance(final, str) or not task.right(row["prompt"], final, extras):
+            raise ValueError(f"task {task.name!r}: Task.demonstrate gave {demo!r} for "
                              f"{row['prompt']!r}, which Task.check marks wrong")
-        out.append({"prompt": row["prompt"], "response": response})
+        out.append(made)
     return out

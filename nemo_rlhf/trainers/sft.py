@@ -3,7 +3,11 @@
 The loss of a step is ``-sum(log p(response token)) / N`` where ``N`` is the number of
 response tokens (EOS included) in the whole global batch, across micro-batches and DP
 ranks, so splitting the batch differently leaves the loss and the gradient unchanged.
-BOS, prompt and padding positions never enter the loss (``loss_mask`` from lengths).
+BOS, prompt and padding positions never enter the loss (``loss_mask`` from lengths). A
+multi-turn demonstration (an SFT row with ``segments``, :mod:`nemo_rlhf.data.datasets`)
+trains on its policy tokens only: the environment's tokens (a tool's output) are in the
+input but masked out of the loss and of ``N`` (``N`` counts policy tokens), as PPO's
+``response_mask`` masks them (docs/multi-turn.md).
 Log-probs come from the vocab-parallel logits (:func:`vocab_parallel_logprobs`) in fp32.
 
 Validation: the same token-weighted loss over the whole validation file, and greedy
@@ -25,6 +29,7 @@ from nemo_rlhf.data.datasets import (
     collate_sft,
     load_sft_dataset,
     sft_length,
+    sft_loss_tokens,
 )
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.distributed.split import dp_shard
@@ -89,9 +94,10 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, num_tokens: float)
 
     Args:
         logprobs: ``[batch, seq-1]`` float32, log p(token t+1 | tokens <= t).
-        loss_mask: ``[batch, seq-1]`` float, 1.0 where token t+1 is a response token.
-        num_tokens: response tokens in the whole global batch (all micro-batches, all DP
-            ranks).
+        loss_mask: ``[batch, seq-1]`` float, 1.0 where token t+1 is a response token the
+            loss trains on (a policy token; 0.0 on environment tokens).
+        num_tokens: such tokens in the whole global batch (all micro-batches, all DP
+            ranks): :func:`~nemo_rlhf.data.datasets.sft_loss_tokens` summed.
 
     Returns:
         Scalar: this micro-batch's share of the global mean NLL.
@@ -157,7 +163,7 @@ class SFTTrainer(SupervisedTrainer):
         return total
 
     def train_batch(self, global_batch: list, local: list) -> dict[str, float]:
-        num_tokens = sum(len(s.response_ids) for s in global_batch)
+        num_tokens = sum(sft_loss_tokens(s) for s in global_batch)
         self.optimizer.zero_grad()
         loss = self._forward(local, num_tokens, forward_only=False,
                              routed_tokens=sum(sft_length(s) for s in global_batch))
@@ -170,7 +176,7 @@ class SFTTrainer(SupervisedTrainer):
             return {}
         self.model.eval()
         try:
-            num_tokens = sum(len(s.response_ids) for s in self.val_ds.samples)
+            num_tokens = sum(sft_loss_tokens(s) for s in self.val_ds.samples)
             local = dp_shard(self.val_ds.samples, self.dims.dp_rank, self.dims.dp)
             with torch.no_grad():
                 # (under expert parallelism a rank without rows still joins the MoE layers' calls)

@@ -1,9 +1,12 @@
 """launchers/recipe.py with a task that names an environment (``Task.env``, #51), its stages
-faked as in test_demo_recipe.py: the PPO stage gets ``env.name`` and ``Task.env_overrides``;
-a task without one gets no ``env.*`` argument; a tool task whose single-turn samples are all
-wrong after SFT is stopped naming the single-turn sampling."""
+faked as in test_demo_recipe.py: the PPO stage and every ``nemo_rlhf.evaluate`` stage get
+``env.name`` and ``Task.env_overrides`` (the samples, the SFT gate and the held-out
+evaluations run episodes); a task without one gets no ``env.*`` argument; a tool task trains
+no RM and is refused with ``--reward rm|both`` before any stage, naming ``--reward checker``."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -24,12 +27,17 @@ def _argv(tmp_path, monkeypatch, attr):
             "--force", "--rm-heldout-sample-rounds", "0", "--sft-more-rounds", "0", "--reward", "checker"]
 
 
-def test_a_tool_tasks_env_reaches_the_ppo_stage(tmp_path, monkeypatch):
+def test_a_tool_tasks_env_reaches_the_ppo_stage_and_every_evaluation(tmp_path, monkeypatch):
     fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
     assert demo.main(_argv(tmp_path, monkeypatch, "TOOL")) == 0
     (ppo,) = fake.ppo
     i = ppo["args"].index("env.name='digit_calculator'")
     assert ppo["args"][i + 1] == "env.max_turns=2"
+    evals = [c for c in fake.cmds if c[:2] == ["-m", "nemo_rlhf.evaluate"]]
+    assert evals and all("env.name='digit_calculator'" in c and "env.max_turns=2" in c for c in evals)
+    assert "nemo_rlhf.train_rm" not in fake.modules()  # no RM on a tool task
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["env"] == "digit_calculator" and s["rm_gate"]["applies"] is False
 
 
 def test_a_task_without_env_passes_no_env_argument(tmp_path, monkeypatch):
@@ -37,10 +45,36 @@ def test_a_task_without_env_passes_no_env_argument(tmp_path, monkeypatch):
     assert demo.main(_argv(tmp_path, monkeypatch, "TASK")) == 0
     (ppo,) = fake.ppo
     assert not any(a.startswith("env.") for a in ppo["args"])
+    assert not any(a.startswith("env.") for c in fake.cmds for a in c)
+    assert "nemo_rlhf.train_rm" in fake.modules()
 
 
-def test_a_tool_task_at_zero_single_turn_is_stopped_naming_the_single_turn_sampling(tmp_path, monkeypatch):
+def test_a_tool_task_whose_sft_model_gets_nothing_right_names_the_sft_flags(tmp_path, monkeypatch):
     FakeStages(monkeypatch, right=lambda ckpt: 0.0)
-    with pytest.raises(SystemExit, match=r"Task.env='digit_calculator'\): 0 of 24 sampled answers right; the "
-                                         r"recipe samples single-turn.*benchmarks/tool_task_eval.py"):
+    with pytest.raises(SystemExit, match=r"after SFT .* still got 0 of 24 sampled answers right; raise --sft-steps"):
         demo.main(_argv(tmp_path, monkeypatch, "TOOL"))
+
+
+@pytest.mark.parametrize("reward", ["rm", "both"])
+def test_a_tool_task_with_an_rm_reward_is_refused_before_any_stage_naming_reward_checker(tmp_path, monkeypatch,
+                                                                                         reward):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _argv(tmp_path, monkeypatch, "TOOL")
+    argv[argv.index("--reward") + 1] = reward
+    with pytest.raises(SystemExit, match=rf"--reward {reward} is not supported on a tool task yet.*"
+                                         r"whole conversations.*--reward checker"):
+        demo.main(argv)
+    assert fake.cmds == [] and fake.ppo == []
+
+
+def test_task_calc_is_the_calc_tool_task_on_the_tiny_model(tmp_path, monkeypatch):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(["--task", "calc", "--reward", "checker", "--out", str(tmp_path / "out"), "--rm-prompts", "6",
+                      "--rm-val-prompts", "3", "--ppo-prompts", "10", "--sft-more-rounds", "0"]) == 0
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["task"] == "calc" and s["model"] == "tiny" and s["env"] == "digit_calculator"
+    assert s["defaults"]["model"]["value"] == "tiny"
+    (ppo,) = fake.ppo
+    assert ppo["config"] == "ppo_tiny" and "env.name='digit_calculator'" in ppo["args"]
+    with pytest.raises(SystemExit, match="--reward rm is not supported on a tool task yet"):
+        demo.main(["--task", "calc", "--out", str(tmp_path / "out2")])

@@ -39,7 +39,8 @@ def test_checker():
 
 def test_demonstrations_are_right_and_hold_the_call():
     rows = [TASK.prompt_row({"a": 37, "b": 12, "answer": "444"}, "x")]
-    assert demonstration_rows(TASK, rows) == [{"prompt": "37*12=", "response": "37*12=<eos>444=444"}]
+    assert demonstration_rows(TASK, rows) == [{"prompt": "37*12=", "segments": [
+        {"kind": "policy", "text": "37*12="}, {"kind": "env", "text": "444="}, {"kind": "policy", "text": "444"}]}]
     assert demonstration_rows(NO_TOOL, rows) == [{"prompt": "37*12=", "response": "444"}]
 
 
@@ -47,14 +48,14 @@ def test_the_demonstration_is_a_right_episode_of_the_digit_calculator():
     """The demonstration's turns, played against the environment: the call is answered with
     the observation the demonstration holds, and its final turn earns reward 1."""
     prompt, extras = "37*12=", {"a": 37, "b": 12, "answer": "444"}
-    call, obs_and_answer = TASK.demonstrate(prompt, extras).split("<eos>")
+    (k0, call), (k1, obs), (k2, final) = [(s["kind"], s["text"]) for s in TASK.demonstrate(prompt, extras)]
+    assert (k0, k1, k2) == ("policy", "env", "policy")
     env = DigitCalculatorEnv(EnvConfig(name=TASK.env).limits())
     env.reset({"prompt": prompt, **extras})
     tr = Trajectory([1, 2])
     tr.append_policy([5] * len(call), [-1.0] * len(call))
     r = env.step(tr, call)
-    assert not r.done and obs_and_answer.startswith(r.observation)
-    final = obs_and_answer[len(r.observation):]
+    assert not r.done and r.observation == obs  # the env segment is the observation, as appended
     tr.append_env([9] * len(r.observation))
     tr.append_policy([5] * len(final), [-1.0] * len(final))
     end = env.step(tr, final)
@@ -89,6 +90,6 @@ def test_calc_prompts_demonstrations_fit_the_tiny_budget():
     ``Task.max_new_tokens`` (one token per character in the tiny vocabulary)."""
     for p in TASK.heldout:
         row = TASK.prompt_row(p, "heldout")
-        call, rest = TASK.demonstrate(row["prompt"], p).split("<eos>")
+        call = TASK.demonstrate(row["prompt"], p)[0]["text"]
         assert len(call) + 1 <= TASK.max_new_tokens and len(p["answer"]) + 1 <= TASK.max_new_tokens
         assert json.dumps(row)  # JSON-able

@@ -138,6 +138,23 @@ def test_demonstrations_are_checked_and_a_task_without_them_is_named():
         demonstration_rows(_upper(demonstrate=None), rows)
 
 
+def test_segmented_demonstrations_are_checked_on_their_last_policy_segment():
+    rows = [{"prompt": "Upper: cat ->", "word": "cat", "answer": "CAT"}]
+
+    def segs(final, last="policy"):
+        return lambda p, ex: [{"kind": "policy", "text": "lookup(cat)"}, {"kind": "env", "text": "CAT"},
+                              {"kind": last, "text": final}]
+
+    assert demonstration_rows(_upper(demonstrate=segs("CAT")), rows) == [
+        {"prompt": "Upper: cat ->", "segments": segs("CAT")("", {})}]
+    with pytest.raises(ValueError, match="which Task.check marks wrong"):  # the env's text is not the answer
+        demonstration_rows(_upper(demonstrate=segs("cat")), rows)
+    with pytest.raises(ValueError, match="ending with a policy segment"):
+        demonstration_rows(_upper(demonstrate=segs("CAT", last="env")), rows)
+    with pytest.raises(ValueError, match="segments must be"):
+        demonstration_rows(_upper(demonstrate=lambda p, ex: [{"kind": "tool", "text": "CAT"}]), rows)
+
+
 def test_load_task_names_the_checker_the_stages_use(tmp_path, monkeypatch):
     (tmp_path / "my_upper_task.py").write_text(
         "from nemo_rlhf.tasks.task import Task\n"
