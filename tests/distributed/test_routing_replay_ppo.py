@@ -39,10 +39,10 @@ RUNS = {  # name: overrides
 }
 
 
-def _build(tmp: Path, name: str):
+def _build(tmp: Path, name: str, *extra: str):
     from nemo_rlhf.train_ppo import build
 
-    cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / f"exp_{name}", *MOE, *RUNS[name])
+    cfg = compose_ppo(make_demo_data(tmp / "data"), tmp / f"exp_{name}", *MOE, *RUNS[name], *extra)
     trainer = build(cfg)
     with torch.no_grad():  # sharper routers: top-2 choices that differ by token
         from nemo_rlhf.models.routing_replay import moe_routers
@@ -114,3 +114,37 @@ def test_the_training_forward_replays_the_rollout_s_routes(ranks, name):
     assert max(off["first_minibatch/ratio_max"] - 1, 1 - off["first_minibatch/ratio_min"]) > 1e-3
     assert m["grad_norm"] > 0 and m["skipped_updates"] == 0
 
+
+
+PP2 = ("parallel.pipeline_model_parallel_size=2",)
+
+
+def _worker_pp2(rank: int, tmp: str) -> dict:
+    """PP=2 (each stage one MoE layer, its own routes recorded by its own decode)."""
+    tmp, out = Path(tmp), {}
+    trainer = _build(tmp, "replay", *PP2)
+    batch = trainer.rollout(trainer.sample_prompts())
+    out["routes_shape"] = list(batch.routes.shape)
+    fwd = trainer.compute_old_and_reference(batch)
+    if fwd is not None:
+        out["old_vs_rollout"] = float((fwd.old_logprobs - batch.logprobs).abs()[batch.response_mask].max())
+    trainer.close()
+    trainer = _build(tmp, "replay_from_rollout", *PP2)
+    metrics = trainer.train_step()
+    out["step"] = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float, torch.Tensor))}
+    trainer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    return run_ranks(_worker_pp2, world_size=2, tmp=str(tmp_path_factory.mktemp("r3_pp2")))
+
+
+def test_replay_at_pp2_each_stage_replays_its_own_layer_s_routes(pp2):
+    for r in pp2:
+        assert r["routes_shape"][2] == 1  # [B, P+R, L=1 (this stage's layer), k]
+    assert pp2[1]["old_vs_rollout"] < 1e-5  # the last stage holds the log-probs
+    m = pp2[1]["step"]
+    assert abs(m["first_minibatch/ratio_max"] - 1) < 1e-5 and abs(m["first_minibatch/ratio_min"] - 1) < 1e-5
+    assert m["grad_norm"] > 0 and m["skipped_updates"] == 0
