@@ -313,7 +313,8 @@ class CriticRole:
 class SharedValueHead(CriticRole):
     """``critic.mode=shared`` / ``shared_detached``: a value head on the actor's backbone,
     trained by the actor's loss (``value_loss_coef * value_loss``); detached, its input has
-    the gradient stopped (set on the model when it is built)."""
+    the gradient stopped (set on the model when it is built). With ``moe.routing_replay``
+    its values come out of the actor's replayed forwards (old values and trained values)."""
 
     on_actor_backbone = True
     warmup_trains_actor_head = True
@@ -323,7 +324,9 @@ class SharedValueHead(CriticRole):
 
 
 class SeparateCritic(CriticRole):
-    """``critic.mode=separate``: its own backbone + value head and optimizer.
+    """``critic.mode=separate``: its own backbone + value head and optimizer. Its forwards
+    route by its own routers: with ``moe.routing_replay`` the training micro-batches it
+    shares with the actor carry ``routes``, which it does not replay.
 
     Args:
         model: the critic's DDP-wrapped stage; optimizer: its optimizer.
