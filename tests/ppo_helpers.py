@@ -145,3 +145,16 @@ class TwoTurnEnv(Environment):
 def two_turn_env(env_cfg):
     """Factory of :class:`TwoTurnEnv` (one per episode)."""
     return TwoTurnEnv()
+
+
+def bias_routing(model, bias) -> None:
+    """Every MoE router of ``model``: megatron's sigmoid scores with an expert bias
+    (DeepSeek-V3's auxiliary-loss-free balancing): the top-k is chosen on ``scores + bias``
+    (``bias``: ``[experts]`` float32), the gate weights are the chosen experts' unbiased
+    scores; the bias is not updated (``enable_expert_bias`` stays off). Changing the bias
+    changes which experts a token goes to and nothing else: the routing-replay tests' stand-in
+    for a rollout engine whose router numerics differ from the trainer's."""
+    from nemo_rlhf.models.routing_replay import moe_routers
+
+    for r in moe_routers(model):
+        r.score_function, r.expert_bias = "sigmoid", bias.clone()

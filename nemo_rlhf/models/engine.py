@@ -23,6 +23,7 @@ calls the layers equally often (:func:`nemo_rlhf.models.moe.agree_on_micro_batch
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, Optional
 
@@ -31,6 +32,7 @@ import torch
 from nemo_rlhf.distributed.device import to_device
 from nemo_rlhf.models.moe import agree_on_micro_batch_count, expert_exchange_group, filler_forward
 from nemo_rlhf.models.packing import PackedBatch
+from nemo_rlhf.models.routing_replay import RoutingReplay
 
 LossFn = Callable[[object, dict], tuple[torch.Tensor, dict]]
 
@@ -136,6 +138,7 @@ def forward_backward(
     logprob_request=None,
     variable_shapes: bool = False,
     routed_tokens=None,
+    replay_routes: bool = False,
 ) -> list[dict]:
     """Run micro-batches through megatron's schedule; return the per-micro-batch stats.
 
@@ -166,13 +169,24 @@ def forward_backward(
             with ``model.moe_aux_loss_coeff`` or ``model.moe_z_loss_coeff`` > 0; unused
             otherwise. Each micro-batch's router losses then enter the gradient weighted by
             its share of these tokens (see :func:`router_loss_coefficients`).
+        replay_routes: MoE routing replay (``moe.routing_replay``): every micro-batch
+            carries ``routes`` ``[mbs, seq, L, k]`` int64 (the columns of its
+            ``input_ids``; ``L``: this stage's MoE layers) and its forward routes each token
+            to them (:class:`~nemo_rlhf.models.routing_replay.RoutingReplay`, installed
+            around that micro-batch's forward only). An expert-parallel filler micro-batch
+            is not replayed (its output is discarded, its loss multiplied by 0). Not with
+            packed micro-batches, nor with ``model.recompute_granularity=full`` (the
+            backward's recompute re-runs the routers after the replay is removed; the PPO
+            config refuses both).
 
     Returns:
         On the last pipeline stage, one stats dict per micro-batch; elsewhere ``[]``.
 
     Raises:
         ValueError: micro-batches of different shapes without ``variable_shapes``; a
-            training call of a MoE model with router losses and no ``routed_tokens``.
+            training call of a MoE model with router losses and no ``routed_tokens``;
+            ``replay_routes`` with a micro-batch without ``routes`` or a packed one (and as
+            :class:`~nemo_rlhf.models.routing_replay.RoutingReplay` for a bad route).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -189,6 +203,12 @@ def forward_backward(
             )
     it = iter(enumerate(micro_batches))
     real = len(micro_batches) - dummies
+    if replay_routes:
+        for i, mb in enumerate(micro_batches[:real]):
+            if "routes" not in mb or "packed" in mb:
+                raise ValueError(f"forward_backward(replay_routes=True): micro-batch {i} "
+                                 + ("is packed (moe.routing_replay with ppo.sequence_packing)" if "packed" in mb
+                                    else "has no 'routes'"))
     cfg = unwrap(model).config
     user_coeffs = (getattr(cfg, "moe_aux_loss_coeff", 0.0), getattr(cfg, "moe_z_loss_coeff", None))
     weighted = router_loss_coefficients(cfg, forward_only, routed_tokens)
@@ -211,7 +231,9 @@ def forward_backward(
             request = replace(request, prompt_length=mb["prompt_length"])
         if weighted is not None:  # this micro-batch's router losses (a filler's: none)
             cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff = (0.0, None) if index >= real else weighted
-        with filler_forward(index >= real):  # a filler's routed tokens are not counted
+        replay = (RoutingReplay(stage, "replay", mb["routes"]) if replay_routes and index < real
+                  else nullcontext())  # (a filler routes by its own choice: its output is dropped)
+        with filler_forward(index >= real), replay:  # a filler's routed tokens are not counted
             out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request,
                                 packed=mb.get("packed"))
 

@@ -59,17 +59,19 @@ class MegatronRolloutEngine:
         dims: :class:`~nemo_rlhf.distributed.ParallelDims`.
         eos_token_id, pad_token_id, vocab_size, max_sequence_length, decode_fn: as
             :func:`~nemo_rlhf.rollout.generate.generate`.
+        record_routes: every decode also records the MoE routes
+            (:attr:`~nemo_rlhf.rollout.generate.RolloutBatch.routes`, ``moe.routing_replay``).
     """
 
     name = "megatron"
 
     def __init__(self, dims, *, eos_token_id: int, pad_token_id: int, vocab_size: int,
                  max_sequence_length: int, decode_fn: Optional[Callable[[list[int]], str]] = None,
-                 with_values: bool = False):
+                 with_values: bool = False, record_routes: bool = False):
         self.dims = dims
         self.kwargs = dict(eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                            vocab_size=vocab_size, max_sequence_length=max_sequence_length,
-                           decode_fn=decode_fn, with_values=with_values)
+                           decode_fn=decode_fn, with_values=with_values, record_routes=record_routes)
 
     def generate(self, model, prompts, cfg: RolloutConfig, *, call_index: int,
                  weights_version: int) -> RolloutBatch:
@@ -88,7 +90,7 @@ class MegatronRolloutEngine:
 
 def build_rollout_engine(cfg: RolloutConfig, dims, model_cfg, *, eos_token_id: int,
                          pad_token_id: int, decode_fn=None, params_dtype=None,
-                         with_values: bool = False) -> RolloutEngine:
+                         with_values: bool = False, record_routes: bool = False) -> RolloutEngine:
     """The engine ``cfg.engine`` names, built on every rank (collective for ``vllm``).
 
     Args:
@@ -98,11 +100,14 @@ def build_rollout_engine(cfg: RolloutConfig, dims, model_cfg, *, eos_token_id: i
         params_dtype: dtype of the actor's weights (vLLM computes in it); None = float32.
         with_values: the rollout also returns the actor-critic's values
             (``RolloutBatch.values``, megatron engine only).
+        record_routes: the rollout also records the MoE routes (``RolloutBatch.routes``,
+            ``moe.routing_replay``; megatron engine only).
 
     Raises:
         ValueError: an unknown engine (naming ``rollout.engine`` and the choices), a
             layout the vLLM engine does not support (see its docstring), or
-            ``with_values`` with an engine other than megatron or without the KV cache.
+            ``with_values`` with an engine other than megatron or without the KV cache;
+            ``record_routes`` with an engine other than megatron.
         ImportError: ``rollout.engine=vllm`` without the ``vllm`` package (says how to
             install it).
     """
@@ -114,7 +119,10 @@ def build_rollout_engine(cfg: RolloutConfig, dims, model_cfg, *, eos_token_id: i
     if cfg.engine == "megatron":
         return MegatronRolloutEngine(dims, vocab_size=model_cfg.vocab_size,
                                      max_sequence_length=model_cfg.max_position_embeddings,
-                                     with_values=with_values, **common)
+                                     with_values=with_values, record_routes=record_routes, **common)
+    if record_routes:
+        raise ValueError(f"rollout.engine={cfg.engine}: moe.routing_replay records the routes in the "
+                         f"megatron engine's decode only: set rollout.engine=megatron or moe.routing_replay=false")
     if with_values:
         raise ValueError(f"rollout.engine={cfg.engine}: the rollout's values (ppo.old_logprobs_from_rollout "
                          f"with the value head on the actor's backbone) come from the megatron engine's "

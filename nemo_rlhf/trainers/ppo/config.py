@@ -388,13 +388,30 @@ class MoEConfig:
 
     routing_replay: bool = False
     """R3 routing replay (arXiv 2510.11370): the megatron rollout records each token's top-k
-    experts and the training forwards route the tokens to them
-    (:mod:`nemo_rlhf.models.routing_replay`). Refused for a dense model and with
-    ``rollout.engine=vllm``; the mechanism exists, the PPO trainer's plumbing (rollout batch
-    -> old log-probs and loss forwards) is not wired yet, so ``true`` is refused there too."""
+    experts (``RolloutBatch.routes`` ``[B, P+R, L, k]``) and the actor's forwards of the
+    step route the tokens to them (:mod:`nemo_rlhf.models.routing_replay`): the old
+    log-probs' forward (and the values of a value head on the actor's backbone, which come
+    out of that forward) and every training forward of the policy loss. The reference and a
+    separate critic (``critic.mode=separate``) route by their own routers. The routes ride
+    with the rows through the mini-batches and the fixed-row and token-budget micro-batches
+    (``ppo.max_tokens_per_micro_batch``); an expert-parallel filler micro-batch is not
+    replayed (its output is dropped). Refused (naming the key): a dense model,
+    ``rollout.engine=vllm``, ``rollout.mode=async``, ``env.name``, ``rollout.use_kv_cache=false``,
+    ``ppo.sequence_packing=true`` and ``model.recompute_granularity=full``."""
 
-    def check(self, model: ModelConfig, rollout: RolloutConfig) -> None:
-        """Refuse ``moe.routing_replay=true`` where it cannot run (naming the key)."""
+    def check(self, model: ModelConfig, rollout: RolloutConfig, ppo: Optional[PPOAlgoConfig] = None,
+              env: Optional[EnvConfig] = None) -> None:
+        """Refuse ``moe.routing_replay=true`` where it cannot run (naming the key and what works).
+
+        Raises:
+            ValueError: a dense model; ``rollout.engine`` other than megatron (only its
+                decode records the routes); ``rollout.mode=async`` (the routes do not cross
+                the rollout transport); ``env.name`` (multi-turn episodes record none);
+                ``rollout.use_kv_cache=false`` (recording needs the KV-cache decode);
+                ``ppo.sequence_packing=true`` (packed micro-batches carry no routes);
+                ``model.recompute_granularity=full`` (the backward's recompute re-runs the
+                routers after the replay of the micro-batch's forward is removed).
+        """
         if not self.routing_replay:
             return
         if model.num_moe_experts is None:
@@ -404,9 +421,23 @@ class MoEConfig:
             raise ValueError(f"moe.routing_replay=true with rollout.engine={rollout.engine}: only the "
                              f"megatron engine records the routes; set rollout.engine=megatron or "
                              f"moe.routing_replay=false")
-        raise ValueError("moe.routing_replay=true: not wired into the PPO trainer yet (the record / "
-                         "replay mechanism is nemo_rlhf.models.routing_replay.RoutingReplay); set "
-                         "moe.routing_replay=false")
+        refused = [
+            (rollout.mode == "async", f"rollout.mode={rollout.mode}",
+             "the routes do not cross the rollout transport to the trainer; use rollout.mode=sync"),
+            (env is not None and env.name is not None, f"env.name={getattr(env, 'name', None)}",
+             "multi-turn episodes record no routes; routing replay covers single-turn rollouts"),
+            (not rollout.use_kv_cache, "rollout.use_kv_cache=false",
+             "the routes are recorded by the KV-cache decode; set rollout.use_kv_cache=true"),
+            (ppo is not None and ppo.sequence_packing, "ppo.sequence_packing=true",
+             "packed micro-batches carry no routes; set ppo.sequence_packing=false (the token budget "
+             "ppo.max_tokens_per_micro_batch without packing carries them)"),
+            (model.recompute_granularity == "full", "model.recompute_granularity=full",
+             "the backward's recompute would re-run the routers without the replay; use "
+             "model.recompute_granularity=selective or null"),
+        ]
+        for bad, key, why in refused:
+            if bad:
+                raise ValueError(f"moe.routing_replay=true with {key}: {why} (or set moe.routing_replay=false)")
 
 
 @dataclass
@@ -515,7 +546,7 @@ class PPOConfig:
             self._check_async()
         self._check_env()
         self._check_eval_metric_names()
-        self.moe.check(self.model, self.rollout)
+        self.moe.check(self.model, self.rollout, self.ppo, self.env)
         self._resolve_reference_mode()
 
     def _check_eval_metric_names(self) -> None:

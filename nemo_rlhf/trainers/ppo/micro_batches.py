@@ -176,12 +176,17 @@ def row_extents(attention_mask: torch.Tensor, response_mask: torch.Tensor, promp
     return starts.tolist(), lengths.tolist()
 
 
+_FULL_WIDTH = ("input_ids", "attention_mask", "routes")
+"""The tensors of :func:`take` laid out over every ``[B, P+R]`` column (the rest: ``[B, R]``)."""
+
+
 def take(plan: MicroBatchPlan, tensors: dict, prompt_length: int, device: torch.device) -> dict:
     """The micro-batch of ``plan``: rows selected, columns trimmed.
 
-    ``input_ids`` / ``attention_mask`` (``[B, P+R]``) keep columns ``start ..
-    P + response_length``; every other tensor (``[B, R]`` per response token) keeps its
-    first ``response_length`` columns. ``prompt_length`` (int) is added for the loss, and
+    ``input_ids`` / ``attention_mask`` (``[B, P+R]``) and the MoE ``routes`` (``[B, P+R,
+    L, k]``, routing replay) keep columns ``start .. P + response_length``; every other
+    tensor (``[B, R]`` per response token) keeps its first ``response_length`` columns.
+    ``prompt_length`` (int) is added for the loss, and
     for a packed plan ``packed`` (:class:`~nemo_rlhf.models.packing.PackedBatch`, on
     ``device``), which the forward runs over instead of the padded rows.
     """
@@ -190,7 +195,7 @@ def take(plan: MicroBatchPlan, tensors: dict, prompt_length: int, device: torch.
     mb = {}
     for k, v in tensors.items():
         v = v.index_select(0, idx)
-        mb[k] = v[:, plan.start:end] if k in ("input_ids", "attention_mask") else v[:, :plan.response_length]
+        mb[k] = v[:, plan.start:end] if k in _FULL_WIDTH else v[:, :plan.response_length]
     mb["prompt_length"] = plan.prompt_length
     if plan.bins:
         mb["packed"] = pack_rows(mb["input_ids"], list(plan.spans), [list(b) for b in plan.bins],

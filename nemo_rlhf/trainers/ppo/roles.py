@@ -72,19 +72,30 @@ class ForwardPasses:
         return cls(dims, vocab_size, ppo.forward_micro_batch_size, ppo.max_tokens_per_micro_batch,
                    ppo.sequence_packing, ppo.packed_row_length, ppo.logprob_chunk_size)
 
-    def micro_batches(self, batch) -> tuple[list[dict], Optional[list]]:
+    def micro_batches(self, batch, routes: bool = False) -> tuple[list[dict], Optional[list]]:
         """``forward_micro_batch_size`` rows of the full width, or, with
         ``max_tokens_per_micro_batch``, grouped by the token budget with their padding
         cut, rows concatenated with ``sequence_packing`` (and the plans, to put the rows
-        back; None for fixed row counts)."""
+        back; None for fixed row counts). ``routes``: each micro-batch also carries the
+        rollout's MoE ``routes`` (``[rows, columns, L, k]``, the same rows and columns as
+        its ``input_ids``; routing replay).
+
+        Raises:
+            ValueError: ``routes`` for a batch without :attr:`RolloutBatch.routes`.
+        """
         P_len, B = batch.prompt_length, batch.input_ids.shape[0]
         tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+        if routes:
+            if getattr(batch, "routes", None) is None:
+                raise ValueError("moe.routing_replay=true: the rollout batch has no routes (the megatron "
+                                 "engine records them; RolloutBatch.routes is None)")
+            tensors["routes"] = batch.routes
         budget = self.max_tokens_per_micro_batch
         if budget == 0:
             mbs = min(self.forward_micro_batch_size, B)
             filler = (-B) % mbs
             if filler:  # the last micro-batch topped up (megatron's schedule: one shape)
-                tensors = {k: torch.cat([v, v[-1:].expand(filler, -1)]) for k, v in tensors.items()}
+                tensors = {k: torch.cat([v, v[-1:].expand(filler, *v.shape[1:])]) for k, v in tensors.items()}
             return [{k: v[s] for k, v in tensors.items()} for s in chunk_slices(B + filler, mbs)], None
         starts, lengths = row_extents(batch.attention_mask, batch.response_mask, P_len)
         plans = plan_micro_batches(starts, lengths, P_len, list(range(B)), B, budget,
@@ -126,18 +137,26 @@ class PolicyRole:
         temperature: the rollout's ``logprob_temperature`` (the training log-probs').
         kl_temperature: the KL's (``kl.temperature``): both log-probs of the penalty.
         with_values: the actor's forward also returns the value head's values.
+        routing_replay: ``moe.routing_replay`` (MoE routing replay, R3): the training
+            forwards (:meth:`train_minibatch`) route every token to the rollout's recorded
+            experts; the forward-only passes only when asked (:meth:`logprobs`'s
+            ``replay_routes``: the old log-probs, not the reference).
     """
 
     def __init__(self, model, optimizer, passes: ForwardPasses, dims, temperature: float,
-                 kl_temperature: float, with_values: bool) -> None:
+                 kl_temperature: float, with_values: bool, routing_replay: bool = False) -> None:
         self.model, self.optimizer, self.passes, self.dims = model, optimizer, passes, dims
         self.temperature, self.kl_temperature, self.with_values = temperature, kl_temperature, with_values
+        self.routing_replay = routing_replay
+        """``moe.routing_replay``: the training micro-batches carry the rollout's ``routes``
+        and :meth:`train_minibatch`'s forwards replay them."""
         self.weights_version = 0
         """Changes whenever the weights do (an optimizer step, a checkpoint load): a rollout
         engine with its own copy of the weights refits when it differs."""
 
     def logprobs(self, batch, model=None, *, temperature: Optional[float] = None,
-                 kl_temperature: Optional[float] = None, with_values: bool = False) -> Optional[dict]:
+                 kl_temperature: Optional[float] = None, with_values: bool = False,
+                 replay_routes: bool = False) -> Optional[dict]:
         """Forward-only over a rollout in micro-batches, in eval mode.
 
         Args:
@@ -147,10 +166,18 @@ class PolicyRole:
             temperature: of ``logprobs`` (None: the rollout's).
             kl_temperature: also ``kl_logprobs`` at this temperature, when it differs.
             with_values: also the value head's ``values``.
+            replay_routes: route every token of the forward to the rollout's recorded
+                experts (``batch.routes`` ``[B, P+R, L, k]``; MoE routing replay); the
+                values of a value head on this backbone then come from the same replayed
+                forward.
 
         Returns:
             ``{"logprobs": [B, R] float32, "values"?, "kl_logprobs"?}`` on the last pipeline
             stage; None on the others.
+
+        Raises:
+            ValueError: ``replay_routes`` for a batch without routes, or with packed
+                micro-batches (:func:`~nemo_rlhf.models.engine.forward_backward`).
         """
         model = self.model if model is None else model
         P_len, vocab, dims = batch.prompt_length, self.passes.vocab_size, self.dims
@@ -170,12 +197,13 @@ class PolicyRole:
                 out["values"] = response_values(values, p, lp.shape[1])
             return torch.zeros((), device=lp.device), out
 
-        micro, plans = self.passes.micro_batches(batch)
+        micro, plans = self.passes.micro_batches(batch, routes=replay_routes)
         temps = (temp,) if kl_temperature is None or kl_temperature == temp else (temp, kl_temperature)
         with torch.no_grad(), eval_mode(model):
             res = forward_backward(model, micro, loss_fn, forward_only=True, with_values=with_values,
                                    variable_shapes=plans is not None, device=dims.device,
-                                   logprob_request=self.passes.logprob_request(P_len, temps, entropy=False))
+                                   logprob_request=self.passes.logprob_request(P_len, temps, entropy=False),
+                                   replay_routes=replay_routes)
         return self.passes.gather(res, plans, batch)
 
     def loss_fn(self, objective: P.PPOObjective, n_tokens: torch.Tensor, n_seqs: torch.Tensor,
@@ -214,7 +242,9 @@ class PolicyRole:
         all-reduce), one optimizer step (``value_head_only``: the value head's parameters
         only, so the policy does not move: no update, Adam state or weight decay).
         ``routed_tokens``: the mini-batch's non-padding tokens over DP, the MoE router
-        losses' denominator (:func:`~nemo_rlhf.models.engine.forward_backward`).
+        losses' denominator (:func:`~nemo_rlhf.models.engine.forward_backward`). With
+        :attr:`routing_replay` each micro-batch carries ``routes`` and its forward replays
+        them.
 
         Returns:
             ``(per-micro-batch statistics, stepped, grad norm)``; ``stepped`` is False for
@@ -225,7 +255,7 @@ class PolicyRole:
             self.model, micro, loss_fn, with_values=self.with_values, variable_shapes=variable_shapes,
             logprob_request=self.passes.logprob_request(P_len, (self.temperature, self.kl_temperature),
                                                         entropy=True),
-            routed_tokens=routed_tokens)
+            routed_tokens=routed_tokens, replay_routes=self.routing_replay)
         finalize_grads(self.model)
         if value_head_only:
             stepped, norm = self.optimizer.step(only=is_value_head)
@@ -283,7 +313,8 @@ class CriticRole:
 class SharedValueHead(CriticRole):
     """``critic.mode=shared`` / ``shared_detached``: a value head on the actor's backbone,
     trained by the actor's loss (``value_loss_coef * value_loss``); detached, its input has
-    the gradient stopped (set on the model when it is built)."""
+    the gradient stopped (set on the model when it is built). With ``moe.routing_replay``
+    its values come out of the actor's replayed forwards (old values and trained values)."""
 
     on_actor_backbone = True
     warmup_trains_actor_head = True
@@ -293,7 +324,9 @@ class SharedValueHead(CriticRole):
 
 
 class SeparateCritic(CriticRole):
-    """``critic.mode=separate``: its own backbone + value head and optimizer.
+    """``critic.mode=separate``: its own backbone + value head and optimizer. Its forwards
+    route by its own routers: with ``moe.routing_replay`` the training micro-batches it
+    shares with the actor carry ``routes``, which it does not replay.
 
     Args:
         model: the critic's DDP-wrapped stage; optimizer: its optimizer.

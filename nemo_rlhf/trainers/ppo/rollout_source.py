@@ -147,7 +147,7 @@ def build_rollout_source(cfg, dims, actor, tokenizer, encoded: list, sampler, co
         return RemoteRolloutSource(cfg, dims, actor, encoded, sampler, collectives, timers, decode,
                                    tokenizer=tokenizer, prompts=prompts)
     engine = build_rollout_engine(cfg.rollout, dims, cfg.model, params_dtype=unwrap(actor.model).config.params_dtype,
-                                  with_values=with_values, **common)
+                                  with_values=with_values, record_routes=cfg.moe.routing_replay, **common)
     if cfg.env.enabled:
         if prompts is None:
             raise ValueError(f"env.name={cfg.env.name!r}: build_rollout_source needs the prompt rows "

@@ -111,11 +111,18 @@ def training_tensors(cfg, critic, collectives, batch, fwd: Optional[ForwardResul
 
     ``response_mask`` is the loss mask (:attr:`Advantages.loss_mask`); the critic role adds
     what its value loss reads (:meth:`~nemo_rlhf.trainers.ppo.roles.CriticRole.training_tensors`).
+    With ``moe.routing_replay`` the inputs include the rollout's ``routes`` ``[B, P+R, L, k]``
+    (this stage's MoE layers; every stage), which the actor's training forwards replay.
     Off the last pipeline stage (``fwd`` None) only the inputs.
     """
     c = cfg.ppo
     tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                "response_mask": batch.response_mask if adv is None else adv.loss_mask}
+    if cfg.moe.routing_replay:
+        if batch.routes is None:
+            raise ValueError("moe.routing_replay=true: the rollout batch has no routes (the megatron "
+                             "engine records them; RolloutBatch.routes is None)")
+        tensors["routes"] = batch.routes
     correction = {}
     if fwd is None:
         return tensors, correction

@@ -107,7 +107,8 @@ class PPOTrainer:
         passes = ForwardPasses.from_config(cfg.ppo, cfg.model.vocab_size, dims)
         self.critic: CriticRole = build_critic_role(self.advantage_cfg.needs_values, critic, passes)
         self.actor = PolicyRole(model, optimizer, passes, dims, cfg.rollout.logprob_temperature,
-                                cfg.kl_temperature, with_values=self.critic.on_actor_backbone)
+                                cfg.kl_temperature, with_values=self.critic.on_actor_backbone,
+                                routing_replay=cfg.moe.routing_replay)
         self.step = 0
         self.nonfinite_in_a_row = 0
         self.timers = Timers()
@@ -234,7 +235,10 @@ class PPOTrainer:
     def compute_old_and_reference(self, batch) -> Optional[ForwardResults]:
         """Steps 4-5a: old log-probs (the actor's forward, or the rollout's with
         ``ppo.old_logprobs_from_rollout``), values (the critic role's), reference log-probs
-        (weights swapped in); None off the last pipeline stage."""
+        (weights swapped in); None off the last pipeline stage. With ``moe.routing_replay``
+        the actor's forward replays the rollout's routes (and so do the values of a value
+        head on its backbone: the same forward); the reference and a separate critic route
+        by their own routers."""
         kl_temp, values_on_actor = self.cfg.kl_temperature, self.critic.on_actor_backbone
         if self.cfg.ppo.old_logprobs_from_rollout:  # the rollout's own (kl_temp checked in the config)
             old = {"logprobs": batch.logprobs} if self.dims.is_last_stage else None
@@ -242,7 +246,8 @@ class PPOTrainer:
                 old["values"] = batch.values
         else:
             with self.timers("old_logprobs_values"):
-                old = self.actor.logprobs(batch, with_values=values_on_actor, kl_temperature=kl_temp)
+                old = self.actor.logprobs(batch, with_values=values_on_actor, kl_temperature=kl_temp,
+                                          replay_routes=self.cfg.moe.routing_replay)
         values = self.critic.values(batch, old, self.timers)
         with self.timers("reference_logprobs"), self.reference.swapped_in() as ref_model:
             ref = self.actor.logprobs(batch, ref_model, temperature=kl_temp)

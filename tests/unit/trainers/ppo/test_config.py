@@ -231,13 +231,31 @@ def test_env_defaults_are_single_turn_and_the_limits_are_envlimits():
     (["moe.routing_replay=true"], "moe.routing_replay=true with a dense model (model.num_moe_experts=null)"),
     (["moe.routing_replay=true", "model.num_moe_experts=4", "rollout.engine=vllm"],
      "moe.routing_replay=true with rollout.engine=vllm: only the megatron engine records the routes"),
-    (["moe.routing_replay=true", "model.num_moe_experts=4"],
-     "moe.routing_replay=true: not wired into the PPO trainer yet"),
+    (["moe.routing_replay=true", "model.num_moe_experts=4", "rollout.mode=async", "rollout.max_staleness=0"],
+     "moe.routing_replay=true with rollout.mode=async: the routes do not cross the rollout transport"),
+    (["moe.routing_replay=true", "model.num_moe_experts=4", "env.name=calculator",
+      "reward.functions=[{name: env}]"],
+     "moe.routing_replay=true with env.name=calculator: multi-turn episodes record no routes"),
+    (["moe.routing_replay=true", "model.num_moe_experts=4", "rollout.use_kv_cache=false"],
+     "moe.routing_replay=true with rollout.use_kv_cache=false: the routes are recorded by the KV-cache"),
+    (["moe.routing_replay=true", "model.num_moe_experts=4", "ppo.sequence_packing=true",
+      "ppo.max_tokens_per_micro_batch=64"],
+     "moe.routing_replay=true with ppo.sequence_packing=true: packed micro-batches carry no routes"),
+    (["moe.routing_replay=true", "model.num_moe_experts=4", "model.recompute_granularity=full"],
+     "moe.routing_replay=true with model.recompute_granularity=full: the backward's recompute"),
 ])
 def test_routing_replay_is_refused_naming_the_key(overrides, needle):
     with pytest.raises(ValueError) as err:
         typed_job("ppo", overrides)
     assert needle in str(err.value)
+
+
+def test_routing_replay_is_accepted_on_a_moe_model_with_the_megatron_engine():
+    """Wired into the PPO trainer (#52): accepted with fixed-row and token-budget
+    micro-batches, selective recompute and expert parallelism's keys untouched."""
+    for extra in ([], ["ppo.max_tokens_per_micro_batch=64"], ["model.recompute_granularity=selective"]):
+        cfg = typed_job("ppo", ["moe.routing_replay=true", "model.num_moe_experts=4", *extra])
+        assert cfg.moe.routing_replay is True
 
 
 def test_routing_replay_is_off_by_default():

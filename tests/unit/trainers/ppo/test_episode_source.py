@@ -203,7 +203,8 @@ def test_build_picks_the_episode_source_when_env_name_is_set(monkeypatch):
     dims = SimpleNamespace(dp=1, dp_rank=0, rank=0, world_size=1, tp=1, pp=1, device=torch.device("cpu"))
     actor = SimpleNamespace(model=object(), weights_version=0)
     model = SimpleNamespace(vocab_size=11, max_position_embeddings=32)
-    cfg = SimpleNamespace(rollout=RolloutConfig(), model=model, env=EnvConfig(name="calculator"))
+    cfg = SimpleNamespace(rollout=RolloutConfig(), model=model, env=EnvConfig(name="calculator"),
+                          moe=SimpleNamespace(routing_replay=False))
     src = build_rollout_source(cfg, dims, actor, tok, [[1]], None, None, Timers(), prompts=["row"])
     assert isinstance(src, EpisodeRolloutSource) and src.factory is calculator_env
     with pytest.raises(ValueError, match="needs the prompt rows"):

@@ -154,7 +154,7 @@ def test_the_remote_source_answers_the_same_calls_with_the_versions_the_schedule
 def _build_cfg(mode: str):
     model = SimpleNamespace(vocab_size=11, max_position_embeddings=32, lora=SimpleNamespace(enabled=False))
     return SimpleNamespace(rollout=RolloutConfig(mode=mode, max_staleness=0, num_workers=1), model=model,
-                           env=EnvConfig(),
+                           env=EnvConfig(), moe=SimpleNamespace(routing_replay=False),
                            ppo=SimpleNamespace(num_rollout_samples=4), trainer=SimpleNamespace(max_steps=2),
                            exp_manager=SimpleNamespace(exp_dir="unused"))
 
@@ -170,8 +170,8 @@ def test_build_picks_the_source_once_and_async_builds_no_rollout_engine(monkeypa
     actor = SimpleNamespace(model=object(), weights_version=0)
     local = build_rollout_source(_build_cfg("sync"), dims, actor, tok, ENCODED, None, None, Timers())
     assert isinstance(local, LocalRolloutSource) and isinstance(local.engine, RecordingEngine)
-    assert built == [{"params_dtype": torch.float32, "with_values": False, "eos_token_id": 1, "pad_token_id": 0,
-                      "decode_fn": str}]
+    assert built == [{"params_dtype": torch.float32, "with_values": False, "record_routes": False,
+                      "eos_token_id": 1, "pad_token_id": 0, "decode_fn": str}]
     monkeypatch.setattr(engines, "build_rollout_engine", lambda *a, **kw: pytest.fail("an engine in async mode"))
     remote = build_rollout_source(_build_cfg("async"), dims, actor, tok, ENCODED, None, None, Timers())
     assert isinstance(remote, RemoteRolloutSource) and len(built) == 1
