@@ -62,8 +62,9 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRELOAD = ("torch", "transformers", "nemo_rlhf.train_ppo", "nemo_rlhf.train_rm", "nemo_rlhf.train_sft",
-           "nemo_rlhf.evaluate", "nemo_rlhf.serve_rm", "launchers.recipe")
-"""What the server imports before it forks any job (the demo's stage entry points)."""
+           "nemo_rlhf.evaluate", "nemo_rlhf.serve_rm", "nemo_rlhf.rollout_worker", "launchers.recipe")
+"""What the server imports before it forks any job (the demo's stage entry points, the
+trainer's and the rollout worker's)."""
 
 FORWARDED = (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGALRM)
@@ -212,6 +213,7 @@ def _serve(sock_path: str, preload: list[str]) -> None:
     import importlib
     import tempfile
 
+    given_env = dict(os.environ)
     captured = []
     saved = [os.dup(1), os.dup(2)]
     for fd in (1, 2):  # the imports' output, replayed to each job
@@ -242,8 +244,12 @@ def _serve(sock_path: str, preload: list[str]) -> None:
     server_fds = [wake_r, wake_w]
     conns: dict[int, tuple[socket.socket, int]] = {}  # connection fd -> (connection, job pid)
     jobs: dict[int, list] = {}  # job pid -> [connection (None once the shim went away), shim leads a session]
-    base_env = dict(os.environ)
-    base_path = _site_path(sys.path[1:], base_env.get("PYTHONPATH", ""), os.getcwd())
+    # what the imports set in os.environ (torch's inductor: TORCHINDUCTOR_CACHE_DIR), which a
+    # fresh interpreter started like the server would set too
+    set_by_imports = {k: os.environ.get(k) for k in set(os.environ) | set(given_env)
+                      if os.environ.get(k) != given_env.get(k)}
+    base_env = (given_env, set_by_imports)
+    base_path = _site_path(sys.path[1:], given_env.get("PYTHONPATH", ""), os.getcwd())
     stdin_open = True
     while stdin_open or jobs:
         watched = [wake_r, *([0, listener] if stdin_open else []), *(c for c, _ in conns.values())]
@@ -307,7 +313,7 @@ def _pythonpath_entries(pythonpath: str, cwd: str) -> list[str]:
     return [os.path.normpath(os.path.join(cwd, p)) for p in pythonpath.split(os.pathsep)]
 
 
-def _start(conn: socket.socket, base_env: dict, base_path: list[str], import_output: list[bytes],
+def _start(conn: socket.socket, base_env: tuple[dict, dict], base_path: list[str], import_output: list[bytes],
            server_fds: list[int], server_sockets: list[socket.socket]):
     """Reads a shim's request and forks its job; returns the job's pid and whether the shim
     leads its own session (None: refused)."""
@@ -323,9 +329,10 @@ def _start(conn: socket.socket, base_env: dict, base_path: list[str], import_out
         data += chunk
     conn.settimeout(None)
     job = json.loads(data)
-    differs = sorted(k for k in set(job["env"]) | set(base_env)
+    given, set_by_imports = base_env
+    differs = sorted(k for k in set(job["env"]) | set(given)
                      if k.startswith(STARTUP_ENV_PREFIXES) and k not in _APPLIED
-                     and job["env"].get(k) != base_env.get(k))
+                     and job["env"].get(k) != given.get(k))
     if differs:
         _say(f"refused {job['module']}: its environment differs in {differs}")
         for fd in fds:
@@ -333,6 +340,11 @@ def _start(conn: socket.socket, base_env: dict, base_path: list[str], import_out
         conn.sendall(b"refused\n")
         conn.close()
         return None
+    for key, value in set_by_imports.items():  # as the job's own imports would have set them
+        if job["env"].get(key) == given.get(key):
+            job["env"].pop(key, None)
+            if value is not None:
+                job["env"][key] = value
     pid = os.fork()
     if pid == 0:
         for sock in (*server_sockets, conn):  # detached: their objects must not close a reused fd later

@@ -18,11 +18,13 @@ from tests.fork_python import PythonForkServer
 
 JOB = '''
 import json, os, signal, sys, time
+preloaded = "fork_py_preload" in sys.modules
+import fork_py_preload  # what the server imported: it prints, and sets an environment variable
 mode = sys.argv[1]
 if mode == "term":  # a job that saves on SIGTERM and exits with its own code (the trainer's requeue)
     signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), sys.exit(42)))
 print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "env": os.environ.get("JOB_ONLY"), "path": sys.path,
-                  "pid": os.getpid(), "sid": os.getsid(0), "preloaded": "fork_py_preload" in sys.modules}),
+                  "pid": os.getpid(), "sid": os.getsid(0), "preloaded": preloaded, "set": os.environ.get("TORCH_FORKPY_SET")}),
       flush=mode != "unbuffered")
 if mode == "exit3":
     print("to stderr", file=sys.stderr)
@@ -44,7 +46,8 @@ if mode in ("term", "sleep", "unbuffered"):
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fork_python")
     (tmp / "fork_py_job.py").write_text(JOB)
-    (tmp / "fork_py_preload.py").write_text("print('preloaded import output')\n")
+    (tmp / "fork_py_preload.py").write_text(  # as torch's inductor sets TORCHINDUCTOR_CACHE_DIR
+        "import os\nprint('preloaded import output')\nos.environ['TORCH_FORKPY_SET'] = 'at import'\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(tmp), os.environ.get("PYTHONPATH")) if p)}
     with PythonForkServer(env, tmp, preload=("fork_py_preload",)) as s:
         yield s, tmp, env
@@ -57,10 +60,9 @@ def _start(server, python, mode, extra_env=None, **kw):
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def _first(proc, forked: bool = True) -> dict:
+def _first(proc) -> dict:
     """The job's first line (after the preloaded import's output, which a fork replays)."""
-    if forked:
-        assert proc.stdout.readline() == "preloaded import output\n"
+    assert proc.stdout.readline() == "preloaded import output\n"
     return json.loads(proc.stdout.readline())
 
 
@@ -69,11 +71,11 @@ def test_a_job_sees_what_a_fresh_interpreter_would(server):
     fresh, forked = (_start(server, python, "ok") for python in (sys.executable, s.shim))
     got = {}
     for name, proc in (("fresh", fresh), ("forked", forked)):
-        got[name] = _first(proc, forked=name == "forked")
+        got[name] = _first(proc)
         assert proc.wait(30) == 0
     assert got["forked"]["preloaded"] and not got["fresh"]["preloaded"]  # the fork did not import it again
     assert got["forked"]["pid"] == got["forked"]["sid"] != forked.pid  # its own session, not the shim's pid
-    for key in ("argv", "cwd", "env", "path"):
+    for key in ("argv", "cwd", "env", "path", "set"):  # set: what the import put in os.environ
         assert got["forked"][key] == got["fresh"][key], key
 
 
@@ -153,10 +155,10 @@ def test_what_it_cannot_fork_runs_in_the_real_interpreter(server, how):
     if how == "not -m":
         proc = subprocess.Popen([s.shim, str(tmp / "fork_py_job.py"), "ok"], env=env, stdout=subprocess.PIPE,
                                 text=True)
-        got = _first(proc, forked=False)
+        got = _first(proc)
     else:  # OMP_NUM_THREADS is read when torch is imported: the server's would be wrong
         proc = _start(server, s.shim, "ok", {"OMP_NUM_THREADS": "7"})
-        got = _first(proc, forked=False)
+        got = _first(proc)
         assert "refused fork_py_job: its environment differs in ['OMP_NUM_THREADS']" in open(s.log).read()
     assert proc.wait(30) == 0
     assert not got["preloaded"] and got["pid"] == proc.pid  # the shim's own process, exec'd
