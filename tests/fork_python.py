@@ -39,8 +39,9 @@ in the shim's working directory with its environment (``os.environ`` replaced) a
 signal handlers; it runs ``MODULE`` as ``__main__`` (:func:`runpy.run_module`) and exits
 as the interpreter exits (an uncaught exception prints its traceback and exits 1,
 ``SystemExit`` gives its code, non-daemon threads are joined, atexit handlers run). What
-the preloaded imports printed is written first to its stdout and stderr, as if it had
-imported them itself.
+the preloaded imports printed is written first to its stdout and stderr, and what they set
+in ``os.environ`` (torch's ``TORCHINDUCTOR_CACHE_DIR``) is set in its environment, as if it
+had imported them itself.
 
 What a fork cannot give: its own hash seed (the server's), its parent (``os.getppid()`` is
 the server), and an environment read at import time by the preloaded modules (the
@@ -55,11 +56,19 @@ from __future__ import annotations
 import json
 import os
 import select
+import shlex
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PYTHON = sys.executable
+"""The real interpreter (read at import: a test may have pointed ``sys.executable`` at a shim)."""
 
 PRELOAD = ("torch", "transformers", "nemo_rlhf.train_ppo", "nemo_rlhf.train_rm", "nemo_rlhf.train_sft",
            "nemo_rlhf.evaluate", "nemo_rlhf.serve_rm", "nemo_rlhf.rollout_worker", "launchers.recipe")
@@ -93,24 +102,19 @@ class PythonForkServer:
     """
 
     def __init__(self, env: dict[str, str], workdir, preload: tuple[str, ...] = PRELOAD):
-        import subprocess
-        import tempfile
-
         os.makedirs(workdir, exist_ok=True)
         self._sockdir = tempfile.mkdtemp(prefix="forkpy-")  # short: a socket path has ~100 bytes
         self.socket_path = os.path.join(self._sockdir, "s")
         self.log = os.path.join(str(workdir), "fork_python_server.log")
         self.shim = os.path.join(str(workdir), "python")
         with open(self.shim, "w") as f:
-            f.write(f"#!/bin/sh\nexec {_quote(sys.executable)} -S {_quote(os.path.abspath(__file__))} "
-                    f"shim {_quote(self.socket_path)} {_quote(sys.executable)} \"$@\"\n")
+            f.write(f"#!/bin/sh\nexec {shlex.quote(PYTHON)} -S {shlex.quote(os.path.abspath(__file__))} "
+                    f"shim {shlex.quote(self.socket_path)} {shlex.quote(PYTHON)} \"$@\"\n")
         os.chmod(self.shim, 0o755)
         with open(self.log, "wb") as log:
-            self._proc = subprocess.Popen([sys.executable, "-m", "tests.fork_python", "serve", self.socket_path,
+            self._proc = subprocess.Popen([PYTHON, "-m", "tests.fork_python", "serve", self.socket_path,
                                            *preload], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True)
-        import time
-
         while not os.path.exists(self.socket_path):
             if self._proc.poll() is not None:
                 with open(self.log) as f:
@@ -119,8 +123,6 @@ class PythonForkServer:
 
     def close(self) -> None:
         """Stops the server: its jobs still running are killed (SIGKILL to their groups)."""
-        import shutil
-
         self._proc.stdin.close()
         self._proc.wait(timeout=60)
         shutil.rmtree(self._sockdir, ignore_errors=True)
@@ -130,10 +132,6 @@ class PythonForkServer:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _quote(text: str) -> str:
-    return "'" + text.replace("'", "'\\''") + "'"
 
 
 # --------------------------------------------------------------------------- the shim
@@ -211,7 +209,6 @@ def _serve(sock_path: str, preload: list[str]) -> None:
     """The server: imports ``preload``, then forks a job per shim connection; stops (killing
     the jobs left) at the end of its stdin."""
     import importlib
-    import tempfile
 
     given_env = dict(os.environ)
     captured = []
