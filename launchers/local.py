@@ -94,8 +94,9 @@ class LocalRunConfig:
     ``ppo_tiny`` and ``ppo_smollm2``)."""
     trainer_module: str = "nemo_rlhf.train_ppo"
     """Trainer entry: a module run with ``-m``, or a path to a ``.py`` script."""
-    python: str = sys.executable
-    """Python interpreter of the child processes."""
+    python: str = field(default_factory=lambda: sys.executable)
+    """Python interpreter of the child processes (default: ``sys.executable`` when the
+    config is made)."""
     trainer_log: Optional[str] = None
     """A file the trainer's output (stdout and stderr) is also appended to, as it goes to
     the console (the demo: ``<out>/logs/ppo.log``, beside its other stages' logs); None: the

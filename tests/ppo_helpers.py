@@ -84,14 +84,22 @@ def read_prompt_ids(exp: Path) -> dict[int, list[int]]:
     return out
 
 
-def start_in_session(cmd: list[str], log: Path, cwd: Path, crash: str | None = None):
-    """``cmd`` as the leader of its own session, output appended to ``log``, one thread,
-    no inherited ``NEMO_RLHF_*`` fault settings (``crash``: ``NEMO_RLHF_CRASH_AT``)."""
+def session_env() -> dict[str, str]:
+    """The environment :func:`start_in_session` gives (without ``crash``): this process's,
+    one OMP thread, no ``NEMO_RLHF_*`` fault settings."""
     import os
-    import subprocess
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_RLHF_")}
     env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def start_in_session(cmd: list[str], log: Path, cwd: Path, crash: str | None = None):
+    """``cmd`` as the leader of its own session, output appended to ``log``, one thread,
+    no inherited ``NEMO_RLHF_*`` fault settings (``crash``: ``NEMO_RLHF_CRASH_AT``)."""
+    import subprocess
+
+    env = session_env()
     if crash:
         env["NEMO_RLHF_CRASH_AT"] = crash
     Path(log).parent.mkdir(parents=True, exist_ok=True)

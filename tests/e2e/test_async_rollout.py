@@ -27,6 +27,7 @@ import torch
 from tests.ppo_helpers import end_session, make_demo_data, read_metrics, read_prompt_ids, start_in_session
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("forked_python_in_session")  # the processes: forks of a preloaded server
 STEPS = 4
 VOLATILE = ("timing/", "_per_s", "async/trainer_wait_s", "async/worker_idle_s", "async/weight_sync_s",
             "async/generate_s", "async/step_generate_s")
@@ -161,7 +162,7 @@ def test_the_local_launcher_runs_an_async_job_at_tp2(data, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(data, tmp_path_factory):
+def uninterrupted(data, forked_python_in_session, tmp_path_factory):
     exp = tmp_path_factory.mktemp("async_straight")
     t_code, w_code, text = _run_pair(_overrides(data, exp, *ASYNC1), exp)
     assert t_code == 0 and w_code == 0, text[-3000:]

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 
-def test_refresh_round_adds_pairs_continues_the_rm_and_resumes_ppo(tmp_path):
+def test_refresh_round_adds_pairs_continues_the_rm_and_resumes_ppo(tmp_path, forked_python):
     from launchers.demo import main
 
     out, data = tmp_path / "demo", tmp_path / "data"

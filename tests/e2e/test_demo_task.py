@@ -53,7 +53,7 @@ ARGS = ["--force", "--rm-heldout-sample-rounds", "0", "--rm-more-rounds", "0", "
         *ARGS]  # the wiring, not the gate and the sizing loops (tests/unit/project/test_demo_gates.py, test_demo_sizing.py)
 
 
-def test_a_task_the_model_cannot_do_gets_sft_first_then_rm_and_ppo(tmp_path, monkeypatch, capsys):
+def test_a_task_the_model_cannot_do_gets_sft_first_then_rm_and_ppo(tmp_path, monkeypatch, capsys, forked_python):
     from launchers.demo import main
 
     (tmp_path / "next_letter_task.py").write_text(TASK_MODULE)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 
-def test_ppo_against_the_served_rm_improves_the_tiny_demo_by_40_points(tmp_path):
+def test_ppo_against_the_served_rm_improves_the_tiny_demo_by_40_points(tmp_path, forked_python):
     from launchers.demo import main
 
     out = tmp_path / "demo"

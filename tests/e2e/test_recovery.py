@@ -25,6 +25,7 @@ from tests.ppo_helpers import make_demo_data
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
+pytestmark = pytest.mark.usefixtures("forked_python_in_session")  # the jobs: forks of a preloaded server
 VOLATILE = ("timing/", "_per_s")
 
 
@@ -97,7 +98,7 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(data, tmp_path_factory):
+def baseline(data, forked_python_in_session, tmp_path_factory):
     exp = tmp_path_factory.mktemp("baseline")
     res = _run(data, exp)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -121,7 +122,7 @@ def _side_by_side(chains: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def kill9_runs(data, tmp_path_factory):
+def kill9_runs(data, forked_python_in_session, tmp_path_factory):
     """Per crash point of :data:`CRASHES`: its folder, the run killed there and the resumed
     run (the chains side by side)."""
     def chain(crash: str):
