@@ -8,10 +8,10 @@ Endpoints (JSON in and out; errors are ``{"error": message, "field": key-or-null
   a whole conversation (a multi-turn episode: at least two messages, the last the
   assistant's), rendered by the scorer with its chat template
   (:func:`nemo_rlhf.data.datasets.encode_conversation` for an RM checkpoint); a scorer
-  without ``takes_conversations`` answers it 422. 400 invalid JSON (including a body nested too deeply to parse), 401
-  missing/wrong bearer token, 413 over a size limit (body, items, characters, or an item
-  with more tokens than the scorer takes: the message names ``items[i]`` and the limit),
-  422 schema errors (empty batch, missing field, wrong type, token id outside the
+  without ``takes_conversations`` answers it 422. 400 invalid JSON (including a body
+  nested too deeply to parse), 401 missing/wrong bearer token, 413 over a size limit
+  (body, items, characters, or an item with more tokens than the scorer takes: the
+  message names ``items[i]`` and the limit), 422 schema errors (empty batch, missing field, wrong type, token id outside the
   vocabulary, an item the scorer refuses), 500 the scorer raised on this request's own
   items (its message is returned; there is never a default score), 503 the scorer is
   still loading or the server is stopping. One request's fault never fails another's:
