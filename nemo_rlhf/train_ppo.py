@@ -35,7 +35,7 @@ from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
 from nemo_rlhf.trainers.ppo.async_rollout import check_async_layout
 from nemo_rlhf.trainers.ppo.config import PPOConfig, validate_batch_sizes
 from nemo_rlhf.trainers.ppo.reference import ReferencePolicy
-from nemo_rlhf.trainers.ppo.scoring import build_reward
+from nemo_rlhf.trainers.ppo.scoring import build_reward, policy_rendering
 from nemo_rlhf.trainers.ppo.trainer import PPOTrainer
 
 log = logging.getLogger("nemo_rlhf.ppo")
@@ -86,7 +86,8 @@ def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
     ddp = wrap_ddp(model, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
     optimizer = build_optimizer(ddp, cfg.optim, dims, cfg.trainer.precision)
     critic = build_separate_critic(cfg, dims, actor=model) if separate else None
-    reward = build_reward(cfg.reward, dims) if (dims.tp_rank == 0 and dims.pp_rank == 0) else None
+    reward = (build_reward(cfg.reward, dims, policy_rendering(tok, cfg.data))
+              if (dims.tp_rank == 0 and dims.pp_rank == 0) else None)
     return PPOTrainer(cfg, dims, ddp, optimizer, reference, reward, tok, prompts, eval_prompts,
                       critic=critic, signals=signals)
 

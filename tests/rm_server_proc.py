@@ -6,6 +6,8 @@ The fake scorer is deterministic (:func:`expected_score`), so a test can compare
 scores with in-process ones. Special responses: one containing ``RAISE`` makes the batch
 fail; one containing ``SLOW`` makes the batch take 5 s (to kill the server mid-request).
 ``--checkpoint-path`` and ``--scale`` make another "RM" (its identity and scores differ).
+Conversation items (``messages``) are scored too (``takes_conversations``); ``--log-items F``
+appends every scored item's wire form and score to ``F`` (JSONL).
 With ``--max-tokens N`` an item over N fake tokens (:func:`fake_tokens`) is refused by
 ``check_items`` (ItemTooLong) and makes ``score_batch`` raise, as a real RM's forward would.
 """
@@ -13,6 +15,7 @@ With ``--max-tokens N`` an item over N fake tokens (:func:`fake_tokens`) is refu
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -28,8 +31,12 @@ VOCAB_SIZE = 1000
 
 
 def expected_score(item: ScoreItem) -> float:
-    """len(response) + a hash-derived fraction of (prompt, response), in [len, len+1)."""
-    if item.is_tokens:
+    """len(response) + a hash-derived fraction of (prompt, response), in [len, len+1); a
+    conversation's response is its last message, its prompt the JSON of the others."""
+    if getattr(item, "messages", None) is not None:  # a conversation (ScoreItem.is_conversation)
+        prompt, response = json.dumps(item.messages[:-1]), item.messages[-1]["content"]
+        length = len(response)
+    elif item.is_tokens:
         prompt, response = ",".join(map(str, item.prompt_ids)), ",".join(map(str, item.response_ids))
         length = len(item.response_ids)
     else:
@@ -41,6 +48,8 @@ def fake_tokens(item: ScoreItem) -> int:
     """Fake token count: one token per character of prompt + response, or the id count."""
     if item.is_tokens:
         return len(item.prompt_ids) + len(item.response_ids)
+    if getattr(item, "messages", None) is not None:  # a conversation (ScoreItem.is_conversation)
+        return sum(len(m["content"]) for m in item.messages)
     return len(item.prompt) + len(item.response)
 
 
@@ -51,11 +60,12 @@ class HashScorer:
     """
 
     vocab_size = VOCAB_SIZE
+    takes_conversations = True
 
     def __init__(self, call_ms: float = 0.0, item_ms: float = 0.0, max_tokens: int | None = None,
-                 checkpoint_path: str = "/fake/rm", scale: float = 1.0) -> None:
+                 checkpoint_path: str = "/fake/rm", scale: float = 1.0, log_items: str | None = None) -> None:
         self.call_ms, self.item_ms, self.max_seq_length = call_ms, item_ms, max_tokens
-        self.checkpoint_path, self.scale = checkpoint_path, scale
+        self.checkpoint_path, self.scale, self.log_items = checkpoint_path, scale, log_items
 
     def check_items(self, items: list[ScoreItem]) -> None:
         """Raises ItemTooLong naming the first item over ``max_seq_length`` fake tokens."""
@@ -68,12 +78,18 @@ class HashScorer:
         for it in items:
             if self.max_seq_length is not None and fake_tokens(it) > self.max_seq_length:
                 raise ValueError(f"fake forward: a row of {fake_tokens(it)} tokens is past the position range")
-            if not it.is_tokens and "RAISE" in it.response:
+            text = it.response if it.response is not None else ""
+            if "RAISE" in text:
                 raise RuntimeError("fake scorer exploded on purpose")
-            if not it.is_tokens and "SLOW" in it.response:
+            if "SLOW" in text:
                 time.sleep(5.0)
         time.sleep((self.call_ms + self.item_ms * len(items)) / 1000.0)
-        return [self.scale * expected_score(it) for it in items]
+        scores = [self.scale * expected_score(it) for it in items]
+        if self.log_items:  # one JSON line per item: its wire form and its score
+            with open(self.log_items, "a") as f:
+                for it, sc in zip(items, scores):
+                    f.write(json.dumps({"item": it.to_json(), "score": sc}) + "\n")
+        return scores
 
     def metadata(self) -> dict:
         return {"model_name": "hash-scorer", "checkpoint_path": self.checkpoint_path, "checkpoint_step": 7,
@@ -99,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=None, help="the fake scorer's max_seq_length")
     p.add_argument("--checkpoint-path", default="/fake/rm", help="the RM identity in /metadata")
     p.add_argument("--scale", type=float, default=1.0, help="scores are scale * expected_score")
+    p.add_argument("--log-items", default=None, help="append each scored item and its score to this JSONL")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[rm-server] %(levelname)s %(message)s")
     cfg = RMServerConfig(
@@ -113,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
             time.sleep(0.02)
         if args.fail_load:
             raise RuntimeError("fake checkpoint is corrupt")
-        return HashScorer(args.call_ms, args.item_ms, args.max_tokens, args.checkpoint_path, args.scale)
+        return HashScorer(args.call_ms, args.item_ms, args.max_tokens, args.checkpoint_path, args.scale,
+                          args.log_items)
 
     serve(factory, cfg)
 

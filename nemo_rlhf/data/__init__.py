@@ -14,6 +14,7 @@ from nemo_rlhf.data.datasets import (
     TokenizedDataset,
     collate_preference,
     collate_sft,
+    encode_conversation,
     encode_prompt,
     encode_response,
     load_preference_dataset,
@@ -29,6 +30,6 @@ from nemo_rlhf.data.tokenizer import Tokenizer
 __all__ = [
     "CHAT_TEMPLATES", "DataConfig", "DataError", "LoadReport", "PreferenceSample", "PromptSample",
     "SFTSample", "TokenizedDataset", "Tokenizer", "collate_preference", "collate_sft",
-    "encode_prompt", "encode_response", "format_prompt", "load_preference_dataset",
+    "encode_conversation", "encode_prompt", "encode_response", "format_prompt", "load_preference_dataset",
     "load_prompt_dataset", "load_sft_dataset", "pad_right", "read_jsonl", "read_rows",
 ]

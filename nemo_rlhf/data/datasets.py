@@ -17,8 +17,13 @@ tokenised **alone** and appended, a policy segment as ``encode(text) + [EOS]`` (
 ends at EOS, as the episodes' turns do), an environment segment as ``encode(text)`` (the
 observation exactly as the episode appends it: ``env.observation_template`` filled, chat
 headers included). ``SFTSample.loss_mask`` is then 1 on policy tokens and 0 on the
-environment's, so the SFT loss never trains the model to predict a tool's output. Batches are
-right-padded with the tokenizer's PAD id; ``attention_mask`` and ``loss_mask`` come from
+environment's, so the SFT loss never trains the model to predict a tool's output.
+
+A whole conversation (a preference pair of multi-turn episodes, an RM server ``messages``
+item) is the single-turn layout with everything before its final assistant message as the
+prompt (:func:`encode_conversation`).
+
+Batches are right-padded with the tokenizer's PAD id; ``attention_mask`` and ``loss_mask`` come from
 lengths, never from comparing ids with PAD (PAD may equal EOS).
 
 Over-long rows (``len(prompt_ids) + len(response_ids) > max_seq_length``):
@@ -40,7 +45,7 @@ import torch
 from omegaconf import MISSING
 
 from nemo_rlhf.config import check_choice
-from nemo_rlhf.data.jsonl import DataError, LoadReport, check_field_map
+from nemo_rlhf.data.jsonl import CONVERSATION_FIELDS, DataError, LoadReport, check_field_map
 from nemo_rlhf.data.tables import read_rows
 from nemo_rlhf.data.templates import check_template, format_prompt
 from nemo_rlhf.data.tokenizer import Tokenizer
@@ -197,6 +202,87 @@ def encode_segments(tokenizer: Tokenizer, segments: Sequence[dict]) -> tuple[lis
     return ids, mask
 
 
+def check_conversation(messages, where: str = "messages") -> list[dict]:
+    """A whole conversation: a list of at least two ``{"role": str, "content": str}``
+    messages whose last one is the assistant's (the turn that is scored).
+
+    Raises:
+        ValueError: naming ``where``, the message and what is wrong.
+    """
+    if not isinstance(messages, list) or len(messages) < 2:
+        raise ValueError(f"{where}: expected a conversation, a list of at least two "
+                         f"{{'role', 'content'}} messages ending with the assistant's, got {messages!r:.200}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"] \
+                or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}[{i}]: expected {{'role': str, 'content': str}}, got {m!r:.200}")
+    if messages[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: the last message must be the assistant's (the turn the reward "
+                         f"model scores), got {messages[-1]['role']!r}")
+    return messages
+
+
+def encode_conversation(tokenizer: Tokenizer, messages: list[dict], chat_template: Optional[str] = None,
+                        system_prompt: Optional[str] = None) -> tuple[list[int], list[int]]:
+    """A whole conversation as the reward model reads it: ``(prompt_ids, response_ids)``.
+
+    The one rendering of a conversation for the RM, used by the RM trainer's conversation
+    pairs (:func:`load_preference_dataset`) and by the RM server's ``messages`` items
+    (:class:`~nemo_rlhf.reward.rm_scorer.RewardModelScorer`), so training and serving
+    cannot drift. It is the single-turn layout with everything before the final assistant
+    message as the prompt:
+
+    * ``prompt_ids``: ``messages[:-1]`` rendered by ``chat_template`` with its generation
+      prompt (:func:`encode_prompt` of those messages: the template's own rendering of the
+      earlier assistant and tool/user turns, as ``apply_chat_template(messages[:-1],
+      add_generation_prompt=True)``); with ``chat_template=None`` (a tokenizer without a
+      template, e.g. the tiny model's) ``[BOS]`` and each message's content tokenised alone,
+      concatenated (as a trajectory is built: the prompt, then each turn's ids appended);
+    * ``response_ids``: the final assistant message, ``encode(content) + [EOS]``.
+
+    So ``[user p, assistant r]`` gives exactly the single-turn ids of ``(p, r)``, and the
+    score is read at the EOS, as the RM is trained on single-turn pairs (a whole
+    ``apply_chat_template(messages)`` would end with the template's closer after the EOS,
+    e.g. ChatML's newline).
+
+    Args:
+        tokenizer: the RM's tokenizer.
+        messages: ``[{"role", "content"}, ...]``, at least two, the last the assistant's.
+        chat_template / system_prompt: the RM's ``data.chat_template`` / ``data.system_prompt``.
+
+    Returns:
+        ``(prompt_ids, response_ids)``, lists of ints.
+
+    Raises:
+        ValueError: a malformed conversation (:func:`check_conversation`), a system prompt
+            without a template, or what :func:`encode_prompt` raises.
+    """
+    check_conversation(messages)
+    context, final = messages[:-1], messages[-1]["content"]
+    if chat_template is None:
+        if system_prompt:
+            raise ValueError("data.system_prompt is set but data.chat_template is null; "
+                             "a system prompt needs a chat template ('chatml' or 'model')")
+        prompt = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+        for m in context:
+            prompt += tokenizer.encode(m["content"])
+    else:
+        prompt = encode_prompt(tokenizer, "", chat_template, system_prompt, [dict(m) for m in context])
+    return prompt, encode_response(tokenizer, final)
+
+
+def _split_pair(chosen: list[int], rejected: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """``(shared prefix, chosen rest, rejected rest)`` of two whole sequences; each rest
+    keeps at least one token."""
+    k = 0
+    for a, b in zip(chosen, rejected):
+        if a != b:
+            break
+        k += 1
+    k = min(k, len(chosen) - 1, len(rejected) - 1)
+    return chosen[:k], chosen[k:], rejected[k:]
+
+
 def _encode_field(fn, where: str, name: str, *args):
     try:
         return fn(*args)
@@ -270,14 +356,27 @@ def load_preference_dataset(path: str | Path, tokenizer: Tokenizer,
                             cfg: DataConfig) -> TokenizedDataset[PreferenceSample]:
     """Read, validate and tokenize a preference JSONL file.
 
+    A pair of whole conversations (``chosen`` / ``rejected`` message lists,
+    :mod:`nemo_rlhf.data.jsonl`) is rendered by :func:`encode_conversation` (what the RM
+    server scores); the sample's ``prompt_ids`` is the longest prefix the two renderings
+    share and ``chosen_ids`` / ``rejected_ids`` the rest of each, so ``prompt_ids +
+    chosen_ids`` is the chosen conversation's ids exactly (before any truncation).
+
     Raises:
         DataError: an invalid row (file, line, field) unless ``cfg.skip_invalid``.
     """
     def build(row, where, report):
-        p = _encode_field(encode_prompt, where, "messages" if "messages" in row else "prompt", tokenizer,
-                          row["prompt"], cfg.chat_template, cfg.system_prompt, row.get("messages"))
-        c = _encode_field(encode_response, where, "chosen", tokenizer, row["chosen"])
-        r = _encode_field(encode_response, where, "rejected", tokenizer, row["rejected"])
+        if CONVERSATION_FIELDS[0] in row:  # a pair of whole conversations
+            c_p, c_r = _encode_field(encode_conversation, where, "chosen", tokenizer,
+                                     row[CONVERSATION_FIELDS[0]], cfg.chat_template, cfg.system_prompt)
+            r_p, r_r = _encode_field(encode_conversation, where, "rejected", tokenizer,
+                                     row[CONVERSATION_FIELDS[1]], cfg.chat_template, cfg.system_prompt)
+            p, c, r = _split_pair(c_p + c_r, r_p + r_r)
+        else:
+            p = _encode_field(encode_prompt, where, "messages" if "messages" in row else "prompt", tokenizer,
+                              row["prompt"], cfg.chat_template, cfg.system_prompt, row.get("messages"))
+            c = _encode_field(encode_response, where, "chosen", tokenizer, row["chosen"])
+            r = _encode_field(encode_response, where, "rejected", tokenizer, row["rejected"])
         fc, fr = _fit(len(p), c, cfg), _fit(len(p), r, cfg)
         if fc is None or fr is None or fc == fr:
             report.dropped_overlong += 1

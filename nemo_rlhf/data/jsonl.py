@@ -20,6 +20,15 @@ normalised on reading: ``prompt`` becomes the last user turn's text (what reward
 functions see), ``messages`` keeps the conversation before the response (what the chat
 template renders), ``response`` / ``chosen`` / ``rejected`` become strings.
 
+A preference row may also compare two **whole conversations** (a multi-turn or
+tool-calling episode, #51): ``{"chosen": [messages], "rejected": [messages]}`` without a
+``prompt``, each list holding at least one message before its final assistant message
+(roles ``system``, ``user``, ``assistant``, ``tool``). It is normalised to ``prompt`` (the
+first user message's text), ``chosen`` / ``rejected`` (the final answers' texts) and the
+whole lists under :data:`CONVERSATION_FIELDS`, which the RM trainer renders as the RM
+server does (:func:`nemo_rlhf.data.datasets.encode_conversation`). Two identical
+conversations are refused like ``chosen == rejected``.
+
 Every row is checked: invalid UTF-8, invalid JSON, a non-object, a missing or non-string
 field, an empty (whitespace-only) prompt, and ``chosen == rejected`` in a preference row
 each raise :class:`DataError` naming the file, the 1-based line number and the field.
@@ -130,7 +139,10 @@ class LoadReport:
         (logger.info if self.clean else logger.warning)(self.summary())
 
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+
+CONVERSATION_FIELDS = ("chosen_messages", "rejected_messages")
+"""Where a preference row of two whole conversations keeps them after normalisation."""
 
 
 def _check_messages(messages, where: str, name: str) -> list[dict]:
@@ -171,13 +183,30 @@ def _normalise_chat(obj: dict, kind: str, where: str) -> dict:
     elif kind == "preference" and isinstance(obj.get("prompt"), list):
         msgs = _split_conversation(_check_messages(obj["prompt"], where, "prompt"), where, "prompt", "user")
         obj["prompt"], obj["messages"] = msgs[-1]["content"], msgs
+    if kind == "preference" and _is_conversation_pair(obj):
+        for name, key in zip(("chosen", "rejected"), CONVERSATION_FIELDS):
+            value = obj.get(name)
+            if not isinstance(value, list):
+                raise DataError(f"{where}: field {name!r}: expected a conversation (a list of messages) "
+                                f"like the other side, got {type(value).__name__}")
+            msgs = _check_messages(value, where, name)
+            if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+                raise DataError(f"{where}: field {name!r}: a whole conversation needs the prompt and at "
+                                f"least one more message, the last the assistant's")
+            obj[key], obj[name] = msgs, msgs[-1]["content"]
+        first_user = next((m["content"] for m in obj[CONVERSATION_FIELDS[0]] if m["role"] == "user"),
+                          obj[CONVERSATION_FIELDS[0]][0]["content"])
+        obj["prompt"] = first_user
+        return obj
     if kind == "preference":
         for name in ("chosen", "rejected"):
             value = obj.get(name)
             if isinstance(value, list):
                 msgs = _check_messages(value, where, name)
                 if len(msgs) != 1 or msgs[0]["role"] != "assistant":
-                    raise DataError(f"{where}: field {name!r}: expected one assistant message")
+                    raise DataError(f"{where}: field {name!r}: expected one assistant message after "
+                                    f"'prompt' (or, without 'prompt', two whole conversations: 'chosen' "
+                                    f"and 'rejected' each the prompt and every turn)")
                 obj[name] = msgs[0]["content"]
     return obj
 
@@ -201,6 +230,15 @@ def _check_segments(obj: dict, where: str) -> None:
     if segments[0]["kind"] != "policy" or segments[-1]["kind"] != "policy":
         raise DataError(f"{where}: field 'segments': the first and the last segment must be the "
                         f"policy's (the prompt is the first observation; the final answer ends it)")
+
+
+def _is_conversation_pair(obj: dict) -> bool:
+    """Whether a preference row compares whole conversations: no ``prompt`` / ``messages``,
+    and a ``chosen`` or ``rejected`` list that is more than one assistant message."""
+    def whole(value) -> bool:
+        return isinstance(value, list) and not (
+            len(value) == 1 and isinstance(value[0], dict) and value[0].get("role") == "assistant")
+    return "prompt" not in obj and "messages" not in obj and (whole(obj.get("chosen")) or whole(obj.get("rejected")))
 
 
 def _validate_row(obj, kind: str, where: str, fields: dict | None = None) -> dict:
@@ -227,7 +265,8 @@ def _validate_row(obj, kind: str, where: str, fields: dict | None = None) -> dic
                             f"{type(obj[name]).__name__}")
     if not obj["prompt"].strip():
         raise DataError(f"{where}: field 'prompt': empty")
-    if kind == "preference" and obj["chosen"] == obj["rejected"]:
+    if kind == "preference" and obj["chosen"] == obj["rejected"] and \
+            obj.get(CONVERSATION_FIELDS[0]) == obj.get(CONVERSATION_FIELDS[1]):
         raise DataError(f"{where}: field 'rejected': identical to 'chosen' (no preference)")
     return obj
 

@@ -114,6 +114,19 @@ class Tokenizer:
         """Text of ``ids`` (special tokens dropped by default)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def fingerprint(self) -> str:
+        """sha256 hex digest of what maps text to ids here: the tokenizer's serialised form, the
+        BOS / EOS / PAD ids and the chat template. Two tokenizers with one fingerprint
+        give the same ids for the same text and conversation (the PPO trainer compares
+        the policy's with the served RM's to decide whether the RM may read the
+        trajectory's own ids, :mod:`nemo_rlhf.reward.functions`)."""
+        import hashlib
+
+        h = hashlib.sha256(self.hf.to_str().encode())
+        h.update(json.dumps([self.bos_id, self.eos_id, self.pad_id, self.chat_template]).encode())
+        return h.hexdigest()
+
     def describe(self) -> dict:
         """JSON-able facts: path, vocab size and special ids (checkpoint metadata)."""
         return {"path": str(self.path), "vocab_size": self.vocab_size, "bos_id": self.bos_id,

@@ -84,6 +84,11 @@ class EnvLimits:
 class Environment(ABC):
     """One episode's environment (see the module docstring)."""
 
+    observation_role: str = "user"
+    """The role of this environment's observations in the episode's conversation
+    (``Episode.messages``, what a served reward model reads): ``user`` (a user's turn, the
+    default) or ``tool`` (a tool's output, :class:`~nemo_rlhf.envs.ToolEnvironment`)."""
+
     @abstractmethod
     def reset(self, problem: Any) -> str:
         """Start an episode on ``problem`` (a dataset row) and return the first observation

@@ -68,6 +68,8 @@ class DigitCalculatorEnv(Environment):
         limits: the per-episode :class:`EnvLimits` (``max_turns``, ``max_total_tokens``).
     """
 
+    observation_role = "tool"
+
     def __init__(self, limits: EnvLimits) -> None:
         self.limits = limits
         self.problem: Any = None

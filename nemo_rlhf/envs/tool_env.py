@@ -49,6 +49,8 @@ class ToolEnvironment(Environment):
         ValueError: an unknown format (naming its key and the choices).
     """
 
+    observation_role = "tool"
+
     def __init__(self, registry: ToolRegistry, tool_call_format: str, limits: EnvLimits,
                  prompt_fn: Optional[Callable[[Any], str]] = None,
                  reward_fn: Optional[Callable[[Any, str], float]] = None,

@@ -57,40 +57,54 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ScoreItem:
-    """One (prompt, response) pair to score, as text or as token ids (never both).
+    """One item to score: a (prompt, response) pair as text or as token ids, or a whole
+    conversation as messages (exactly one form).
 
     Text form: ``prompt`` and ``response`` are strings (either may be empty).
     Token form: ``prompt_ids`` and ``response_ids`` are lists of ints in the scorer's
-    vocabulary. Raises ``ValueError`` when neither or both forms are given, or a form is
-    incomplete.
+    vocabulary. Conversation form: ``messages``, a list of ``{"role": str, "content":
+    str}`` ending with the assistant's message (a multi-turn episode, #51), which the
+    scorer renders with its chat template (a scorer that takes it says so with
+    ``takes_conversations = True``). Raises ``ValueError`` when no form or several are
+    given, or a form is incomplete.
     """
 
     prompt: str | None = None
     response: str | None = None
     prompt_ids: list[int] | None = None
     response_ids: list[int] | None = None
+    messages: list[dict] | None = None
 
     def __post_init__(self) -> None:
         has_text = self.prompt is not None or self.response is not None
         has_ids = self.prompt_ids is not None or self.response_ids is not None
-        if has_text and has_ids:
-            raise ValueError("ScoreItem: give either prompt/response or prompt_ids/response_ids, not both")
+        has_messages = self.messages is not None
+        if has_text + has_ids + has_messages > 1:
+            raise ValueError("ScoreItem: give one form: prompt/response, prompt_ids/response_ids or messages")
         if has_text and (self.prompt is None or self.response is None):
             raise ValueError("ScoreItem: the text form needs both prompt and response")
         if has_ids and (self.prompt_ids is None or self.response_ids is None):
             raise ValueError("ScoreItem: the token form needs both prompt_ids and response_ids")
-        if not has_text and not has_ids:
-            raise ValueError("ScoreItem: needs prompt/response (str) or prompt_ids/response_ids (list[int])")
+        if not has_text and not has_ids and not has_messages:
+            raise ValueError("ScoreItem: needs prompt/response (str), prompt_ids/response_ids (list[int]) "
+                             "or messages (list of {role, content})")
 
     @property
     def is_tokens(self) -> bool:
-        """True for the token-id form, False for the text form."""
+        """True for the token-id form."""
         return self.prompt_ids is not None
+
+    @property
+    def is_conversation(self) -> bool:
+        """True for the conversation (``messages``) form."""
+        return self.messages is not None
 
     def to_json(self) -> dict[str, Any]:
         """The wire form used by ``POST /score``: only the fields of this item's form."""
         if self.is_tokens:
             return {"prompt_ids": list(self.prompt_ids), "response_ids": list(self.response_ids)}
+        if self.is_conversation:
+            return {"messages": [dict(m) for m in self.messages]}
         return {"prompt": self.prompt, "response": self.response}
 
 
@@ -127,6 +141,10 @@ class Scorer(Protocol):
     ``vocab_size``: size of the tokenizer vocabulary; token ids must lie in
     ``[0, vocab_size)``. ``None`` means the scorer takes text only, and the server rejects
     token-id items with 422.
+
+    Optional: ``takes_conversations = True`` when ``score_batch`` renders
+    conversation items (``ScoreItem.messages``, e.g. with the RM's chat template); without
+    it the server rejects them with 422.
 
     Optional: a ``close()`` method, called once on the model thread when the server stops
     (a multi-rank scorer uses it to release the ranks waiting for broadcasts).
@@ -237,6 +255,7 @@ class DynamicBatcher:
         self._scorer: Scorer | None = None
         self._metadata: dict[str, Any] | None = None
         self._vocab_size: int | None = None
+        self._takes_conversations = False
         self._stats = {
             "requests": 0,
             "items": 0,
@@ -264,6 +283,12 @@ class DynamicBatcher:
     def scorer_metadata(self) -> dict[str, Any] | None:
         """``scorer.metadata()`` captured once after loading; ``None`` before."""
         return self._metadata
+
+    @property
+    def takes_conversations(self) -> bool:
+        """The scorer's ``takes_conversations`` captured after loading (False before, or
+        when it has none)."""
+        return self._takes_conversations
 
     @property
     def vocab_size(self) -> int | None:
@@ -357,6 +382,7 @@ class DynamicBatcher:
                 on_failed(exc)
             return
         self._scorer, self._metadata, self._vocab_size = scorer, metadata, vocab_size
+        self._takes_conversations = getattr(scorer, "takes_conversations", False) is True
         try:
             # on_ready first (the server writes its address file there), then the state: a
             # client that saw /health say "ready" finds the address file written

@@ -11,7 +11,7 @@ from typing import Optional
 
 from nemo_rlhf.config import check_choice
 from nemo_rlhf.reward.ensemble import ENSEMBLE_AGGREGATES
-from nemo_rlhf.reward.functions import INVALID_SCORE_ACTIONS, check_reward_function_spec
+from nemo_rlhf.reward.functions import INVALID_SCORE_ACTIONS, RM_INPUTS, check_reward_function_spec
 from nemo_rlhf.reward.normalization import NORMALIZATION_MODES
 
 __all__ = ["RMEnsembleConfig", "RewardConfig", "RewardFunctionSpec"]
@@ -104,6 +104,14 @@ class RewardConfig:
     """Of the RM score: ``none``, ``fixed`` (the RM checkpoint's stats) or ``running``."""
     clip: Optional[float] = None
     """Clip normalised scores to [-clip, clip] (None: off)."""
+    rm_input: str = "conversation"
+    """What the served RM reads of a multi-turn episode (``env.name`` set; single-turn rows
+    are always the (prompt, response) texts): ``conversation`` (the whole episode: the
+    prompt and every turn, rendered with the RM's chat template; sent as the trajectory's
+    own ids when the RM's ``/metadata`` shows the policy's tokenizer, chat template and
+    system prompt, else as messages) or ``final_answer`` (the last policy turn alone, as a
+    single-turn response). Reward functions (rule checkers) score the final answer either
+    way."""
     ensemble: RMEnsembleConfig = field(default_factory=RMEnsembleConfig)
     """Other RMs whose scores join the primary RM's in a conservative ensemble
     (:class:`RMEnsembleConfig`); the ensemble is the ``rm`` source."""
@@ -111,6 +119,7 @@ class RewardConfig:
     def __post_init__(self) -> None:
         check_choice("reward.normalization", self.normalization, NORMALIZATION_MODES)
         check_choice("reward.invalid_scores", self.invalid_scores, INVALID_SCORE_ACTIONS)
+        check_choice("reward.rm_input", self.rm_input, RM_INPUTS)
         if not self.restart_wait_s >= 0:
             raise ValueError(f"reward.restart_wait_s={self.restart_wait_s}: must be >= 0 (seconds; 0: no wait)")
         if not self.timeout_s > 0 or not self.max_wait_s > 0 or self.max_retries < 0:

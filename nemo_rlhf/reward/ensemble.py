@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import torch
 
 from nemo_rlhf.config import check_choice
+from nemo_rlhf.reward.functions import RM_INPUTS, score_with_client
 
 ENSEMBLE_AGGREGATES = ("mean", "min", "mean_minus_std")
 
@@ -91,6 +92,9 @@ class RewardModelEnsemble:
             ``/metadata`` ``scorer`` part).
         names: ``M`` labels for errors (URLs or address files).
         aggregate / std_coef: see :func:`aggregate_ensemble`.
+        rm_input / send_ids: what each member reads of a multi-turn episode
+            (:class:`~nemo_rlhf.reward.functions.RemoteRewardModel`); ``send_ids`` one
+            flag per member (each RM's own tokenizer decides), None: False for every one.
 
     The members are asked concurrently (one thread each: separate servers score in
     parallel); any member's ``RewardServiceError`` propagates, nothing is filled in.
@@ -107,7 +111,9 @@ class RewardModelEnsemble:
     """
 
     def __init__(self, clients: Sequence[Any], stats: Sequence[dict], names: Sequence[str],
-                 aggregate: str = "mean_minus_std", std_coef: float = 1.0) -> None:
+                 aggregate: str = "mean_minus_std", std_coef: float = 1.0, rm_input: str = "final_answer",
+                 send_ids: Sequence[bool] | None = None) -> None:
+        check_choice("reward.rm_input", rm_input, RM_INPUTS)
         if len(clients) < 2 or not len(clients) == len(stats) == len(names):
             raise ValueError(f"RewardModelEnsemble: needs >= 2 members with one stats dict and name each "
                              f"(got {len(clients)} clients, {len(stats)} stats, {len(names)} names)")
@@ -124,6 +130,10 @@ class RewardModelEnsemble:
         aggregate_ensemble(torch.zeros(len(clients), 1), torch.tensor(means), torch.tensor(stds),  # host
                            aggregate, std_coef)  # validates aggregate and std_coef now
         self.clients = list(clients)
+        self.rm_input = rm_input
+        self.send_ids = [False] * len(self.clients) if send_ids is None else [bool(x) for x in send_ids]
+        if len(self.send_ids) != len(self.clients):
+            raise ValueError(f"RewardModelEnsemble: {len(self.send_ids)} send_ids flags for {len(self.clients)} members")
         self.names = list(names)
         self.means = torch.tensor(means, dtype=torch.float64)  # host: scores arrive as JSON floats
         self.stds = torch.tensor(stds, dtype=torch.float64)  # host
@@ -142,9 +152,12 @@ class RewardModelEnsemble:
             c.allow_nonfinite = value
 
     def score(self, prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
-        """``[batch]`` ensemble rewards (member 0's units) for the (prompt, response) texts.
-        A non-finite member score gives a non-finite reward (judged by the caller)."""
-        futures = [self._pool.submit(c.score_texts, prompts, responses) for c in self.clients]
+        """``[batch]`` ensemble rewards (member 0's units) for the (prompt, response) texts,
+        or the episodes' conversations (each member's request as
+        :func:`~nemo_rlhf.reward.functions.score_with_client` builds it). A non-finite
+        member score gives a non-finite reward (judged by the caller)."""
+        futures = [self._pool.submit(score_with_client, c, prompts, responses, extras, self.rm_input, ids)
+                   for c, ids in zip(self.clients, self.send_ids)]
         per_member = [f.result() for f in futures]  # the first failure propagates
         scores = torch.tensor(per_member, dtype=torch.float64)  # host, [members, batch]
         reward, spread = aggregate_ensemble(scores, self.means, self.stds, self.aggregate, self.std_coef)

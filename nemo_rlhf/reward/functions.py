@@ -31,7 +31,9 @@ from nemo_rlhf.data.answers import check_lengths
 from nemo_rlhf.reward.normalization import RewardNormalizer
 
 __all__ = [
+    "CONVERSATION_EXTRA",
     "CombinedReward",
+    "RM_INPUTS",
     "RemoteRewardModel",
     "RewardFn",
     "RewardFunctionScorer",
@@ -42,6 +44,8 @@ __all__ = [
     "check_reward_function_spec",
     "get_reward_function",
     "means_from_sums",
+    "rm_items",
+    "score_with_client",
 ]
 
 RewardFn = Callable[[list[str], list[str], list[dict]], list[float]]
@@ -153,19 +157,83 @@ class RewardFunctionScorer:
                                     f"reward function {self.name!r}", self.allow_nonfinite)
 
 
-class RemoteRewardModel:
-    """The served reward model as a :class:`RewardSource` (text form; extras are unused).
+RM_INPUTS = ("conversation", "final_answer")
+"""``reward.rm_input``: what the served RM reads of a multi-turn episode (:func:`rm_items`)."""
 
-    ``client``: a :class:`~nemo_rlhf.reward.client.RewardModelClient`; its
-    ``RewardServiceError`` propagates -- a failed score is never replaced.
+CONVERSATION_EXTRA = "conversation"
+"""The ``extras`` key of a multi-turn row's whole conversation (set by the PPO trainer,
+``episode_extras``): ``{"messages": [{"role", "content"}, ...], "prompt_ids": [int],
+"response_ids": [int]}`` -- the prompt and every turn as messages (policy turns
+``assistant``, observations the environment's role), and the trajectory's own ids (the
+prompt's; everything after it, policy and environment tokens)."""
+
+
+def rm_items(prompts: Sequence[str], responses: Sequence[str], extras: Sequence[dict], rm_input: str,
+             send_ids: bool) -> list[dict] | None:
+    """The served RM's wire items (``POST /score``) of a batch, or None when every row is
+    the single-turn text item (then the caller sends today's request, ``score_texts``).
+
+    A row whose ``extras`` hold :data:`CONVERSATION_EXTRA` (a multi-turn episode) with
+    ``rm_input="conversation"``: the trajectory's ids (``{"prompt_ids", "response_ids"}``)
+    when ``send_ids`` (the RM shares the policy's tokenizer, chat template and system
+    prompt, so these are the ids its rendering gives, and the policy's tokens are not
+    decoded and re-encoded), else its ``messages`` (the server renders them with the RM's
+    chat template). Every other row, and every row with ``rm_input="final_answer"``:
+    ``{"prompt", "response"}``, the response being the episode's final answer.
+
+    Raises:
+        ValueError: an unknown ``rm_input`` (naming ``reward.rm_input`` and the choices).
+    """
+    check_choice("reward.rm_input", rm_input, RM_INPUTS)
+    convs = [e.get(CONVERSATION_EXTRA) for e in extras]
+    if rm_input == "final_answer" or all(c is None for c in convs):
+        return None
+    out = []
+    for prompt, response, conv in zip(prompts, responses, convs):
+        if conv is None:
+            out.append({"prompt": prompt, "response": response})
+        elif send_ids:
+            out.append({"prompt_ids": list(conv["prompt_ids"]), "response_ids": list(conv["response_ids"])})
+        else:
+            out.append({"messages": [dict(m) for m in conv["messages"]]})
+    return out
+
+
+def score_with_client(client: Any, prompts: Sequence[str], responses: Sequence[str], extras: Sequence[dict],
+                      rm_input: str, send_ids: bool) -> list[float]:
+    """``client``'s scores of a batch: ``score_texts`` (the single-turn request, unchanged)
+    unless :func:`rm_items` gives conversation items, then ``score`` of those."""
+    items = rm_items(prompts, responses, extras, rm_input, send_ids)
+    if items is None:
+        return client.score_texts(list(prompts), list(responses))
+    return client.score(items)
+
+
+class RemoteRewardModel:
+    """The served reward model as a :class:`RewardSource`.
+
+    Args:
+        client: a :class:`~nemo_rlhf.reward.client.RewardModelClient`; its
+            ``RewardServiceError`` propagates -- a failed score is never replaced.
+        rm_input: what it reads of a multi-turn episode (:data:`RM_INPUTS`, ``reward.rm_input``):
+            ``conversation`` (the whole episode) or ``final_answer`` (its last policy turn,
+            as a single-turn response). Single-turn rows are the (prompt, response) texts
+            either way.
+        send_ids: send a conversation as the trajectory's own ids rather than messages
+            (:func:`rm_items`; decided from the RM's ``/metadata`` in
+            :func:`~nemo_rlhf.trainers.ppo.scoring.build_reward`).
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, rm_input: str = "final_answer", send_ids: bool = False) -> None:
+        check_choice("reward.rm_input", rm_input, RM_INPUTS)
         self.client = client
+        self.rm_input = rm_input
+        self.send_ids = send_ids
 
     def score(self, prompts: list[str], responses: list[str], extras: list[dict]) -> list[float]:
-        """``[batch]`` RM scores for the (prompt, response) texts."""
-        return self.client.score_texts(prompts, responses)
+        """``[batch]`` RM scores: of the (prompt, response) texts, or of the episodes'
+        conversations (:func:`rm_items`)."""
+        return score_with_client(self.client, prompts, responses, extras, self.rm_input, self.send_ids)
 
 
 @dataclass

@@ -11,7 +11,13 @@ turns (prompt, response) pairs into scalar scores:
   system prompt of the checkpoint's ``data`` section;
 * token-id items are taken as given, ``prompt_ids + response_ids`` (the caller's prompt
   ids already hold BOS and the template; a response that stopped at EOS carries it, a
-  truncated one does not -- exactly the ids the policy produced);
+  truncated one does not -- exactly the ids the policy produced; a multi-turn episode's
+  trajectory ids when the RM shares the policy's tokenizer and template);
+* conversation items (``messages``: a whole multi-turn episode) are rendered by
+  :func:`~nemo_rlhf.data.datasets.encode_conversation` with the checkpoint's chat
+  template and system prompt, the function the RM trainer renders conversation pairs
+  with (so the served layout is the trained one); the response is the final assistant
+  message;
 * rows are right-padded, run through :func:`nemo_rlhf.models.engine.forward_backward`
   with ``forward_only=True`` (so pipeline parallelism works), and the score is the reward
   head's output at each row's last valid token (:func:`gather_last_token`).
@@ -61,7 +67,7 @@ from nemo_rlhf.checkpoint import (
     resolve_checkpoint,
 )
 from nemo_rlhf.config import check_choice
-from nemo_rlhf.data.datasets import encode_prompt, encode_response, pad_right
+from nemo_rlhf.data.datasets import encode_conversation, encode_prompt, encode_response, pad_right
 from nemo_rlhf.data.tokenizer import Tokenizer
 from nemo_rlhf.distributed.split import chunk_slices, dp_slice
 from nemo_rlhf.models.actor_critic import build_model, gather_last_token
@@ -202,12 +208,16 @@ class RewardModelScorer:
 
     Attributes:
         vocab_size: ``model.vocab_size``; token ids must lie in ``[0, vocab_size)``.
+        takes_conversations: True: ``messages`` items are rendered with the checkpoint's
+            chat template (:func:`~nemo_rlhf.data.datasets.encode_conversation`).
 
     Raises:
         CheckpointError: missing/incomplete checkpoint, missing tensors or reward head.
         FileNotFoundError: the tokenizer folder does not exist.
         ValueError: a tokenizer larger than the model's vocabulary; a bad layout.
     """
+
+    takes_conversations = True
 
     def __init__(self, cfg: RMScorerConfig, dims, info: Optional[RMCheckpointInfo] = None) -> None:
         if dims.device.type == "cuda":
@@ -248,7 +258,8 @@ class RewardModelScorer:
 
     # ------------------------------------------------------------------ tokenisation
     def encode(self, item: ScoreItem, index: int = 0) -> list[int]:
-        """Token ids of one item: ``prompt_ids + response_ids`` (see the module docstring).
+        """Token ids of one item: ``prompt_ids + response_ids`` (see the module docstring;
+        a conversation's prompt is everything before its final assistant message).
 
         Raises (both ``ValueError`` subclasses, naming ``items[index]``):
             ItemTooLong: a row over ``max_seq_length`` (policy ``error``, or a prompt alone
@@ -261,6 +272,9 @@ class RewardModelScorer:
             if item.is_tokens:
                 prompt = validate_token_ids(list(item.prompt_ids), self.vocab_size, f"{where}.prompt_ids")
                 response = validate_token_ids(list(item.response_ids), self.vocab_size, f"{where}.response_ids")
+            elif item.is_conversation:
+                prompt, response = encode_conversation(self.tokenizer, list(item.messages),
+                                                       self.info.chat_template, self.info.system_prompt)
             else:
                 prompt = encode_prompt(self.tokenizer, item.prompt, self.info.chat_template,
                                        self.info.system_prompt)
@@ -420,7 +434,9 @@ class RewardModelScorer:
         """JSON-able description served under ``/metadata`` -> ``scorer``.
 
         Keys: ``model_name``, ``checkpoint_path``, ``checkpoint_step``, ``tokenizer_dir``,
-        ``vocab_size``, ``reward_mean`` / ``reward_std`` / ``reward_stats_count`` (the RM
+        ``tokenizer_fingerprint`` (:attr:`~nemo_rlhf.data.tokenizer.Tokenizer.fingerprint`:
+        a client whose policy has the same one, chat template and system prompt may send
+        a trajectory's own ids), ``vocab_size``, ``reward_mean`` / ``reward_std`` / ``reward_stats_count`` (the RM
         trainer's statistics; None when the checkpoint has none), ``chat_template``, ``system_prompt``,
         ``max_seq_length``, ``overlong_policy``, ``precision``, ``parallel``.
         """
@@ -432,6 +448,7 @@ class RewardModelScorer:
             "checkpoint_path": str(self.info.path.resolve()),
             "checkpoint_step": self.info.step,
             "tokenizer_dir": str(Path(self.tokenizer_dir).resolve()),
+            "tokenizer_fingerprint": self.tokenizer.fingerprint,
             "vocab_size": self.vocab_size,
             **stats,
             "chat_template": self.info.chat_template,

@@ -3,11 +3,15 @@
 Endpoints (JSON in and out; errors are ``{"error": message, "field": key-or-null}``):
 
 - ``POST /score`` ``{"items": [{"prompt": str, "response": str} |
-  {"prompt_ids": [int], "response_ids": [int]}, ...]}`` -> ``{"scores": [float, ...]}``
-  in item order. 400 invalid JSON (including a body nested too deeply to parse), 401
-  missing/wrong bearer token, 413 over a size limit (body, items, characters, or an item
-  with more tokens than the scorer takes: the message names ``items[i]`` and the limit),
-  422 schema errors (empty batch, missing field, wrong type, token id outside the
+  {"prompt_ids": [int], "response_ids": [int]} | {"messages": [{"role": str, "content":
+  str}, ...]}, ...]}`` -> ``{"scores": [float, ...]}`` in item order. A ``messages`` item is
+  a whole conversation (a multi-turn episode: at least two messages, the last the
+  assistant's), rendered by the scorer with its chat template
+  (:func:`nemo_rlhf.data.datasets.encode_conversation` for an RM checkpoint); a scorer
+  without ``takes_conversations`` answers it 422. 400 invalid JSON (including a body
+  nested too deeply to parse), 401 missing/wrong bearer token, 413 over a size limit
+  (body, items, characters, or an item with more tokens than the scorer takes: the
+  message names ``items[i]`` and the limit), 422 schema errors (empty batch, missing field, wrong type, token id outside the
   vocabulary, an item the scorer refuses), 500 the scorer raised on this request's own
   items (its message is returned; there is never a default score), 503 the scorer is
   still loading or the server is stopping. One request's fault never fails another's:
@@ -82,6 +86,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _TEXT_KEYS = ("prompt", "response")
 _ID_KEYS = ("prompt_ids", "response_ids")
+_MESSAGES_KEY = "messages"
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
@@ -150,10 +155,12 @@ class RequestError(Exception):
 
 
 # --------------------------------------------------------------------------- parsing
-def parse_score_request(body: bytes, cfg: RMServerConfig, vocab_size: int | None) -> list[ScoreItem]:
+def parse_score_request(body: bytes, cfg: RMServerConfig, vocab_size: int | None,
+                        takes_conversations: bool = False) -> list[ScoreItem]:
     """Parses and validates a ``POST /score`` body into ``ScoreItem`` s.
 
     ``vocab_size``: the scorer's; None means token-id items are rejected (text-only scorer).
+    ``takes_conversations``: the scorer's; False means ``messages`` items are rejected (422).
     Raises :class:`RequestError` (400 not JSON, or JSON nested deeper than the parser's
     recursion limit, about 1000 levels, or a number the parser refuses; 413 too many items
     or a text over ``cfg.max_text_chars``; 422 any schema error) naming the field and
@@ -182,18 +189,50 @@ def parse_score_request(body: bytes, cfg: RMServerConfig, vocab_size: int | None
         raise RequestError(
             413, f"items: {len(raw_items)} items exceed max_items_per_request={cfg.max_items_per_request}", "items"
         )
-    return [_parse_item(raw, i, cfg, vocab_size) for i, raw in enumerate(raw_items)]
+    return [_parse_item(raw, i, cfg, vocab_size, takes_conversations) for i, raw in enumerate(raw_items)]
 
 
-def _parse_item(raw: Any, index: int, cfg: RMServerConfig, vocab_size: int | None) -> ScoreItem:
+def _parse_messages(raw: Any, where: str, cfg: RMServerConfig, takes_conversations: bool) -> ScoreItem:
+    """A ``{"messages": [...]}`` item (a whole conversation)."""
+    field = f"{where}.messages"
+    if not takes_conversations:
+        raise RequestError(422, f"{where}: this reward model does not take conversations ('messages'); "
+                                f"send 'prompt' and 'response' or token ids", field)
+    msgs = raw["messages"]
+    if not isinstance(msgs, list) or len(msgs) < 2:
+        raise RequestError(422, f"{field}: expected a list of at least two {{role, content}} messages "
+                                f"(the prompt, then the turns), got {_json_type(msgs)}", field)
+    for j, m in enumerate(msgs):
+        at = f"{field}[{j}]"
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise RequestError(422, f"{at}: expected an object with exactly 'role' and 'content'", at)
+        if not isinstance(m["role"], str) or not m["role"] or not isinstance(m["content"], str):
+            raise RequestError(422, f"{at}: 'role' must be a non-empty string and 'content' a string", at)
+        if len(m["content"]) > cfg.max_text_chars:
+            raise RequestError(413, f"{at}.content: {len(m['content'])} characters exceed "
+                                    f"max_text_chars={cfg.max_text_chars}", f"{at}.content")
+    if msgs[-1]["role"] != "assistant":
+        raise RequestError(422, f"{field}: the last message must be the assistant's (the scored turn), "
+                                f"got {msgs[-1]['role']!r}", field)
+    return ScoreItem(messages=[{"role": m["role"], "content": m["content"]} for m in msgs])
+
+
+def _parse_item(raw: Any, index: int, cfg: RMServerConfig, vocab_size: int | None,
+                takes_conversations: bool = False) -> ScoreItem:
     where = f"items[{index}]"
     if not isinstance(raw, dict):
         raise RequestError(422, f"{where}: expected an object, got {_json_type(raw)}", where)
+    valid = _TEXT_KEYS + _ID_KEYS + (_MESSAGES_KEY,)
     for key in raw:
-        if key not in _TEXT_KEYS + _ID_KEYS:
+        if key not in valid:
             raise RequestError(
-                422, f"{where}.{key}: unknown field; valid: {', '.join(_TEXT_KEYS + _ID_KEYS)}", f"{where}.{key}"
+                422, f"{where}.{key}: unknown field; valid: {', '.join(valid)}", f"{where}.{key}"
             )
+    if _MESSAGES_KEY in raw:
+        if len(raw) > 1:
+            raise RequestError(422, f"{where}: mixes 'messages' with other fields; use one form per item",
+                               where)
+        return _parse_messages(raw, where, cfg, takes_conversations)
     has_text = any(k in raw for k in _TEXT_KEYS)
     has_ids = any(k in raw for k in _ID_KEYS)
     if has_text and has_ids:
@@ -343,7 +382,7 @@ def build_app(
             return _error(503, f"reward model is {batcher.state}; retry once GET /health returns 200")
         try:
             body = await _read_body(request, cfg.max_body_bytes)
-            items = parse_score_request(body, cfg, batcher.vocab_size)
+            items = parse_score_request(body, cfg, batcher.vocab_size, batcher.takes_conversations)
         except RequestError as exc:
             return _error(exc.status, exc.message, exc.field)
         request_id = request.headers.get("x-request-id")

@@ -123,6 +123,13 @@ class Episode:
     ``max_total_tokens``, ``max_tool_time_s``, or the environment's own reason."""
     env_time_s: float = 0.0
     """Wall time of this episode's ``env.step`` calls."""
+    messages: List[dict] = field(default_factory=list)
+    """The episode as a conversation, text only (what a served reward model reads,
+    ``reward.rm_input=conversation``): ``{"role": "user", "content": <the text
+    env.reset returned>}``, then per policy turn ``{"role": "assistant", "content": <the
+    turn decoded, as env.step read it>}`` and per appended observation ``{"role":
+    env.observation_role, "content": <its text, before env.observation_template>}``. The
+    same on every rank of a model-parallel group."""
 
 
 class _Row:
@@ -170,7 +177,8 @@ def _check_args(dims, envs, problems, cfg: RolloutConfig, limits: EnvLimits, max
 def _start(envs, problems, encode_prompt, limits: EnvLimits, vocab_size: int) -> List[_Row]:
     rows = []
     for i, (env, problem) in enumerate(zip(envs, problems)):
-        ids = list(encode_prompt(env.reset(problem)))
+        first = env.reset(problem)
+        ids = list(encode_prompt(first))
         if not ids:
             raise ValueError(f"run_episodes: episode {i}'s prompt encodes to no tokens")
         if len(ids) >= limits.max_total_tokens:
@@ -180,7 +188,9 @@ def _start(envs, problems, encode_prompt, limits: EnvLimits, vocab_size: int) ->
         if min(ids) < 0 or max(ids) >= vocab_size:
             raise ValueError(f"run_episodes: episode {i}'s prompt has an id outside the "
                              f"vocabulary [0, {vocab_size})")
-        rows.append(_Row(env, Trajectory(ids)))
+        row = _Row(env, Trajectory(ids))
+        row.episode.messages.append({"role": "user", "content": first})
+        rows.append(row)
     return rows
 
 
@@ -208,13 +218,13 @@ def _share_objects(dims, objs: list) -> list:
     return box[0]
 
 
-def _step_env(row: _Row, i: int, ids: List[int], encode_observation: EncodeFn,
-              decode_fn: DecodeFn, vocab_size: int) -> tuple:
-    """Leader only: ``env.step`` on the turn, its observation tokenised alone. Returns
-    ``(result, seconds, observation ids or None, error message or None)`` (an error is
-    raised on every rank after the broadcast, so no rank waits for the others forever)."""
+def _step_env(row: _Row, i: int, text: str, encode_observation: EncodeFn, vocab_size: int) -> tuple:
+    """Leader only: ``env.step`` on the turn (its decoded ``text``), its observation
+    tokenised alone. Returns ``(result, seconds, observation ids or None, error message or
+    None)`` (an error is raised on every rank after the broadcast, so no rank waits for the
+    others forever)."""
     t0 = time.perf_counter()
-    result: StepResult = row.env.step(row.traj, decode_fn(list(ids)))
+    result: StepResult = row.env.step(row.traj, text)
     dt = time.perf_counter() - t0
     if result.done:
         return result, dt, None, None
@@ -241,18 +251,19 @@ def _finish_turns(ended: List[tuple], dims, limits: EnvLimits, encode_observatio
     for i, row, stopped in ended:
         traj = row.traj
         traj.append_policy(row.turn_ids, row.turn_lps)
-        ids = row.turn_ids
+        text = decode_fn(list(row.turn_ids))  # every rank: the episode's messages are everyone's
+        row.episode.messages.append({"role": "assistant", "content": text})
         row.turn_ids, row.turn_lps = [], []
         if not stopped and len(traj) >= limits.max_total_tokens:
             row.end("max_total_tokens", truncated=True)  # cut mid-turn: no environment step
             continue
-        asked.append((i, row, ids))
+        asked.append((i, row, text))
     if not asked:
         return
     outcomes = None
     if _leader(dims):
-        outcomes = [_step_env(row, i, ids, encode_observation, decode_fn, vocab_size)
-                    for i, row, ids in asked]
+        outcomes = [_step_env(row, i, text, encode_observation, vocab_size)
+                    for i, row, text in asked]
     outcomes = _share_objects(dims, outcomes)
     for (i, row, _ids), (result, dt, obs, error) in zip(asked, outcomes):
         if error is not None:
@@ -274,6 +285,8 @@ def _finish_turns(ended: List[tuple], dims, limits: EnvLimits, encode_observatio
             row.end("max_total_tokens", truncated=True)
         else:
             traj.append_env(obs)
+            row.episode.messages.append({"role": getattr(row.env, "observation_role", "user"),
+                                         "content": result.observation})
             row.pending = list(obs)
 
 

@@ -106,15 +106,16 @@ def episode_to_json(episode: Episode) -> dict:
     """One multi-turn :class:`~nemo_rlhf.rollout.episodes.Episode` as plain JSON-able host
     data: the trajectory's ``token_ids`` (prompt included), ``prompt_length``, ``logprobs``
     (one Python float per token, 0 off the policy), ``segments`` (``[kind, start, end]``)
-    and ``truncated``; the episode's ``turn_rewards``, ``infos``, ``stop_reason`` and
-    ``env_time_s``. The loss mask is not stored: the segments give it. ``infos`` are kept
+    and ``truncated``; the episode's ``turn_rewards``, ``infos``, ``stop_reason``,
+    ``env_time_s`` and ``messages``. The loss mask is not stored: the segments give it. ``infos`` are kept
     as the environment returned them (JSON-able for a checkpoint's copy: the built-in
     environments' are)."""
     tr = episode.trajectory
     return {"token_ids": list(tr.token_ids), "prompt_length": tr.prompt_length, "logprobs": list(tr.logprobs),
             "segments": [[s.kind, s.start, s.end] for s in tr.segments], "truncated": tr.truncated,
             "turn_rewards": list(episode.turn_rewards), "infos": list(episode.infos),
-            "stop_reason": episode.stop_reason, "env_time_s": episode.env_time_s}
+            "stop_reason": episode.stop_reason, "env_time_s": episode.env_time_s,
+            "messages": [dict(m) for m in episode.messages]}
 
 
 def episode_from_json(obj: dict) -> Episode:
@@ -141,7 +142,8 @@ def episode_from_json(obj: dict) -> Episode:
     if obj["truncated"]:
         tr.mark_truncated()
     return Episode(trajectory=tr, turn_rewards=list(obj["turn_rewards"]), infos=list(obj["infos"]),
-                   stop_reason=obj["stop_reason"], env_time_s=obj["env_time_s"])
+                   stop_reason=obj["stop_reason"], env_time_s=obj["env_time_s"],
+                   messages=[dict(m) for m in obj.get("messages", [])])  # absent: written before #51's messages
 
 
 def batch_to_host(batch) -> dict:

@@ -17,7 +17,8 @@ Every reducer of the PPO step reads the mask (docs/multi-turn.md), so the score 
 each row's last *policy* token. The episodes ride along as host objects
 (:attr:`EpisodeRolloutBatch.episodes`): the trainer scores the final answer (the last
 policy turn's text, :meth:`EpisodeRolloutBatch.final_texts`) and gives reward functions
-the episode reward (``extras["env_reward"]``: the ``env`` reward function).
+the episode reward (``extras["env_reward"]``: the ``env`` reward function) and the served
+RM the whole conversation (``extras["conversation"]``, ``reward.rm_input``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from nemo_rlhf.data.datasets import encode_prompt
 from nemo_rlhf.envs.builtin import ENV_REWARD_KEY
 from nemo_rlhf.envs.config import get_env_factory
+from nemo_rlhf.reward.functions import CONVERSATION_EXTRA
 from nemo_rlhf.rollout.episodes import Episode, EpisodeRolloutBatch, run_episodes
 from nemo_rlhf.rollout.generate import RolloutBatch
 from nemo_rlhf.rollout.trajectory import to_padded_batch
@@ -46,12 +48,18 @@ episodes)."""
 
 
 def episode_extras(episode: Episode) -> dict:
-    """What a multi-turn row adds to its prompt row's ``extras`` for the reward functions:
+    """What a multi-turn row adds to its prompt row's ``extras`` for the reward sources:
     ``env_reward`` (the sum of the environment's per-turn rewards, 0.0 when it gave none),
-    ``env_turn_rewards`` (per answered turn, None where none), ``turns``."""
-    rewards = episode.turn_rewards
+    ``env_turn_rewards`` (per answered turn, None where none), ``turns``, and the whole
+    conversation under :data:`~nemo_rlhf.reward.functions.CONVERSATION_EXTRA`
+    (``{"messages": Episode.messages, "prompt_ids": the trajectory's prompt, "response_ids":
+    everything after it}``: what the served RM reads with ``reward.rm_input=conversation``)."""
+    rewards, tr = episode.turn_rewards, episode.trajectory
     return {ENV_REWARD_KEY: float(sum(r for r in rewards if r is not None)),
-            "env_turn_rewards": list(rewards), "turns": episode.trajectory.turns}
+            "env_turn_rewards": list(rewards), "turns": tr.turns,
+            CONVERSATION_EXTRA: {"messages": [dict(m) for m in episode.messages],
+                                 "prompt_ids": list(tr.prompt_ids),
+                                 "response_ids": list(tr.token_ids[tr.prompt_length:])}}
 
 
 def episode_metric_sums(episodes: List[Episode]) -> list[float]:
@@ -70,7 +78,7 @@ def episode_metric_sums(episodes: List[Episode]) -> list[float]:
         s[4] += float(tr.truncated)
         s[5] += tr.policy_tokens
         s[6] += len(tr) - tr.prompt_length
-        s[7] += episode_extras(ep)[ENV_REWARD_KEY]
+        s[7] += float(sum(r for r in ep.turn_rewards if r is not None))  # episode_extras' env_reward
     return s
 
 

@@ -64,8 +64,37 @@ def _is_address_file(cfg: RewardConfig, index: int) -> bool:
     return index > len(cfg.ensemble.rm_urls)
 
 
-def build_reward(cfg: RewardConfig, dims=None):
+RENDERING_KEYS = ("tokenizer_fingerprint", "chat_template", "system_prompt")
+"""What must agree between the policy and a served RM (its ``/metadata`` ``scorer``) for the
+RM to read a multi-turn episode as the trajectory's own ids (:func:`rm_reads_trajectory_ids`)."""
+
+
+def rm_reads_trajectory_ids(policy_rendering: dict | None, scorer_meta: dict) -> bool:
+    """Whether a served RM may be sent an episode's trajectory ids instead of its messages
+    (``reward.rm_input=conversation``): it tokenises and renders as the policy does, i.e.
+    the same :attr:`~nemo_rlhf.data.tokenizer.Tokenizer.fingerprint`, ``data.chat_template``
+    and ``data.system_prompt`` (:data:`RENDERING_KEYS`). Then the trajectory's ids are the
+    conversation as the RM's template renders it, and the policy's tokens reach the RM as
+    sampled (token-in/token-out: no decode and re-encode, which BPE does not survive at a
+    seam). False when ``policy_rendering`` is None or the RM does not say (an older server)."""
+    if policy_rendering is None or scorer_meta.get("tokenizer_fingerprint") is None:
+        return False
+    return all(policy_rendering.get(k) == scorer_meta.get(k) for k in RENDERING_KEYS)
+
+
+def policy_rendering(tokenizer, data_cfg) -> dict:
+    """The policy's side of :data:`RENDERING_KEYS`: its tokenizer's fingerprint and
+    ``data.chat_template`` / ``data.system_prompt``."""
+    return {"tokenizer_fingerprint": tokenizer.fingerprint, "chat_template": data_cfg.chat_template,
+            "system_prompt": data_cfg.system_prompt}
+
+
+def build_reward(cfg: RewardConfig, dims=None, rendering: dict | None = None):
     """A ``CombinedReward`` over the RM client (if configured) and the reward functions.
+
+    ``rendering``: the policy's :func:`policy_rendering`; with ``reward.rm_input=conversation``
+    each served RM whose ``/metadata`` matches it reads a multi-turn episode as the
+    trajectory's ids, any other as messages (:func:`rm_reads_trajectory_ids`). None: messages.
 
     The RM client waits for the server's ``/health`` (``reward.wait_for_server_s``); the
     RM's normalisation stats come from its ``/metadata`` when ``normalization: fixed``, and
@@ -96,10 +125,15 @@ def build_reward(cfg: RewardConfig, dims=None):
             metas.append(client.metadata().get("scorer") or {})  # the RM checkpoint's description
         scorer_meta = metas[0]
         identity = {k: scorer_meta.get(k) for k in RM_IDENTITY_KEYS}
-        source = RemoteRewardModel(clients[0])
+        send_ids = [rm_reads_trajectory_ids(rendering, m) for m in metas]
+        if cfg.rm_input == "conversation":
+            log.info("reward: the RM reads multi-turn episodes whole, as %s", ", ".join(
+                f"{w}: {'the trajectory ids' if ids else 'messages (its chat template)'}"
+                for w, ids in zip(members, send_ids)))
+        source = RemoteRewardModel(clients[0], cfg.rm_input, send_ids[0])
         if len(clients) > 1:
             source = RewardModelEnsemble(clients, metas, members, cfg.ensemble.aggregate,
-                                         cfg.ensemble.std_coef)
+                                         cfg.ensemble.std_coef, cfg.rm_input, send_ids)
             identity["ensemble"] = [{k: m.get(k) for k in RM_IDENTITY_KEYS} for m in metas[1:]]
             log.info("reward: an ensemble of %d RMs (%s, std_coef=%g): %s", len(clients),
                      cfg.ensemble.aggregate, cfg.ensemble.std_coef, ", ".join(members))

@@ -131,6 +131,14 @@ def test_loss_mask_has_holes_exactly_at_the_environment_tokens(models, dims):
                 assert tr.token_ids[seg.start:seg.end] == encode(f"o{turn}:{problem}#" * turn)
             expect_mask += [1 if seg.kind == POLICY else 0] * (seg.end - seg.start)
         assert tr.loss_mask == expect_mask
+        # the conversation a served RM reads: the prompt, each turn as the environment read
+        # it, each observation's text before encoding (ScriptedEnv's role: the default user)
+        expect_msgs = [{"role": "user", "content": f"Q{problem}:"}]
+        for k, seg in enumerate(tr.segments):
+            expect_msgs.append({"role": "assistant", "content": decode(tr.token_ids[seg.start:seg.end])}
+                               if seg.kind == POLICY else
+                               {"role": "user", "content": f"o{k // 2 + 1}:{problem}#" * (k // 2 + 1)})
+        assert e.messages == expect_msgs
         assert all(lp < 0 for lp, m in zip(tr.logprobs, tr.loss_mask) if m)
         assert all(lp == 0 for lp, m in zip(tr.logprobs, tr.loss_mask) if not m)
         assert not tr.truncated
@@ -269,6 +277,9 @@ def test_calculator_tool_call_output_is_an_environment_segment(models, dims):
         assert tr.loss_mask[env.start:env.end] == [0] * (env.end - env.start)
         assert e.infos[0]["tool_calls"] == 1 and e.infos[0]["malformed_calls"] == 0
         assert e.turn_rewards == [None, 0.5] and e.stop_reason == "done"
+        assert [m["role"] for m in e.messages] == ["user", "assistant", "tool", "assistant"]
+        assert e.messages[0]["content"] == problem
+        assert e.messages[2]["content"] == "<tool_response>\n408\n</tool_response>"  # before encoding
 
 
 # --------------------------------------------------------------------- errors

@@ -64,7 +64,9 @@ def _episode_batch():
     b.mark_truncated()
     eps = [Episode(trajectory=a, turn_rewards=[None, 1.0], infos=[{"tool_calls": 1, "malformed_calls": 0},
                                                                      {"tool_calls": 1, "truncated": False}],
-                   stop_reason="done", env_time_s=0.0625),
+                   stop_reason="done", env_time_s=0.0625,
+                   messages=[{"role": "user", "content": "2*3?"}, {"role": "assistant", "content": "<c>2*3</c>"},
+                             {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}]),
            Episode(trajectory=b, turn_rewards=[], infos=[], stop_reason="max_turns", env_time_s=0.0)]
     padded = to_padded_batch([ep.trajectory for ep in eps], 0, device=torch.device("cpu"))
     P = padded.prompt_length

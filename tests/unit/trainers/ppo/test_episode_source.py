@@ -66,7 +66,10 @@ def test_episode_metrics_by_hand():
 
 def test_extras_carry_the_summed_episode_reward_and_the_env_reward_function_reads_it():
     a, b = _episodes()
-    assert episode_extras(a) == {"env_reward": 1.5, "env_turn_rewards": [0.5, 1.0], "turns": 2}
+    assert episode_extras(a) == {"env_reward": 1.5, "env_turn_rewards": [0.5, 1.0], "turns": 2,
+                                 "conversation": {"messages": a.messages, "prompt_ids": a.trajectory.prompt_ids,
+                                                  "response_ids": a.trajectory.token_ids[3:]}}
+    assert a.trajectory.prompt_ids == [1, 5, 6] and a.trajectory.token_ids[3:] == [7, 8, 9, 9, 9, 4, 2]
     assert episode_extras(b)["env_reward"] == 0.0
     assert env_reward(["p", "q"], ["x", "y"], [episode_extras(a), episode_extras(b)]) == [1.5, 0.0]
     with pytest.raises(ValueError, match="row 0 has no episode reward.*set env.name"):
