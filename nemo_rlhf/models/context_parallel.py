@@ -33,9 +33,14 @@ global count of valid tokens summed over the CP and DP groups
 (:func:`cp_global_token_count`); the parameter gradients are then summed over CP (and DP),
 which megatron's DDP does over its data-parallel-with-CP group.
 
-Simplified: only the model / log-prob / loss level is here; the PPO trainer, packing, the
-fused output-layer log-probs and the rollout are not wired for CP (the trainer refuses
-``parallel.context_parallel_size > 1``). The memory of the gathered keys/values is
+The PPO trainer (padded micro-batches, docs/parallelism.md) uses the response-level
+helpers: :func:`cp_response_index` / :func:`shard_response` put the ``[B, R]`` per-response
+tensors on a rank's positions, :func:`cp_token_logprobs` gives its log-probs and entropy,
+:func:`gather_response` brings per-position outputs back to ``[B, R]`` on every CP rank,
+:func:`pad_to_cp_multiple` pads a micro-batch's columns to ``2 cp``.
+
+Simplified: packing, the fused output-layer log-probs, TP/PP with CP and the SFT / RM jobs
+are not wired for CP (refused by the key). The memory of the gathered keys/values is
 ``O(S)`` per rank, as in Llama 3's all-gather CP (the scores are ``[S/cp, S]``).
 """
 
@@ -287,10 +292,104 @@ def cp_model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     return model(ids, pos, mask, **kwargs)
 
 
+def cp_response_index(seq_len: int, prompt_length: int, response_length: int, dims,
+                      device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which response token each of this CP rank's positions predicts.
+
+    Position ``t`` predicts token ``t + 1`` (:func:`nemo_rlhf.models.logprobs.response_slice`):
+    response token ``j`` (column ``P + j``) is predicted at ``P - 1 + j``.
+
+    Args:
+        seq_len: ``S`` of the (padded) ``[B, S]`` micro-batch, divisible by ``2 cp``.
+        prompt_length: ``P`` (>= 1).
+        response_length: ``R`` of the ``[B, R]`` per-response-token tensors (``<= S - P``;
+            columns past ``P + R`` are the micro-batch's CP padding).
+        dims: ``ParallelDims`` (``cp``, ``cp_rank``).
+        device: ``dims.device``.
+
+    Returns:
+        ``(index [S/cp] int64 in [0, R), valid [S/cp] bool)``: this rank's position ``i``
+        predicts response token ``index[i]`` where ``valid[i]`` (elsewhere a prompt
+        position, the last position or padding; ``index`` is clamped there).
+
+    Raises:
+        ValueError: as :func:`cp_positions`.
+    """
+    j = cp_positions(seq_len, dims.cp, dims.cp_rank, device) - (prompt_length - 1)
+    valid = (j >= 0) & (j < response_length)
+    return j.clamp(0, max(response_length - 1, 0)), valid
+
+
+def shard_response(t: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A per-response-token tensor on this CP rank's positions (:func:`cp_response_index`).
+
+    Args:
+        t: ``[B, R]`` (log-probs, advantages, masks, ...).
+        index / valid: :func:`cp_response_index`'s.
+
+    Returns:
+        ``[B, S/cp]`` of ``t``'s dtype: ``t[:, index]`` where ``valid``, 0 (False) elsewhere.
+    """
+    picked = t.index_select(1, index)
+    return torch.where(valid.unsqueeze(0), picked, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def cp_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, dims, temperature: float,
+                      vocab_size: Optional[int] = None, compute_entropy: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs and entropy of this CP rank's positions (targets shifted
+    globally, :func:`cp_next_token_targets`), from its TP-sharded logits.
+
+    Args:
+        logits: ``[B, S/cp, padded_vocab/tp]`` of :func:`cp_model_forward` (differentiable).
+        input_ids: ``[B, S]`` int64, the whole sequences.
+        dims: ``ParallelDims`` (CP and TP groups).
+        temperature: > 0, as :func:`nemo_rlhf.models.vocab_parallel.vocab_parallel_logprobs`.
+        vocab_size: the real vocabulary (padded rows out of the softmax).
+        compute_entropy: also the entropy (else zeros).
+
+    Returns:
+        ``(logprobs [B, S/cp] float32, entropy [B, S/cp] float32)``, unmasked (the global
+        last position's target is a placeholder: mask it with :func:`cp_response_index`).
+    """
+    from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
+
+    targets, _ = cp_next_token_targets(input_ids, dims)
+    return vocab_parallel_logprobs(logits, targets, dims.tp_group, dims.tp_rank, temperature=temperature,
+                                   vocab_size=vocab_size, compute_entropy=compute_entropy)
+
+
+def gather_response(local: torch.Tensor, prompt_length: int, response_length: int, dims) -> torch.Tensor:
+    """Per-position outputs of this CP rank's positions back to the ``[B, R]`` response
+    layout on every CP rank (an all-gather, :func:`gather_sequence`).
+
+    Args:
+        local: ``[B, S/cp]`` (log-probs or values of :func:`cp_token_logprobs` / the value
+            head, one per position).
+        prompt_length / response_length: ``P`` and ``R`` (``P + R <= S``).
+
+    Returns:
+        ``[B, R]``: column ``j`` is the output at position ``P - 1 + j``.
+    """
+    full = gather_sequence(local, dims, dim=1)
+    return full[:, prompt_length - 1:prompt_length - 1 + response_length]
+
+
+def pad_to_cp_multiple(t: torch.Tensor, cp: int, value: int = 0) -> torch.Tensor:
+    """``t`` ``[B, S]`` right-padded with ``value`` to the next multiple of ``2 cp`` columns
+    (megatron's load-balanced chunks); ``t`` itself when ``S`` already is one or ``cp == 1``.
+    Pad ``input_ids`` with any id and ``attention_mask`` with 0: the padding is masked."""
+    extra = (-t.shape[1]) % (2 * cp) if cp > 1 else 0
+    if not extra:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
+
+
 def refuse_context_parallel(parallel, job: str) -> None:
-    """Refuse ``parallel.context_parallel_size`` > 1 in a job it is not wired into (the PPO,
-    SFT and RM trainers, the RM server, evaluate: their micro-batches, packing, fused
-    log-probs, rollout and checkpoints do not shard sequences yet).
+    """Refuse ``parallel.context_parallel_size`` > 1 in a job it is not wired into (the SFT
+    and RM trainers, the RM server, evaluate: their micro-batches do not shard sequences
+    yet; the PPO trainer's own check is
+    :func:`nemo_rlhf.trainers.ppo.context_parallel.check_context_parallel`).
 
     Raises:
         ValueError: naming the key, its value, the job and the value that works.

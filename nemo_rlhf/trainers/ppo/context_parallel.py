@@ -1,0 +1,60 @@
+"""What of the PPO job runs under context parallelism (``parallel.context_parallel_size``).
+
+Wired (docs/parallelism.md): a dense model at TP = PP = 1 (DP free), the value head on the
+actor's backbone (``critic.mode=shared`` / ``shared_detached``) or no critic, padded
+micro-batches (``ppo.max_tokens_per_micro_batch=0``) on the logits path
+(``ppo.logprob_chunk_size=0``), the megatron engine's KV-cache rollout, single-turn.
+Everything else is refused here, before any process group exists, by the key and the value
+that works.
+"""
+
+from __future__ import annotations
+
+
+def check_context_parallel(cfg) -> None:
+    """Refuse the PPO settings that are not wired for ``parallel.context_parallel_size`` > 1.
+
+    Args:
+        cfg: the :class:`~nemo_rlhf.trainers.ppo.config.PPOConfig`.
+
+    Raises:
+        ValueError: naming ``parallel.context_parallel_size``, the first unwired key, its
+            value and the value that works.
+    """
+    cp = cfg.parallel.context_parallel_size
+    if cp == 1:
+        return
+    p, r, par = cfg.ppo, cfg.rollout, cfg.parallel
+    unwired = (  # (key, value, refused, the value that works)
+        ("parallel.tensor_model_parallel_size", par.tensor_model_parallel_size,
+         par.tensor_model_parallel_size != 1, 1),
+        ("parallel.pipeline_model_parallel_size", par.pipeline_model_parallel_size,
+         par.pipeline_model_parallel_size != 1, 1),
+        ("model.num_moe_experts", cfg.model.num_moe_experts, bool(cfg.model.num_moe_experts), "null"),
+        ("ppo.sequence_packing", p.sequence_packing, p.sequence_packing, False),
+        ("ppo.max_tokens_per_micro_batch", p.max_tokens_per_micro_batch, p.max_tokens_per_micro_batch != 0, 0),
+        ("ppo.logprob_chunk_size", p.logprob_chunk_size, p.logprob_chunk_size != 0, 0),
+        # a row's own token count n_b is split across the CP ranks
+        ("ppo.loss_agg_mode", p.loss_agg_mode, p.loss_agg_mode == "seq-mean-token-mean", "token-mean"),
+        ("critic.mode", cfg.critic.mode, cfg.critic.mode == "separate", "shared"),
+        ("model.lora.enabled", cfg.model.lora.enabled, cfg.model.lora.enabled, False),
+        ("rollout.engine", r.engine, r.engine != "megatron", "megatron"),
+        ("rollout.mode", r.mode, r.mode != "sync", "sync"),
+        ("rollout.use_kv_cache", r.use_kv_cache, not r.use_kv_cache, True),
+        ("env.name", cfg.env.name, cfg.env.name is not None, "null"),
+    )
+    for key, value, refused, ok in unwired:
+        if refused:
+            raise ValueError(
+                f"parallel.context_parallel_size={cp} with {key}={_show(value)}: not wired for context "
+                f"parallelism yet; set {key}={_show(ok)} (wired: a dense model at TP=PP=1, the shared value "
+                f"head, padded micro-batches on the logits path, the megatron KV-cache rollout, "
+                f"single-turn; docs/parallelism.md)")
+
+
+def _show(value) -> str:
+    """A value as a Hydra override writes it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+__all__ = ["check_context_parallel"]

@@ -1,0 +1,177 @@
+"""The PPO trainer at ``parallel.context_parallel_size=2`` (2 gloo ranks) equals CP=1 (one
+rank) on its first two steps, within 1e-5: the rollout (identical on both CP ranks), the old,
+reference and KL log-probs and the values of the forward-only passes, the per-token KL of
+the token rewards, the step's losses, entropy and KL metrics, every parameter's gradient
+and the updated weights (of the first step; the second's actor is no longer the reference,
+so its KL is not 0). One spawn per layout for all checks.
+
+The shared value head, a KL term in the loss at a KL temperature other than the sampling
+one (``kl.temperature=unscaled``: the forward passes' ``kl_logprobs``), an entropy bonus,
+sampled (not greedy) rollouts: CP rank 0 samples and broadcasts, and the seeds are the DP
+rank's, so CP=2 draws CP=1's tokens. The rows' length is not a multiple of 2 * CP = 4, so
+the micro-batch builder's CP padding is exercised.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.harness import run_ranks
+from tests.ppo_helpers import compose_ppo, make_demo_data
+
+TOL = 1e-5
+COMMON = ("ppo.num_rollout_samples=8", "ppo.global_batch_size=8", "ppo.micro_batch_size=2",
+          "ppo.forward_micro_batch_size=4", "ppo.ppo_epochs=1", "ppo.shuffle=false",
+          "ppo.logprob_chunk_size=0", "ppo.entropy_coef=0.01", "kl.loss_coef=0.1",
+          "kl.temperature=unscaled", "rollout.temperature=0.8", "rollout.max_new_tokens=6",
+          "reward.functions=[{name: 'tests.ppo_helpers:length_reward'}]", "optim.lr=1e-3",
+          "model.value_head_init_std=0.05")
+METRICS = ("policy_loss", "value_loss", "entropy", "kl_mean", "kl_per_token", "approx_kl",
+           "clip_fraction", "grad_norm", "returns_mean", "advantages_mean", "reward_mean",
+           "response_length", "kl_loss")
+
+
+def _instrument(trainer) -> dict:
+    """Record the step's rollout, forward-only results, KL, gradients (before the
+    optimizer step) and updated weights of ``trainer``'s first step."""
+    from nemo_rlhf.models.engine import unwrap
+
+    rec: dict = {}
+    compute_fwd, compute_adv, step = (trainer.compute_old_and_reference, trainer.compute_advantages,
+                                      trainer.optimizer.step)
+
+    def fwd(batch):
+        out = compute_fwd(batch)
+        rec.setdefault("batch", []).append({"input_ids": batch.input_ids.cpu(), "logprobs": batch.logprobs.cpu(),
+                                            "response_mask": batch.response_mask.cpu()})
+        rec.setdefault("fwd", []).append({k: getattr(out, k).cpu() for k in
+                                          ("old_logprobs", "ref_logprobs", "kl_logprobs", "values")})
+        return out
+
+    def adv(batch, scores, f):
+        a, metrics = compute_adv(batch, scores, f)
+        rec.setdefault("adv", []).append({"kl": a.kl.cpu(), "advantages": a.advantages.cpu(),
+                                          "returns": a.returns.cpu()})
+        return a, metrics
+
+    def opt_step(*args, **kwargs):
+        rec.setdefault("grads", {n: p.main_grad.detach().float().cpu().clone()
+                                 for n, p in unwrap(trainer.model).named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.compute_old_and_reference, trainer.compute_advantages = fwd, adv
+    trainer.optimizer.step = opt_step
+    return rec
+
+
+def _run(trainer) -> dict:
+    from nemo_rlhf.models.engine import unwrap
+
+    rec = _instrument(trainer)
+    rec["metrics"] = [trainer.train_step()]
+    rec["weights"] = {n: p.detach().float().cpu().clone() for n, p in unwrap(trainer.model).named_parameters()}
+    rec["metrics"].append(trainer.train_step())  # the second: the actor no longer the reference
+    rec["layout"] = (trainer.dims.cp, trainer.dims.cp_rank, trainer.dims.dp)
+    return rec
+
+
+def _reference(rank: int, tmp: str):
+    from nemo_rlhf.checkpoint import save_checkpoint
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    trainer = build(compose_ppo(data, tmp / "cp1", *COMMON))
+    save_checkpoint(tmp / "init", 0, trainer.model, dims=trainer.dims)
+    return _run(trainer)
+
+
+def _cp2(rank: int, tmp: str):
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    trainer = build(compose_ppo(data, tmp / "cp2", *COMMON, f"exp_manager.init_from={tmp}/init/step_0",
+                                "parallel.context_parallel_size=2"))
+    return _run(trainer)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("ppo_cp"))
+    ref = run_ranks(_reference, world_size=1, tmp=tmp)[0]
+    cp = run_ranks(_cp2, world_size=2, tmp=tmp)
+    return ref, cp
+
+
+def test_layout_and_padding_exercised(results):
+    ref, cp = results
+    assert ref["layout"] == (1, 0, 1)
+    assert [r["layout"] for r in cp] == [(2, 0, 1), (2, 1, 1)]
+    S = ref["batch"][0]["input_ids"].shape[1]
+    assert S % 4 != 0, f"rows of {S} columns: the CP padding (to a multiple of 4) is not exercised"
+
+
+@pytest.mark.parametrize("step", [0, 1])
+def test_cp_ranks_have_cp1s_rollout(results, step):
+    ref, cp = results
+    want = ref["batch"][step]
+    for r in cp:
+        got = r["batch"][step]
+        assert torch.equal(got["input_ids"], want["input_ids"])
+        assert torch.equal(got["response_mask"], want["response_mask"])
+        assert torch.equal(got["logprobs"], cp[0]["batch"][step]["logprobs"])  # CP rank 0's, broadcast
+        torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=TOL, rtol=0)
+    assert want["response_mask"].sum() > 8  # sampled responses, not all one token
+
+
+@pytest.mark.parametrize("step", [0, 1])
+@pytest.mark.parametrize("key", ["old_logprobs", "ref_logprobs", "kl_logprobs", "values"])
+def test_forward_passes_equal_cp1(results, key, step):
+    ref, cp = results
+    mask = ref["batch"][step]["response_mask"]
+    want = torch.where(mask, ref["fwd"][step][key], 0.0)
+    for r in cp:
+        torch.testing.assert_close(torch.where(mask, r["fwd"][step][key], 0.0), want, atol=TOL, rtol=0)
+    assert want.abs().sum() > 0
+    if key == "kl_logprobs":  # another temperature than the ratio's: a separate pass
+        assert not torch.allclose(want, torch.where(mask, ref["fwd"][step]["old_logprobs"], 0.0))
+
+
+@pytest.mark.parametrize("step", [0, 1])
+@pytest.mark.parametrize("key", ["kl", "advantages", "returns"])
+def test_token_kl_and_advantages_equal_cp1(results, key, step):
+    ref, cp = results
+    for r in cp:
+        torch.testing.assert_close(r["adv"][step][key], ref["adv"][step][key], atol=TOL, rtol=0)
+    if key != "kl" or step == 1:  # (the first step's actor is the reference: KL 0)
+        assert ref["adv"][step][key].abs().sum() > 0
+
+
+@pytest.mark.parametrize("step", [0, 1])
+@pytest.mark.parametrize("key", METRICS)
+def test_step_metrics_equal_cp1(results, key, step):
+    ref, cp = results
+    want, got = ref["metrics"][step][key], cp[0]["metrics"][step][key]  # rank 0 reports
+    assert abs(got - want) <= TOL * max(1.0, abs(want)), f"step {step + 1} {key}: CP=2 {got} vs CP=1 {want}"
+
+
+def test_the_compared_losses_are_not_vacuous(results):
+    first, second = results[0]["metrics"]
+    assert first["value_loss"] > 0 and first["entropy"] > 0 and first["grad_norm"] > 0
+    assert second["kl_loss"] > 0 and second["kl_mean"] != 0  # the first step's actor is the reference
+
+
+def test_first_step_gradients_and_updated_weights_equal_cp1(results):
+    ref, cp = results
+    for r in cp:
+        assert set(r["grads"]) == set(ref["grads"])
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(r["grads"][name], g, atol=TOL, rtol=0, msg=name)
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(r["weights"][name], w, atol=TOL, rtol=0, msg=name)
+    assert sum(float(g.abs().sum()) for g in ref["grads"].values()) > 0
+    assert any("value_head" in n and float(g.abs().sum()) > 0 for n, g in ref["grads"].items())
