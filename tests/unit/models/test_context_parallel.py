@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from nemo_rlhf.distributed.parallel import ParallelConfig
-from nemo_rlhf.models.context_parallel import (cp_next_token_targets, cp_positions,
-                                               refuse_context_parallel, shard_sequence)
+from nemo_rlhf.models.context_parallel import (cp_next_token_targets, cp_positions, cp_response_index,
+                                               gather_response, pad_to_cp_multiple, refuse_context_parallel,
+                                               shard_response, shard_sequence)
 
 
 def _dims(cp: int, cp_rank: int):
@@ -53,10 +54,47 @@ def test_targets_are_shifted_before_sharding():
     assert has.all()
 
 
-@pytest.mark.parametrize("job", ["PPO trainer", "RM server"])
+@pytest.mark.parametrize("job", ["evaluate job", "RM server"])
 def test_jobs_not_wired_refuse_cp_naming_the_key(job):
     refuse_context_parallel(ParallelConfig(), job)  # CP=1: nothing to refuse
     with pytest.raises(ValueError, match=rf"parallel\.context_parallel_size=2 in the {job}: context "
                                          rf"parallelism is not wired into the {job} yet.*set "
                                          rf"parallel\.context_parallel_size=1"):
         refuse_context_parallel(ParallelConfig(context_parallel_size=2), job)
+
+
+def test_response_index_maps_each_position_to_the_token_it_predicts():
+    # S=8 (padded), P=3, R=4: position t predicts response token t - 2 (t = 2..5); position
+    # 6 would predict token 4 (CP padding, >= R) and 7 has no target
+    index, valid = cp_response_index(8, 3, 4, _dims(2, 0))  # positions 0, 1, 6, 7
+    assert valid.tolist() == [False, False, False, False]
+    index, valid = cp_response_index(8, 3, 4, _dims(2, 1))  # positions 2, 3, 4, 5
+    assert index.tolist() == [0, 1, 2, 3] and valid.all()
+    index, valid = cp_response_index(8, 2, 6, _dims(2, 0))  # P=2: positions 1, 6, 7 -> 0, 5, (6)
+    assert valid.tolist() == [False, True, True, False]
+    assert index[1:3].tolist() == [0, 5]
+
+
+def test_shard_response_puts_r_columns_on_the_ranks_positions_zero_elsewhere():
+    t = torch.tensor([[10.0, 11.0, 12.0, 13.0, 14.0, 15.0]])  # [1, R=6], P=2, S=8
+    index, valid = cp_response_index(8, 2, 6, _dims(2, 0))  # positions 0, 1, 6, 7
+    assert shard_response(t, index, valid).tolist() == [[0.0, 10.0, 15.0, 0.0]]
+    index, valid = cp_response_index(8, 2, 6, _dims(2, 1))  # positions 2..5 -> tokens 1..4
+    assert shard_response(t, index, valid).tolist() == [[11.0, 12.0, 13.0, 14.0]]
+    mask = torch.tensor([[True, True, False, True, True, True]])
+    assert shard_response(mask, index, valid).tolist() == [[True, False, True, True]]
+
+
+def test_gather_response_at_cp1_is_the_response_slice():
+    local = torch.arange(8.0).view(1, 8)  # position t's output = t
+    dims = SimpleNamespace(cp=1, cp_rank=0)
+    assert gather_response(local, 3, 4, dims).tolist() == [[2.0, 3.0, 4.0, 5.0]]
+
+
+def test_pad_to_a_multiple_of_2cp():
+    t = torch.ones(2, 5, dtype=torch.long)
+    padded = pad_to_cp_multiple(t, 2, value=0)
+    assert padded.shape == (2, 8) and padded[:, 5:].eq(0).all() and padded[:, :5].eq(1).all()
+    assert pad_to_cp_multiple(torch.ones(1, 8), 2) .shape == (1, 8)
+    assert pad_to_cp_multiple(t, 1) is t
+    assert pad_to_cp_multiple(t, 3).shape == (2, 6)
