@@ -67,13 +67,17 @@ def _instrument(trainer) -> dict:
     return rec
 
 
-def _run(trainer) -> dict:
+def _run(trainer, save: bool = False) -> dict:
     from nemo_rlhf.models.engine import unwrap
 
     rec = _instrument(trainer)
     rec["metrics"] = [trainer.train_step()]
+    trainer.step += 1  # (what the loop does after a step)
     rec["weights"] = {n: p.detach().float().cpu().clone() for n, p in unwrap(trainer.model).named_parameters()}
+    if save:
+        rec["checkpoint"] = str(trainer.save())
     rec["metrics"].append(trainer.train_step())  # the second: the actor no longer the reference
+    trainer.step += 1
     rec["layout"] = (trainer.dims.cp, trainer.dims.cp_rank, trainer.dims.dp)
     return rec
 
@@ -96,7 +100,19 @@ def _cp2(rank: int, tmp: str):
     data = make_demo_data(tmp / "data")
     trainer = build(compose_ppo(data, tmp / "cp2", *COMMON, f"exp_manager.init_from={tmp}/init/step_0",
                                 "parallel.context_parallel_size=2"))
-    return _run(trainer)
+    return _run(trainer, save=True)
+
+
+def _resume_at_cp1(rank: int, tmp: str, checkpoint: str):
+    """The CP=2 run's checkpoint after its first step, resumed at CP=1: its next step."""
+    from nemo_rlhf.train_ppo import build
+
+    tmp = Path(tmp)
+    data = make_demo_data(tmp / "data")
+    trainer = build(compose_ppo(data, tmp / "resumed", *COMMON, f"exp_manager.init_from={tmp}/init/step_0",
+                                f"exp_manager.resume={checkpoint}"))
+    trainer.resume()
+    return {"step": trainer.step, "metrics": trainer.train_step()}
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +120,17 @@ def results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ppo_cp"))
     ref = run_ranks(_reference, world_size=1, tmp=tmp)[0]
     cp = run_ranks(_cp2, world_size=2, tmp=tmp)
-    return ref, cp
+    return ref, cp, tmp
+
+
+@pytest.fixture(scope="module")
+def resumed(results):
+    _, cp, tmp = results
+    return run_ranks(_resume_at_cp1, world_size=1, tmp=tmp, checkpoint=cp[0]["checkpoint"])[0]
 
 
 def test_layout_and_padding_exercised(results):
-    ref, cp = results
+    ref, cp, _ = results
     assert ref["layout"] == (1, 0, 1)
     assert [r["layout"] for r in cp] == [(2, 0, 1), (2, 1, 1)]
     S = ref["batch"][0]["input_ids"].shape[1]
@@ -117,7 +139,7 @@ def test_layout_and_padding_exercised(results):
 
 @pytest.mark.parametrize("step", [0, 1])
 def test_cp_ranks_have_cp1s_rollout(results, step):
-    ref, cp = results
+    ref, cp, _ = results
     want = ref["batch"][step]
     for r in cp:
         got = r["batch"][step]
@@ -131,7 +153,7 @@ def test_cp_ranks_have_cp1s_rollout(results, step):
 @pytest.mark.parametrize("step", [0, 1])
 @pytest.mark.parametrize("key", ["old_logprobs", "ref_logprobs", "kl_logprobs", "values"])
 def test_forward_passes_equal_cp1(results, key, step):
-    ref, cp = results
+    ref, cp, _ = results
     mask = ref["batch"][step]["response_mask"]
     want = torch.where(mask, ref["fwd"][step][key], 0.0)
     for r in cp:
@@ -144,7 +166,7 @@ def test_forward_passes_equal_cp1(results, key, step):
 @pytest.mark.parametrize("step", [0, 1])
 @pytest.mark.parametrize("key", ["kl", "advantages", "returns"])
 def test_token_kl_and_advantages_equal_cp1(results, key, step):
-    ref, cp = results
+    ref, cp, _ = results
     for r in cp:
         torch.testing.assert_close(r["adv"][step][key], ref["adv"][step][key], atol=TOL, rtol=0)
     if key != "kl" or step == 1:  # (the first step's actor is the reference: KL 0)
@@ -154,7 +176,7 @@ def test_token_kl_and_advantages_equal_cp1(results, key, step):
 @pytest.mark.parametrize("step", [0, 1])
 @pytest.mark.parametrize("key", METRICS)
 def test_step_metrics_equal_cp1(results, key, step):
-    ref, cp = results
+    ref, cp, _ = results
     want, got = ref["metrics"][step][key], cp[0]["metrics"][step][key]  # rank 0 reports
     assert abs(got - want) <= TOL * max(1.0, abs(want)), f"step {step + 1} {key}: CP=2 {got} vs CP=1 {want}"
 
@@ -166,7 +188,7 @@ def test_the_compared_losses_are_not_vacuous(results):
 
 
 def test_first_step_gradients_and_updated_weights_equal_cp1(results):
-    ref, cp = results
+    ref, cp, _ = results
     for r in cp:
         assert set(r["grads"]) == set(ref["grads"])
         for name, g in ref["grads"].items():
@@ -175,3 +197,15 @@ def test_first_step_gradients_and_updated_weights_equal_cp1(results):
             torch.testing.assert_close(r["weights"][name], w, atol=TOL, rtol=0, msg=name)
     assert sum(float(g.abs().sum()) for g in ref["grads"].values()) > 0
     assert any("value_head" in n and float(g.abs().sum()) > 0 for n, g in ref["grads"].items())
+
+
+def test_a_cp2_checkpoint_resumed_at_cp1_gives_the_same_next_step(results, resumed):
+    """CP does not shard the weights: the CP=2 run's checkpoint after step 1 loads at CP=1
+    (one rank) and its step 2 is the CP=2 run's (and the CP=1 run's) step 2."""
+    ref, cp, _ = results
+    assert resumed["step"] == 1
+    for key in ("policy_loss", "value_loss", "entropy", "kl_mean", "kl_loss", "grad_norm", "approx_kl",
+                "reward_mean", "returns_mean"):
+        want, got = cp[0]["metrics"][1][key], resumed["metrics"][key]
+        assert abs(got - want) <= TOL * max(1.0, abs(want)), f"{key}: resumed at CP=1 {got} vs CP=2 {want}"
+        assert abs(got - ref["metrics"][1][key]) <= TOL * max(1.0, abs(want)), key
