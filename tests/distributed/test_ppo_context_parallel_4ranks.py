@@ -1,7 +1,8 @@
-"""The PPO trainer at ``parallel.context_parallel_size=2`` composed with DP=2 and with TP=2
-(4 gloo ranks, one spawn for both layouts) equals one rank at CP=1 on its first step within
-1e-5: the losses, KL, entropy and grad norm, every parameter's gradient (TP shards
-compared with the matching slice of the whole one) and the updated weights. Greedy
+"""The PPO trainer at ``parallel.context_parallel_size=2`` composed with DP=2, with TP=2
+and with PP=2 (4 gloo ranks, one spawn for the three layouts) equals one rank at CP=1 on
+its first step within 1e-5: the losses, KL, entropy and grad norm, every parameter's
+gradient (TP shards compared with the matching slice of the whole one, a pipeline stage's
+layers with the whole model's of the same number) and the updated weights. Greedy
 rollouts: DP ranks draw the same tokens as one rank (the sampling seed is per DP rank).
 """
 
@@ -23,7 +24,7 @@ COMMON = ("rollout.greedy=true", "ppo.num_rollout_samples=8", "ppo.global_batch_
           "optim.lr=1e-3", "model.value_head_init_std=0.05")
 METRICS = ("policy_loss", "value_loss", "entropy", "kl_mean", "approx_kl", "clip_fraction", "grad_norm",
            "returns_mean", "reward_mean", "response_length")
-LAYOUTS = {"cp2_dp2": (2, 1), "cp2_tp2": (2, 2)}  # name -> (CP, TP)
+LAYOUTS = {"cp2_dp2": (2, 1, 1), "cp2_tp2": (2, 2, 1), "cp2_pp2": (2, 1, 2)}  # name -> (CP, TP, PP)
 
 
 def _step(trainer) -> dict:
@@ -43,8 +44,20 @@ def _step(trainer) -> dict:
                  for n, p in unwrap(trainer.model).named_parameters()}
     rec["glu"] = bool(unwrap(trainer.model).config.gated_linear_unit)
     d = trainer.dims
-    rec["layout"] = {"cp": d.cp, "tp": d.tp, "dp": d.dp, "tp_rank": d.tp_rank}
+    rec["layout"] = {"cp": d.cp, "tp": d.tp, "pp": d.pp, "dp": d.dp, "tp_rank": d.tp_rank}
+    if d.pp > 1:  # a stage's layers are numbered from 0: the whole model's names
+        offset = d.pp_rank * unwrap(trainer.model).config.num_layers // d.pp
+        for key in ("grads", "weights", "tp"):
+            rec[key] = {_global_name(n, offset): v for n, v in rec[key].items()}
     return rec
+
+
+def _global_name(name: str, offset: int) -> str:
+    """``decoder.layers.<i>.…`` of a pipeline stage as the whole model's ``<i + offset>``."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + offset)
+    return ".".join(parts)
 
 
 def _reference(rank: int, tmp: str):
@@ -64,10 +77,11 @@ def _layouts(rank: int, tmp: str):
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
     out = {}
-    for name, (cp, tp) in LAYOUTS.items():
+    for name, (cp, tp, pp) in LAYOUTS.items():
         trainer = build(compose_ppo(data, tmp / name, *COMMON, f"exp_manager.init_from={tmp}/init/step_0",
                                     f"parallel.context_parallel_size={cp}",
-                                    f"parallel.tensor_model_parallel_size={tp}"))
+                                    f"parallel.tensor_model_parallel_size={tp}",
+                                    f"parallel.pipeline_model_parallel_size={pp}"))
         out[name] = _step(trainer)
     return out
 
@@ -94,9 +108,9 @@ def _whole_slice(whole: torch.Tensor, part: torch.Tensor, dim: int, tp_rank: int
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout(results, layout):
     _, par = results
-    cp, tp = LAYOUTS[layout]
-    assert [r[layout]["layout"]["cp"] for r in par] == [cp] * 4
-    assert {r[layout]["layout"]["tp"] for r in par} == {tp} and {r[layout]["layout"]["dp"] for r in par} == {4 // cp // tp}
+    cp, tp, pp = LAYOUTS[layout]
+    got = [r[layout]["layout"] for r in par]
+    assert {(g["cp"], g["tp"], g["pp"], g["dp"]) for g in got} == {(cp, tp, pp, 4 // cp // tp // pp)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -113,8 +127,14 @@ def test_gradients_and_updated_weights_equal_cp1(results, layout):
     for r in par:
         got = r[layout]
         tp_rank = got["layout"]["tp_rank"]
-        assert set(got["grads"]) == set(ref["grads"])
+        if got["layout"]["pp"] == 1:
+            assert set(got["grads"]) == set(ref["grads"])
+        else:  # a stage's parameters (the last stage's copy of a tied embedding aside)
+            assert any(".layers." in n for n in got["grads"]) and set(got["grads"]) - set(ref["grads"]) <= {
+                "output_layer.weight"}
         for name, g in ref["grads"].items():
+            if name not in got["grads"]:
+                continue
             dim, glu = got["tp"][name], got["glu"] and "linear_fc1" in name
             torch.testing.assert_close(got["grads"][name], _whole_slice(g, got["grads"][name], dim, tp_rank, glu),
                                        atol=TOL, rtol=0, msg=f"{layout} {name}")

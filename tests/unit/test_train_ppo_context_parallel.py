@@ -14,14 +14,14 @@ CP = ["parallel.context_parallel_size=2", "ppo.logprob_chunk_size=0"]
 
 def test_ppo_config_accepts_cp_on_the_wired_path():
     cfg = typed_job("ppo_tiny", CP + ["critic.mode=shared_detached", "ppo.loss_agg_mode=seq-mean-token-sum",
-                                      "parallel.tensor_model_parallel_size=2"])
+                                      "parallel.tensor_model_parallel_size=2",
+                                      "parallel.pipeline_model_parallel_size=2"])
     assert cfg.parallel.context_parallel_size == 2
     assert typed_job("ppo_tiny", CP + ["ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"])
 
 
 @pytest.mark.parametrize("overrides, key, value, ok", [
     ([], "ppo.logprob_chunk_size", "1024", "0"),  # the default fused output layer
-    (["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size", "2", "1"),
     (["model.num_moe_experts=4"], "model.num_moe_experts", "4", "null"),
     (["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"], "ppo.sequence_packing", "true", "false"),
     (["ppo.max_tokens_per_micro_batch=64"], "ppo.max_tokens_per_micro_batch", "64", "0"),

@@ -1,6 +1,6 @@
 """What of the PPO job runs under context parallelism (``parallel.context_parallel_size``).
 
-Wired (docs/parallelism.md): a dense model at PP = 1 (TP and DP free), the value head on the
+Wired (docs/parallelism.md): a dense model (TP, PP and DP free), the value head on the
 actor's backbone (``critic.mode=shared`` / ``shared_detached``) or no critic, padded
 micro-batches (``ppo.max_tokens_per_micro_batch=0``) on the logits path
 (``ppo.logprob_chunk_size=0``), the megatron engine's KV-cache rollout, single-turn.
@@ -26,8 +26,6 @@ def check_context_parallel(cfg) -> None:
         return
     p, r, par = cfg.ppo, cfg.rollout, cfg.parallel
     unwired = (  # (key, value, refused, the value that works)
-        ("parallel.pipeline_model_parallel_size", par.pipeline_model_parallel_size,
-         par.pipeline_model_parallel_size != 1, 1),
         ("model.num_moe_experts", cfg.model.num_moe_experts, bool(cfg.model.num_moe_experts), "null"),
         ("ppo.sequence_packing", p.sequence_packing, p.sequence_packing, False),
         ("ppo.max_tokens_per_micro_batch", p.max_tokens_per_micro_batch, p.max_tokens_per_micro_batch != 0, 0),
@@ -45,7 +43,7 @@ def check_context_parallel(cfg) -> None:
         if refused:
             raise ValueError(
                 f"parallel.context_parallel_size={cp} with {key}={_show(value)}: not wired for context "
-                f"parallelism yet; set {key}={_show(ok)} (wired: a dense model at PP=1, the shared value "
+                f"parallelism yet; set {key}={_show(ok)} (wired: a dense model, the shared value "
                 f"head, padded micro-batches on the logits path, the megatron KV-cache rollout, "
                 f"single-turn; docs/parallelism.md)")
 
