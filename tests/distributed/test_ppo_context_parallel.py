@@ -5,7 +5,7 @@ the token rewards, the step's losses, entropy and KL metrics, every parameter's 
 and the updated weights (of the first step; the second's actor is no longer the reference,
 so its KL is not 0). One spawn per layout for all checks.
 
-The shared value head, a KL term in the loss at a KL temperature other than the sampling
+The shared value head (and, one step, a separate critic), a KL term in the loss at a KL temperature other than the sampling
 one (``kl.temperature=unscaled``: the forward passes' ``kl_logprobs``), an entropy bonus,
 sampled (not greedy) rollouts: CP rank 0 samples and broadcasts, and the seeds are the DP
 rank's, so CP=2 draws CP=1's tokens. The rows' length is not a multiple of 2 * CP = 4, so
@@ -82,6 +82,27 @@ def _run(trainer, save: bool = False) -> dict:
     return rec
 
 
+def _separate_critic_step(build, data: Path, exp_dir: Path, init: Path, *overrides: str) -> dict:
+    """One step with ``critic.mode=separate`` from ``init``: metrics, the critic's values
+    of the rollout, and the actor's and the critic's gradients."""
+    from nemo_rlhf.models.engine import unwrap
+
+    trainer = build(compose_ppo(data, exp_dir, *COMMON, f"exp_manager.init_from={init}",
+                                "critic.mode=separate", *overrides))
+    rec = _instrument(trainer)
+    critic, critic_opt = trainer.critic.checkpoint
+    critic_step = critic_opt.step
+
+    def opt_step(*args, **kwargs):
+        rec.setdefault("critic_grads", {n: p.main_grad.detach().float().cpu().clone()
+                                        for n, p in unwrap(critic).named_parameters()})
+        return critic_step(*args, **kwargs)
+
+    critic_opt.step = opt_step
+    rec["metrics"] = trainer.train_step()
+    return rec
+
+
 def _reference(rank: int, tmp: str):
     from nemo_rlhf.checkpoint import save_checkpoint
     from nemo_rlhf.train_ppo import build
@@ -90,7 +111,9 @@ def _reference(rank: int, tmp: str):
     data = make_demo_data(tmp / "data")
     trainer = build(compose_ppo(data, tmp / "cp1", *COMMON))
     save_checkpoint(tmp / "init", 0, trainer.model, dims=trainer.dims)
-    return _run(trainer)
+    out = _run(trainer)
+    out["separate"] = _separate_critic_step(build, data, tmp / "cp1_sep", tmp / "init" / "step_0")
+    return out
 
 
 def _cp2(rank: int, tmp: str):
@@ -100,7 +123,10 @@ def _cp2(rank: int, tmp: str):
     data = make_demo_data(tmp / "data")
     trainer = build(compose_ppo(data, tmp / "cp2", *COMMON, f"exp_manager.init_from={tmp}/init/step_0",
                                 "parallel.context_parallel_size=2"))
-    return _run(trainer, save=True)
+    out = _run(trainer, save=True)
+    out["separate"] = _separate_critic_step(build, data, tmp / "cp2_sep", tmp / "init" / "step_0",
+                                            "parallel.context_parallel_size=2")
+    return out
 
 
 def _resume_at_cp1(rank: int, tmp: str, checkpoint: str):
@@ -209,3 +235,26 @@ def test_a_cp2_checkpoint_resumed_at_cp1_gives_the_same_next_step(results, resum
         want, got = cp[0]["metrics"][1][key], resumed["metrics"][key]
         assert abs(got - want) <= TOL * max(1.0, abs(want)), f"{key}: resumed at CP=1 {got} vs CP=2 {want}"
         assert abs(got - ref["metrics"][1][key]) <= TOL * max(1.0, abs(want)), key
+
+
+def test_a_separate_critic_at_cp2_equals_cp1(results):
+    """``critic.mode=separate``: its values of the rollout, its loss and gradient norm, and
+    the actor's and the critic's gradients of the first step."""
+    ref, cp, _ = results
+    want = ref["separate"]
+    mask = want["batch"][0]["response_mask"]
+    for r in cp:
+        got = r["separate"]
+        assert torch.equal(got["batch"][0]["input_ids"], want["batch"][0]["input_ids"])
+        torch.testing.assert_close(torch.where(mask, got["fwd"][0]["values"], 0.0),
+                                   torch.where(mask, want["fwd"][0]["values"], 0.0), atol=TOL, rtol=0)
+        for key in ("grads", "critic_grads"):
+            assert set(got[key]) == set(want[key]) and want[key]
+            for name, g in want[key].items():
+                torch.testing.assert_close(got[key][name], g, atol=TOL, rtol=0, msg=f"{key} {name}")
+    for key in ("value_loss", "critic_grad_norm", "policy_loss", "grad_norm", "entropy"):
+        a, b = cp[0]["separate"]["metrics"][key], want["metrics"][key]
+        assert abs(a - b) <= TOL * max(1.0, abs(b)), f"separate critic {key}: CP=2 {a} vs CP=1 {b}"
+    assert want["metrics"]["value_loss"] > 0 and want["metrics"]["critic_grad_norm"] > 0
+    assert torch.where(mask, want["fwd"][0]["values"], 0.0).abs().sum() > 0
+    assert not any("value_head" in n for n in want["grads"])  # the actor has no value head

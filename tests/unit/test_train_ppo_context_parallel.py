@@ -18,6 +18,7 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
                                       "parallel.pipeline_model_parallel_size=2"])
     assert cfg.parallel.context_parallel_size == 2
     assert typed_job("ppo_tiny", CP + ["ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"])
+    assert typed_job("ppo_tiny", CP + ["critic.mode=separate"]).critic.mode == "separate"
 
 
 @pytest.mark.parametrize("overrides, key, value, ok", [
@@ -26,7 +27,6 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     (["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"], "ppo.sequence_packing", "true", "false"),
     (["ppo.max_tokens_per_micro_batch=64"], "ppo.max_tokens_per_micro_batch", "64", "0"),
     (["ppo.loss_agg_mode=seq-mean-token-mean"], "ppo.loss_agg_mode", "seq-mean-token-mean", "token-mean"),
-    (["critic.mode=separate"], "critic.mode", "separate", "shared"),
     (["model.lora.enabled=true"], "model.lora.enabled", "true", "false"),
     (["rollout.engine=vllm"], "rollout.engine", "vllm", "megatron"),
     (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.mode", "async", "sync"),
@@ -36,7 +36,7 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
 def test_ppo_config_refuses_what_is_not_wired_naming_the_key(overrides, key, value, ok):
     base = CP if key != "ppo.logprob_chunk_size" else ["parallel.context_parallel_size=2"]
     with pytest.raises(ValueError, match=rf"parallel\.context_parallel_size=2 with {key}={value}: not wired "
-                                         rf"for context parallelism yet; set {key}={ok} \(wired: a dense"):
+                                         rf"for context parallelism yet; set {key}={ok} \(wired: a dense model, every critic mode"):
         typed_job("ppo_tiny", base + overrides)
 
 

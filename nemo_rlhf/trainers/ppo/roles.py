@@ -354,9 +354,12 @@ class SeparateCritic(CriticRole):
 
     def values(self, batch, actor_out, timers):
         """Forward-only over the rollout (eval mode, the forward micro-batches)."""
-        P_len = batch.prompt_length
+        P_len, dims = batch.prompt_length, self.passes.dims
 
         def loss_fn(values, mb):
+            if dims.cp > 1:  # this CP rank's positions, gathered to [B, R] on every CP rank
+                v = gather_response(values.float(), P_len, batch.response_mask.shape[1], dims)
+                return torch.zeros((), device=v.device), {"values": v}
             p = mb.get("prompt_length", P_len)
             v = response_values(values, p, mb["input_ids"].shape[1] - p)
             return torch.zeros((), device=v.device), {"values": v}
@@ -374,10 +377,18 @@ class SeparateCritic(CriticRole):
 
     def train_minibatch(self, micro, objective, n_tokens, n_seqs, P_len, variable_shapes,
                         routed_tokens=None):
-        """:func:`~nemo_rlhf.algorithms.ppo.critic_loss` over the global counts, one step."""
+        """:func:`~nemo_rlhf.algorithms.ppo.critic_loss` over the global counts, one step
+        (under context parallelism on this CP rank's positions, as the actor's loss)."""
+        dims = self.passes.dims
 
         def fn(values, mb):
             m = mb["response_mask"]
+            if dims.cp > 1:
+                ids = mb["input_ids"]
+                index, valid = cp_response_index(ids.shape[1], P_len, m.shape[1], dims, ids.device)
+                return P.critic_loss(objective, values.float(), shard_response(mb["old_values"], index, valid),
+                                     shard_response(mb["returns"], index, valid),
+                                     shard_response(m.bool(), index, valid), n_tokens, n_seqs)
             return P.critic_loss(objective, response_values(values, mb.get("prompt_length", P_len), m.shape[1]),
                                  mb["old_values"], mb["returns"], m, n_tokens, n_seqs)
 
