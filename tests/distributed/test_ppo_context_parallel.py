@@ -59,7 +59,7 @@ def _instrument(trainer) -> dict:
 
     def opt_step(*args, **kwargs):
         rec.setdefault("grads", {n: p.main_grad.detach().float().cpu().clone()
-                                 for n, p in unwrap(trainer.model).named_parameters()})
+                                 for n, p in unwrap(trainer.model).named_parameters() if p.requires_grad})
         return step(*args, **kwargs)
 
     trainer.compute_old_and_reference, trainer.compute_advantages = fwd, adv
@@ -103,6 +103,20 @@ def _separate_critic_step(build, data: Path, exp_dir: Path, init: Path, *overrid
     return rec
 
 
+LORA = ("model.lora.enabled=true", "model.lora.rank=4", "model.lora.alpha=8")
+
+
+def _lora_step(build, data: Path, exp_dir: Path, init: Path, *overrides: str) -> dict:
+    """One LoRA step from ``init`` (the reference: the adapters switched off): metrics,
+    forward passes and the trainable parameters' (adapters', value head's) gradients."""
+    trainer = build(compose_ppo(data, exp_dir, *COMMON, f"exp_manager.init_from={init}", *LORA, *overrides))
+    rec = _instrument(trainer)
+    rec["metrics"] = trainer.train_step()
+    trainer.step += 1
+    rec["second"] = trainer.train_step()  # the adapters moved: KL to the base is not 0
+    return rec
+
+
 def _reference(rank: int, tmp: str):
     from nemo_rlhf.checkpoint import save_checkpoint
     from nemo_rlhf.train_ppo import build
@@ -113,6 +127,7 @@ def _reference(rank: int, tmp: str):
     save_checkpoint(tmp / "init", 0, trainer.model, dims=trainer.dims)
     out = _run(trainer)
     out["separate"] = _separate_critic_step(build, data, tmp / "cp1_sep", tmp / "init" / "step_0")
+    out["lora"] = _lora_step(build, data, tmp / "cp1_lora", tmp / "init" / "step_0")
     return out
 
 
@@ -126,6 +141,8 @@ def _cp2(rank: int, tmp: str):
     out = _run(trainer, save=True)
     out["separate"] = _separate_critic_step(build, data, tmp / "cp2_sep", tmp / "init" / "step_0",
                                             "parallel.context_parallel_size=2")
+    out["lora"] = _lora_step(build, data, tmp / "cp2_lora", tmp / "init" / "step_0",
+                             "parallel.context_parallel_size=2")
     return out
 
 
@@ -258,3 +275,26 @@ def test_a_separate_critic_at_cp2_equals_cp1(results):
     assert want["metrics"]["value_loss"] > 0 and want["metrics"]["critic_grad_norm"] > 0
     assert torch.where(mask, want["fwd"][0]["values"], 0.0).abs().sum() > 0
     assert not any("value_head" in n for n in want["grads"])  # the actor has no value head
+
+
+def test_lora_at_cp2_equals_cp1(results):
+    """``model.lora.enabled``: the forward passes (the reference is the base, adapters
+    off), the adapters' and the value head's gradients of the first step, and the metrics
+    of two steps (the second with a KL to the base)."""
+    ref, cp, _ = results
+    want = ref["lora"]
+    mask = want["batch"][1]["response_mask"]
+    for r in cp:
+        got = r["lora"]
+        assert set(got["grads"]) == set(want["grads"]) and any("lora" in n for n in want["grads"])
+        for name, g in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, atol=TOL, rtol=0, msg=name)
+        for key in ("old_logprobs", "ref_logprobs", "values"):
+            torch.testing.assert_close(torch.where(mask, got["fwd"][1][key], 0.0),
+                                       torch.where(mask, want["fwd"][1][key], 0.0), atol=TOL, rtol=0, msg=key)
+    for step in ("metrics", "second"):
+        for key in ("policy_loss", "value_loss", "entropy", "kl_mean", "kl_loss", "grad_norm"):
+            a, b = cp[0]["lora"][step][key], want[step][key]
+            assert abs(a - b) <= TOL * max(1.0, abs(b)), f"LoRA {step} {key}: CP=2 {a} vs CP=1 {b}"
+    assert want["second"]["kl_mean"] != 0 and sum(float(g.abs().sum()) for n, g in want["grads"].items()
+                                                   if "lora" in n) > 0

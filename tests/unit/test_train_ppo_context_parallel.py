@@ -19,6 +19,7 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     assert cfg.parallel.context_parallel_size == 2
     assert typed_job("ppo_tiny", CP + ["ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"])
     assert typed_job("ppo_tiny", CP + ["critic.mode=separate"]).critic.mode == "separate"
+    assert typed_job("ppo_tiny", CP + ["model.lora.enabled=true"]).model.lora.enabled
 
 
 @pytest.mark.parametrize("overrides, key, value, ok", [
@@ -27,7 +28,6 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     (["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"], "ppo.sequence_packing", "true", "false"),
     (["ppo.max_tokens_per_micro_batch=64"], "ppo.max_tokens_per_micro_batch", "64", "0"),
     (["ppo.loss_agg_mode=seq-mean-token-mean"], "ppo.loss_agg_mode", "seq-mean-token-mean", "token-mean"),
-    (["model.lora.enabled=true"], "model.lora.enabled", "true", "false"),
     (["rollout.engine=vllm"], "rollout.engine", "vllm", "megatron"),
     (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.mode", "async", "sync"),
     (["rollout.use_kv_cache=false"], "rollout.use_kv_cache", "false", "true"),

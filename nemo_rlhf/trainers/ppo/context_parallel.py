@@ -1,7 +1,7 @@
 """What of the PPO job runs under context parallelism (``parallel.context_parallel_size``).
 
-Wired (docs/parallelism.md): a dense model (TP, PP and DP free), every critic mode (the
-value head on the actor's backbone, a separate critic, none), padded
+Wired (docs/parallelism.md): a dense model (TP, PP and DP free, LoRA or not), every critic
+mode (the value head on the actor's backbone, a separate critic, none), padded
 micro-batches (``ppo.max_tokens_per_micro_batch=0``) on the logits path
 (``ppo.logprob_chunk_size=0``), the megatron engine's KV-cache rollout, single-turn.
 Everything else is refused here, before any process group exists, by the key and the value
@@ -32,7 +32,6 @@ def check_context_parallel(cfg) -> None:
         ("ppo.logprob_chunk_size", p.logprob_chunk_size, p.logprob_chunk_size != 0, 0),
         # a row's own token count n_b is split across the CP ranks
         ("ppo.loss_agg_mode", p.loss_agg_mode, p.loss_agg_mode == "seq-mean-token-mean", "token-mean"),
-        ("model.lora.enabled", cfg.model.lora.enabled, cfg.model.lora.enabled, False),
         ("rollout.engine", r.engine, r.engine != "megatron", "megatron"),
         ("rollout.mode", r.mode, r.mode != "sync", "sync"),
         ("rollout.use_kv_cache", r.use_kv_cache, not r.use_kv_cache, True),
