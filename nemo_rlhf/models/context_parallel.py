@@ -46,6 +46,7 @@ are not wired for CP (refused by the key). The memory of the gathered keys/value
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -341,7 +342,9 @@ def cp_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, dims, tempe
     globally, :func:`cp_next_token_targets`), from its TP-sharded logits.
 
     Args:
-        logits: ``[B, S/cp, padded_vocab/tp]`` of :func:`cp_model_forward` (differentiable).
+        logits: ``[B, S/cp, padded_vocab/tp]`` of :func:`cp_model_forward` (differentiable),
+            or the fused output layer's :class:`~nemo_rlhf.models.logprobs.ResponseLogprobs`
+            of this rank's positions (:func:`cp_fused_logprobs`: its values are returned).
         input_ids: ``[B, S]`` int64, the whole sequences.
         dims: ``ParallelDims`` (CP and TP groups).
         temperature: > 0, as :func:`nemo_rlhf.models.vocab_parallel.vocab_parallel_logprobs`.
@@ -352,8 +355,15 @@ def cp_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, dims, tempe
         ``(logprobs [B, S/cp] float32, entropy [B, S/cp] float32)``, unmasked (the global
         last position's target is a placeholder: mask it with :func:`cp_response_index`).
     """
+    from nemo_rlhf.models.logprobs import ResponseLogprobs
     from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
 
+    if isinstance(logits, ResponseLogprobs):  # the fused output layer's (cp_fused_logprobs)
+        if temperature not in logits.logprobs:
+            raise ValueError(f"cp_token_logprobs: the forward computed temperatures {sorted(logits.logprobs)}, "
+                             f"not {temperature}")
+        lp = logits.logprobs[temperature]
+        return lp, logits.entropy if compute_entropy else torch.zeros_like(lp)
     targets, _ = cp_next_token_targets(input_ids, dims)
     return vocab_parallel_logprobs(logits, targets, dims.tp_group, dims.tp_rank, temperature=temperature,
                                    vocab_size=vocab_size, compute_entropy=compute_entropy)
@@ -373,6 +383,83 @@ def gather_response(local: torch.Tensor, prompt_length: int, response_length: in
     """
     full = gather_sequence(local, dims, dim=1)
     return full[:, prompt_length - 1:prompt_length - 1 + response_length]
+
+
+@dataclass(frozen=True)
+class CPLogprobRequest:
+    """A :class:`~nemo_rlhf.models.logprobs.LogprobRequest` for this CP rank's positions
+    (built by :func:`nemo_rlhf.models.engine.model_forward` under context parallelism):
+    the last stage returns the fused output layer's log-probs of its positions
+    (:func:`cp_fused_logprobs`) in place of the ``[B, S/cp, V/tp]`` logits."""
+
+    request: object
+    """The :class:`~nemo_rlhf.models.logprobs.LogprobRequest` (temperatures, vocabulary,
+    chunk size, entropy; its ``prompt_length`` is the micro-batch's)."""
+    targets: torch.Tensor
+    """``[B, S/cp]`` int64: each local position's next token (:func:`cp_next_token_targets`)."""
+    select: torch.Tensor
+    """``[n]`` int64 flat indices into ``[B * S/cp]``: the local positions that predict a
+    response token (global position ``>= P - 1`` with a target); only these go through the
+    output layer."""
+
+
+def cp_logprob_request(request, input_ids: torch.Tensor, cp: int, cp_rank: int) -> CPLogprobRequest:
+    """:class:`CPLogprobRequest` of CP rank ``cp_rank`` for ``[B, S]`` ``input_ids``."""
+    dims = _CPDims(cp, cp_rank)
+    targets, has = cp_next_token_targets(input_ids, dims)
+    pos = cp_positions(input_ids.shape[1], cp, cp_rank, input_ids.device)
+    wanted = has & (pos >= request.prompt_length - 1).unsqueeze(0)
+    return CPLogprobRequest(request, targets, wanted.reshape(-1).nonzero().squeeze(1))
+
+
+@dataclass(frozen=True)
+class _CPDims:
+    cp: int
+    cp_rank: int
+
+
+def cp_fused_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, cp_request: CPLogprobRequest,
+                      tp_group):
+    """The fused, chunked output layer's log-probs of this CP rank's positions (the CP
+    twin of :func:`nemo_rlhf.models.logprobs.fused_response_logprobs`).
+
+    Args:
+        hidden_states: ``[S/cp, B, hidden]`` after the final norm.
+        weight: ``[padded_vocab/tp, hidden]`` the output layer's (or tied embedding's).
+        cp_request: :class:`CPLogprobRequest`.
+        tp_group: the output layer's TP group (the hidden states' gradient is summed over
+            it, as a column-parallel linear does).
+
+    Returns:
+        :class:`~nemo_rlhf.models.logprobs.ResponseLogprobs` whose tensors are ``[B, S/cp]``
+        float32 in this rank's position order (0 where not selected), as
+        :func:`cp_token_logprobs` returns them.
+    """
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    from nemo_rlhf.models.logprobs import ResponseLogprobs
+    from nemo_rlhf.models.vocab_parallel import chunked_linear_logprobs
+
+    s, B, H = hidden_states.shape
+    req, select = cp_request.request, cp_request.select
+    h = hidden_states.transpose(0, 1).reshape(B * s, H)
+    tp_size, tp_rank = tp_group.size(), tp_group.rank()
+    if tp_size > 1:
+        h = copy_to_tensor_model_parallel_region(h, group=tp_group)
+    h, targets = h.index_select(0, select), cp_request.targets.reshape(B * s).index_select(0, select)
+
+    def full(t: torch.Tensor) -> torch.Tensor:  # [n] selected -> [B, s], 0 elsewhere
+        return t.new_zeros(B * s).index_copy(0, select, t).view(B, s)
+
+    logprobs, entropy = {}, None
+    for i, t in enumerate(req.temperatures):
+        lp, ent = chunked_linear_logprobs(
+            h, weight, targets, tp_group if tp_size > 1 else None, tp_rank, t, req.vocab_size,
+            compute_entropy=req.compute_entropy and i == 0, chunk_size=req.chunk_size)
+        logprobs[float(t)] = full(lp)
+        if i == 0:
+            entropy = full(ent)
+    return ResponseLogprobs(logprobs=logprobs, entropy=entropy)
 
 
 def pad_to_cp_multiple(t: torch.Tensor, cp: int, value: int = 0) -> torch.Tensor:

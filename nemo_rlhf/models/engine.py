@@ -119,10 +119,13 @@ def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         Last stage: the model's output (``(logits, values)``, logits, or rewards); other
         stages: hidden states for the next stage (``[W, bins, hidden]`` when packed).
 
+    A ``logprob_request`` then becomes a
+    :class:`~nemo_rlhf.models.context_parallel.CPLogprobRequest` (the fused output layer
+    over the rank's positions that predict response tokens; ``[batch, seq/cp]`` results).
+
     Raises:
-        ValueError: under context parallelism, a packed micro-batch or a
-            ``logprob_request`` (not wired: ``ppo.sequence_packing``,
-            ``ppo.logprob_chunk_size``).
+        ValueError: under context parallelism, a packed micro-batch (not wired:
+            ``ppo.sequence_packing``).
     """
     kwargs = {} if with_values is None else {"with_values": with_values}
     cp = getattr(unwrap(model).config, "context_parallel_size", 1) or 1
@@ -145,15 +148,17 @@ def _cp_forward(model, input_ids, attention_mask, cp: int, packed, logprob_reque
     """:func:`model_forward` of this CP rank's positions (see there)."""
     from megatron.core import parallel_state as ps
 
-    from nemo_rlhf.models.context_parallel import cp_positions
+    from nemo_rlhf.models.context_parallel import cp_logprob_request, cp_positions
 
-    if packed is not None or logprob_request is not None:
+    if packed is not None:
         raise ValueError(
-            f"parallel.context_parallel_size={cp}: packed micro-batches (ppo.sequence_packing) and "
-            f"the fused output-layer log-probs (ppo.logprob_chunk_size > 0) are not wired for context "
-            f"parallelism; set ppo.sequence_packing=false, ppo.max_tokens_per_micro_batch=0 and "
-            f"ppo.logprob_chunk_size=0")
-    pos = cp_positions(input_ids.shape[1], cp, ps.get_context_parallel_rank(), input_ids.device)
+            f"parallel.context_parallel_size={cp}: packed micro-batches (ppo.sequence_packing) are not "
+            f"wired for context parallelism; set ppo.sequence_packing=false and "
+            f"ppo.max_tokens_per_micro_batch=0")
+    rank = ps.get_context_parallel_rank()
+    if logprob_request is not None:  # the fused output layer on this rank's positions
+        kwargs["logprob_request"] = cp_logprob_request(logprob_request, input_ids, cp, rank)
+    pos = cp_positions(input_ids.shape[1], cp, rank, input_ids.device)
     return model(input_ids.index_select(1, pos), position_ids_for(attention_mask).index_select(1, pos),
                  causal_padding_mask(attention_mask).index_select(2, pos), **kwargs)
 

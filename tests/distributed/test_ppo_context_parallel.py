@@ -143,6 +143,18 @@ def _cp2(rank: int, tmp: str):
                                             "parallel.context_parallel_size=2")
     out["lora"] = _lora_step(build, data, tmp / "cp2_lora", tmp / "init" / "step_0",
                              "parallel.context_parallel_size=2")
+    # the fused output layer (5 tokens a chunk) on the CP rank's positions, first step
+    fused = [o for o in COMMON if not o.startswith("ppo.logprob_chunk_size")] + ["ppo.logprob_chunk_size=5"]
+    trainer = build(compose_ppo(data, tmp / "cp2_fused", *fused, f"exp_manager.init_from={tmp}/init/step_0",
+                                "parallel.context_parallel_size=2"))
+    out["fused"] = _instrument(trainer)
+    import nemo_rlhf.models.actor_critic as ac
+
+    calls, fused_fn = [], ac.cp_fused_logprobs
+    ac.cp_fused_logprobs = lambda *a, **k: calls.append(1) or fused_fn(*a, **k)
+    out["fused"]["metrics"] = trainer.train_step()
+    ac.cp_fused_logprobs = fused_fn
+    out["fused"]["calls"] = len(calls)
     return out
 
 
@@ -298,3 +310,23 @@ def test_lora_at_cp2_equals_cp1(results):
             assert abs(a - b) <= TOL * max(1.0, abs(b)), f"LoRA {step} {key}: CP=2 {a} vs CP=1 {b}"
     assert want["second"]["kl_mean"] != 0 and sum(float(g.abs().sum()) for n, g in want["grads"].items()
                                                    if "lora" in n) > 0
+
+
+def test_the_fused_output_layer_at_cp2_equals_the_logits_at_cp1(results):
+    """``ppo.logprob_chunk_size=5``: the CP rank's response positions through the fused,
+    chunked output layer give CP=1's (logits path) first step: forward passes, losses and
+    every gradient, within 1e-5."""
+    ref, cp, _ = results
+    mask = ref["batch"][0]["response_mask"]
+    for r in cp:
+        got = r["fused"]
+        assert got["calls"] >= 3  # the fused layer ran (old + reference passes, the update)
+        assert torch.equal(got["batch"][0]["input_ids"], ref["batch"][0]["input_ids"])
+        for key in ("old_logprobs", "ref_logprobs", "kl_logprobs", "values"):
+            torch.testing.assert_close(torch.where(mask, got["fwd"][0][key], 0.0),
+                                       torch.where(mask, ref["fwd"][0][key], 0.0), atol=TOL, rtol=0, msg=key)
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, atol=TOL, rtol=0, msg=name)
+    for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"):
+        a, b = cp[0]["fused"]["metrics"][key], ref["metrics"][0][key]
+        assert abs(a - b) <= TOL * max(1.0, abs(b)), f"fused {key}: CP=2 {a} vs CP=1 {b}"

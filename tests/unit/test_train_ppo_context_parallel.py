@@ -20,10 +20,10 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     assert typed_job("ppo_tiny", CP + ["ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"])
     assert typed_job("ppo_tiny", CP + ["critic.mode=separate"]).critic.mode == "separate"
     assert typed_job("ppo_tiny", CP + ["model.lora.enabled=true"]).model.lora.enabled
+    assert typed_job("ppo_tiny", ["parallel.context_parallel_size=2"]).ppo.logprob_chunk_size == 1024
 
 
 @pytest.mark.parametrize("overrides, key, value, ok", [
-    ([], "ppo.logprob_chunk_size", "1024", "0"),  # the default fused output layer
     (["model.num_moe_experts=4"], "model.num_moe_experts", "4", "null"),
     (["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"], "ppo.sequence_packing", "true", "false"),
     (["ppo.max_tokens_per_micro_batch=64"], "ppo.max_tokens_per_micro_batch", "64", "0"),
@@ -34,7 +34,7 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     (["env.name=digit_calculator"], "env.name", "digit_calculator", "null"),
 ])
 def test_ppo_config_refuses_what_is_not_wired_naming_the_key(overrides, key, value, ok):
-    base = CP if key != "ppo.logprob_chunk_size" else ["parallel.context_parallel_size=2"]
+    base = CP
     with pytest.raises(ValueError, match=rf"parallel\.context_parallel_size=2 with {key}={value}: not wired "
                                          rf"for context parallelism yet; set {key}={ok} \(wired: a dense model, every critic mode"):
         typed_job("ppo_tiny", base + overrides)

@@ -2,8 +2,8 @@
 
 Wired (docs/parallelism.md): a dense model (TP, PP and DP free, LoRA or not), every critic
 mode (the value head on the actor's backbone, a separate critic, none), padded
-micro-batches (``ppo.max_tokens_per_micro_batch=0``) on the logits path
-(``ppo.logprob_chunk_size=0``), the megatron engine's KV-cache rollout, single-turn.
+micro-batches (``ppo.max_tokens_per_micro_batch=0``), the logits or the fused output layer
+(``ppo.logprob_chunk_size``), the megatron engine's KV-cache rollout, single-turn.
 Everything else is refused here, before any process group exists, by the key and the value
 that works.
 """
@@ -29,7 +29,6 @@ def check_context_parallel(cfg) -> None:
         ("model.num_moe_experts", cfg.model.num_moe_experts, bool(cfg.model.num_moe_experts), "null"),
         ("ppo.sequence_packing", p.sequence_packing, p.sequence_packing, False),
         ("ppo.max_tokens_per_micro_batch", p.max_tokens_per_micro_batch, p.max_tokens_per_micro_batch != 0, 0),
-        ("ppo.logprob_chunk_size", p.logprob_chunk_size, p.logprob_chunk_size != 0, 0),
         # a row's own token count n_b is split across the CP ranks
         ("ppo.loss_agg_mode", p.loss_agg_mode, p.loss_agg_mode == "seq-mean-token-mean", "token-mean"),
         ("rollout.engine", r.engine, r.engine != "megatron", "megatron"),
@@ -42,7 +41,7 @@ def check_context_parallel(cfg) -> None:
             raise ValueError(
                 f"parallel.context_parallel_size={cp} with {key}={_show(value)}: not wired for context "
                 f"parallelism yet; set {key}={_show(ok)} (wired: a dense model, every critic mode, "
-                f"padded micro-batches on the logits path, the megatron KV-cache rollout, single-turn; "
+                f"padded micro-batches, the megatron KV-cache rollout, single-turn; "
                 f"docs/parallelism.md)")
 
 
