@@ -113,15 +113,14 @@ def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     by ``2 cp``) and runs its own positions
     (:func:`nemo_rlhf.models.context_parallel.cp_positions`): its ids and position ids,
     and the causal-padding mask's rows of its queries over every key; the last stage's
-    outputs are then ``[batch, seq/cp, ...]`` in that order.
+    outputs are then ``[batch, seq/cp, ...]`` in that order. A ``logprob_request`` then
+    becomes a :class:`~nemo_rlhf.models.context_parallel.CPLogprobRequest` (the fused
+    output layer over the rank's positions that predict response tokens; ``[batch,
+    seq/cp]`` results).
 
     Returns:
         Last stage: the model's output (``(logits, values)``, logits, or rewards); other
         stages: hidden states for the next stage (``[W, bins, hidden]`` when packed).
-
-    A ``logprob_request`` then becomes a
-    :class:`~nemo_rlhf.models.context_parallel.CPLogprobRequest` (the fused output layer
-    over the rank's positions that predict response tokens; ``[batch, seq/cp]`` results).
 
     Raises:
         ValueError: under context parallelism, a packed micro-batch (not wired:
