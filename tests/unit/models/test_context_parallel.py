@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nemo_rlhf.distributed.parallel import ParallelConfig
-from nemo_rlhf.models.context_parallel import (cp_next_token_targets, cp_positions, cp_response_index,
+from nemo_rlhf.models.context_parallel import (cp_fused_logprobs, cp_logprob_request, cp_next_token_targets,
+                                               cp_positions, cp_response_index, cp_token_logprobs,
                                                gather_response, pad_to_cp_multiple, refuse_context_parallel,
                                                shard_response, shard_sequence)
 
@@ -98,3 +99,38 @@ def test_pad_to_a_multiple_of_2cp():
     assert pad_to_cp_multiple(torch.ones(1, 8), 2) .shape == (1, 8)
     assert pad_to_cp_multiple(t, 1) is t
     assert pad_to_cp_multiple(t, 3).shape == (2, 6)
+
+
+def test_fused_request_selects_the_ranks_positions_that_predict_response_tokens():
+    from nemo_rlhf.models.logprobs import LogprobRequest
+
+    ids = torch.arange(10, 26).view(2, 8)  # B=2, S=8, P=3: positions 2..6 predict tokens 3..7
+    req = LogprobRequest(3, (1.0,), 100, chunk_size=2)
+    r0 = cp_logprob_request(req, ids, 2, 0)  # positions 0, 1, 6, 7: only 6 (7 has no target)
+    assert r0.select.tolist() == [2, 6] and r0.targets.tolist() == [[11, 12, 17, 0], [19, 20, 25, 0]]
+    r1 = cp_logprob_request(req, ids, 2, 1)  # positions 2..5: all
+    assert r1.select.tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+
+
+def test_fused_cp_logprobs_equal_the_logits_path_on_the_selected_positions():
+    from nemo_rlhf.models.logprobs import LogprobRequest
+
+    g = torch.Generator().manual_seed(0)
+    B, S, H, V = 2, 8, 6, 11
+    ids = torch.randint(0, V, (B, S), generator=g)
+    hidden = torch.randn(S // 2, B, H, generator=g)  # rank 1's 4 positions, [s, B, H]
+    weight = torch.randn(V, H, generator=g)
+    one = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    dims = SimpleNamespace(cp=2, cp_rank=1, tp_group=None, tp_rank=0)
+    request = cp_logprob_request(LogprobRequest(4, (0.7, 1.0), V, chunk_size=3), ids, 2, 1)
+    out = cp_fused_logprobs(hidden, weight, request, one)
+    logits = torch.matmul(hidden.transpose(0, 1), weight.t())  # [B, s, V]
+    for t in (0.7, 1.0):
+        want, ent = cp_token_logprobs(logits, ids, dims, t, vocab_size=V)
+        keep = torch.tensor([False, True, True, True])  # positions 2..5; P=4: from 3 on
+        torch.testing.assert_close(out.logprobs[t][:, keep], want[:, keep], atol=1e-5, rtol=0)
+        assert out.logprobs[t][:, ~keep].eq(0).all()
+        if t == 0.7:
+            torch.testing.assert_close(out.entropy[:, keep], ent[:, keep], atol=1e-5, rtol=0)
+        got, _ = cp_token_logprobs(out, ids, dims, t)  # the fused output read back as is
+        assert got is out.logprobs[t]
