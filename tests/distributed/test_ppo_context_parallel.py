@@ -78,6 +78,8 @@ def _run(trainer, save: bool = False) -> dict:
         rec["checkpoint"] = str(trainer.save())
     rec["metrics"].append(trainer.train_step())  # the second: the actor no longer the reference
     trainer.step += 1
+    trainer.eval_prompts = trainer.eval_prompts[:4]
+    rec["eval"] = trainer.evaluate()  # greedy held-out decoding and scoring
     rec["layout"] = (trainer.dims.cp, trainer.dims.cp_rank, trainer.dims.dp)
     return rec
 
@@ -330,3 +332,11 @@ def test_the_fused_output_layer_at_cp2_equals_the_logits_at_cp1(results):
     for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm"):
         a, b = cp[0]["fused"]["metrics"][key], ref["metrics"][0][key]
         assert abs(a - b) <= TOL * max(1.0, abs(b)), f"fused {key}: CP=2 {a} vs CP=1 {b}"
+
+
+def test_the_held_out_evaluation_at_cp2_equals_cp1(results):
+    ref, cp, _ = results
+    want, got = ref["eval"], cp[0]["eval"]
+    for key in ("eval/reward", "eval/response_length", "eval/accuracy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-6), key
+    assert want["eval/response_length"] > 0
