@@ -53,7 +53,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
-from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for
+from nemo_rlhf.models.logprobs import ResponseLogprobs
+from nemo_rlhf.models.vocab_parallel import chunked_linear_logprobs, vocab_parallel_logprobs
 
 
 def cp_positions(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -266,33 +267,6 @@ def cp_global_token_count(mask: torch.Tensor, dims) -> torch.Tensor:
     return count
 
 
-def cp_model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, dims,
-                     with_values: Optional[bool] = None):
-    """:func:`nemo_rlhf.models.engine.model_forward` of this CP rank's share of a batch.
-
-    The rank's positions of the ids, position ids and the causal-padding mask
-    (``[B, 1, S/cp, S]``: its query rows, every key) go through the model.
-
-    Args:
-        input_ids: ``[B, S]`` int64, the whole sequences (every CP rank gets them).
-        attention_mask: ``[B, S]``, 1 for real tokens.
-        dims: ``ParallelDims``.
-        with_values: as in ``model_forward``.
-
-    Returns:
-        The last stage's ``(logits [B, S/cp, V/tp], values [B, S/cp])`` (or what the model
-        returns) for this rank's positions.
-
-    Raises:
-        ValueError: ``S`` not divisible by ``2 * parallel.context_parallel_size``.
-    """
-    kwargs = {} if with_values is None else {"with_values": with_values}
-    ids = shard_sequence(input_ids, dims)
-    pos = shard_sequence(position_ids_for(attention_mask), dims)
-    mask = shard_sequence(causal_padding_mask(attention_mask), dims, dim=2)
-    return model(ids, pos, mask, **kwargs)
-
-
 def cp_response_index(seq_len: int, prompt_length: int, response_length: int, dims,
                       device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Which response token each of this CP rank's positions predicts.
@@ -342,7 +316,7 @@ def cp_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, dims, tempe
     globally, :func:`cp_next_token_targets`), from its TP-sharded logits.
 
     Args:
-        logits: ``[B, S/cp, padded_vocab/tp]`` of :func:`cp_model_forward` (differentiable),
+        logits: ``[B, S/cp, padded_vocab/tp]`` of :func:`nemo_rlhf.models.engine.model_forward` under CP (differentiable),
             or the fused output layer's :class:`~nemo_rlhf.models.logprobs.ResponseLogprobs`
             of this rank's positions (:func:`cp_fused_logprobs`: its values are returned).
         input_ids: ``[B, S]`` int64, the whole sequences.
@@ -355,9 +329,6 @@ def cp_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, dims, tempe
         ``(logprobs [B, S/cp] float32, entropy [B, S/cp] float32)``, unmasked (the global
         last position's target is a placeholder: mask it with :func:`cp_response_index`).
     """
-    from nemo_rlhf.models.logprobs import ResponseLogprobs
-    from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
-
     if isinstance(logits, ResponseLogprobs):  # the fused output layer's (cp_fused_logprobs)
         if temperature not in logits.logprobs:
             raise ValueError(f"cp_token_logprobs: the forward computed temperatures {sorted(logits.logprobs)}, "
@@ -436,9 +407,6 @@ def cp_fused_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, cp_requ
         :func:`cp_token_logprobs` returns them.
     """
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-    from nemo_rlhf.models.logprobs import ResponseLogprobs
-    from nemo_rlhf.models.vocab_parallel import chunked_linear_logprobs
 
     s, B, H = hidden_states.shape
     req, select = cp_request.request, cp_request.select

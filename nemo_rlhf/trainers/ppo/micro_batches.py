@@ -39,6 +39,7 @@ import torch
 
 from nemo_rlhf.algorithms.ppo.core import last_valid_index
 from nemo_rlhf.distributed.split import chunk_slices
+from nemo_rlhf.models.context_parallel import pad_to_cp_multiple
 from nemo_rlhf.models.packing import first_fit_decreasing, pack_rows
 
 
@@ -221,8 +222,6 @@ def pad_for_context_parallel(mb: dict, cp: int) -> dict:
     """
     if cp == 1:
         return mb
-    from nemo_rlhf.models.context_parallel import pad_to_cp_multiple
-
     return {k: pad_to_cp_multiple(v, cp) if k in ("input_ids", "attention_mask") else v
             for k, v in mb.items()}
 
