@@ -29,7 +29,6 @@ from typing import Callable, Optional
 import torch
 
 from nemo_rlhf.distributed.device import to_device
-from nemo_rlhf.models.context_parallel import cp_logprob_request, cp_positions
 from nemo_rlhf.models.moe import agree_on_micro_batch_count, expert_exchange_group, filler_forward
 from nemo_rlhf.models.packing import PackedBatch
 
@@ -147,6 +146,8 @@ def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 def _cp_forward(model, input_ids, attention_mask, cp: int, packed, logprob_request, kwargs):
     """:func:`model_forward` of this CP rank's positions (see there)."""
     from megatron.core import parallel_state as ps
+
+    from nemo_rlhf.models.context_parallel import cp_logprob_request, cp_positions  # lazy: megatron stays out of the CLI
 
     if packed is not None:
         raise ValueError(
