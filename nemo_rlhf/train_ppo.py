@@ -28,7 +28,6 @@ from nemo_rlhf.distributed.determinism import enable_deterministic_mode
 from nemo_rlhf.distributed.phase import collective_errors
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import agree_on_precision
-from nemo_rlhf.models.context_parallel import refuse_context_parallel
 from nemo_rlhf.models.engine import wrap_ddp
 from nemo_rlhf.trainers.loop import REQUEUE_EXIT_CODE, Signals
 from nemo_rlhf.trainers.optimizers import build_optimizer, validate_optimizer
@@ -48,7 +47,6 @@ def build(cfg: PPOConfig, signals: Optional[Signals] = None) -> PPOTrainer:
     """Set up distributed, data, model, optimizer, reference, reward; return the trainer
     (``trainer.fit()`` runs it). ``trainer.deterministic`` is applied first, before any
     process group, model or cuBLAS handle exists."""
-    refuse_context_parallel(cfg.parallel, "PPO trainer")
     if cfg.trainer.deterministic:
         enable_deterministic_mode()
     tok = Tokenizer(cfg.data.tokenizer_dir)

@@ -17,7 +17,8 @@ Simplified: sequence parallelism is not wired in (the value head would need the
 sequence-parallel gather); virtual pipeline stages are not used. Context parallelism
 (``dims.cp`` > 1) builds the all-gather CP attention and megatron's CP RoPE slicing; each
 rank's forward then covers its own positions of the sequences
-(:mod:`nemo_rlhf.models.context_parallel`), the fused log-prob path excepted.
+(:mod:`nemo_rlhf.models.context_parallel`), the fused log-prob path's over those positions
+(:func:`~nemo_rlhf.models.context_parallel.cp_fused_logprobs`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_rlhf.distributed.parallel import reseed_model_parallel
 from nemo_rlhf.models.config import ModelConfig, build_transformer_config
+from nemo_rlhf.models.context_parallel import CPLogprobRequest, cp_fused_logprobs
 from nemo_rlhf.models.decode_layers import local_layer_spec
 from nemo_rlhf.models.embedding import use_main_grad_lookup
 from nemo_rlhf.models.moe import patch_router_gemm_without_te
@@ -147,17 +149,16 @@ class ActorCriticModel(GPTModel):
         packed = getattr(self, "_packed", None)
         if self.post_process:
             hidden_states = self._unpacked(hidden_states)
-        if request is not None and self.config.context_parallel_size > 1:
-            raise ValueError("logprob_request (the fused output-layer log-probs) is not supported under "
-                             f"parallel.context_parallel_size={self.config.context_parallel_size}; use the "
-                             "logits (nemo_rlhf.models.context_parallel)")
         if request is not None and self.post_process and not kwargs.get("inference_context") \
                 and self.config.mtp_num_layers is None:
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
                 else self.output_layer.weight
-            logits = fused_response_logprobs(
-                hidden_states, weight, request[1], request[0], self.output_layer.tp_group,
-                select=None if packed is None else packed.response_index)
+            if isinstance(request[0], CPLogprobRequest):  # context parallel: this rank's positions
+                logits = cp_fused_logprobs(hidden_states, weight, request[0], self.output_layer.tp_group)
+            else:
+                logits = fused_response_logprobs(
+                    hidden_states, weight, request[1], request[0], self.output_layer.tp_group,
+                    select=None if packed is None else packed.response_index)
         else:
             logits = super()._postprocess(hidden_states, *args, **kwargs)
         if (not self.post_process or not self._with_values or kwargs.get("inference_context")

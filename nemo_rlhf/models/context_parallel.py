@@ -33,21 +33,28 @@ global count of valid tokens summed over the CP and DP groups
 (:func:`cp_global_token_count`); the parameter gradients are then summed over CP (and DP),
 which megatron's DDP does over its data-parallel-with-CP group.
 
-Simplified: only the model / log-prob / loss level is here; the PPO trainer, packing, the
-fused output-layer log-probs and the rollout are not wired for CP (the trainer refuses
-``parallel.context_parallel_size > 1``). The memory of the gathered keys/values is
+The PPO trainer (padded micro-batches, docs/parallelism.md) uses the response-level
+helpers: :func:`cp_response_index` / :func:`shard_response` put the ``[B, R]`` per-response
+tensors on a rank's positions, :func:`cp_token_logprobs` gives its log-probs and entropy,
+:func:`gather_response` brings per-position outputs back to ``[B, R]`` on every CP rank,
+:func:`pad_to_cp_multiple` pads a micro-batch's columns to ``2 cp``.
+
+Simplified: packing, the fused output-layer log-probs, TP/PP with CP and the SFT / RM jobs
+are not wired for CP (refused by the key). The memory of the gathered keys/values is
 ``O(S)`` per rank, as in Llama 3's all-gather CP (the scores are ``[S/cp, S]``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
-from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for
+from nemo_rlhf.models.logprobs import ResponseLogprobs
+from nemo_rlhf.models.vocab_parallel import chunked_linear_logprobs, vocab_parallel_logprobs
 
 
 def cp_positions(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -260,37 +267,184 @@ def cp_global_token_count(mask: torch.Tensor, dims) -> torch.Tensor:
     return count
 
 
-def cp_model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, dims,
-                     with_values: Optional[bool] = None):
-    """:func:`nemo_rlhf.models.engine.model_forward` of this CP rank's share of a batch.
+def cp_response_index(seq_len: int, prompt_length: int, response_length: int, dims,
+                      device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which response token each of this CP rank's positions predicts.
 
-    The rank's positions of the ids, position ids and the causal-padding mask
-    (``[B, 1, S/cp, S]``: its query rows, every key) go through the model.
+    Position ``t`` predicts token ``t + 1`` (:func:`nemo_rlhf.models.logprobs.response_slice`):
+    response token ``j`` (column ``P + j``) is predicted at ``P - 1 + j``.
 
     Args:
-        input_ids: ``[B, S]`` int64, the whole sequences (every CP rank gets them).
-        attention_mask: ``[B, S]``, 1 for real tokens.
-        dims: ``ParallelDims``.
-        with_values: as in ``model_forward``.
+        seq_len: ``S`` of the (padded) ``[B, S]`` micro-batch, divisible by ``2 cp``.
+        prompt_length: ``P`` (>= 1).
+        response_length: ``R`` of the ``[B, R]`` per-response-token tensors (``<= S - P``;
+            columns past ``P + R`` are the micro-batch's CP padding).
+        dims: ``ParallelDims`` (``cp``, ``cp_rank``).
+        device: ``dims.device``.
 
     Returns:
-        The last stage's ``(logits [B, S/cp, V/tp], values [B, S/cp])`` (or what the model
-        returns) for this rank's positions.
+        ``(index [S/cp] int64 in [0, R), valid [S/cp] bool)``: this rank's position ``i``
+        predicts response token ``index[i]`` where ``valid[i]`` (elsewhere a prompt
+        position, the last position or padding; ``index`` is clamped there).
 
     Raises:
-        ValueError: ``S`` not divisible by ``2 * parallel.context_parallel_size``.
+        ValueError: as :func:`cp_positions`.
     """
-    kwargs = {} if with_values is None else {"with_values": with_values}
-    ids = shard_sequence(input_ids, dims)
-    pos = shard_sequence(position_ids_for(attention_mask), dims)
-    mask = shard_sequence(causal_padding_mask(attention_mask), dims, dim=2)
-    return model(ids, pos, mask, **kwargs)
+    j = cp_positions(seq_len, dims.cp, dims.cp_rank, device) - (prompt_length - 1)
+    valid = (j >= 0) & (j < response_length)
+    return j.clamp(0, max(response_length - 1, 0)), valid
+
+
+def shard_response(t: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A per-response-token tensor on this CP rank's positions (:func:`cp_response_index`).
+
+    Args:
+        t: ``[B, R]`` (log-probs, advantages, masks, ...).
+        index / valid: :func:`cp_response_index`'s.
+
+    Returns:
+        ``[B, S/cp]`` of ``t``'s dtype: ``t[:, index]`` where ``valid``, 0 (False) elsewhere.
+    """
+    picked = t.index_select(1, index)
+    return torch.where(valid.unsqueeze(0), picked, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def cp_token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, dims, temperature: float,
+                      vocab_size: Optional[int] = None, compute_entropy: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token log-probs and entropy of this CP rank's positions (targets shifted
+    globally, :func:`cp_next_token_targets`), from its TP-sharded logits.
+
+    Args:
+        logits: ``[B, S/cp, padded_vocab/tp]`` of :func:`nemo_rlhf.models.engine.model_forward` under CP (differentiable),
+            or the fused output layer's :class:`~nemo_rlhf.models.logprobs.ResponseLogprobs`
+            of this rank's positions (:func:`cp_fused_logprobs`: its values are returned).
+        input_ids: ``[B, S]`` int64, the whole sequences.
+        dims: ``ParallelDims`` (CP and TP groups).
+        temperature: > 0, as :func:`nemo_rlhf.models.vocab_parallel.vocab_parallel_logprobs`.
+        vocab_size: the real vocabulary (padded rows out of the softmax).
+        compute_entropy: also the entropy (else zeros).
+
+    Returns:
+        ``(logprobs [B, S/cp] float32, entropy [B, S/cp] float32)``, unmasked (the global
+        last position's target is a placeholder: mask it with :func:`cp_response_index`).
+    """
+    if isinstance(logits, ResponseLogprobs):  # the fused output layer's (cp_fused_logprobs)
+        if temperature not in logits.logprobs:
+            raise ValueError(f"cp_token_logprobs: the forward computed temperatures {sorted(logits.logprobs)}, "
+                             f"not {temperature}")
+        lp = logits.logprobs[temperature]
+        return lp, logits.entropy if compute_entropy else torch.zeros_like(lp)
+    targets, _ = cp_next_token_targets(input_ids, dims)
+    return vocab_parallel_logprobs(logits, targets, dims.tp_group, dims.tp_rank, temperature=temperature,
+                                   vocab_size=vocab_size, compute_entropy=compute_entropy)
+
+
+def gather_response(local: torch.Tensor, prompt_length: int, response_length: int, dims) -> torch.Tensor:
+    """Per-position outputs of this CP rank's positions back to the ``[B, R]`` response
+    layout on every CP rank (an all-gather, :func:`gather_sequence`).
+
+    Args:
+        local: ``[B, S/cp]`` (log-probs or values of :func:`cp_token_logprobs` / the value
+            head, one per position).
+        prompt_length / response_length: ``P`` and ``R`` (``P + R <= S``).
+
+    Returns:
+        ``[B, R]``: column ``j`` is the output at position ``P - 1 + j``.
+    """
+    full = gather_sequence(local, dims, dim=1)
+    return full[:, prompt_length - 1:prompt_length - 1 + response_length]
+
+
+@dataclass(frozen=True)
+class CPLogprobRequest:
+    """A :class:`~nemo_rlhf.models.logprobs.LogprobRequest` for this CP rank's positions
+    (built by :func:`nemo_rlhf.models.engine.model_forward` under context parallelism):
+    the last stage returns the fused output layer's log-probs of its positions
+    (:func:`cp_fused_logprobs`) in place of the ``[B, S/cp, V/tp]`` logits."""
+
+    request: object
+    """The :class:`~nemo_rlhf.models.logprobs.LogprobRequest` (temperatures, vocabulary,
+    chunk size, entropy; its ``prompt_length`` is the micro-batch's)."""
+    targets: torch.Tensor
+    """``[B, S/cp]`` int64: each local position's next token (:func:`cp_next_token_targets`)."""
+    select: torch.Tensor
+    """``[n]`` int64 flat indices into ``[B * S/cp]``: the local positions that predict a
+    response token (global position ``>= P - 1`` with a target); only these go through the
+    output layer."""
+
+
+def cp_logprob_request(request, input_ids: torch.Tensor, cp: int, cp_rank: int) -> CPLogprobRequest:
+    """:class:`CPLogprobRequest` of CP rank ``cp_rank`` for ``[B, S]`` ``input_ids``."""
+    dims = _CPDims(cp, cp_rank)
+    targets, has = cp_next_token_targets(input_ids, dims)
+    pos = cp_positions(input_ids.shape[1], cp, cp_rank, input_ids.device)
+    wanted = has & (pos >= request.prompt_length - 1).unsqueeze(0)
+    return CPLogprobRequest(request, targets, wanted.reshape(-1).nonzero().squeeze(1))
+
+
+@dataclass(frozen=True)
+class _CPDims:
+    cp: int
+    cp_rank: int
+
+
+def cp_fused_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, cp_request: CPLogprobRequest,
+                      tp_group):
+    """The fused, chunked output layer's log-probs of this CP rank's positions (the CP
+    twin of :func:`nemo_rlhf.models.logprobs.fused_response_logprobs`).
+
+    Args:
+        hidden_states: ``[S/cp, B, hidden]`` after the final norm.
+        weight: ``[padded_vocab/tp, hidden]`` the output layer's (or tied embedding's).
+        cp_request: :class:`CPLogprobRequest`.
+        tp_group: the output layer's TP group (the hidden states' gradient is summed over
+            it, as a column-parallel linear does).
+
+    Returns:
+        :class:`~nemo_rlhf.models.logprobs.ResponseLogprobs` whose tensors are ``[B, S/cp]``
+        float32 in this rank's position order (0 where not selected), as
+        :func:`cp_token_logprobs` returns them.
+    """
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    s, B, H = hidden_states.shape
+    req, select = cp_request.request, cp_request.select
+    h = hidden_states.transpose(0, 1).reshape(B * s, H)
+    tp_size, tp_rank = tp_group.size(), tp_group.rank()
+    if tp_size > 1:
+        h = copy_to_tensor_model_parallel_region(h, group=tp_group)
+    h, targets = h.index_select(0, select), cp_request.targets.reshape(B * s).index_select(0, select)
+
+    def full(t: torch.Tensor) -> torch.Tensor:  # [n] selected -> [B, s], 0 elsewhere
+        return t.new_zeros(B * s).index_copy(0, select, t).view(B, s)
+
+    logprobs, entropy = {}, None
+    for i, t in enumerate(req.temperatures):
+        lp, ent = chunked_linear_logprobs(
+            h, weight, targets, tp_group if tp_size > 1 else None, tp_rank, t, req.vocab_size,
+            compute_entropy=req.compute_entropy and i == 0, chunk_size=req.chunk_size)
+        logprobs[float(t)] = full(lp)
+        if i == 0:
+            entropy = full(ent)
+    return ResponseLogprobs(logprobs=logprobs, entropy=entropy)
+
+
+def pad_to_cp_multiple(t: torch.Tensor, cp: int, value: int = 0) -> torch.Tensor:
+    """``t`` ``[B, S]`` right-padded with ``value`` to the next multiple of ``2 cp`` columns
+    (megatron's load-balanced chunks); ``t`` itself when ``S`` already is one or ``cp == 1``.
+    Pad ``input_ids`` with any id and ``attention_mask`` with 0: the padding is masked."""
+    extra = (-t.shape[1]) % (2 * cp) if cp > 1 else 0
+    if not extra:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
 
 
 def refuse_context_parallel(parallel, job: str) -> None:
-    """Refuse ``parallel.context_parallel_size`` > 1 in a job it is not wired into (the PPO,
-    SFT and RM trainers, the RM server, evaluate: their micro-batches, packing, fused
-    log-probs, rollout and checkpoints do not shard sequences yet).
+    """Refuse ``parallel.context_parallel_size`` > 1 in a job it is not wired into (the SFT
+    and RM trainers, the RM server, evaluate: their micro-batches do not shard sequences
+    yet; the PPO trainer's own check is
+    :func:`nemo_rlhf.trainers.ppo.context_parallel.check_context_parallel`).
 
     Raises:
         ValueError: naming the key, its value, the job and the value that works.

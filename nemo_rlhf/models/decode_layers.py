@@ -152,7 +152,9 @@ class KVCacheSelfAttention(SelfAttention):
         super().__init__(*args, **kwargs)
         cfg = self.config
         self._fast_inference = (
-            isinstance(self.core_attention, DotProductAttention)
+            # the CP attention too: the incremental path never calls the core attention
+            # (a CP model's rollout decodes the whole sequence on every CP rank)
+            isinstance(self.core_attention, (DotProductAttention, AllGatherCPAttention))
             and not getattr(cfg, "flash_decode", False)
             and not getattr(cfg, "multi_latent_attention", False)
             and getattr(cfg, "softmax_type", "vanilla") == "vanilla"
@@ -161,7 +163,8 @@ class KVCacheSelfAttention(SelfAttention):
             and not getattr(cfg, "no_rope_freq", None)
             and not getattr(cfg, "apply_query_key_layer_scaling", False)
             and not getattr(cfg, "sequence_parallel", False)
-            and getattr(cfg, "context_parallel_size", 1) == 1
+            and (getattr(cfg, "context_parallel_size", 1) == 1
+                 or isinstance(self.core_attention, AllGatherCPAttention))
             and not getattr(cfg, "fp8", None)
             and not getattr(cfg, "fp4", None)
         )

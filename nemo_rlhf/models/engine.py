@@ -110,11 +110,28 @@ def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
             block-diagonal causal mask and per-sequence positions; the last stage's outputs
             come back in ``input_ids``' padded ``[batch, seq]`` layout.
 
+    Under context parallelism (the model built with ``parallel.context_parallel_size`` =
+    ``cp`` > 1) every CP rank is given the whole ``[batch, seq]`` batch (``seq`` divisible
+    by ``2 cp``) and runs its own positions
+    (:func:`nemo_rlhf.models.context_parallel.cp_positions`): its ids and position ids,
+    and the causal-padding mask's rows of its queries over every key; the last stage's
+    outputs are then ``[batch, seq/cp, ...]`` in that order. A ``logprob_request`` then
+    becomes a :class:`~nemo_rlhf.models.context_parallel.CPLogprobRequest` (the fused
+    output layer over the rank's positions that predict response tokens; ``[batch,
+    seq/cp]`` results).
+
     Returns:
         Last stage: the model's output (``(logits, values)``, logits, or rewards); other
         stages: hidden states for the next stage (``[W, bins, hidden]`` when packed).
+
+    Raises:
+        ValueError: under context parallelism, a packed micro-batch (not wired:
+            ``ppo.sequence_packing``).
     """
     kwargs = {} if with_values is None else {"with_values": with_values}
+    cp = getattr(unwrap(model).config, "context_parallel_size", 1) or 1
+    if cp > 1:
+        return _cp_forward(model, input_ids, attention_mask, cp, packed, logprob_request, kwargs)
     if logprob_request is not None:
         kwargs["logprob_request"] = logprob_request
     if getattr(unwrap(model).config, "num_moe_experts", None):
@@ -126,6 +143,25 @@ def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      **kwargs)
     return model(input_ids, position_ids_for(attention_mask), causal_padding_mask(attention_mask),
                  **kwargs)
+
+
+def _cp_forward(model, input_ids, attention_mask, cp: int, packed, logprob_request, kwargs):
+    """:func:`model_forward` of this CP rank's positions (see there)."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_rlhf.models.context_parallel import cp_logprob_request, cp_positions  # lazy: megatron stays out of the CLI
+
+    if packed is not None:
+        raise ValueError(
+            f"parallel.context_parallel_size={cp}: packed micro-batches (ppo.sequence_packing) are not "
+            f"wired for context parallelism; set ppo.sequence_packing=false and "
+            f"ppo.max_tokens_per_micro_batch=0")
+    rank = ps.get_context_parallel_rank()
+    if logprob_request is not None:  # the fused output layer on this rank's positions
+        kwargs["logprob_request"] = cp_logprob_request(logprob_request, input_ids, cp, rank)
+    pos = cp_positions(input_ids.shape[1], cp, rank, input_ids.device)
+    return model(input_ids.index_select(1, pos), position_ids_for(attention_mask).index_select(1, pos),
+                 causal_padding_mask(attention_mask).index_select(2, pos), **kwargs)
 
 
 def forward_backward(

@@ -24,7 +24,12 @@ prompts (checked). Stages hand hidden states ``[s, batch, hidden]`` to the next 
 across TP (megatron requires ``runtime_gather_output`` in inference); TP rank 0 of the last
 stage samples and broadcasts ``(token, log-prob, stop flag)`` to its TP group and then to
 every stage of its pipeline, so all ranks agree on every token and stop at the same step.
-DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index); TP and PP
+Under context parallelism (``parallel.context_parallel_size`` > 1) CP does not shard the
+weights, so every CP rank decodes the whole sequence itself on the incremental KV-cache path
+(no CP communication in the attention; RoPE's whole table, not megatron's CP slice) and CP
+rank 0 samples: its ``(token, log-prob, stop flag)`` is broadcast over the CP group each
+step, so the CP ranks end with identical rollouts (values, with ``with_values``, are each
+rank's own of the same weights and inputs). DP ranks sample from different seeds (``cfg.seed``, DP rank and a call index); TP and PP
 ranks do not enter the seed, so a TP or PP layout with one rank's weights draws one rank's
 tokens (``tests/distributed/test_rollout_parallel.py``; a fresh random initialisation
 differs with PP, docs/models.md, so layouts that must agree start from one checkpoint). With expert
@@ -266,6 +271,13 @@ class _StageRunner:
         self.kwargs = {"with_values": False} if isinstance(model, ActorCriticModel) else {}
         # the whole stage without megatron's model/block wrappers, where it applies
         self.stage = IncrementalStage.for_model(model, max_seq) if use_cache else None
+        cp = getattr(cfg, "context_parallel_size", 1) or 1
+        if cp > 1 and self.stage is None:  # the model's own forward would shard the sequence
+            raise ValueError(
+                f"generate under parallel.context_parallel_size={cp}: every CP rank decodes the whole "
+                f"sequence on the incremental KV-cache path (IncrementalStage), which this model "
+                f"stage does not take (rollout.use_kv_cache={use_cache}); set rollout.use_kv_cache=true "
+                f"with a dense local-spec model, or parallel.context_parallel_size=1")
 
     def __call__(self, ids_BS: torch.Tensor, pos_BS: torch.Tensor, mask_B1QK: torch.Tensor):
         """Forward ``[B, s]`` tokens; return ``[B, padded_vocab]`` logits on the last stage."""
@@ -292,7 +304,10 @@ class _StageRunner:
 
 
 def _share_choice(dims, packed_3B: torch.Tensor) -> None:
-    """Broadcast ``(tokens, logprobs, stop)`` from TP rank 0 of the last stage to all ranks."""
+    """Broadcast ``(tokens, logprobs, stop)`` from TP rank 0 (and CP rank 0) of the last
+    stage to all ranks."""
+    if dims.is_last_stage and getattr(dims, "cp", 1) > 1:
+        dist.broadcast(packed_3B, group=dims.cp_group, group_src=0)
     if dims.is_last_stage and dims.tp > 1:
         dist.broadcast(packed_3B, group=dims.tp_group, group_src=0)
     if dims.pp > 1:
@@ -393,7 +408,9 @@ def _decode(model, dims, prompt_ids, prompt_mask, prompt_lengths, cfg: RolloutCo
     B, P = prompt_ids.shape
     R = cfg.max_new_tokens
     L = P + R
-    is_sampler = dims.is_last_stage and dims.tp_rank == 0
+    # context parallelism: every CP rank decodes the whole sequence (the incremental path
+    # does not shard it); CP rank 0 samples and its choice is broadcast (_share_choice)
+    is_sampler = dims.is_last_stage and dims.tp_rank == 0 and getattr(dims, "cp_rank", 0) == 0
     dev = dims.device
 
     # Pre-allocated state on the accelerator, shared by every step.

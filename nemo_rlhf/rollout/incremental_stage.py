@@ -52,7 +52,10 @@ class IncrementalStage:
         self.final_norm = gpt.decoder.final_layernorm if gpt.post_process else None
         self.freqs = None
         if gpt.position_embedding_type == "rope":
-            self.freqs = gpt.rotary_pos_emb(rotary_seq_len)
+            # under context parallelism megatron's RoPE call slices its table to the CP
+            # rank's positions; the decode runs every position (get_emb: the whole table)
+            self.freqs = (gpt.rotary_pos_emb.get_emb(rotary_seq_len) if cfg.context_parallel_size > 1
+                          else gpt.rotary_pos_emb(rotary_seq_len))
         self._plain_embedding = False
         if gpt.pre_process:
             emb = gpt.embedding

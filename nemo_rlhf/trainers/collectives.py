@@ -77,6 +77,20 @@ class JobCollectives:
             stats[k] = t
         return stats
 
+    def cp_reduce_stats(self, stats: dict) -> dict:
+        """Token statistics of one CP rank's positions reduced over the context-parallel
+        group, each by its own op (as :meth:`dp_reduce_stats`): the training losses' under
+        ``parallel.context_parallel_size`` > 1. Only for statistics computed on a CP shard:
+        the ``[B, R]`` tensors of the forward-only passes are whole on every CP rank."""
+        if self.dims.cp == 1:
+            return stats
+        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        for k in sorted(stats):
+            t = stats[k].clone()
+            dist.all_reduce(t, op=ops[stat_reduce_op(k)], group=self.dims.cp_group)
+            stats[k] = t
+        return stats
+
     def whiten_reduce(self, s, sq, n):
         """The whitening's ``(sum, sum of squares, count)`` over DP (one all-reduce)."""
         t = self.dp_sum(torch.stack([s, sq, n]).float())

@@ -52,14 +52,14 @@ def _step(model, dims, ids, mask, old_lp, adv):
     import torch.distributed as dist
 
     from nemo_rlhf.algorithms.ppo.losses import policy_loss
-    from nemo_rlhf.models.context_parallel import (cp_global_token_count, cp_model_forward,
-                                                   cp_next_token_targets, gather_sequence,
-                                                   shard_sequence)
+    from nemo_rlhf.models.context_parallel import (cp_global_token_count, cp_next_token_targets,
+                                                   gather_sequence, shard_sequence)
+    from nemo_rlhf.models.engine import model_forward
     from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
 
     model.zero_grad()
     ids, mask, old_lp, adv = (t.to(dims.device) for t in (ids, mask, old_lp, adv))
-    logits, values = cp_model_forward(model, ids, mask, dims)
+    logits, values = model_forward(model, ids, mask)  # (this CP rank's positions)
     targets, has_target = cp_next_token_targets(ids, dims)
     lp, ent = vocab_parallel_logprobs(logits, targets, dims.tp_group, dims.tp_rank,
                                       temperature=TEMP, vocab_size=VOCAB)

@@ -1,5 +1,7 @@
 """``parallel.context_parallel_size`` composes from the command line into every job's
-schema, and the jobs it is not wired into refuse it before any process group exists."""
+schema; the PPO config accepts it on what is wired (docs/parallelism.md) and refuses every
+other combination naming the key and the value that works; the jobs it is not wired into
+refuse it before any process group exists."""
 
 from __future__ import annotations
 
@@ -7,15 +9,35 @@ import pytest
 
 from tests.conf_helpers import typed_job
 
+CP = ["parallel.context_parallel_size=2", "ppo.logprob_chunk_size=0"]
 
-def test_ppo_trainer_refuses_cp_naming_the_key():
-    from nemo_rlhf.train_ppo import build
 
-    cfg = typed_job("ppo_tiny", ["parallel.context_parallel_size=2"])
+def test_ppo_config_accepts_cp_on_the_wired_path():
+    cfg = typed_job("ppo_tiny", CP + ["critic.mode=shared_detached", "ppo.loss_agg_mode=seq-mean-token-sum",
+                                      "parallel.tensor_model_parallel_size=2",
+                                      "parallel.pipeline_model_parallel_size=2"])
     assert cfg.parallel.context_parallel_size == 2
-    with pytest.raises(ValueError, match=r"parallel\.context_parallel_size=2 in the PPO trainer: context "
-                                         r"parallelism is not wired into the PPO trainer yet"):
-        build(cfg)
+    assert typed_job("ppo_tiny", CP + ["ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"])
+    assert typed_job("ppo_tiny", CP + ["critic.mode=separate"]).critic.mode == "separate"
+    assert typed_job("ppo_tiny", CP + ["model.lora.enabled=true"]).model.lora.enabled
+    assert typed_job("ppo_tiny", ["parallel.context_parallel_size=2"]).ppo.logprob_chunk_size == 1024
+
+
+@pytest.mark.parametrize("overrides, key, value, ok", [
+    (["model.num_moe_experts=4"], "model.num_moe_experts", "4", "null"),
+    (["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"], "ppo.sequence_packing", "true", "false"),
+    (["ppo.max_tokens_per_micro_batch=64"], "ppo.max_tokens_per_micro_batch", "64", "0"),
+    (["ppo.loss_agg_mode=seq-mean-token-mean"], "ppo.loss_agg_mode", "seq-mean-token-mean", "token-mean"),
+    (["rollout.engine=vllm"], "rollout.engine", "vllm", "megatron"),
+    (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.mode", "async", "sync"),
+    (["rollout.use_kv_cache=false"], "rollout.use_kv_cache", "false", "true"),
+    (["env.name=digit_calculator"], "env.name", "digit_calculator", "null"),
+])
+def test_ppo_config_refuses_what_is_not_wired_naming_the_key(overrides, key, value, ok):
+    base = CP
+    with pytest.raises(ValueError, match=rf"parallel\.context_parallel_size=2 with {key}={value}: not wired "
+                                         rf"for context parallelism yet; set {key}={ok} \(wired: a dense model, every critic mode"):
+        typed_job("ppo_tiny", base + overrides)
 
 
 @pytest.mark.parametrize("job", ["sft_tiny", "rm_tiny"])

@@ -26,6 +26,7 @@ from nemo_rlhf.reward.functions import check_reward_function_spec
 from nemo_rlhf.rollout.config import RolloutConfig
 from nemo_rlhf.trainers.config import ExpManagerConfig, TrainerConfig
 from nemo_rlhf.trainers.mixed_precision import OptimizerConfig
+from nemo_rlhf.trainers.ppo.context_parallel import check_context_parallel
 from nemo_rlhf.metrics.trackers import LoggerConfig
 
 KL_TEMPERATURES = ("sampling", "unscaled")
@@ -548,6 +549,7 @@ class PPOConfig:
         self._check_eval_metric_names()
         self.moe.check(self.model, self.rollout, self.ppo, self.env)
         self._resolve_reference_mode()
+        check_context_parallel(self)  # parallel.context_parallel_size: what is wired
 
     def _check_eval_metric_names(self) -> None:
         """A reward function that is also a held-out extra checker would write one metric,

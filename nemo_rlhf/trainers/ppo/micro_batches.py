@@ -39,6 +39,7 @@ import torch
 
 from nemo_rlhf.algorithms.ppo.core import last_valid_index
 from nemo_rlhf.distributed.split import chunk_slices
+from nemo_rlhf.models.context_parallel import pad_to_cp_multiple
 from nemo_rlhf.models.packing import first_fit_decreasing, pack_rows
 
 
@@ -216,13 +217,28 @@ def scatter_rows(plans: list[MicroBatchPlan], parts: list[torch.Tensor], batch_s
     return out
 
 
-__all__ = ["MicroBatchPlan", "plan_micro_batches", "row_extents", "scatter_rows", "take"]
+def pad_for_context_parallel(mb: dict, cp: int) -> dict:
+    """A padded (not packed) micro-batch for context parallelism: its ``input_ids`` and
+    ``attention_mask`` ``[rows, S]`` right-padded to a multiple of ``2 * cp`` columns
+    (megatron's load-balanced chunks, :func:`nemo_rlhf.models.context_parallel.cp_positions`;
+    ids 0, mask 0: the padding attends to nothing real and no real token attends to it).
+    The ``[rows, R]`` per-response-token tensors keep their ``R`` columns (the loss reads
+    ``R`` from them). ``mb`` itself at ``cp == 1``.
+    """
+    if cp == 1:
+        return mb
+    return {k: pad_to_cp_multiple(v, cp) if k in ("input_ids", "attention_mask") else v
+            for k, v in mb.items()}
+
+
+__all__ = ["MicroBatchPlan", "pad_for_context_parallel", "plan_micro_batches", "row_extents",
+           "scatter_rows", "take"]
 
 
 def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_length: int,
                          attention_mask: torch.Tensor, response_mask: torch.Tensor,
                          device: torch.device, dp_sum: Callable[[torch.Tensor], torch.Tensor],
-                         seed: int) -> Iterator[tuple[list[dict], torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+                         seed: int, cp: int = 1) -> Iterator[tuple[list[dict], torch.Tensor, torch.Tensor, torch.Tensor, int]]:
     """The update's mini-batches of one rollout on this DP rank, in training order.
 
     Args:
@@ -238,6 +254,10 @@ def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_lengt
         dp_sum: the sum over the DP group of a ``[3]`` float tensor on ``device``.
         seed: the permutations' seed (a host ``torch.Generator``: the same order on every
             device type).
+        cp: ``parallel.context_parallel_size``: at ``cp > 1`` each micro-batch's
+            ``input_ids`` / ``attention_mask`` columns are right-padded to a multiple of
+            ``2 * cp`` (:func:`pad_for_context_parallel`; padded micro-batches only: the
+            token budget is refused under CP).
 
     Yields:
         ``(micro-batches, n_tokens, n_seqs, routed_tokens, computed)`` per mini-batch: the
@@ -260,7 +280,7 @@ def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_lengt
         for mb_slice in chunk_slices(B, rows_per_minibatch):
             idx = order[mb_slice]
             if extents is None:
-                micro = [{k: v[idx[s]] for k, v in tensors.items()}
+                micro = [pad_for_context_parallel({k: v[idx[s]] for k, v in tensors.items()}, cp)
                          for s in chunk_slices(len(idx), c.micro_batch_size)]
             else:  # the token budget: rows packed, padding cut
                 rows = order_host[mb_slice].tolist()

@@ -27,7 +27,10 @@ from nemo_rlhf.algorithms import ppo as P
 from nemo_rlhf.distributed.split import chunk_slices
 from nemo_rlhf.models.engine import finalize_grads, forward_backward
 from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs, response_values
-from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, scatter_rows, take
+from nemo_rlhf.models.context_parallel import (cp_response_index, cp_token_logprobs, gather_response,
+                                               shard_response)
+from nemo_rlhf.trainers.ppo.micro_batches import (pad_for_context_parallel, plan_micro_batches,
+                                                  row_extents, scatter_rows, take)
 
 
 @contextmanager
@@ -78,7 +81,10 @@ class ForwardPasses:
         cut, rows concatenated with ``sequence_packing`` (and the plans, to put the rows
         back; None for fixed row counts). ``routes``: each micro-batch also carries the
         rollout's MoE ``routes`` (``[rows, columns, L, k]``, the same rows and columns as
-        its ``input_ids``; routing replay).
+        its ``input_ids``; routing replay). Under context parallelism (``dims.cp`` > 1) the
+        full-width rows' columns are right-padded to a multiple of ``2 * cp``
+        (:func:`~nemo_rlhf.trainers.ppo.micro_batches.pad_for_context_parallel`; MoE, and so
+        ``routes``, is refused with CP).
 
         Raises:
             ValueError: ``routes`` for a batch without :attr:`RolloutBatch.routes`.
@@ -96,7 +102,8 @@ class ForwardPasses:
             filler = (-B) % mbs
             if filler:  # the last micro-batch topped up (megatron's schedule: one shape)
                 tensors = {k: torch.cat([v, v[-1:].expand(filler, *v.shape[1:])]) for k, v in tensors.items()}
-            return [{k: v[s] for k, v in tensors.items()} for s in chunk_slices(B + filler, mbs)], None
+            return [pad_for_context_parallel({k: v[s] for k, v in tensors.items()}, self.dims.cp)
+                    for s in chunk_slices(B + filler, mbs)], None
         starts, lengths = row_extents(batch.attention_mask, batch.response_mask, P_len)
         plans = plan_micro_batches(starts, lengths, P_len, list(range(B)), B, budget,
                                    pack=self.sequence_packing, row_length=self.packed_row_length)
@@ -183,7 +190,24 @@ class PolicyRole:
         P_len, vocab, dims = batch.prompt_length, self.passes.vocab_size, self.dims
         temp = self.temperature if temperature is None else temperature
 
+        def cp_loss_fn(output, mb):  # context parallel: this rank's positions, then gathered
+            logits, values = output if isinstance(output, tuple) else (output, None)
+            ids, R = mb["input_ids"], batch.response_mask.shape[1]
+
+            def response_lp(t):
+                local, _ = cp_token_logprobs(logits, ids, dims, t, vocab_size=vocab, compute_entropy=False)
+                return gather_response(local, P_len, R, dims)
+
+            out = {"logprobs": response_lp(temp)}
+            if kl_temperature is not None and kl_temperature != temp:
+                out["kl_logprobs"] = response_lp(kl_temperature)
+            if with_values and values is not None:
+                out["values"] = gather_response(values.float(), P_len, R, dims)
+            return torch.zeros((), device=ids.device), out
+
         def loss_fn(output, mb):
+            if dims.cp > 1:
+                return cp_loss_fn(output, mb)
             logits, values = output if isinstance(output, tuple) else (output, None)
             p = mb.get("prompt_length", P_len)
             lp, _ = response_logprobs(logits, (mb["input_ids"], p), dims, temp,
@@ -216,7 +240,33 @@ class PolicyRole:
         with_kl = objective.kl_loss_coef > 0 and not value_only
         with_values = self.with_values
 
+        def cp_fn(output, mb):
+            """Context parallel: every per-token term on this rank's positions, the [B, R]
+            inputs sharded alike; the global counts make the CP ranks' losses (and, summed
+            by DDP over the data-parallel-with-CP group, their gradients) add up to CP=1's."""
+            logits, values = output if isinstance(output, tuple) else (output, None)
+            ids, mask = mb["input_ids"], mb["response_mask"]
+            index, valid = cp_response_index(ids.shape[1], P_len, mask.shape[1], dims, ids.device)
+
+            def local(t):
+                return None if t is None else shard_response(t, index, valid)
+
+            lp, ent = cp_token_logprobs(logits, ids, dims, temp, vocab_size=vocab)
+            lp_kl = None
+            if with_kl:
+                lp_kl = lp if kl_temp == temp else cp_token_logprobs(
+                    logits, ids, dims, kl_temp, vocab_size=vocab, compute_entropy=False)[0]
+            return P.ppo_loss(
+                objective, lp, ent, local(mask.bool()), n_tokens, n_seqs,
+                old_logprobs=local(mb["old_logprobs"]), advantages=local(mb["advantages"]),
+                values=values.float() if with_values else None,
+                old_values=local(mb.get("old_values")), returns=local(mb.get("returns")),
+                kl_logprobs=lp_kl, ref_logprobs=local(mb.get("ref_logprobs")), policy=not value_only,
+                rollout_weights=local(mb.get("rollout_weights")))
+
         def fn(output, mb):
+            if dims.cp > 1:
+                return cp_fn(output, mb)
             logits, values = output if isinstance(output, tuple) else (output, None)
             p = mb.get("prompt_length", P_len)  # a token-budget micro-batch has its own
             lp, ent = response_logprobs(logits, (mb["input_ids"], p), dims, temp, vocab_size=vocab)
@@ -338,9 +388,12 @@ class SeparateCritic(CriticRole):
 
     def values(self, batch, actor_out, timers):
         """Forward-only over the rollout (eval mode, the forward micro-batches)."""
-        P_len = batch.prompt_length
+        P_len, dims = batch.prompt_length, self.passes.dims
 
         def loss_fn(values, mb):
+            if dims.cp > 1:  # this CP rank's positions, gathered to [B, R] on every CP rank
+                v = gather_response(values.float(), P_len, batch.response_mask.shape[1], dims)
+                return torch.zeros((), device=v.device), {"values": v}
             p = mb.get("prompt_length", P_len)
             v = response_values(values, p, mb["input_ids"].shape[1] - p)
             return torch.zeros((), device=v.device), {"values": v}
@@ -358,10 +411,18 @@ class SeparateCritic(CriticRole):
 
     def train_minibatch(self, micro, objective, n_tokens, n_seqs, P_len, variable_shapes,
                         routed_tokens=None):
-        """:func:`~nemo_rlhf.algorithms.ppo.critic_loss` over the global counts, one step."""
+        """:func:`~nemo_rlhf.algorithms.ppo.critic_loss` over the global counts, one step
+        (under context parallelism on this CP rank's positions, as the actor's loss)."""
+        dims = self.passes.dims
 
         def fn(values, mb):
             m = mb["response_mask"]
+            if dims.cp > 1:
+                ids = mb["input_ids"]
+                index, valid = cp_response_index(ids.shape[1], P_len, m.shape[1], dims, ids.device)
+                return P.critic_loss(objective, values.float(), shard_response(mb["old_values"], index, valid),
+                                     shard_response(mb["returns"], index, valid),
+                                     shard_response(m.bool(), index, valid), n_tokens, n_seqs)
             return P.critic_loss(objective, response_values(values, mb.get("prompt_length", P_len), m.shape[1]),
                                  mb["old_values"], mb["returns"], m, n_tokens, n_seqs)
 

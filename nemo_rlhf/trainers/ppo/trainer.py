@@ -290,7 +290,7 @@ class PPOTrainer:
             for micro, n_tokens, n_seqs, routed_tokens, computed in training_minibatches(
                     c, tensors, c.global_batch_size // self.dims.dp, P_len, batch.attention_mask,
                     batch.response_mask, self.dims.device, self.collectives.dp_sum,
-                    seed=self.cfg.trainer.seed + self.step):
+                    seed=self.cfg.trainer.seed + self.step, cp=self.dims.cp):
                 computed_tokens += computed
                 res, stepped = [], True
                 if actor_trains:
@@ -311,7 +311,9 @@ class PPOTrainer:
                 skipped += int(not stepped)
                 self.nonfinite_in_a_row = 0 if stepped else self.nonfinite_in_a_row + 1
                 if res:
-                    all_stats.append(self.collectives.dp_reduce_stats(P.merge_token_stats(res)))
+                    # (context parallel: each CP rank's statistics are of its positions)
+                    all_stats.append(self.collectives.dp_reduce_stats(
+                        self.collectives.cp_reduce_stats(P.merge_token_stats(res))))
         out = update_metrics(all_stats, norms, critic_norms)
         if load.active:
             out.update(router_load_metrics(self.collectives.pp_sum(load.stage_sums(self.collectives.dp_sum))))

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_rlhf.trainers.ppo.micro_batches import plan_micro_batches, row_extents, scatter_rows, take
+from types import SimpleNamespace
+
+from nemo_rlhf.trainers.ppo.micro_batches import (pad_for_context_parallel, plan_micro_batches, row_extents,
+                                                  scatter_rows, take, training_minibatches)
 
 P = 4
 # rows: first prompt column (left padding before it) and response length
@@ -92,3 +95,22 @@ def test_packing_keeps_the_environment_tokens_of_a_holed_row():
     assert packed.response_index.numel() == 8
     kept = sorted(int(x) for x in packed.input_ids.flatten() if x > 0)
     assert kept == sorted(int(x) for x in ids[attention.bool()])  # every real token, env ones too
+
+
+def test_context_parallel_pads_the_columns_to_2cp_and_keeps_the_response_tensors():
+    B, S, R = 4, 9, 5  # 9 columns -> 12 at CP=2 (2 * CP = 4)
+    tensors = {"input_ids": torch.arange(B * S).view(B, S), "attention_mask": torch.ones(B, S, dtype=torch.long),
+               "response_mask": torch.ones(B, R, dtype=torch.bool), "advantages": torch.ones(B, R)}
+    mb = pad_for_context_parallel(tensors, 2)
+    assert mb["input_ids"].shape == (B, 12) and mb["attention_mask"].shape == (B, 12)
+    assert torch.equal(mb["input_ids"][:, :S], tensors["input_ids"]) and mb["input_ids"][:, S:].eq(0).all()
+    assert mb["attention_mask"][:, S:].eq(0).all()  # the padding is masked
+    assert mb["advantages"] is tensors["advantages"] and mb["response_mask"] is tensors["response_mask"]
+    assert pad_for_context_parallel(tensors, 1) is tensors
+    c = SimpleNamespace(ppo_epochs=1, shuffle=False, micro_batch_size=2, max_tokens_per_micro_batch=0,
+                        sequence_packing=False, packed_row_length=0)
+    (micro, n_tokens, n_seqs, _, computed), = training_minibatches(
+        c, tensors, B, 4, tensors["attention_mask"], tensors["response_mask"], HOST, lambda t: t, seed=0, cp=2)
+    assert [m["input_ids"].shape for m in micro] == [(2, 12), (2, 12)]
+    assert float(n_tokens) == B * R and float(n_seqs) == B  # the counts are the whole rows'
+    assert computed == B * 12

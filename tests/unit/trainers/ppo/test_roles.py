@@ -21,7 +21,7 @@ from nemo_rlhf.trainers.ppo.step_data import Advantages, ForwardResults
 from tests.single_rank import single_rank
 
 VOCAB = 64
-CPU = types.SimpleNamespace(device=torch.device("cpu"))
+CPU = types.SimpleNamespace(device=torch.device("cpu"), cp=1)  # ForwardPasses reads the CP size
 
 
 def _batch(prompt_lengths=(4, 2, 3), response_lengths=(5, 2, 4), seed=0) -> RolloutBatch:

@@ -1,0 +1,53 @@
+"""What of the PPO job runs under context parallelism (``parallel.context_parallel_size``).
+
+Wired (docs/parallelism.md): a dense model (TP, PP and DP free, LoRA or not), every critic
+mode (the value head on the actor's backbone, a separate critic, none), padded
+micro-batches (``ppo.max_tokens_per_micro_batch=0``), the logits or the fused output layer
+(``ppo.logprob_chunk_size``), the megatron engine's KV-cache rollout, single-turn.
+Everything else is refused here, before any process group exists, by the key and the value
+that works.
+"""
+
+from __future__ import annotations
+
+
+def check_context_parallel(cfg) -> None:
+    """Refuse the PPO settings that are not wired for ``parallel.context_parallel_size`` > 1.
+
+    Args:
+        cfg: the :class:`~nemo_rlhf.trainers.ppo.config.PPOConfig`.
+
+    Raises:
+        ValueError: naming ``parallel.context_parallel_size``, the first unwired key, its
+            value and the value that works.
+    """
+    cp = cfg.parallel.context_parallel_size
+    if cp == 1:
+        return
+    p, r, par = cfg.ppo, cfg.rollout, cfg.parallel
+    unwired = (  # (key, value, refused, the value that works)
+        ("model.num_moe_experts", cfg.model.num_moe_experts, bool(cfg.model.num_moe_experts), "null"),
+        ("ppo.sequence_packing", p.sequence_packing, p.sequence_packing, False),
+        ("ppo.max_tokens_per_micro_batch", p.max_tokens_per_micro_batch, p.max_tokens_per_micro_batch != 0, 0),
+        # a row's own token count n_b is split across the CP ranks
+        ("ppo.loss_agg_mode", p.loss_agg_mode, p.loss_agg_mode == "seq-mean-token-mean", "token-mean"),
+        ("rollout.engine", r.engine, r.engine != "megatron", "megatron"),
+        ("rollout.mode", r.mode, r.mode != "sync", "sync"),
+        ("rollout.use_kv_cache", r.use_kv_cache, not r.use_kv_cache, True),
+        ("env.name", cfg.env.name, cfg.env.name is not None, "null"),
+    )
+    for key, value, refused, ok in unwired:
+        if refused:
+            raise ValueError(
+                f"parallel.context_parallel_size={cp} with {key}={_show(value)}: not wired for context "
+                f"parallelism yet; set {key}={_show(ok)} (wired: a dense model, every critic mode, "
+                f"padded micro-batches, the megatron KV-cache rollout, single-turn; "
+                f"docs/parallelism.md)")
+
+
+def _show(value) -> str:
+    """A value as a Hydra override writes it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+__all__ = ["check_context_parallel"]
