@@ -601,7 +601,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         print("--force: PPO trains against this RM anyway", flush=True)
         gate.fields["forced"] = True
     elif not gate.passed:
-        _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs)
+        _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs, sft_rounds)
         return gates.RM_GATE_EXIT
 
     clock.start()
@@ -666,10 +666,11 @@ def _count_rows(path: Path) -> int:
 
 
 def _refused(a, out: Path, data: Path, sft, gate: "gates.GateResult", pair_counts: dict, clock, stage_args: list,
-             logs: Path) -> None:
+             logs: Path, sft_rounds=()) -> None:
     """The RM gate refused PPO: ``<out>/summary.json`` with the gate, the defaults picked and,
     when SFT came first, the SFT model's greedy held-out exact match (one ``nemo_rlhf.evaluate``
-    of it: PPO's step-0 evaluation never ran)."""
+    of it: PPO's step-0 evaluation never ran) and its rounds (``sft_rounds``: still rising at
+    the cap says more SFT may help)."""
     summary = {"rm_gate": gate.fields, "rm_pairs": pair_counts, "ppo": "not started (RM gate)",
                "exit_status": gates.RM_GATE_EXIT, "defaults": a.defaults}
     if sft is not None:
@@ -677,6 +678,7 @@ def _refused(a, out: Path, data: Path, sft, gate: "gates.GateResult", pair_count
                                         "num_examples=0")
         summary["sft_heldout"] = gates.sft_heldout(ev["accuracy"], ev.get("num_responses") or
                                                    _count_rows(data / "eval.jsonl"))
+        summary["sft_rounds"] = list(sft_rounds)
         print(summary["sft_heldout"]["line"], flush=True)
     summary.update({"wall_time_s": {k: round(v, 1) for k, v in clock.times.items()},
                     "wall_time_s_kept": clock.kept})
