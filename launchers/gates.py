@@ -200,6 +200,9 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
         a: the parsed demo arguments, to quote the current flag values (optional).
         auc: :func:`rm_auc` of the policy's sampled answers to the held-out RM prompts scored
             by this RM (None: not measured; the sizing loop's gate, or ``--reward checker``).
+            When most of them are right, the remedies say not to run more SFT (it would make
+            wrong answers, each pair's other half, rarer) and name the levers that add wrong
+            answers or prompts instead (issue 53's sorting run: 240 of 256 right, 6 pairs).
 
     Passes when the Wilson 95% interval of ``round(accuracy * natural_pairs)`` right of
     ``natural_pairs`` lies above 50%, ``natural_pairs >= min_pairs`` and, when ``auc`` is
@@ -263,7 +266,15 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
         return f"{flag} (now {value})" if value is not None else flag
 
     remedies = []
-    if sft_steps is not None and custom_task:
+    sampled = (auc["n_right"] + auc["n_wrong"]) if auc is not None else 0
+    if sampled and auc["n_right"] > auc["n_wrong"]:  # wrong answers, each pair's other half, are the scarce ones
+        remedies.append(f"not more SFT: {auc['n_right']} of {sampled} sampled held-out answers "
+                        f"({100 * auc['n_right'] / sampled:.1f}%) are already right, so wrong answers are what the "
+                        f"pairs lack (and what PPO could fix): a higher {now('--rm-temperature', 'rm_temperature')}, "
+                        f"{now('--rm-val-prompts', 'rm_val_prompts')} or "
+                        f"{now('--rm-samples-per-prompt', 'rm_samples_per_prompt')}; or, the RM not needed to tell "
+                        f"right from wrong, --reward checker")
+    elif sft_steps is not None and custom_task:
         remedies.append(f"more SFT first, so that more sampled answers are right and more prompts give a "
                         f"right-vs-wrong pair: {now('--sft-steps', 'sft_steps')}, "
                         f"{now('--sft-rows', 'sft_rows')} or {now('--sft-more-rounds', 'sft_more_rounds')}")
