@@ -294,6 +294,44 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
     return GateResult(False, text, fields)
 
 
+def no_pairs_gate(pair_counts: dict, right: int, sampled: int, a=None) -> GateResult:
+    """The refusal when the policy's samples give no RM pairs to train or measure on (no RM
+    is trained): ``pair_counts`` (``train``, ``val``, ``val_same_form``: pairs built),
+    ``right`` of ``sampled`` answers to the RM prompts right, ``a`` the parsed demo
+    arguments (to quote the flags' values). When most samples are right, wrong answers are
+    what is missing and the SFT model may already do the task (issue 53's digit sum: 100%
+    after 600 SFT steps): the remedies name the levers that add wrong answers or prompts,
+    not more samples of the same kind. Fields as :func:`rm_gate`'s (``passed`` False,
+    ``heldout_pair_accuracy`` None) plus ``sampled_right``, ``sampled``; exit status
+    :data:`RM_GATE_EXIT`."""
+    def now(flag, attr):
+        value = getattr(a, attr, None) if a is not None else None
+        return f"{flag} (now {value})" if value is not None else flag
+
+    n_val = int(pair_counts.get("val", 0))
+    share = right / sampled if sampled else 0.0
+    reason = (f"{pair_counts.get('train', 0)} training and {n_val} natural held-out RM pairs: {right} of {sampled} "
+              f"sampled answers to the RM prompts are right ({100 * share:.1f}%), and a pair needs a right and "
+              f"a wrong answer to one prompt")
+    if share > 0.5:
+        remedies = [f"the policy is right on most samples, so wrong answers are what the pairs lack: a higher "
+                    f"{now('--rm-temperature', 'rm_temperature')}, {now('--rm-val-prompts', 'rm_val_prompts')} or "
+                    f"{now('--rm-samples-per-prompt', 'rm_samples_per_prompt')}",
+                    "or nothing: the SFT model's held-out exact match (sft_heldout in summary.json) near 100% "
+                    "leaves PPO nothing to gain"]
+    else:
+        remedies = [f"more samples per prompt or more prompts: "
+                    f"{now('--rm-samples-per-prompt', 'rm_samples_per_prompt')}, {now('--rm-prompts', 'rm_prompts')}, "
+                    f"{now('--rm-val-prompts', 'rm_val_prompts')}"]
+    fields = {"passed": False, "applies": True, "rm_passed": False, "heldout_pair_accuracy": None,
+              "natural_heldout_pairs": n_val, "min_heldout_pairs": getattr(a, "rm_min_heldout_pairs", None),
+              "ci95": None, "interval": "wilson", "reward_auc": None, "sampled_right": right, "sampled": sampled,
+              "reason": reason, "remedies": remedies}
+    text = (f"RM data: {reason}.\nNo RM is trained and PPO is not started (exit status {RM_GATE_EXIT}). "
+            f"What to change:\n" + "\n".join(f"  - {r}" for r in remedies))
+    return GateResult(False, text, fields)
+
+
 def heldout_correct(exp: Path, step: int):
     """``[(prompt, correct), ...]`` of the PPO run's greedy held-out evaluation of ``step``
     (``<exp>/eval_samples/step_<step>.jsonl``, :func:`launchers.stages.ppo_evaluation`),

@@ -199,6 +199,27 @@ def test_a_run_the_rm_gate_refuses_keeps_the_sft_rounds_in_summary_json(tmp_path
     assert [(r["round"], r["exact_match"]) for r in s["sft_rounds"]] == [(0, 0.25), (1, 0.5), (2, 0.75)]
 
 
+def test_sft_at_full_exact_match_runs_no_more_rounds(tmp_path, monkeypatch, capsys):
+    """Issue 53's digit sum (seed 1): the first 600 SFT steps reached 100% on the held-out RM
+    prompts; a round cannot raise that, so none runs (the run spent 600 more steps on one).
+    Every sample then right, there is no RM pair: a refusal (exit 3, summary.json with the
+    reason and the remedies), not a bare SystemExit naming more samples of the same kind."""
+    fake = FakeStages(monkeypatch, right=_right_by_stage({"sft": 1.0, "sft_more1": 1.0}))
+    with pytest.raises(SystemExit) as stop:
+        demo.main(_sft_argv(tmp_path, monkeypatch, 2))
+    assert stop.value.code == gates.RM_GATE_EXIT and fake.ppo == []
+    assert _sft_runs(fake) == ["sft"] and not any("nemo_rlhf.train_rm" in c for c in fake.cmds)
+    text = capsys.readouterr().out
+    assert "100.0%: no round can raise it, SFT stops here" in text
+    assert "24 of 24 sampled answers to the RM prompts are right (100.0%)" in text
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(r["round"], r["exact_match"]) for r in s["sft_rounds"]] == [(0, 1.0)]
+    assert s["exit_status"] == gates.RM_GATE_EXIT and s["rm_gate"]["passed"] is False
+    assert s["rm_gate"]["natural_heldout_pairs"] == 0 and s["sft_heldout"]["exact_match"] == 1.0
+    assert "--rm-temperature (now 0.7)" in s["rm_gate"]["remedies"][0]
+    assert "near 100% leaves PPO nothing to gain" in s["rm_gate"]["remedies"][1]
+
+
 def test_sft_stops_when_a_round_does_not_improve_and_keeps_the_best(tmp_path, monkeypatch, capsys):
     fake = FakeStages(monkeypatch, right=_right_by_stage({"sft": 0.5, "sft_more1": 0.5, "sft_more2": 1.0}))
     assert demo.main(_sft_argv(tmp_path, monkeypatch, 5)) == 0
