@@ -214,6 +214,9 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
         a: the parsed demo arguments, to quote the current flag values (optional).
         auc: :func:`rm_auc` of the policy's sampled answers to the held-out RM prompts scored
             by this RM (None: not measured; the sizing loop's gate, or ``--reward checker``).
+            When most of them are right, the remedies say not to run more SFT (it would make
+            wrong answers, each pair's other half, rarer) and name the levers that add wrong
+            answers or prompts instead (issue 53's sorting run: 240 of 256 right, 6 pairs).
 
     Passes when the Wilson 95% interval of ``round(accuracy * natural_pairs)`` right of
     ``natural_pairs`` lies above 50%, ``natural_pairs >= min_pairs`` and, when ``auc`` is
@@ -277,7 +280,15 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
         return f"{flag} (now {value})" if value is not None else flag
 
     remedies = []
-    if sft_steps is not None and custom_task:
+    sampled = (auc["n_right"] + auc["n_wrong"]) if auc is not None else 0
+    if sampled and auc["n_right"] > auc["n_wrong"]:  # wrong answers, each pair's other half, are the scarce ones
+        remedies.append(f"not more SFT: {auc['n_right']} of {sampled} sampled held-out answers "
+                        f"({100 * auc['n_right'] / sampled:.1f}%) are already right, so wrong answers are what the "
+                        f"pairs lack (and what PPO could fix): a higher {now('--rm-temperature', 'rm_temperature')}, "
+                        f"{now('--rm-val-prompts', 'rm_val_prompts')} or "
+                        f"{now('--rm-samples-per-prompt', 'rm_samples_per_prompt')}; or, the RM not needed to tell "
+                        f"right from wrong, --reward checker")
+    elif sft_steps is not None and custom_task:
         remedies.append(f"more SFT first, so that more sampled answers are right and more prompts give a "
                         f"right-vs-wrong pair: {now('--sft-steps', 'sft_steps')}, "
                         f"{now('--sft-rows', 'sft_rows')} or {now('--sft-more-rounds', 'sft_more_rounds')}")
@@ -294,6 +305,44 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
     text = (head + f".\nPPO is not started: an RM not shown to rank right above wrong may give PPO nothing "
             f"to climb (exit status {RM_GATE_EXIT}). What to change:\n" + "\n".join(f"  - {r}" for r in remedies))
     fields["remedies"] = remedies
+    return GateResult(False, text, fields)
+
+
+def no_pairs_gate(pair_counts: dict, right: int, sampled: int, a=None) -> GateResult:
+    """The refusal when the policy's samples give no RM pairs to train or measure on (no RM
+    is trained): ``pair_counts`` (``train``, ``val``, ``val_same_form``: pairs built),
+    ``right`` of ``sampled`` answers to the RM prompts right, ``a`` the parsed demo
+    arguments (to quote the flags' values). When most samples are right, wrong answers are
+    what is missing and the SFT model may already do the task (issue 53's digit sum: 100%
+    after 600 SFT steps): the remedies name the levers that add wrong answers or prompts,
+    not more samples of the same kind. Fields as :func:`rm_gate`'s (``passed`` False,
+    ``heldout_pair_accuracy`` None) plus ``sampled_right``, ``sampled``; exit status
+    :data:`RM_GATE_EXIT`."""
+    def now(flag, attr):
+        value = getattr(a, attr, None) if a is not None else None
+        return f"{flag} (now {value})" if value is not None else flag
+
+    n_val = int(pair_counts.get("val", 0))
+    share = right / sampled if sampled else 0.0
+    reason = (f"{pair_counts.get('train', 0)} training and {n_val} natural held-out RM pairs: {right} of {sampled} "
+              f"sampled answers to the RM prompts are right ({100 * share:.1f}%), and a pair needs a right and "
+              f"a wrong answer to one prompt")
+    if share > 0.5:
+        remedies = [f"the policy is right on most samples, so wrong answers are what the pairs lack: a higher "
+                    f"{now('--rm-temperature', 'rm_temperature')}, {now('--rm-val-prompts', 'rm_val_prompts')} or "
+                    f"{now('--rm-samples-per-prompt', 'rm_samples_per_prompt')}",
+                    "or nothing: the SFT model's held-out exact match (sft_heldout in summary.json) near 100% "
+                    "leaves PPO nothing to gain"]
+    else:
+        remedies = [f"more samples per prompt or more prompts: "
+                    f"{now('--rm-samples-per-prompt', 'rm_samples_per_prompt')}, {now('--rm-prompts', 'rm_prompts')}, "
+                    f"{now('--rm-val-prompts', 'rm_val_prompts')}"]
+    fields = {"passed": False, "applies": True, "rm_passed": False, "heldout_pair_accuracy": None,
+              "natural_heldout_pairs": n_val, "min_heldout_pairs": getattr(a, "rm_min_heldout_pairs", None),
+              "ci95": None, "interval": "wilson", "reward_auc": None, "sampled_right": right, "sampled": sampled,
+              "reason": reason, "remedies": remedies}
+    text = (f"RM data: {reason}.\nNo RM is trained and PPO is not started (exit status {RM_GATE_EXIT}). "
+            f"What to change:\n" + "\n".join(f"  - {r}" for r in remedies))
     return GateResult(False, text, fields)
 
 

@@ -324,8 +324,8 @@ def _sft_until_it_stops_improving(a, profile: ModelProfile, out: Path, data: Pat
     """SFT's sizing loop: after the first ``a.sft_steps``, measure the SFT model's greedy
     exact match on the held-out RM prompts (:func:`_sft_exact_match`) and continue SFT
     from it for ``a.sft_steps`` more steps (``<out>/sft_more<N>``) while each round raises
-    that exact match, at most ``a.sft_more_rounds`` rounds (the cap); the best SFT model is
-    PPO's and the RM's start. ``a.sft_more_rounds == 0``: no measurement, ``(sft, [])``.
+    that exact match, at most ``a.sft_more_rounds`` rounds (the cap; none when it is already
+    100%); the best SFT model is PPO's and the RM's start. ``a.sft_more_rounds == 0``: no measurement, ``(sft, [])``.
 
     Returns ``(the best SFT checkpoint, [{round, steps, exact_match, checkpoint}])`` (round
     0: the first SFT)."""
@@ -337,7 +337,9 @@ def _sft_until_it_stops_improving(a, profile: ModelProfile, out: Path, data: Pat
     rounds = [{"round": 0, "steps": a.sft_steps, "exact_match": best_em, "checkpoint": str(sft)}]
     print(f"SFT ({a.sft_steps} steps): greedy exact match {100 * best_em:.1f}% on the held-out RM prompts",
           flush=True)
-    while len(rounds) - 1 < a.sft_more_rounds:
+    if best_em >= 1.0:
+        print("100.0%: no round can raise it, SFT stops here", flush=True)
+    while len(rounds) - 1 < a.sft_more_rounds and best_em < 1.0:
         n = len(rounds)
         exp = out / f"sft_more{n}"
         if stages.latest_checkpoint(exp) is None:
@@ -420,8 +422,10 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     print(f"RM pairs from the model's own samples: {pair_counts}", flush=True)
     if min(pair_counts["train"], pair_counts["val"]) == 0 or (
             task.edit_answer is not None and pair_counts["val_same_form"] == 0):
-        raise SystemExit(f"no preference pairs in {rm_data} (every prompt's samples were all right or "
-                         f"all wrong); raise --rm-samples-per-prompt or --rm-prompts")
+        gate = gates.no_pairs_gate(pair_counts, count_right(samples_train), len(samples_train), a)
+        print(gate.message, flush=True)
+        _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs, sft_rounds)
+        raise SystemExit(gates.RM_GATE_EXIT)
     clock.stop("rm_samples")
     return policy, sft, probe_acc, samples_train, pair_counts, sft_rounds
 
@@ -608,7 +612,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
             print("--force: PPO trains against this RM anyway", flush=True)
             gate.fields["forced"] = True
         elif not gate.passed:
-            _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs)
+            _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs, sft_rounds)
             return gates.RM_GATE_EXIT
 
     clock.start()
@@ -673,10 +677,11 @@ def _count_rows(path: Path) -> int:
 
 
 def _refused(a, out: Path, data: Path, sft, gate: "gates.GateResult", pair_counts: dict, clock, stage_args: list,
-             logs: Path) -> None:
+             logs: Path, sft_rounds=()) -> None:
     """The RM gate refused PPO: ``<out>/summary.json`` with the gate, the defaults picked and,
     when SFT came first, the SFT model's greedy held-out exact match (one ``nemo_rlhf.evaluate``
-    of it: PPO's step-0 evaluation never ran)."""
+    of it: PPO's step-0 evaluation never ran) and its rounds (``sft_rounds``: still rising at
+    the cap says more SFT may help)."""
     summary = {"rm_gate": gate.fields, "rm_pairs": pair_counts, "ppo": "not started (RM gate)",
                "exit_status": gates.RM_GATE_EXIT, "defaults": a.defaults}
     if sft is not None:
@@ -684,6 +689,7 @@ def _refused(a, out: Path, data: Path, sft, gate: "gates.GateResult", pair_count
                                         "num_examples=0")
         summary["sft_heldout"] = gates.sft_heldout(ev["accuracy"], ev.get("num_responses") or
                                                    _count_rows(data / "eval.jsonl"))
+        summary["sft_rounds"] = list(sft_rounds)
         print(summary["sft_heldout"]["line"], flush=True)
     summary.update({"wall_time_s": {k: round(v, 1) for k, v in clock.times.items()},
                     "wall_time_s_kept": clock.kept})

@@ -10,7 +10,10 @@ library (nothing below this layer imports it; the library's defaults name no tas
 * :mod:`~nemo_rlhf.tasks.addition`: two-digit addition asked in chat form, the SmolLM2
   demo's task (``conf/ppo_smollm2.yaml``);
 * :mod:`~nemo_rlhf.tasks.precedence`: operator precedence (``3+3*6=``), the tests' fixture
-  task, and the shared writers (character tokenizer, atomic JSONL) the others use.
+  task, and the shared writers (character tokenizer, atomic JSONL) the others use; its
+  ``TASK`` is the same task in the recipe's interface;
+* :mod:`~nemo_rlhf.tasks.digit_sum`: the digit sum of a four-digit number, a task written
+  from docs/tasks.md alone (issue 53's untuned tasks).
 
 A config names a checker by its path (``nemo_rlhf.tasks.addition:two_digit_addition``) or
 by one of the short names of the fixed table

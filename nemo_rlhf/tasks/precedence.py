@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nemo_rlhf.data.answers import check_lengths, first_integer, integer_answers
+from nemo_rlhf.tasks.task import Task
 
 OPS = ("+", "-", "*")
 DIGITS = tuple(range(10))
@@ -317,3 +318,46 @@ def arithmetic_exact_match(prompts: list[str], responses: list[str], extras: lis
     check_lengths(prompts, responses, extras, "arithmetic_exact_match")
     answers = integer_answers(extras, "arithmetic_exact_match")
     return [1.0 if first_integer(r, anchored=True) == a else 0.0 for r, a in zip(responses, answers)]
+
+
+# --------------------------------------------------------------------------- the recipe's interface
+def precedence_problems() -> list[dict]:
+    """Every expression as a problem ``{"expr", "answer", "left_to_right"}`` (``"3+3*6"``,
+    ``"21"``, ``"36"``; answers are decimal strings), alternating the ``a±b*c`` form and
+    the others (so half the first 2 x 1000 are precedence-sensitive in form), each list
+    shuffled with seed 0. :data:`TASK` holds out the first 200."""
+    sensitive, other = all_expressions()
+    rng = random.Random(0)
+    rng.shuffle(sensitive)
+    rng.shuffle(other)
+    rest = other[len(sensitive):]
+    exprs = [e for pair in zip(sensitive, other) for e in pair] + rest
+    return [{"expr": f"{a}{o1}{b}{o2}{c}", "answer": str(solve(a, o1, b, o2, c)),
+             "left_to_right": str(left_to_right(a, o1, b, o2, c))} for a, o1, b, o2, c in exprs]
+
+
+def _check_precedence(prompt: str, response: str, extras) -> bool:
+    return response.strip() == extras["answer"]
+
+
+def edit_precedence_answer(prompt: str, response: str, extras, right: bool, rng: random.Random):
+    """:attr:`Task.edit_answer` of :data:`TASK`: a right response's answer replaced by the
+    left-to-right one (off by one where that is the same); a wrong one's stripped text by
+    the right answer; None for an empty response."""
+    text, answer = response.strip(), extras["answer"]
+    if not text:
+        return None
+    if not right:
+        return response.replace(text, answer)
+    wrong = extras["left_to_right"] if extras["left_to_right"] != answer else str(int(answer) + rng.choice((-1, 1)))
+    return response.replace(answer, wrong, 1)
+
+
+_PROBLEMS = precedence_problems()
+TASK = Task(name="precedence", train=_PROBLEMS[200:], heldout=_PROBLEMS[:200], prompt_template="{expr}=",
+            check=_check_precedence, edit_answer=edit_precedence_answer,
+            demonstrate=lambda prompt, extras: extras["answer"])
+"""Operator precedence in the recipe's interface (``python -m launchers.demo --task
+nemo_rlhf.tasks.precedence:TASK --model tiny``): prompt ``{expr}=``, the exact answer
+checked, clean demonstrations, the edit rule's wrong answer the left-to-right one. Not
+tuned on (issue 53's check, docs/tasks.md)."""

@@ -347,6 +347,29 @@ def test_the_rm_gate_refuses_an_rm_good_on_its_pairs_whose_auc_interval_includes
     assert g.passed and "is 0.82 (95% Hanley-McNeil interval [0.74, 0.90]" in g.message
 
 
+def test_a_policy_already_mostly_right_is_not_told_to_do_more_sft(capsys):
+    """Issue 53's sorting run (seed 1): SFT reached 97.0% held-out, 240 of 256 sampled
+    held-out answers right, so 3 more sampling rounds found 6 natural held-out pairs: more
+    SFT would make wrong answers, each pair's other half, rarer still. The remedy names the
+    levers that add wrong answers or prompts (--rm-temperature, --rm-val-prompts,
+    --rm-samples-per-prompt) and the headroom; with mostly wrong answers more SFT stays."""
+    auc = {"auc": 0.41, "n_right": 240, "n_wrong": 16, "se": gates.hanley_mcneil_se(0.41, 240, 16),
+           "interval": "hanley-mcneil (Hanley & McNeil 1982)"}
+    auc["ci95"] = [0.41 - gates.Z95 * auc["se"], 0.41 + gates.Z95 * auc["se"]]
+    g = gates.rm_gate(0.5, 6, 20, reward="rm", custom_task=True, has_edit_answer=True, sft_steps=600, auc=auc)
+    assert not g.passed
+    assert not any(r.startswith("more SFT") or "--sft-steps" in r for r in g.fields["remedies"])
+    assert "not more SFT: 240 of 256 sampled held-out answers (93.8%) are already right" in g.message
+    for flag in ("--rm-temperature", "--rm-val-prompts", "--rm-samples-per-prompt", "--reward checker"):
+        assert flag in g.fields["remedies"][0], flag
+    help_text = _flags_of_demo(capsys)
+    assert "--rm-temperature" in help_text
+    mostly_wrong = {**auc, "n_right": 103, "n_wrong": 153}  # precedence, seed 1
+    g = gates.rm_gate(25 / 36, 36, 20, reward="rm", custom_task=True, has_edit_answer=True, sft_steps=600,
+                      auc=mostly_wrong)
+    assert g.fields["remedies"][0].startswith("more SFT first")
+
+
 def test_the_recipe_refuses_ppo_against_an_rm_whose_auc_on_its_heldout_samples_is_not_above_chance(
         tmp_path, monkeypatch, capsys):
     """The default task's fake RM: 90% on its natural held-out pairs (the pair check passes)

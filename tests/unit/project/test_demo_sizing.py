@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import launchers.demo as demo
+import launchers.gates as gates
 import launchers.stages as stages
 from tests.unit.project.test_demo_recipe import FakeStages, _custom
 
@@ -184,6 +185,39 @@ def test_sft_continues_while_its_exact_match_improves_and_stops_at_its_cap(tmp_p
     s = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert [(r["round"], r["exact_match"]) for r in s["sft_rounds"]] == [(0, 0.25), (1, 0.5), (2, 0.75)]
     assert "SFT round 2 of at most --sft-more-rounds 2" in capsys.readouterr().out
+
+
+def test_a_run_the_rm_gate_refuses_keeps_the_sft_rounds_in_summary_json(tmp_path, monkeypatch):
+    """Issue 53's precedence run (seed 1): SFT rose 21.9 -> 32.8 -> 46.9% to its cap and the
+    RM gate refused; the refused run's summary.json says so (more SFT is its first remedy)."""
+    FakeStages(monkeypatch, right=_right_by_stage({"sft": 0.25, "sft_more1": 0.5, "sft_more2": 0.75}),
+               rm_accuracy=0.5)
+    argv = [x for x in _sft_argv(tmp_path, monkeypatch, 2) if x != "--force"]
+    assert demo.main(argv) == gates.RM_GATE_EXIT
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_gate"]["passed"] is False
+    assert [(r["round"], r["exact_match"]) for r in s["sft_rounds"]] == [(0, 0.25), (1, 0.5), (2, 0.75)]
+
+
+def test_sft_at_full_exact_match_runs_no_more_rounds(tmp_path, monkeypatch, capsys):
+    """Issue 53's digit sum (seed 1): the first 600 SFT steps reached 100% on the held-out RM
+    prompts; a round cannot raise that, so none runs (the run spent 600 more steps on one).
+    Every sample then right, there is no RM pair: a refusal (exit 3, summary.json with the
+    reason and the remedies), not a bare SystemExit naming more samples of the same kind."""
+    fake = FakeStages(monkeypatch, right=_right_by_stage({"sft": 1.0, "sft_more1": 1.0}))
+    with pytest.raises(SystemExit) as stop:
+        demo.main(_sft_argv(tmp_path, monkeypatch, 2))
+    assert stop.value.code == gates.RM_GATE_EXIT and fake.ppo == []
+    assert _sft_runs(fake) == ["sft"] and not any("nemo_rlhf.train_rm" in c for c in fake.cmds)
+    text = capsys.readouterr().out
+    assert "100.0%: no round can raise it, SFT stops here" in text
+    assert "24 of 24 sampled answers to the RM prompts are right (100.0%)" in text
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [(r["round"], r["exact_match"]) for r in s["sft_rounds"]] == [(0, 1.0)]
+    assert s["exit_status"] == gates.RM_GATE_EXIT and s["rm_gate"]["passed"] is False
+    assert s["rm_gate"]["natural_heldout_pairs"] == 0 and s["sft_heldout"]["exact_match"] == 1.0
+    assert "--rm-temperature (now 0.7)" in s["rm_gate"]["remedies"][0]
+    assert "near 100% leaves PPO nothing to gain" in s["rm_gate"]["remedies"][1]
 
 
 def test_sft_stops_when_a_round_does_not_improve_and_keeps_the_best(tmp_path, monkeypatch, capsys):
