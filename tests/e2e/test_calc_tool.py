@@ -37,7 +37,7 @@ def _run(cmd, cwd):
 
 
 @pytest.mark.slow  # 373 s on 2 shared cores at load ~20 (SFT 200 steps most of it); not timed idle
-def test_sft_on_tool_demonstrations_makes_the_tiny_model_use_the_calculator(tmp_path):
+def test_sft_on_tool_demonstrations_makes_the_tiny_model_use_the_calculator(tmp_path, forked_python):
     from launchers.recipe import PROFILES
     from nemo_rlhf.tasks.calc import TASK
     from nemo_rlhf.tasks.task import demonstration_rows, write_prompt_files
@@ -88,7 +88,8 @@ SMALL = dataclasses.replace(TASK, name="calc_small", heldout=TASK.heldout[:16])
 
 # 79 s of CPU (user 73 + sys 6, this process and its stages, OMP_NUM_THREADS=1) on the 2-core
 # Xeon; wall 544 s at load 17-54, so not timed idle
-def test_the_recipe_runs_the_tool_task_through_sft_and_ppo_with_episodes(tmp_path, monkeypatch, capsys):
+def test_the_recipe_runs_the_tool_task_through_sft_and_ppo_with_episodes(tmp_path, monkeypatch, capsys,
+                                                                         forked_python):
     """Fails on 8f8f2c7: the recipe sampled single-turn and stopped after SFT ("the recipe
     samples single-turn")."""
     from launchers.demo import main
