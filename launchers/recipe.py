@@ -57,6 +57,7 @@ from typing import Callable, Optional
 
 import launchers.gates as gates
 import launchers.stages as stages
+import launchers.summary as summary
 from launchers.stages import REPO
 
 
@@ -424,7 +425,7 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
             task.edit_answer is not None and pair_counts["val_same_form"] == 0):
         gate = gates.no_pairs_gate(pair_counts, count_right(samples_train), len(samples_train), a)
         print(gate.message, flush=True)
-        _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs, sft_rounds)
+        summary.refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs, sft_rounds)
         raise SystemExit(gates.RM_GATE_EXIT)
     clock.stop("rm_samples")
     return policy, sft, probe_acc, samples_train, pair_counts, sft_rounds
@@ -612,7 +613,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
             print("--force: PPO trains against this RM anyway", flush=True)
             gate.fields["forced"] = True
         elif not gate.passed:
-            _refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs, sft_rounds)
+            summary.refused(a, out, data, sft, gate, pair_counts, clock, stage_args, logs, sft_rounds)
             return gates.RM_GATE_EXIT
 
     clock.start()
@@ -665,131 +666,12 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         original = stages.evaluate_checkpoint(Path(ckpt), data, out / "original_eval.json", logs / "eval.log",
                                               *stage_args, "num_examples=0")
     clock.stop("eval")
-    code = _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
-                   len(samples_train), baseline, final, pair_counts, rounds, clock, original, ppo_step,
-                   gate=gate.fields, n_heldout=_count_rows(data / "eval.jsonl"), sft_rounds=sft_rounds)
+    code = summary.report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right,
+                          len(samples_train), baseline, final, pair_counts, rounds, clock, original, ppo_step,
+                          gate=gate.fields, n_heldout=summary.count_rows(data / "eval.jsonl"),
+                          sft_rounds=sft_rounds)
     stages.keep_last_checkpoint(a, out)  # the run has finished: nothing later needs the older ones
     return code
-
-
-def _count_rows(path: Path) -> int:
-    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.is_file() else 0
-
-
-def _refused(a, out: Path, data: Path, sft, gate: "gates.GateResult", pair_counts: dict, clock, stage_args: list,
-             logs: Path, sft_rounds=()) -> None:
-    """The RM gate refused PPO: ``<out>/summary.json`` with the gate, the defaults picked and,
-    when SFT came first, the SFT model's greedy held-out exact match (one ``nemo_rlhf.evaluate``
-    of it: PPO's step-0 evaluation never ran) and its rounds (``sft_rounds``: still rising at
-    the cap says more SFT may help)."""
-    summary = {"rm_gate": gate.fields, "rm_pairs": pair_counts, "ppo": "not started (RM gate)",
-               "exit_status": gates.RM_GATE_EXIT, "defaults": a.defaults}
-    if sft is not None:
-        ev = stages.evaluate_checkpoint(Path(sft), data, out / "sft_eval.json", logs / "eval.log", *stage_args,
-                                        "num_examples=0")
-        summary["sft_heldout"] = gates.sft_heldout(ev["accuracy"], ev.get("num_responses") or
-                                                   _count_rows(data / "eval.jsonl"))
-        summary["sft_rounds"] = list(sft_rounds)
-        print(summary["sft_heldout"]["line"], flush=True)
-    summary.update({"wall_time_s": {k: round(v, 1) for k, v in clock.times.items()},
-                    "wall_time_s_kept": clock.kept})
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-
-
-def _report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_acc, right, n_samples,
-            baseline, final, pair_counts, rounds, clock, original=None, ppo_step=None, gate=None,
-            n_heldout=0, sft_rounds=()) -> int:
-    """``<out>/summary.json`` and the printed before / after table. ``baseline`` is PPO's
-    starting policy at step 0 (the SFT model when ``sft``, else the original model);
-    ``original``: the original model's held-out evaluation when SFT came first (else None);
-    ``gate``: the RM gate's fields; ``n_heldout``: the held-out problems (eval.jsonl rows).
-    The summary's ``verdict`` (:func:`launchers.gates.ppo_verdict`), ``rm_gate``,
-    ``sft_heldout`` (SFT first: its greedy held-out exact match with its interval) and
-    ``defaults`` (:func:`picked`) are printed too."""
-    # the RM PPO took: the first (rm_exp), or a later round's (rm_more<N>) when the RM continued
-    taken = Path(str(rm)).parents[1] if gate and gate.get("more_rm_rounds") else rm_exp
-    rm_acc = stages.rm_accuracy(taken)
-    rm_same_form = stages.rm_accuracy(taken, "val_same_form/accuracy")
-    kl = stages.kl_summary(ppo_exp)
-    fmt = task.extra_checkers[0] if task.extra_checkers else None
-    default = a.task == "smollm2"
-    summary = {
-        "task": "smollm2 two-digit addition" if default else task.name, "reward": a.reward,
-        **({} if default else {"model": profile.name, "sft_first": sft is not None,
-                               "initial_sample_accuracy": probe_acc,
-                               "rm_sample_accuracy": right / n_samples if n_samples else None}),
-        "baseline_model": "sft" if sft is not None else "original",
-        **({} if original is None else {
-            "original_accuracy": original["accuracy"],
-            "original_mean_response_length": original.get("mean_response_length"),
-            **({} if fmt is None else {"original_format_compliance": original.get(fmt)})}),
-        "baseline_accuracy": baseline["accuracy"], "ppo_accuracy": final["accuracy"],
-        **({} if task.env is None else {"env": task.env, "baseline_episode": baseline.get("episode"),
-                                        "ppo_episode": final.get("episode"),
-                                        **({} if original is None else {"original_episode": original.get("episode")})}),
-        "improvement_points": 100 * (final["accuracy"] - baseline["accuracy"]),
-        **({} if fmt is None and not default else {
-            "baseline_format_compliance": baseline.get(fmt), "ppo_format_compliance": final.get(fmt)}),
-        "baseline_mean_response_length": baseline.get("mean_response_length"),
-        "ppo_mean_response_length": final.get("mean_response_length"),
-        "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc,
-        "rm_heldout_same_form_accuracy": rm_same_form, **kl,
-        "heldout_accuracy_by_step": stages.metric_by_step(ppo_exp, "eval/accuracy"),
-        "kl_mean_by_step": stages.metric_by_step(ppo_exp, "kl_mean"),
-        "reward_auc_by_step": stages.metric_by_step(ppo_exp, "eval/reward_auc"), "refresh_rounds": rounds,
-        "wall_time_s": {k: round(v, 1) for k, v in clock.times.items()}, "wall_time_s_kept": clock.kept,
-        "checkpoints": {"policy_init": str(ckpt), **({"sft": str(sft)} if sft is not None else {}),
-                        "rm": str(rm), "first_rm": str(stages.latest_checkpoint(rm_exp)),
-                        "ppo": str(stages.latest_checkpoint(ppo_exp))},
-        "tensorboard": str(ppo_exp / "tensorboard"),
-    }
-    summary["verdict"] = gates.ppo_verdict(
-        gates.heldout_correct(ppo_exp, 0), None if ppo_step is None else gates.heldout_correct(ppo_exp, ppo_step),
-        kl, summary["reward_auc_by_step"], before_accuracy=baseline["accuracy"], after_accuracy=final["accuracy"])
-    summary["rm_gate"] = gate
-    if sft is not None:
-        summary["sft_heldout"] = gates.sft_heldout(baseline["accuracy"], baseline.get("num_responses") or n_heldout)
-        summary["sft_rounds"] = list(sft_rounds)
-    summary["defaults"] = getattr(a, "defaults", {})
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print("\n=== before / after PPO (held-out, greedy" + (f", episodes with {task.env}" if task.env else "") + ") ===")
-    for before, after in zip(baseline["examples"], final["examples"]):
-        print(f"{before['prompt']!r}\n   before: {before.get('episode') or before['response']!r} "
-              f"({before['correct']:.0f})\n   after : {after.get('episode') or after['response']!r} "
-              f"({after['correct']:.0f})")
-    title = "SmolLM2-135M-Instruct, two-digit addition" if default else f"{profile.name} model, task {task.name}"
-    print(f"\n=== demo summary ({title}) ===")
-    if sft is not None:
-        print(f"SFT first (the model got 0 sampled answers right): {right}/{n_samples} right after SFT")
-    label = (fmt or "").replace("_", " ")
-    rows = [("original model (before SFT)", original, None)] if original is not None else []
-    rows += [("SFT model (PPO's start, step 0)" if sft is not None else "original model (PPO's start, step 0)",
-              baseline, None),
-             (f"PPO policy (step {ppo_step})" if ppo_step is not None else "PPO policy",
-              final, f"{summary['improvement_points']:+.1f} points over PPO's start")]
-    width = max(len(name) for name, _, _ in rows)
-    print("held-out accuracy (greedy, the task's checker" + (f"; with the tool: episodes with {task.env}, the "
-                                                           f"final answer checked" if task.env else "") + "):")
-    for name, ev, note in rows:
-        notes = [n for n in (note, f"format: {label} {100 * ev.get(fmt, 0):.1f}%" if fmt else None,
-                             f"mean length {ev['mean_response_length']:.1f} tokens"
-                             if ev.get("mean_response_length") is not None else None, stages.episode_note(ev)) if n]
-        print(f"  {name:<{width}} : {100 * ev['accuracy']:5.1f}% ({'; '.join(notes)})")
-    if task.env is not None:
-        print("RM                          : none (a tool task: PPO's reward is the checker)")
-    else:
-        print(f"RM held-out pair accuracy   : {'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'} "
-              f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong answer, same "
-              f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
-    print(f"final kl_mean (nats/seq)    : {stages.kl_line(kl)}")
-    stages.print_reward_auc(summary["reward_auc_by_step"])
-    stages.print_rounds(rounds)
-    if sft is not None:
-        print(summary["sft_heldout"]["line"])
-    print(summary["verdict"]["line"])
-    print(clock.line())
-    print(f"TensorBoard: tensorboard --logdir {ppo_exp / 'tensorboard'}")
-    return 0
 
 
 def main(argv=None) -> int:
