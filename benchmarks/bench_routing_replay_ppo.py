@@ -12,7 +12,7 @@ and logs its mismatch metrics (``rollout_train_logprob_diff_mean`` / ``_max``,
 one JSON line per (replay, seed, step) and a summary (means over steps and seeds, the max of
 the max).
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/bench_routing_replay_ppo.py [--steps 4] [--seeds 0 1]
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/bench_routing_replay_ppo.py [--steps 4] [--seeds 0 1] [--json PATH]
 
 Model: ``conf/ppo_tiny.yaml`` as an 8-expert (``--experts``) top-2 MoE (``model.moe_ffn_hidden_size=32``), its
 routers re-drawn N(0, 1) after the build (as the other routing-replay benchmark: top-2
@@ -71,7 +71,7 @@ def run(tmp: Path, replay: bool, seed: int, steps: int, rows: int, new_tokens: i
     trainer = build(cfg)
     with torch.no_grad():
         for r in moe_routers(trainer.model):
-            r.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3 + seed))
+            r.weight.normal_(0.0, 1.0, generator=torch.Generator(r.weight.device).manual_seed(3 + seed))
     bf16_rollouts(trainer)
     out = []
     try:
@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--json", default=None, help="also write the summary and the rows here")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     rows = []
@@ -110,7 +111,10 @@ def main() -> None:
             "rollout_train_logprob_diff_mean": sum(r["rollout_train_logprob_diff_mean"] for r in mine) / len(mine),
             "rollout_train_logprob_diff_max": max(r["rollout_train_logprob_diff_max"] for r in mine),
             "rollout_train_k3_kl": sum(r["rollout_train_k3_kl"] for r in mine) / len(mine)}
-    print(json.dumps({"summary": summary, "steps": args.steps, "seeds": args.seeds, "experts": args.experts}))
+    result = {"summary": summary, "steps": args.steps, "seeds": args.seeds, "experts": args.experts}
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps({**result, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

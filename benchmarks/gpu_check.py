@@ -38,6 +38,10 @@ Otherwise it runs, each step a subprocess with a timeout and its output in
    then, GPU only and where this python has vLLM and ``models/smollm2`` exists,
    ``benchmarks/bench_rollout_engines.py`` (``rollout.engine=vllm`` vs megatron vs
    transformers, refit seconds, PPO step seconds per engine); skipped saying why otherwise.
+4b. **context parallelism and routing replay** (``benchmarks/gpu_check_cp.py``): one PPO
+   step at CP=2 vs CP=1 (needs 2 GPUs, skipped saying so on one; the step metrics equal,
+   peak memory per rank and its ratio reported), and a tiny MoE's train-rollout mismatch
+   with ``moe.routing_replay`` off and on.
 5. **report**: ``--out`` (JSON) and a printed table: per PPO run the train-phase MFU
    (model FLOPs of the update, :mod:`nemo_rlhf.metrics.flops`, per second of the train
    phase, over the device's dense bf16 peak: :data:`PEAK_BF16_TFLOPS` by device name, or
@@ -72,6 +76,9 @@ import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_check_cp  # noqa: E402  (benchmarks/gpu_check_cp.py: the CP and routing-replay steps)
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIREMENTS = Path(__file__).with_name("gpu_check_requirements.txt")
@@ -436,6 +443,7 @@ class GPUCheck:
             if not self.cpu:
                 self.finish_bench(self.start_bench())
             self.vllm_bench()
+            gpu_check_cp.run_steps(self)  # context parallelism, MoE routing replay (issue #52)
         self.report["steps"] = [asdict(s) for s in self.steps]
         self.report["ok"] = all(s.status != "failed" for s in self.steps)
         self.report["wall_s"] = time.monotonic() - t0

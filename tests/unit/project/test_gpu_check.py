@@ -53,7 +53,8 @@ def test_cpu_dry_run_passes_and_writes_the_report(tmp_path):
     status = {s["name"]: s["status"] for s in report["steps"]}
     assert status == {"setup": "skipped", "device_tests_cpu": "ok", "data": "ok", "rm_tiny": "ok",
                       "ppo_tiny": "ok", "ppo_tiny_distopt": "skipped", "ppo_smollm2": "skipped",
-                      "rollout_benchmark": "ok", "vllm_benchmark": "skipped"}
+                      "rollout_benchmark": "ok", "vllm_benchmark": "skipped", "context_parallel": "ok",
+                      "routing_replay": "ok"}
     assert report["device_tests"]["passed"] > 0 and report["device_tests"]["failures"] == []
     assert report["environment"]["device"] == "cpu" and report["environment"]["torch"]
     assert report["peak"]["source"].startswith("measured host") and report["peak"]["tflops"] > 0
@@ -78,6 +79,12 @@ def test_cpu_dry_run_passes_and_writes_the_report(tmp_path):
     bench = report["rollout_benchmark"]
     assert bench["device"] == "cpu" and bench["rows"][0]["kv_tokens_per_s"] > 0
     assert bench["rows"][0]["hf_tokens_per_s"] > 0
+    cp = report["context_parallel"]["summary"]  # gloo ranks on the host
+    assert [r["length"] for r in cp] == [256] and cp[0]["device"] == "cpu"
+    assert cp[0]["max_rel_metric_diff"] <= 1e-5 and 0 < cp[0]["ratio"] < 1
+    replay = report["routing_replay"]["summary"]
+    assert set(replay) == {"without_replay", "with_replay"}
+    assert replay["without_replay"]["rollout_train_logprob_diff_max"] > 0
     assert "all steps passed" in proc.stdout and "train TFLOP/s" in proc.stdout
 
 
