@@ -48,7 +48,9 @@ the server), and an environment read at import time by the preloaded modules (th
 server's). A job whose environment differs from the server's in a variable read at start-up
 (:data:`STARTUP_ENV_PREFIXES`, e.g. ``OMP_NUM_THREADS``, ``ATEN_CPU_CAPABILITY``,
 ``CUDA_VISIBLE_DEVICES``; ``PYTHONPATH`` and ``PYTHONUNBUFFERED`` excepted, applied to the
-fork) is refused by the server, and the shim runs it with the real interpreter instead.
+fork) is refused by the server, and the shim runs it with the real interpreter instead; a
+value the server's own imports set (``TORCHINDUCTOR_CACHE_DIR``, which the caller's torch sets
+too once it imports inductor) is no difference.
 """
 
 from __future__ import annotations
@@ -329,7 +331,10 @@ def _start(conn: socket.socket, base_env: tuple[dict, dict], base_path: list[str
     given, set_by_imports = base_env
     differs = sorted(k for k in set(job["env"]) | set(given)
                      if k.startswith(STARTUP_ENV_PREFIXES) and k not in _APPLIED
-                     and job["env"].get(k) != given.get(k))
+                     and job["env"].get(k) != given.get(k)
+                     # the value the server's imports set: its caller imported them too (pytest's
+                     # torch sets TORCHINDUCTOR_CACHE_DIR after a package-scoped server started)
+                     and not (k in set_by_imports and job["env"].get(k) == set_by_imports[k]))
     if differs:
         _say(f"refused {job['module']}: its environment differs in {differs}")
         for fd in fds:

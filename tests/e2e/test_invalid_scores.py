@@ -26,6 +26,7 @@ from tests.distributed.harness import run_ranks
 from tests.ppo_helpers import INVALID_AT, compose_ppo, make_demo_data
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("forked_python")  # the python -m runs: forks of a preloaded server
 STEPS = 2
 
 

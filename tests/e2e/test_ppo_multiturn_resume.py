@@ -23,6 +23,7 @@ from tests.ppo_helpers import (end_session, make_demo_data, read_metrics, read_p
                                start_in_session)
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("forked_python_in_session")  # the ranks: forks of a preloaded server
 STEPS = 2
 
 
@@ -44,7 +45,7 @@ def _run(data: Path, exp: Path, crash: str | None = None) -> tuple[int | None, s
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(forked_python_in_session, tmp_path_factory):
     data = make_demo_data(tmp_path_factory.mktemp("mt_resume_data"))
     base, exp = tmp_path_factory.mktemp("mt_baseline"), tmp_path_factory.mktemp("mt_killed")
 

@@ -23,6 +23,7 @@ from tests.ppo_helpers import make_demo_data
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("forked_python_in_session")  # the ranks: forks of a preloaded server
 WORLD = 2
 TIMEOUT_MIN = 0.2
 

@@ -28,6 +28,7 @@ from tests.ppo_helpers import make_demo_data
 from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("forked_python_in_session")  # the ranks: forks of a preloaded server
 WORLD = 2
 STEPS = 3
 VOLATILE = ("timing/", "_per_s")
@@ -101,7 +102,7 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(data, tmp_path_factory):
+def baseline(data, forked_python_in_session, tmp_path_factory):
     exp = tmp_path_factory.mktemp("rankkill_baseline")
     for code, _, log in _run(data, exp):
         assert code == 0, log[-3000:]

@@ -14,9 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("forked_python")  # the python -m runs: forks of a preloaded server
 
 
 def _run(args: list[str]) -> str:

@@ -162,3 +162,18 @@ def test_what_it_cannot_fork_runs_in_the_real_interpreter(server, how):
         assert "refused fork_py_job: its environment differs in ['OMP_NUM_THREADS']" in open(s.log).read()
     assert proc.wait(30) == 0
     assert not got["preloaded"] and got["pid"] == proc.pid  # the shim's own process, exec'd
+
+
+def test_a_job_with_what_the_servers_imports_set_is_forked(server):
+    """A caller that has since imported what the server did (pytest's torch sets
+    TORCHINDUCTOR_CACHE_DIR) is forked; another value is refused."""
+    s, _, _ = server
+    same = _start(server, s.shim, "ok", {"TORCH_FORKPY_SET": "at import"})
+    got = _first(same)
+    assert same.wait(30) == 0
+    assert got["preloaded"] and got["set"] == "at import"
+    other = _start(server, s.shim, "ok", {"TORCH_FORKPY_SET": "elsewhere"})
+    got = _first(other)
+    assert other.wait(30) == 0
+    assert not got["preloaded"] and got["set"] == "at import"  # the fresh interpreter's import set it
+    assert "refused fork_py_job: its environment differs in ['TORCH_FORKPY_SET']" in open(s.log).read()
