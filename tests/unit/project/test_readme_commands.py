@@ -34,6 +34,10 @@ def doc_files() -> list[Path]:
     return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "README.md"]
 
 
+ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+"""A leading ``NAME=value`` word: an environment assignment for the command after it."""
+
+
 def _commands(text: str) -> list[list[str]]:
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
@@ -45,14 +49,18 @@ def _commands(text: str) -> list[list[str]]:
             line = re.sub(r"\s\[[^\]]*\]", "", line)
             line = re.sub(r"<([a-z_]+)>", r"\1", line)
             line = re.sub(r"\s&$", "", line)  # started in the background
-            out.append(shlex.split(line))
+            argv = shlex.split(line)
+            while argv and ENV_ASSIGNMENT.match(argv[0]):  # `OMP_NUM_THREADS=1 python ...`: the shell's
+                argv = argv[1:]
+            out.append(argv)
     return out
 
 
 def readme_commands(files=None) -> list[list[str]]:
     """The bash commands of the README and its pages (``files``; default :func:`doc_files`):
     continuation lines joined, comments dropped, ``<placeholders>`` replaced by a word,
-    ``[optional parts]`` and a trailing ``&`` removed."""
+    ``[optional parts]``, a trailing ``&`` and leading ``NAME=value`` environment
+    assignments removed."""
     return [c for path in (files or doc_files()) for c in _commands(path.read_text())]
 
 
@@ -208,6 +216,14 @@ def test_a_misspelt_override_in_a_readme_like_command_is_caught():
     with pytest.raises(Exception, match="kl.targte"):
         _check_python([".venv/bin/python", "-m", "nemo_rlhf.train_ppo", "--config-name", "ppo_tiny", "kl.targte=2"])
     assert "ppo_tiny" in JOBS
+
+
+def test_leading_environment_assignments_are_the_shells_not_the_command():
+    text = "```bash\nPYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/bench_packing.py --batchh 16\n```\n"
+    (argv,) = _commands(text)
+    assert argv == ["python", "benchmarks/bench_packing.py", "--batchh", "16"]
+    with pytest.raises(AssertionError, match="--batchh"):
+        CHECKS[_kind(argv)](argv)
 
 
 def test_a_bad_option_of_a_demo_or_benchmark_command_is_caught():
