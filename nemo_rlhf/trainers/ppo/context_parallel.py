@@ -1,9 +1,10 @@
 """What of the PPO job runs under context parallelism (``parallel.context_parallel_size``).
 
 Wired (docs/parallelism.md): a dense model (TP, PP and DP free, LoRA or not), every critic
-mode (the value head on the actor's backbone, a separate critic, none), padded
-micro-batches (``ppo.max_tokens_per_micro_batch=0``), the logits or the fused output layer
-(``ppo.logprob_chunk_size``), the megatron engine's KV-cache rollout, single-turn.
+mode (the value head on the actor's backbone, a separate critic, none), every
+``ppo.loss_agg_mode``, padded micro-batches (``ppo.max_tokens_per_micro_batch=0``), the
+logits or the fused output layer (``ppo.logprob_chunk_size``), the megatron engine's
+KV-cache rollout, single-turn.
 Everything else is refused here, before any process group exists, by the key and the value
 that works.
 """
@@ -29,8 +30,6 @@ def check_context_parallel(cfg) -> None:
         ("model.num_moe_experts", cfg.model.num_moe_experts, bool(cfg.model.num_moe_experts), "null"),
         ("ppo.sequence_packing", p.sequence_packing, p.sequence_packing, False),
         ("ppo.max_tokens_per_micro_batch", p.max_tokens_per_micro_batch, p.max_tokens_per_micro_batch != 0, 0),
-        # a row's own token count n_b is split across the CP ranks
-        ("ppo.loss_agg_mode", p.loss_agg_mode, p.loss_agg_mode == "seq-mean-token-mean", "token-mean"),
         ("rollout.engine", r.engine, r.engine != "megatron", "megatron"),
         ("rollout.mode", r.mode, r.mode != "sync", "sync"),
         ("rollout.use_kv_cache", r.use_kv_cache, not r.use_kv_cache, True),

@@ -187,7 +187,8 @@ def take(plan: MicroBatchPlan, tensors: dict, prompt_length: int, device: torch.
     ``input_ids`` / ``attention_mask`` (``[B, P+R]``) and the MoE ``routes`` (``[B, P+R,
     L, k]``, routing replay) keep columns ``start .. P + response_length``; every other
     tensor (``[B, R]`` per response token) keeps its first ``response_length`` columns.
-    ``prompt_length`` (int) is added for the loss, and
+    ``prompt_length`` and ``response_length`` (ints: the kept prompt and response
+    columns) are added for the loss, and
     for a packed plan ``packed`` (:class:`~nemo_rlhf.models.packing.PackedBatch`, on
     ``device``), which the forward runs over instead of the padded rows.
     """
@@ -197,7 +198,7 @@ def take(plan: MicroBatchPlan, tensors: dict, prompt_length: int, device: torch.
     for k, v in tensors.items():
         v = v.index_select(0, idx)
         mb[k] = v[:, plan.start:end] if k in _FULL_WIDTH else v[:, :plan.response_length]
-    mb["prompt_length"] = plan.prompt_length
+    mb["prompt_length"], mb["response_length"] = plan.prompt_length, plan.response_length
     if plan.bins:
         mb["packed"] = pack_rows(mb["input_ids"], list(plan.spans), [list(b) for b in plan.bins],
                                  plan.prompt_length)

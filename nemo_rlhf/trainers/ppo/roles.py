@@ -49,6 +49,30 @@ def is_value_head(name: str) -> bool:
     return "value_head" in name.split(".")
 
 
+def mb_response_columns(mb: dict, batch) -> tuple[int, int]:
+    """``(P, R)`` of a forward-only micro-batch: a token-budget one's own prompt and
+    response columns (:func:`~nemo_rlhf.trainers.ppo.micro_batches.take`), else the
+    rollout's."""
+    if "prompt_length" in mb:
+        return mb["prompt_length"], mb["response_length"]
+    return batch.prompt_length, batch.response_mask.shape[1]
+
+
+def cp_sequence_tokens(mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each of this CP rank's positions' whole row's training-token count (``n_b`` of
+    ``seq-mean-token-mean``, :func:`~nemo_rlhf.algorithms.ppo.losses.aggregate_loss`): the
+    row's count over its whole ``[B, R]`` mask, not over the rank's shard of it.
+
+    Args:
+        mask: ``[B, R]`` the micro-batch's whole response (loss) mask.
+        index: ``[S/cp]`` :func:`~nemo_rlhf.models.context_parallel.cp_response_index`'s.
+
+    Returns:
+        ``[B, S/cp]`` float32 on ``mask``'s device.
+    """
+    return mask.bool().sum(1, keepdim=True).to(torch.float32).expand(-1, index.numel())
+
+
 class ForwardPasses:
     """How a rollout is cut into forward-only micro-batches and put back together.
 
@@ -192,17 +216,17 @@ class PolicyRole:
 
         def cp_loss_fn(output, mb):  # context parallel: this rank's positions, then gathered
             logits, values = output if isinstance(output, tuple) else (output, None)
-            ids, R = mb["input_ids"], batch.response_mask.shape[1]
+            ids, (p, R) = mb["input_ids"], mb_response_columns(mb, batch)
 
             def response_lp(t):
                 local, _ = cp_token_logprobs(logits, ids, dims, t, vocab_size=vocab, compute_entropy=False)
-                return gather_response(local, P_len, R, dims)
+                return gather_response(local, p, R, dims)
 
             out = {"logprobs": response_lp(temp)}
             if kl_temperature is not None and kl_temperature != temp:
                 out["kl_logprobs"] = response_lp(kl_temperature)
             if with_values and values is not None:
-                out["values"] = gather_response(values.float(), P_len, R, dims)
+                out["values"] = gather_response(values.float(), p, R, dims)
             return torch.zeros((), device=ids.device), out
 
         def loss_fn(output, mb):
@@ -246,7 +270,8 @@ class PolicyRole:
             by DDP over the data-parallel-with-CP group, their gradients) add up to CP=1's."""
             logits, values = output if isinstance(output, tuple) else (output, None)
             ids, mask = mb["input_ids"], mb["response_mask"]
-            index, valid = cp_response_index(ids.shape[1], P_len, mask.shape[1], dims, ids.device)
+            p = mb.get("prompt_length", P_len)  # a token-budget micro-batch has its own
+            index, valid = cp_response_index(ids.shape[1], p, mask.shape[1], dims, ids.device)
 
             def local(t):
                 return None if t is None else shard_response(t, index, valid)
@@ -262,7 +287,8 @@ class PolicyRole:
                 values=values.float() if with_values else None,
                 old_values=local(mb.get("old_values")), returns=local(mb.get("returns")),
                 kl_logprobs=lp_kl, ref_logprobs=local(mb.get("ref_logprobs")), policy=not value_only,
-                rollout_weights=local(mb.get("rollout_weights")))
+                rollout_weights=local(mb.get("rollout_weights")),
+                sequence_tokens=cp_sequence_tokens(mask, index))
 
         def fn(output, mb):
             if dims.cp > 1:
@@ -392,7 +418,7 @@ class SeparateCritic(CriticRole):
 
         def loss_fn(values, mb):
             if dims.cp > 1:  # this CP rank's positions, gathered to [B, R] on every CP rank
-                v = gather_response(values.float(), P_len, batch.response_mask.shape[1], dims)
+                v = gather_response(values.float(), *mb_response_columns(mb, batch), dims)
                 return torch.zeros((), device=v.device), {"values": v}
             p = mb.get("prompt_length", P_len)
             v = response_values(values, p, mb["input_ids"].shape[1] - p)
@@ -419,10 +445,12 @@ class SeparateCritic(CriticRole):
             m = mb["response_mask"]
             if dims.cp > 1:
                 ids = mb["input_ids"]
-                index, valid = cp_response_index(ids.shape[1], P_len, m.shape[1], dims, ids.device)
+                index, valid = cp_response_index(ids.shape[1], mb.get("prompt_length", P_len), m.shape[1], dims,
+                                                 ids.device)
                 return P.critic_loss(objective, values.float(), shard_response(mb["old_values"], index, valid),
                                      shard_response(mb["returns"], index, valid),
-                                     shard_response(m.bool(), index, valid), n_tokens, n_seqs)
+                                     shard_response(m.bool(), index, valid), n_tokens, n_seqs,
+                                     sequence_tokens=cp_sequence_tokens(m, index))
             return P.critic_loss(objective, response_values(values, mb.get("prompt_length", P_len), m.shape[1]),
                                  mb["old_values"], mb["returns"], m, n_tokens, n_seqs)
 
