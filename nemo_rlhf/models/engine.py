@@ -154,8 +154,8 @@ def _cp_forward(model, input_ids, attention_mask, cp: int, packed, logprob_reque
     if packed is not None:
         raise ValueError(
             f"parallel.context_parallel_size={cp}: packed micro-batches (ppo.sequence_packing) are not "
-            f"wired for context parallelism; set ppo.sequence_packing=false and "
-            f"ppo.max_tokens_per_micro_batch=0")
+            f"wired for context parallelism; set ppo.sequence_packing=false (the token budget, "
+            f"ppo.max_tokens_per_micro_batch, works without it)")
     rank = ps.get_context_parallel_rank()
     if logprob_request is not None:  # the fused output layer on this rank's positions
         kwargs["logprob_request"] = cp_logprob_request(logprob_request, input_ids, cp, rank)

@@ -37,7 +37,9 @@ BUDGET = ("ppo.max_tokens_per_micro_batch=40",)
 CONFIGS = {  # name -> overrides (each one first step from the same initial weights)
     "seq_mean": SEQ_MEAN,
     "seq_mean_separate": SEQ_MEAN + ("critic.mode=separate",),
-    "token_mean": (),
+    "budget": BUDGET,
+    "budget_fused": BUDGET + ("ppo.logprob_chunk_size=5",),
+    "budget_seq_mean": BUDGET + SEQ_MEAN,
 }
 METRICS = ("policy_loss", "value_loss", "entropy", "kl_mean", "kl_loss", "approx_kl", "clip_fraction",
            "grad_norm", "returns_mean", "reward_mean", "response_length")
@@ -170,7 +172,7 @@ def test_first_step_equals_cp1(results, config):
 def test_seq_mean_token_mean_differs_from_token_mean(results):
     """The mode changes the step (rows of different lengths): comparing it tests something."""
     ref, _ = results
-    budget, seq_mean = ref["token_mean"]["metrics"], ref["seq_mean"]["metrics"]
+    budget, seq_mean = ref["budget"]["metrics"], ref["budget_seq_mean"]["metrics"]
     assert abs(budget["policy_loss"] - seq_mean["policy_loss"]) > 1e-4
     lengths = ref["seq_mean"]["batch"]["response_mask"].sum(1)
     assert len(set(lengths.tolist())) > 1
@@ -193,3 +195,12 @@ def test_the_shard_count_is_wrong(results):
     want, got = ref["seq_mean"]["metrics"], cp[0]["shard_count"]
     assert abs(got["policy_loss"] - want["policy_loss"]) > 100 * TOL or \
         abs(got["grad_norm"] - want["grad_norm"]) > 100 * TOL, (got["policy_loss"], want["policy_loss"])
+
+
+def test_the_budget_cuts_micro_batches_to_varied_widths(results):
+    ref, cp = results
+    widths = cp[0]["budget"]["widths"]
+    full = ref["budget"]["batch"]["input_ids"].shape[1]
+    assert len(widths) > 1 and min(widths) < full, widths  # cut, several micro-batches
+    assert any(w % 4 for w in widths), widths  # the CP padding of a cut micro-batch runs
+    assert widths == ref["budget"]["widths"]

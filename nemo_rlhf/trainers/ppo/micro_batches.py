@@ -257,8 +257,8 @@ def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_lengt
             device type).
         cp: ``parallel.context_parallel_size``: at ``cp > 1`` each micro-batch's
             ``input_ids`` / ``attention_mask`` columns are right-padded to a multiple of
-            ``2 * cp`` (:func:`pad_for_context_parallel`; padded micro-batches only: the
-            token budget is refused under CP).
+            ``2 * cp`` (:func:`pad_for_context_parallel`; a token-budget micro-batch's
+            after its columns are cut; packed micro-batches are refused under CP).
 
     Yields:
         ``(micro-batches, n_tokens, n_seqs, routed_tokens, computed)`` per mini-batch: the
@@ -285,7 +285,7 @@ def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_lengt
                          for s in chunk_slices(len(idx), c.micro_batch_size)]
             else:  # the token budget: rows packed, padding cut
                 rows = order_host[mb_slice].tolist()
-                micro = [take(p, tensors, prompt_length, device) for p in
+                micro = [pad_for_context_parallel(take(p, tensors, prompt_length, device), cp) for p in
                          plan_micro_batches(*extents, prompt_length, rows, len(rows),
                                             c.max_tokens_per_micro_batch, pack=c.sequence_packing,
                                             row_length=c.packed_row_length)]

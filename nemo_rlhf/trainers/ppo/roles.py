@@ -106,7 +106,8 @@ class ForwardPasses:
         back; None for fixed row counts). ``routes``: each micro-batch also carries the
         rollout's MoE ``routes`` (``[rows, columns, L, k]``, the same rows and columns as
         its ``input_ids``; routing replay). Under context parallelism (``dims.cp`` > 1) the
-        full-width rows' columns are right-padded to a multiple of ``2 * cp``
+        micro-batches' columns (full-width, or a token-budget micro-batch's kept ones) are
+        right-padded to a multiple of ``2 * cp``
         (:func:`~nemo_rlhf.trainers.ppo.micro_batches.pad_for_context_parallel`; MoE, and so
         ``routes``, is refused with CP).
 
@@ -131,7 +132,8 @@ class ForwardPasses:
         starts, lengths = row_extents(batch.attention_mask, batch.response_mask, P_len)
         plans = plan_micro_batches(starts, lengths, P_len, list(range(B)), B, budget,
                                    pack=self.sequence_packing, row_length=self.packed_row_length)
-        return [take(p, tensors, P_len, self.dims.device) for p in plans], plans
+        return [pad_for_context_parallel(take(p, tensors, P_len, self.dims.device), self.dims.cp)
+                for p in plans], plans
 
     @staticmethod
     def gather(res: list[dict], plans: Optional[list], batch) -> Optional[dict]:
