@@ -34,12 +34,16 @@ COMMON = ("ppo.num_rollout_samples=8", "ppo.global_batch_size=8", "ppo.micro_bat
           "model.value_head_init_std=0.05")
 SEQ_MEAN = ("ppo.loss_agg_mode=seq-mean-token-mean",)
 BUDGET = ("ppo.max_tokens_per_micro_batch=40",)
+PACKED = ("ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true", "ppo.packed_row_length=32")
 CONFIGS = {  # name -> overrides (each one first step from the same initial weights)
     "seq_mean": SEQ_MEAN,
     "seq_mean_separate": SEQ_MEAN + ("critic.mode=separate",),
     "budget": BUDGET,
     "budget_fused": BUDGET + ("ppo.logprob_chunk_size=5",),
     "budget_seq_mean": BUDGET + SEQ_MEAN,
+    "packed": PACKED,
+    "packed_fused": PACKED + ("ppo.logprob_chunk_size=5",),
+    "packed_seq_mean_separate": PACKED + SEQ_MEAN + ("critic.mode=separate",),
 }
 METRICS = ("policy_loss", "value_loss", "entropy", "kl_mean", "kl_loss", "approx_kl", "clip_fraction",
            "grad_norm", "returns_mean", "reward_mean", "response_length")
@@ -76,6 +80,8 @@ def _step(trainer) -> dict:
     def take_and_record(*args, **kwargs):
         mb = take(*args, **kwargs)
         rec["widths"].append(mb["input_ids"].shape[1])
+        if "packed" in mb:  # sequences per packed row, and the rows' slots
+            rec.setdefault("packed", []).append((int(mb["packed"].segment_ids.max()), mb["packed"].slots))
         return mb
 
     trainer.compute_old_and_reference = fwd
@@ -204,3 +210,34 @@ def test_the_budget_cuts_micro_batches_to_varied_widths(results):
     assert len(widths) > 1 and min(widths) < full, widths  # cut, several micro-batches
     assert any(w % 4 for w in widths), widths  # the CP padding of a cut micro-batch runs
     assert widths == ref["budget"]["widths"]
+
+
+def test_packed_equals_padded_under_cp(results):
+    """``ppo.sequence_packing`` at CP=2 (megatron's THD layout: every sequence's slot cut
+    into 4 chunks, attention within a sequence only) gives the padded micro-batches' step
+    at CP=2 and at CP=1 (the same token budget's rows, not packed): forward passes,
+    metrics and every gradient within 1e-5."""
+    ref, cp = results
+    mask = ref["budget"]["batch"]["response_mask"]
+    for padded in (ref["budget"], cp[0]["budget"], cp[1]["budget"]):
+        for r in cp:
+            got = r["packed"]
+            assert torch.equal(got["batch"]["input_ids"], padded["batch"]["input_ids"])
+            for key in padded["fwd"]:
+                torch.testing.assert_close(torch.where(mask, got["fwd"][key], 0.0),
+                                           torch.where(mask, padded["fwd"][key], 0.0), atol=TOL, rtol=0, msg=key)
+            for name, g in padded["grads"].items():
+                torch.testing.assert_close(got["grads"][name], g, atol=TOL, rtol=0, msg=name)
+        for key in METRICS:
+            a, b = cp[0]["packed"]["metrics"][key], padded["metrics"][key]
+            assert abs(a - b) <= TOL * max(1.0, abs(b)), f"packed {key}: CP=2 {a} vs padded {b}"
+
+
+def test_packed_rows_hold_several_sequences_in_aligned_slots(results):
+    ref, cp = results
+    for config in ("packed", "packed_fused", "packed_seq_mean_separate"):
+        packed = cp[0][config]["packed"]
+        assert packed and max(n for n, _ in packed) >= 2, packed  # sequences share a row
+        assert all(n % 4 == 0 for _, slots in packed for row in slots for n in row), packed  # 2 * CP
+        assert any(n % 4 for _, slots in ref[config]["packed"] for row in slots for n in row), \
+            ref[config]["packed"]  # CP=1: end to end, so the alignment padding runs at CP=2

@@ -25,11 +25,12 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     assert typed_job("ppo_tiny", CP + ["ppo.loss_agg_mode=seq-mean-token-mean"]).ppo.loss_agg_mode == \
         "seq-mean-token-mean"
     assert typed_job("ppo_tiny", CP + ["ppo.max_tokens_per_micro_batch=64"]).ppo.max_tokens_per_micro_batch == 64
+    assert typed_job("ppo_tiny", CP + ["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"]
+                     ).ppo.sequence_packing
 
 
 @pytest.mark.parametrize("overrides, key, value, ok", [
     (["model.num_moe_experts=4"], "model.num_moe_experts", "4", "null"),
-    (["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"], "ppo.sequence_packing", "true", "false"),
     (["rollout.engine=vllm"], "rollout.engine", "vllm", "megatron"),
     (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.mode", "async", "sync"),
     (["rollout.use_kv_cache=false"], "rollout.use_kv_cache", "false", "true"),
