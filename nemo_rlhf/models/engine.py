@@ -153,13 +153,13 @@ def _cp_forward(model, input_ids, attention_mask, cp: int, packed, logprob_reque
     """:func:`model_forward` of this CP rank's positions (see there)."""
     from megatron.core import parallel_state as ps
 
-    from nemo_rlhf.models.context_parallel import cp_logprob_request, cp_positions  # lazy: megatron stays out of the CLI
+    from nemo_rlhf.models.context_parallel import (  # lazy: megatron stays out of the CLI
+        CPLogprobRequest, cp_logprob_request, cp_positions)
+    from nemo_rlhf.models.cp_packing import (  # lazy: megatron stays out of the CLI
+        cp_packed_inputs, cp_packed_layout, rope_at_positions)
 
     rank = ps.get_context_parallel_rank()
     if packed is not None:  # megatron's THD layout, nemo_rlhf.models.cp_packing
-        from nemo_rlhf.models.context_parallel import CPLogprobRequest
-        from nemo_rlhf.models.cp_packing import cp_packed_inputs, cp_packed_layout, rope_at_positions
-
         layout = cp_packed_layout(packed, cp, rank)
         if logprob_request is not None:
             kwargs["logprob_request"] = CPLogprobRequest(logprob_request, layout.targets,
