@@ -49,8 +49,11 @@ class ParallelConfig:
     chunks ``r`` and ``2 CP - 1 - r`` of ``2 CP``; sequence lengths must be divisible by
     ``2 CP``). The attention all-gathers keys and values over the CP group
     (:mod:`nemo_rlhf.models.context_parallel`). The data-parallel size is
-    ``world / (TP x PP x CP)``. Model, log-prob and loss level only: the PPO trainer
-    refuses values > 1 (not wired in yet)."""
+    ``world / (TP x PP x CP)``. Packed micro-batches (``ppo.sequence_packing``) align
+    every sequence to ``2 CP`` and chunk each one (megatron's THD layout,
+    :mod:`nemo_rlhf.models.cp_packing`). The PPO trainer runs it (what it refuses:
+    docs/parallelism.md); the SFT and RM trainers, the RM server and ``evaluate`` refuse
+    values > 1."""
     backend: str = "auto"
     """``auto`` (NCCL for CUDA tensors plus gloo for host tensors with CUDA, gloo
     without), ``gloo``, or ``nccl`` (the same map as ``auto``: host-side flags and object

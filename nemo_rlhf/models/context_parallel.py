@@ -172,7 +172,11 @@ class AllGatherCPAttention(MegatronModule):
     ``[s, b, groups/tp, d]`` for this rank's ``s = S/cp`` positions (:func:`cp_positions`);
     ``attention_mask`` bool (True = masked out) ``[b or 1, 1, s, S]`` -- rows this rank's
     queries, columns all keys in global order -- or None (causal by global position; a
-    given mask is combined with the causal one). Returns ``[s, b, heads/tp * d]``.
+    given mask is combined with the causal one). A mask marked
+    ``_cp_keys_in_rank_order`` (a packed batch's,
+    :func:`nemo_rlhf.models.cp_packing.cp_packed_inputs`) is taken as it is: its columns
+    are the keys in the all-gather's rank order and it is already causal within each
+    sequence. Returns ``[s, b, heads/tp * d]``.
 
     Raises:
         ValueError: packed sequences or an attention bias (not supported here).
@@ -206,8 +210,11 @@ class AllGatherCPAttention(MegatronModule):
                              "supported under parallel.context_parallel_size > 1")
         s, b = query.shape[0], query.shape[1]
         cp, rank = self.cp_group.size(), self.cp_group.rank()
-        key = _gather_global(key, self.cp_group, 0)      # [S, b, g, d]
-        value = _gather_global(value, self.cp_group, 0)
+        # a packed batch's mask (nemo_rlhf.models.cp_packing): keys in rank order, complete
+        as_given = attention_mask is not None and getattr(attention_mask, "_cp_keys_in_rank_order", False)
+        gather = (lambda t: _GatherSequence.apply(t, self.cp_group)) if as_given else \
+            (lambda t: _gather_global(t, self.cp_group, 0))
+        key, value = gather(key), gather(value)           # [S, b, g, d]
         S = key.shape[0]
         if self.heads // self.groups > 1:
             key = key.repeat_interleave(self.heads // self.groups, dim=2)
@@ -215,11 +222,14 @@ class AllGatherCPAttention(MegatronModule):
         q = query.permute(1, 2, 0, 3)                     # [b, h, s, d]
         k = key.permute(1, 2, 3, 0)                       # [b, h, d, S]
         scores = torch.matmul(q, k) * self.softmax_scale  # [b, h, s, S]
-        q_pos = cp_positions(S, cp, rank, query.device)
-        masked = torch.arange(S, device=query.device).unsqueeze(0) > q_pos.unsqueeze(1)  # [s, S]
-        masked = masked.view(1, 1, s, S)
-        if attention_mask is not None:
-            masked = masked | attention_mask.bool()
+        if as_given:
+            masked = attention_mask.bool()
+        else:
+            q_pos = cp_positions(S, cp, rank, query.device)
+            masked = torch.arange(S, device=query.device).unsqueeze(0) > q_pos.unsqueeze(1)  # [s, S]
+            masked = masked.view(1, 1, s, S)
+            if attention_mask is not None:
+                masked = masked | attention_mask.bool()
         if self.config.attention_softmax_in_fp32:
             scores = scores.float()
         scores = scores.masked_fill(masked, -10000.0)    # megatron's masked-fill value

@@ -124,9 +124,13 @@ def model_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         Last stage: the model's output (``(logits, values)``, logits, or rewards); other
         stages: hidden states for the next stage (``[W, bins, hidden]`` when packed).
 
+    A packed micro-batch under context parallelism runs in megatron's THD layout: every
+    sequence's slot cut into ``2 cp`` chunks, the last stage's outputs ``[bins, W/cp]`` of
+    this rank's packed positions, not unpacked (:mod:`nemo_rlhf.models.cp_packing`).
+
     Raises:
-        ValueError: under context parallelism, a packed micro-batch (not wired:
-            ``ppo.sequence_packing``).
+        ValueError: under context parallelism, a packed micro-batch whose slots are not
+            multiples of ``2 cp`` (:func:`~nemo_rlhf.models.cp_packing.cp_packed_layout`).
     """
     kwargs = {} if with_values is None else {"with_values": with_values}
     cp = getattr(unwrap(model).config, "context_parallel_size", 1) or 1
@@ -149,14 +153,20 @@ def _cp_forward(model, input_ids, attention_mask, cp: int, packed, logprob_reque
     """:func:`model_forward` of this CP rank's positions (see there)."""
     from megatron.core import parallel_state as ps
 
-    from nemo_rlhf.models.context_parallel import cp_logprob_request, cp_positions  # lazy: megatron stays out of the CLI
+    from nemo_rlhf.models.context_parallel import (  # lazy: megatron stays out of the CLI
+        CPLogprobRequest, cp_logprob_request, cp_positions)
+    from nemo_rlhf.models.cp_packing import (  # lazy: megatron stays out of the CLI
+        cp_packed_inputs, cp_packed_layout, rope_at_positions)
 
-    if packed is not None:
-        raise ValueError(
-            f"parallel.context_parallel_size={cp}: packed micro-batches (ppo.sequence_packing) are not "
-            f"wired for context parallelism; set ppo.sequence_packing=false and "
-            f"ppo.max_tokens_per_micro_batch=0")
     rank = ps.get_context_parallel_rank()
+    if packed is not None:  # megatron's THD layout, nemo_rlhf.models.cp_packing
+        layout = cp_packed_layout(packed, cp, rank)
+        if logprob_request is not None:
+            kwargs["logprob_request"] = CPLogprobRequest(logprob_request, layout.targets,
+                                                         layout.predicts.reshape(-1).nonzero().squeeze(1))
+        ids, position_ids, mask = cp_packed_inputs(packed, layout)
+        with rope_at_positions(unwrap(model), position_ids):
+            return model(ids, position_ids, mask, **kwargs)
     if logprob_request is not None:  # the fused output layer on this rank's positions
         kwargs["logprob_request"] = cp_logprob_request(logprob_request, input_ids, cp, rank)
     pos = cp_positions(input_ids.shape[1], cp, rank, input_ids.device)

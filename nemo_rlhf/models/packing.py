@@ -58,6 +58,13 @@ class PackedBatch:
     """``[rows, S]`` int64: the padded micro-batch's ``input_ids`` (log-prob targets)."""
     prompt_length: int
     """``P`` of the padded micro-batch: response token ``j`` is column ``P + j``."""
+    source_index: torch.Tensor = None
+    """``[bins * W]`` int64: for each packed position, its flat padded position
+    (``row * S + column``), or ``rows * S`` for padding (the inverse of ``unpack_index``)."""
+    slots: tuple = ()
+    """Per packed row, the lengths of its consecutive slots (host ints): each sequence's
+    tokens rounded up to a multiple of ``align`` (:func:`pack_rows`), then the row's tail
+    (if any). Context parallelism chunks every slot (megatron's THD layout)."""
 
     @property
     def rows(self) -> int:
@@ -138,7 +145,7 @@ def first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def pack_rows(input_ids: torch.Tensor, spans: list[tuple[int, int]], bins: list[list[int]],
-              prompt_length: int) -> PackedBatch:
+              prompt_length: int, align: int = 1) -> PackedBatch:
     """Pack the valid tokens of a padded micro-batch into rows.
 
     Args:
@@ -149,6 +156,10 @@ def pack_rows(input_ids: torch.Tensor, spans: list[tuple[int, int]], bins: list[
         bins: packed rows as lists of row indices (every row in exactly one), in order.
         prompt_length: ``P`` of the micro-batch; row ``i``'s valid response tokens are
             columns ``P .. b_i - 1``.
+        align: each sequence's slot is its tokens rounded up to a multiple of ``align``
+            (the rest of the slot is padding, segment 0), and so is every row's length:
+            ``2 * context_parallel_size`` for megatron's THD layout under context
+            parallelism (each sequence cut into ``2 CP`` chunks); 1: end to end.
 
     Returns:
         The :class:`PackedBatch`.
@@ -158,6 +169,8 @@ def pack_rows(input_ids: torch.Tensor, spans: list[tuple[int, int]], bins: list[
             not cover every row exactly once.
     """
     rows, S = input_ids.shape
+    if align < 1:
+        raise ValueError(f"pack_rows: align={align} must be >= 1")
     if len(spans) != rows or sorted(i for b in bins for i in b) != list(range(rows)):
         raise ValueError(f"pack_rows: {len(spans)} spans and bins {bins} must cover the {rows} rows once")
     for i, (a, b) in enumerate(spans):
@@ -170,14 +183,17 @@ def pack_rows(input_ids: torch.Tensor, spans: list[tuple[int, int]], bins: list[
     bin_of = torch.empty(rows, dtype=torch.long, device=host)
     offset = torch.empty(rows, dtype=torch.long, device=host)
     segment = torch.empty(rows, dtype=torch.long, device=host)
-    fills = []
+    fills, slots = [], []
     for k, members in enumerate(bins):
-        used = 0
+        used, lengths = 0, []
         for j, i in enumerate(members):
             bin_of[i], offset[i], segment[i] = k, used, j + 1
-            used += int(n[i])
+            lengths.append(-(-int(n[i]) // align) * align)
+            used += lengths[-1]
         fills.append(used)
+        slots.append(lengths)
     W, nb = max(fills), len(bins)
+    slots = tuple(tuple(lengths + ([W - f] if W > f else [])) for lengths, f in zip(slots, fills))
     row = torch.repeat_interleave(torch.arange(rows, device=host), n)  # each valid token's row
     within = torch.arange(int(n.sum()), device=host) - torch.repeat_interleave(n.cumsum(0) - n, n)
     col = a[row] + within
@@ -203,6 +219,8 @@ def pack_rows(input_ids: torch.Tensor, spans: list[tuple[int, int]], bins: list[
         response_index=torch.tensor(resp, dtype=torch.long, device=dev),
         padded_input_ids=input_ids,
         prompt_length=prompt_length,
+        source_index=source.to(dev),
+        slots=slots,
     )
 
 

@@ -157,7 +157,20 @@ def _cp2(rank: int, tmp: str):
     out["fused"]["metrics"] = trainer.train_step()
     ac.cp_fused_logprobs = fused_fn
     out["fused"]["calls"] = len(calls)
+    # the CP=2 checkpoint after step 1 resumed at TP=2 (CP=1) on the same two ranks
+    out["resumed_tp2"] = _resume(build, tmp, data, out["checkpoint"], "resumed_tp2",
+                                 "parallel.tensor_model_parallel_size=2")
     return out
+
+
+def _resume(build, tmp: Path, data: Path, checkpoint: str, name: str, *overrides: str) -> dict:
+    """The CP=2 run's checkpoint after its first step, resumed in another layout: its next
+    step (and the layout it ran in)."""
+    trainer = build(compose_ppo(data, tmp / name, *COMMON, f"exp_manager.init_from={tmp}/init/step_0",
+                                f"exp_manager.resume={checkpoint}", *overrides))
+    trainer.resume()
+    return {"step": trainer.step, "metrics": trainer.train_step(),
+            "layout": (trainer.dims.cp, trainer.dims.tp, trainer.dims.dp)}
 
 
 def _resume_at_cp1(rank: int, tmp: str, checkpoint: str):
@@ -165,11 +178,7 @@ def _resume_at_cp1(rank: int, tmp: str, checkpoint: str):
     from nemo_rlhf.train_ppo import build
 
     tmp = Path(tmp)
-    data = make_demo_data(tmp / "data")
-    trainer = build(compose_ppo(data, tmp / "resumed", *COMMON, f"exp_manager.init_from={tmp}/init/step_0",
-                                f"exp_manager.resume={checkpoint}"))
-    trainer.resume()
-    return {"step": trainer.step, "metrics": trainer.train_step()}
+    return _resume(build, tmp, make_demo_data(tmp / "data"), checkpoint, "resumed")
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +275,22 @@ def test_a_cp2_checkpoint_resumed_at_cp1_gives_the_same_next_step(results, resum
         want, got = cp[0]["metrics"][1][key], resumed["metrics"][key]
         assert abs(got - want) <= TOL * max(1.0, abs(want)), f"{key}: resumed at CP=1 {got} vs CP=2 {want}"
         assert abs(got - ref["metrics"][1][key]) <= TOL * max(1.0, abs(want)), key
+
+
+def test_a_cp2_checkpoint_resumed_at_tp2_gives_the_same_next_step(results):
+    """The CP=2 run's checkpoint after step 1 loads at TP=2 x CP=1 on the same two ranks
+    (megatron's distributed format reshards the weights and the optimizer state to the TP
+    shards): its step 2 is the CP=2 run's (and the CP=1 run's) step 2 within 1e-5."""
+    ref, cp, _ = results
+    for r in cp:
+        assert r["resumed_tp2"]["layout"] == (1, 2, 1) and r["resumed_tp2"]["step"] == 1
+    got = cp[0]["resumed_tp2"]["metrics"]  # rank 0 reports
+    for key in ("policy_loss", "value_loss", "entropy", "kl_mean", "kl_loss", "grad_norm", "approx_kl",
+                "clip_fraction", "reward_mean", "returns_mean", "response_length"):
+        want = cp[0]["metrics"][1][key]
+        assert abs(got[key] - want) <= TOL * max(1.0, abs(want)), f"{key}: resumed at TP=2 {got[key]} vs CP=2 {want}"
+        assert abs(got[key] - ref["metrics"][1][key]) <= TOL * max(1.0, abs(want)), key
+    assert got["kl_loss"] > 0  # step 2: the resumed actor is not the reference
 
 
 def test_a_separate_critic_at_cp2_equals_cp1(results):

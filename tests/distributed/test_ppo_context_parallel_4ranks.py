@@ -1,5 +1,6 @@
 """The PPO trainer at ``parallel.context_parallel_size=2`` composed with DP=2, with TP=2
-and with PP=2 (4 gloo ranks, one spawn for the three layouts) equals one rank at CP=1 on
+and with PP=2, and packed (``ppo.sequence_packing``) with TP=2 and with PP=2 (4 gloo ranks,
+one spawn for the five layouts) equals one padded rank at CP=1 on
 its first step within 1e-5: the losses, KL, entropy and grad norm, every parameter's
 gradient (TP shards compared with the matching slice of the whole one, a pipeline stage's
 layers with the whole model's of the same number) and the updated weights. Greedy
@@ -24,7 +25,11 @@ COMMON = ("rollout.greedy=true", "ppo.num_rollout_samples=8", "ppo.global_batch_
           "optim.lr=1e-3", "model.value_head_init_std=0.05")
 METRICS = ("policy_loss", "value_loss", "entropy", "kl_mean", "approx_kl", "clip_fraction", "grad_norm",
            "returns_mean", "reward_mean", "response_length")
-LAYOUTS = {"cp2_dp2": (2, 1, 1), "cp2_tp2": (2, 2, 1), "cp2_pp2": (2, 1, 2)}  # name -> (CP, TP, PP)
+LAYOUTS = {"cp2_dp2": (2, 1, 1), "cp2_tp2": (2, 2, 1), "cp2_pp2": (2, 1, 2),  # name -> (CP, TP, PP)
+           "cp2_tp2_packed": (2, 2, 1), "cp2_pp2_packed": (2, 1, 2)}
+PACKED = ("ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true", "ppo.packed_row_length=32")
+"""The ``*_packed`` layouts: packed micro-batches (megatron's THD layout under CP) against
+the padded one-rank run (packed == padded)."""
 
 
 def _step(trainer) -> dict:
@@ -38,7 +43,20 @@ def _step(trainer) -> dict:
         return step(*args, **kwargs)
 
     trainer.optimizer.step = opt_step
-    rec["metrics"] = trainer.train_step()
+    import nemo_rlhf.trainers.ppo.micro_batches as mbs
+
+    take, rec["packed"] = mbs.take, 0
+
+    def counting_take(*args, **kwargs):  # the training micro-batches that ran packed
+        mb = take(*args, **kwargs)
+        rec["packed"] += "packed" in mb
+        return mb
+
+    mbs.take = counting_take
+    try:
+        rec["metrics"] = trainer.train_step()
+    finally:
+        mbs.take = take
     rec["weights"] = {n: p.detach().float().cpu().clone() for n, p in unwrap(trainer.model).named_parameters()}
     rec["tp"] = {n: (getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1)
                  for n, p in unwrap(trainer.model).named_parameters()}
@@ -81,7 +99,8 @@ def _layouts(rank: int, tmp: str):
         trainer = build(compose_ppo(data, tmp / name, *COMMON, f"exp_manager.init_from={tmp}/init/step_0",
                                     f"parallel.context_parallel_size={cp}",
                                     f"parallel.tensor_model_parallel_size={tp}",
-                                    f"parallel.pipeline_model_parallel_size={pp}"))
+                                    f"parallel.pipeline_model_parallel_size={pp}",
+                                    *(PACKED if name.endswith("_packed") else ())))
         out[name] = _step(trainer)
     return out
 
@@ -111,6 +130,8 @@ def test_layout(results, layout):
     cp, tp, pp = LAYOUTS[layout]
     got = [r[layout]["layout"] for r in par]
     assert {(g["cp"], g["tp"], g["pp"], g["dp"]) for g in got} == {(cp, tp, pp, 4 // cp // tp // pp)}
+    packed = [r[layout]["packed"] for r in par]
+    assert all(packed) if layout.endswith("_packed") else not any(packed), packed
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -21,13 +21,16 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     assert typed_job("ppo_tiny", CP + ["critic.mode=separate"]).critic.mode == "separate"
     assert typed_job("ppo_tiny", CP + ["model.lora.enabled=true"]).model.lora.enabled
     assert typed_job("ppo_tiny", ["parallel.context_parallel_size=2"]).ppo.logprob_chunk_size == 1024
+    # tests/distributed/test_ppo_context_parallel_budget.py: equal to CP=1
+    assert typed_job("ppo_tiny", CP + ["ppo.loss_agg_mode=seq-mean-token-mean"]).ppo.loss_agg_mode == \
+        "seq-mean-token-mean"
+    assert typed_job("ppo_tiny", CP + ["ppo.max_tokens_per_micro_batch=64"]).ppo.max_tokens_per_micro_batch == 64
+    assert typed_job("ppo_tiny", CP + ["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"]
+                     ).ppo.sequence_packing
 
 
 @pytest.mark.parametrize("overrides, key, value, ok", [
     (["model.num_moe_experts=4"], "model.num_moe_experts", "4", "null"),
-    (["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"], "ppo.sequence_packing", "true", "false"),
-    (["ppo.max_tokens_per_micro_batch=64"], "ppo.max_tokens_per_micro_batch", "64", "0"),
-    (["ppo.loss_agg_mode=seq-mean-token-mean"], "ppo.loss_agg_mode", "seq-mean-token-mean", "token-mean"),
     (["rollout.engine=vllm"], "rollout.engine", "vllm", "megatron"),
     (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.mode", "async", "sync"),
     (["rollout.use_kv_cache=false"], "rollout.use_kv_cache", "false", "true"),

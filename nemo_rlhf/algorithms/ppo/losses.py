@@ -21,7 +21,11 @@ mini-batch, all micro-batches and data-parallel ranks, passed in; ``L`` = a cons
 * ``seq-mean-token-sum``: ``sum_b (sum_t m l) / S``. Every sequence weighs its summed loss.
 * ``seq-mean-token-mean``: ``sum_b (sum_t m l / n_b) / S`` with ``n_b`` the row's valid
   tokens (a row with none adds 0). Every sequence weighs the same: the GRPO paper's
-  objective (Shao et al. 2024, eq. 3, ``1/G sum_i 1/|o_i| sum_t``).
+  objective (Shao et al. 2024, eq. 3, ``1/G sum_i 1/|o_i| sum_t``). When the loss sees
+  only a part of each sequence (context parallelism: a CP rank holds a shard of every
+  row's positions), ``sequence_tokens`` gives each token its whole sequence's ``n_b``
+  and the mode sums ``m l / n_b`` token by token, so the shards' losses add up to the
+  whole rows'.
 * ``seq-mean-token-sum-norm``: ``sum_b sum_t m l / (S * L)``: Dr. GRPO (Liu et al. 2025,
   arXiv:2503.20783, section 3.1) removes GRPO's ``1/|o_i|`` length bias by dividing by a
   constant ``L`` (``norm_length``, e.g. the generation budget ``rollout.max_new_tokens``),
@@ -149,6 +153,7 @@ def _aggregate(
     global_valid_tokens: Optional[GlobalCount],
     global_sequences: Optional[GlobalCount],
     norm_length: Optional[GlobalCount],
+    sequence_tokens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``aggregate_loss`` on a checked fp32 ``loss_mat`` and bool ``mask``."""
     if mode not in LOSS_AGG_MODES:
@@ -160,6 +165,10 @@ def _aggregate(
     if mode == "seq-mean-token-sum":
         return masked_sum(loss_mat, mask) / sequences
     if mode == "seq-mean-token-mean":
+        if sequence_tokens is not None:  # each token's whole sequence's count (a shard of it here)
+            _check_same_shape(mask, "response_mask", sequence_tokens=sequence_tokens)
+            n = torch.where(mask, sequence_tokens.detach().to(torch.float32), 1.0).clamp_min(1.0)
+            return masked_sum(loss_mat / n, mask) / sequences
         row_sum = masked_sum(loss_mat, mask, dim=1)
         row_tokens = mask.sum(dim=1).clamp_min(1).to(torch.float32)
         return (row_sum / row_tokens).sum() / sequences
@@ -174,6 +183,7 @@ def aggregate_loss(
     global_valid_tokens: Optional[GlobalCount] = None,
     global_sequences: Optional[GlobalCount] = None,
     norm_length: Optional[GlobalCount] = None,
+    sequence_tokens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Reduce per-token losses to the scalar loss of this micro-batch's share.
 
@@ -190,6 +200,10 @@ def aggregate_loss(
         global_sequences: ``S``, rows of the mini-batch over all micro-batches and DP
             ranks (the ``seq-*`` modes).
         norm_length: ``L``, the constant of ``seq-mean-token-sum-norm``.
+        sequence_tokens: ``[batch, response_len]`` (any number dtype; read by
+            ``seq-mean-token-mean`` only): each token's ``n_b``, the valid tokens of its
+            whole sequence, for a loss that sees a shard of each sequence (context
+            parallelism); None: the row's own count.
         Counts are numbers (> 0, checked) or 1-element tensors (not checked: no sync).
 
     Returns:
@@ -202,7 +216,7 @@ def aggregate_loss(
     """
     mask, t = _prepare(response_mask, loss_mat=loss_mat)
     return _aggregate(t["loss_mat"], mask, loss_agg_mode, global_valid_tokens,
-                      global_sequences, norm_length)
+                      global_sequences, norm_length, sequence_tokens)
 
 
 def policy_loss(
@@ -220,6 +234,7 @@ def policy_loss(
     global_sequences: Optional[GlobalCount] = None,
     norm_length: Optional[GlobalCount] = None,
     token_weights: Optional[torch.Tensor] = None,
+    sequence_tokens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Stats]:
     """PPO clipped-surrogate policy loss, aggregated with global denominators.
 
@@ -251,6 +266,7 @@ def policy_loss(
         global_sequences: rows of the mini-batch over all micro-batches and DP ranks
             (the ``seq-*`` modes).
         norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
+        sequence_tokens: as in ``aggregate_loss``.
         token_weights: ``[batch, response_len]`` constant weights of the token losses
             (no gradient flows into them), or None.
 
@@ -297,7 +313,7 @@ def policy_loss(
                              f"{tuple(objective.shape)}")
         objective = objective * torch.where(mask, token_weights.detach().float(), 0.0)
     loss = _aggregate(-objective, mask, loss_agg_mode, global_valid_tokens, global_sequences,
-                      norm_length)
+                      norm_length, sequence_tokens)
 
     with torch.no_grad():
         ratio_d = ratio.detach()
@@ -327,6 +343,7 @@ def value_loss(
     loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE,
     global_sequences: Optional[GlobalCount] = None,
     norm_length: Optional[GlobalCount] = None,
+    sequence_tokens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Stats]:
     """Clipped value loss, aggregated with global denominators (``aggregate_loss``).
 
@@ -347,6 +364,7 @@ def value_loss(
         global_sequences: rows of the mini-batch over all micro-batches and DP ranks
             (the ``seq-*`` modes).
         norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
+        sequence_tokens: as in ``aggregate_loss``.
 
     Returns:
         ``(loss, stats)``: 0-d fp32 loss; stats ``valid_tokens``,
@@ -371,7 +389,7 @@ def value_loss(
         per_token = torch.maximum(err_sq, err_sq_clipped)
         clip_hit = err_sq_clipped > err_sq
     loss = 0.5 * _aggregate(per_token, mask, loss_agg_mode, global_valid_tokens,
-                            global_sequences, norm_length)
+                            global_sequences, norm_length, sequence_tokens)
     with torch.no_grad():
         stats: Stats = {
             "valid_tokens": _count(mask),
@@ -389,6 +407,7 @@ def entropy_bonus(
     loss_agg_mode: str = DEFAULT_LOSS_AGG_MODE,
     global_sequences: Optional[GlobalCount] = None,
     norm_length: Optional[GlobalCount] = None,
+    sequence_tokens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Token entropy aggregated like the losses (a bonus: maximise it).
 
@@ -403,6 +422,7 @@ def entropy_bonus(
         global_sequences: rows of the mini-batch over all micro-batches and DP ranks
             (the ``seq-*`` modes).
         norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
+        sequence_tokens: as in ``aggregate_loss``.
 
     Returns:
         0-d fp32 tensor (differentiable w.r.t. ``entropy``).
@@ -413,7 +433,7 @@ def entropy_bonus(
     """
     mask, t = _prepare(response_mask, entropy=entropy)
     return _aggregate(t["entropy"], mask, loss_agg_mode, global_valid_tokens,
-                      global_sequences, norm_length)
+                      global_sequences, norm_length, sequence_tokens)
 
 
 def kl_loss(
@@ -427,6 +447,7 @@ def kl_loss(
     global_sequences: Optional[GlobalCount] = None,
     norm_length: Optional[GlobalCount] = None,
     clamp: Optional[float] = DEFAULT_KL_LOSS_CLAMP,
+    sequence_tokens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Stats]:
     """KL(pi || pi_ref) as a loss term: the per-token estimate, aggregated like the losses.
 
@@ -450,6 +471,7 @@ def kl_loss(
         global_sequences: rows of the mini-batch over all micro-batches and DP ranks
             (the ``seq-*`` modes).
         norm_length: the constant ``L`` of ``seq-mean-token-sum-norm``.
+        sequence_tokens: as in ``aggregate_loss``.
         clamp: clip the per-token estimate to ``[-clamp, clamp]``; default
             :data:`DEFAULT_KL_LOSS_CLAMP` (10 nats, as verl's ``low_var_kl``): a token far
             from the reference then adds no gradient instead of a huge one. None: off
@@ -467,7 +489,7 @@ def kl_loss(
     mask, t = _prepare(response_mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
     kl = kl_penalty(t["logprobs"], t["ref_logprobs"].detach(), estimator, clamp)
     loss = _aggregate(kl, mask, loss_agg_mode, global_valid_tokens, global_sequences,
-                      norm_length)
+                      norm_length, sequence_tokens)
     with torch.no_grad():
         stats: Stats = {"valid_tokens": _count(mask), "ref_kl_sum": masked_sum(kl.detach(), mask)}
     return loss, stats

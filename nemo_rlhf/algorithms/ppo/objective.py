@@ -79,6 +79,7 @@ def ppo_loss(
     ref_logprobs: Optional[torch.Tensor] = None,
     policy: bool = True,
     rollout_weights: Optional[torch.Tensor] = None,
+    sequence_tokens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Stats]:
     """One micro-batch's loss and statistics.
 
@@ -98,6 +99,9 @@ def ppo_loss(
             rollout-mismatch correction,
             :func:`~nemo_rlhf.algorithms.ppo.rollout_correction.rollout_correction_weights`),
             or None.
+        sequence_tokens: ``[B, R]`` each token's whole sequence's valid-token count, for
+            ``seq-mean-token-mean`` when ``[B, R]`` is a shard of each sequence (context
+            parallelism; :func:`~nemo_rlhf.algorithms.ppo.losses.aggregate_loss`), or None.
 
     Returns:
         ``(loss, stats)``: ``loss`` a scalar float32; ``stats`` the policy and value
@@ -115,7 +119,7 @@ def ppo_loss(
     """
     o = objective
     agg = dict(loss_agg_mode=o.loss_agg_mode, global_sequences=global_sequences,
-               norm_length=o.norm_length)
+               norm_length=o.norm_length, sequence_tokens=sequence_tokens)
     pl, pstats = policy_loss(logprobs, old_logprobs, advantages, response_mask,
                              global_valid_tokens, clip_eps=o.clip_eps, clip_eps_low=o.clip_eps_low,
                              clip_eps_high=o.clip_eps_high, dual_clip=o.dual_clip,
@@ -155,12 +159,14 @@ def critic_loss(
     response_mask: torch.Tensor,
     global_valid_tokens: GlobalCount,
     global_sequences: Optional[GlobalCount],
+    sequence_tokens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Stats]:
     """A separate critic's loss: the clipped value loss alone (``vf_coef`` weighs the value
     term against the policy's only on a shared backbone).
 
     Args:
         values, old_values, returns: ``[B, R]`` float32; ``response_mask`` ``[B, R]`` bool.
+        sequence_tokens: as in :func:`ppo_loss`.
 
     Returns:
         ``(loss, stats)`` with the value loss's statistics (``valid_tokens`` included) and
@@ -168,7 +174,8 @@ def critic_loss(
     """
     vl, vstats = value_loss(values, old_values, returns, response_mask, global_valid_tokens,
                             clip_range=objective.value_clip, loss_agg_mode=objective.loss_agg_mode,
-                            global_sequences=global_sequences, norm_length=objective.norm_length)
+                            global_sequences=global_sequences, norm_length=objective.norm_length,
+                            sequence_tokens=sequence_tokens)
     scale = torch.as_tensor(global_valid_tokens, device=values.device).float()
     return vl, {**vstats, "value_loss_sum": vl.detach() * scale}
 

@@ -1,9 +1,10 @@
 """What of the PPO job runs under context parallelism (``parallel.context_parallel_size``).
 
 Wired (docs/parallelism.md): a dense model (TP, PP and DP free, LoRA or not), every critic
-mode (the value head on the actor's backbone, a separate critic, none), padded
-micro-batches (``ppo.max_tokens_per_micro_batch=0``), the logits or the fused output layer
-(``ppo.logprob_chunk_size``), the megatron engine's KV-cache rollout, single-turn.
+mode (the value head on the actor's backbone, a separate critic, none), every
+``ppo.loss_agg_mode``, padded micro-batches by rows or by a token budget
+(``ppo.max_tokens_per_micro_batch``), packed ones (``ppo.sequence_packing``), the logits or
+the fused output layer (``ppo.logprob_chunk_size``), the megatron engine's KV-cache rollout, single-turn.
 Everything else is refused here, before any process group exists, by the key and the value
 that works.
 """
@@ -27,10 +28,6 @@ def check_context_parallel(cfg) -> None:
     p, r, par = cfg.ppo, cfg.rollout, cfg.parallel
     unwired = (  # (key, value, refused, the value that works)
         ("model.num_moe_experts", cfg.model.num_moe_experts, bool(cfg.model.num_moe_experts), "null"),
-        ("ppo.sequence_packing", p.sequence_packing, p.sequence_packing, False),
-        ("ppo.max_tokens_per_micro_batch", p.max_tokens_per_micro_batch, p.max_tokens_per_micro_batch != 0, 0),
-        # a row's own token count n_b is split across the CP ranks
-        ("ppo.loss_agg_mode", p.loss_agg_mode, p.loss_agg_mode == "seq-mean-token-mean", "token-mean"),
         ("rollout.engine", r.engine, r.engine != "megatron", "megatron"),
         ("rollout.mode", r.mode, r.mode != "sync", "sync"),
         ("rollout.use_kv_cache", r.use_kv_cache, not r.use_kv_cache, True),
@@ -41,7 +38,8 @@ def check_context_parallel(cfg) -> None:
             raise ValueError(
                 f"parallel.context_parallel_size={cp} with {key}={_show(value)}: not wired for context "
                 f"parallelism yet; set {key}={_show(ok)} (wired: a dense model, every critic mode, "
-                f"padded micro-batches, the megatron KV-cache rollout, single-turn; "
+                f"micro-batches by rows, by a token budget or packed, the megatron KV-cache rollout, "
+                f"single-turn; "
                 f"docs/parallelism.md)")
 
 

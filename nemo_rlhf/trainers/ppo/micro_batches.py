@@ -181,15 +181,18 @@ _FULL_WIDTH = ("input_ids", "attention_mask", "routes")
 """The tensors of :func:`take` laid out over every ``[B, P+R]`` column (the rest: ``[B, R]``)."""
 
 
-def take(plan: MicroBatchPlan, tensors: dict, prompt_length: int, device: torch.device) -> dict:
+def take(plan: MicroBatchPlan, tensors: dict, prompt_length: int, device: torch.device, align: int = 1) -> dict:
     """The micro-batch of ``plan``: rows selected, columns trimmed.
 
     ``input_ids`` / ``attention_mask`` (``[B, P+R]``) and the MoE ``routes`` (``[B, P+R,
     L, k]``, routing replay) keep columns ``start .. P + response_length``; every other
     tensor (``[B, R]`` per response token) keeps its first ``response_length`` columns.
-    ``prompt_length`` (int) is added for the loss, and
+    ``prompt_length`` and ``response_length`` (ints: the kept prompt and response
+    columns) are added for the loss, and
     for a packed plan ``packed`` (:class:`~nemo_rlhf.models.packing.PackedBatch`, on
-    ``device``), which the forward runs over instead of the padded rows.
+    ``device``), which the forward runs over instead of the padded rows; ``align``: its
+    sequences' slots rounded up to a multiple of it (``2 * context_parallel_size``:
+    megatron's THD layout, :mod:`nemo_rlhf.models.cp_packing`).
     """
     idx = torch.tensor(plan.rows, dtype=torch.long, device=device)
     end = prompt_length + plan.response_length
@@ -197,10 +200,10 @@ def take(plan: MicroBatchPlan, tensors: dict, prompt_length: int, device: torch.
     for k, v in tensors.items():
         v = v.index_select(0, idx)
         mb[k] = v[:, plan.start:end] if k in _FULL_WIDTH else v[:, :plan.response_length]
-    mb["prompt_length"] = plan.prompt_length
+    mb["prompt_length"], mb["response_length"] = plan.prompt_length, plan.response_length
     if plan.bins:
         mb["packed"] = pack_rows(mb["input_ids"], list(plan.spans), [list(b) for b in plan.bins],
-                                 plan.prompt_length)
+                                 plan.prompt_length, align=align)
     return mb
 
 
@@ -223,9 +226,10 @@ def pad_for_context_parallel(mb: dict, cp: int) -> dict:
     (megatron's load-balanced chunks, :func:`nemo_rlhf.models.context_parallel.cp_positions`;
     ids 0, mask 0: the padding attends to nothing real and no real token attends to it).
     The ``[rows, R]`` per-response-token tensors keep their ``R`` columns (the loss reads
-    ``R`` from them). ``mb`` itself at ``cp == 1``.
+    ``R`` from them). ``mb`` itself at ``cp == 1`` and for a packed micro-batch (its
+    sequences are aligned to ``2 * cp`` when packed, :func:`take`).
     """
-    if cp == 1:
+    if cp == 1 or "packed" in mb:
         return mb
     return {k: pad_to_cp_multiple(v, cp) if k in ("input_ids", "attention_mask") else v
             for k, v in mb.items()}
@@ -256,8 +260,9 @@ def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_lengt
             device type).
         cp: ``parallel.context_parallel_size``: at ``cp > 1`` each micro-batch's
             ``input_ids`` / ``attention_mask`` columns are right-padded to a multiple of
-            ``2 * cp`` (:func:`pad_for_context_parallel`; padded micro-batches only: the
-            token budget is refused under CP).
+            ``2 * cp`` (:func:`pad_for_context_parallel`; a token-budget micro-batch's
+            after its columns are cut); a packed one's sequences are aligned to ``2 * cp``
+            instead (:func:`take`).
 
     Yields:
         ``(micro-batches, n_tokens, n_seqs, routed_tokens, computed)`` per mini-batch: the
@@ -284,7 +289,7 @@ def training_minibatches(c, tensors: dict, rows_per_minibatch: int, prompt_lengt
                          for s in chunk_slices(len(idx), c.micro_batch_size)]
             else:  # the token budget: rows packed, padding cut
                 rows = order_host[mb_slice].tolist()
-                micro = [take(p, tensors, prompt_length, device) for p in
+                micro = [pad_for_context_parallel(take(p, tensors, prompt_length, device, align=2 * cp), cp) for p in
                          plan_micro_batches(*extents, prompt_length, rows, len(rows),
                                             c.max_tokens_per_micro_batch, pack=c.sequence_packing,
                                             row_length=c.packed_row_length)]

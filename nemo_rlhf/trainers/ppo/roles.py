@@ -29,6 +29,10 @@ from nemo_rlhf.models.engine import finalize_grads, forward_backward
 from nemo_rlhf.models.logprobs import LogprobRequest, response_logprobs, response_values
 from nemo_rlhf.models.context_parallel import (cp_response_index, cp_token_logprobs, gather_response,
                                                shard_response)
+from nemo_rlhf.models.cp_packing import (cp_packed_layout, gather_packed_response, packed_sequence_tokens,
+                                         shard_packed)
+from nemo_rlhf.models.logprobs import ResponseLogprobs
+from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
 from nemo_rlhf.trainers.ppo.micro_batches import (pad_for_context_parallel, plan_micro_batches,
                                                   row_extents, scatter_rows, take)
 
@@ -47,6 +51,86 @@ def eval_mode(model):
 def is_value_head(name: str) -> bool:
     """Whether a parameter name belongs to the value head."""
     return "value_head" in name.split(".")
+
+
+def mb_response_columns(mb: dict, batch) -> tuple[int, int]:
+    """``(P, R)`` of a forward-only micro-batch: a token-budget one's own prompt and
+    response columns (:func:`~nemo_rlhf.trainers.ppo.micro_batches.take`), else the
+    rollout's."""
+    if "prompt_length" in mb:
+        return mb["prompt_length"], mb["response_length"]
+    return batch.prompt_length, batch.response_mask.shape[1]
+
+
+def cp_sequence_tokens(mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Each of this CP rank's positions' whole row's training-token count (``n_b`` of
+    ``seq-mean-token-mean``, :func:`~nemo_rlhf.algorithms.ppo.losses.aggregate_loss`): the
+    row's count over its whole ``[B, R]`` mask, not over the rank's shard of it.
+
+    Args:
+        mask: ``[B, R]`` the micro-batch's whole response (loss) mask.
+        index: ``[S/cp]`` :func:`~nemo_rlhf.models.context_parallel.cp_response_index`'s.
+
+    Returns:
+        ``[B, S/cp]`` float32 on ``mask``'s device.
+    """
+    return mask.bool().sum(1, keepdim=True).to(torch.float32).expand(-1, index.numel())
+
+
+class CPShard:
+    """This CP rank's share of one micro-batch, padded (its ``[B, S/cp]`` positions,
+    :func:`~nemo_rlhf.models.context_parallel.cp_response_index`) or packed (its ``[bins,
+    W/cp]`` packed positions, :func:`~nemo_rlhf.models.cp_packing.cp_packed_layout`): how
+    the ``[rows, R]`` loss inputs are sharded like the forward's outputs and how those are
+    gathered back.
+
+    Args:
+        mb: the micro-batch (``input_ids``; a token-budget one's ``prompt_length``; a packed
+            one's ``packed``).
+        dims: ``ParallelDims`` (``cp`` > 1).
+        prompt_length / response_length: ``P`` and ``R`` of the micro-batch's ``[rows, R]``
+            tensors.
+    """
+
+    def __init__(self, mb: dict, dims, prompt_length: int, response_length: int) -> None:
+        self.dims, self.response_length = dims, response_length
+        self.packed = mb.get("packed")
+        self.ids = mb["input_ids"]
+        if self.packed is not None:
+            self.layout = cp_packed_layout(self.packed, dims.cp, dims.cp_rank)
+        else:
+            self.prompt_length = prompt_length
+            self.index, self.valid = cp_response_index(self.ids.shape[1], prompt_length, response_length, dims,
+                                                       self.ids.device)
+
+    def local(self, t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``[rows, R]`` -> this rank's positions (0 / False where none); None stays None."""
+        if t is None:
+            return None
+        return shard_packed(t, self.layout) if self.packed is not None else shard_response(t, self.index, self.valid)
+
+    def logprobs(self, output, temperature: float, vocab_size: int, compute_entropy: bool = True):
+        """``(logprobs, entropy)`` of this rank's positions from its logits (or the fused
+        output layer's :class:`~nemo_rlhf.models.logprobs.ResponseLogprobs`)."""
+        if self.packed is None or isinstance(output, ResponseLogprobs):
+            return cp_token_logprobs(output, self.ids, self.dims, temperature, vocab_size=vocab_size,
+                                     compute_entropy=compute_entropy)
+        d = self.dims
+        return vocab_parallel_logprobs(output, self.layout.targets, d.tp_group, d.tp_rank, temperature=temperature,
+                                       vocab_size=vocab_size, compute_entropy=compute_entropy)
+
+    def sequence_tokens(self, mask: torch.Tensor) -> torch.Tensor:
+        """Each position's whole row's training-token count (``seq-mean-token-mean``)."""
+        if self.packed is not None:
+            return packed_sequence_tokens(mask, self.layout)
+        return cp_sequence_tokens(mask, self.index)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Per-position outputs of every CP rank back to ``[rows, R]``."""
+        if self.packed is not None:
+            return gather_packed_response(local, self.layout, self.packed.rows, self.response_length,
+                                          self.dims.cp_group)
+        return gather_response(local, self.prompt_length, self.response_length, self.dims)
 
 
 class ForwardPasses:
@@ -82,7 +166,8 @@ class ForwardPasses:
         back; None for fixed row counts). ``routes``: each micro-batch also carries the
         rollout's MoE ``routes`` (``[rows, columns, L, k]``, the same rows and columns as
         its ``input_ids``; routing replay). Under context parallelism (``dims.cp`` > 1) the
-        full-width rows' columns are right-padded to a multiple of ``2 * cp``
+        micro-batches' columns (full-width, or a token-budget micro-batch's kept ones) are
+        right-padded to a multiple of ``2 * cp``
         (:func:`~nemo_rlhf.trainers.ppo.micro_batches.pad_for_context_parallel`; MoE, and so
         ``routes``, is refused with CP).
 
@@ -107,7 +192,9 @@ class ForwardPasses:
         starts, lengths = row_extents(batch.attention_mask, batch.response_mask, P_len)
         plans = plan_micro_batches(starts, lengths, P_len, list(range(B)), B, budget,
                                    pack=self.sequence_packing, row_length=self.packed_row_length)
-        return [take(p, tensors, P_len, self.dims.device) for p in plans], plans
+        cp = self.dims.cp
+        return [pad_for_context_parallel(take(p, tensors, P_len, self.dims.device, align=2 * cp), cp)
+                for p in plans], plans
 
     @staticmethod
     def gather(res: list[dict], plans: Optional[list], batch) -> Optional[dict]:
@@ -192,17 +279,16 @@ class PolicyRole:
 
         def cp_loss_fn(output, mb):  # context parallel: this rank's positions, then gathered
             logits, values = output if isinstance(output, tuple) else (output, None)
-            ids, R = mb["input_ids"], batch.response_mask.shape[1]
+            ids, shard = mb["input_ids"], CPShard(mb, dims, *mb_response_columns(mb, batch))
 
             def response_lp(t):
-                local, _ = cp_token_logprobs(logits, ids, dims, t, vocab_size=vocab, compute_entropy=False)
-                return gather_response(local, P_len, R, dims)
+                return shard.gather(shard.logprobs(logits, t, vocab, compute_entropy=False)[0])
 
             out = {"logprobs": response_lp(temp)}
             if kl_temperature is not None and kl_temperature != temp:
                 out["kl_logprobs"] = response_lp(kl_temperature)
             if with_values and values is not None:
-                out["values"] = gather_response(values.float(), P_len, R, dims)
+                out["values"] = shard.gather(values.float())
             return torch.zeros((), device=ids.device), out
 
         def loss_fn(output, mb):
@@ -245,24 +331,22 @@ class PolicyRole:
             inputs sharded alike; the global counts make the CP ranks' losses (and, summed
             by DDP over the data-parallel-with-CP group, their gradients) add up to CP=1's."""
             logits, values = output if isinstance(output, tuple) else (output, None)
-            ids, mask = mb["input_ids"], mb["response_mask"]
-            index, valid = cp_response_index(ids.shape[1], P_len, mask.shape[1], dims, ids.device)
+            mask = mb["response_mask"]
+            shard = CPShard(mb, dims, mb.get("prompt_length", P_len), mask.shape[1])  # a token-budget
+            local = shard.local  # micro-batch has its own prompt length
 
-            def local(t):
-                return None if t is None else shard_response(t, index, valid)
-
-            lp, ent = cp_token_logprobs(logits, ids, dims, temp, vocab_size=vocab)
+            lp, ent = shard.logprobs(logits, temp, vocab)
             lp_kl = None
             if with_kl:
-                lp_kl = lp if kl_temp == temp else cp_token_logprobs(
-                    logits, ids, dims, kl_temp, vocab_size=vocab, compute_entropy=False)[0]
+                lp_kl = lp if kl_temp == temp else shard.logprobs(logits, kl_temp, vocab, compute_entropy=False)[0]
             return P.ppo_loss(
                 objective, lp, ent, local(mask.bool()), n_tokens, n_seqs,
                 old_logprobs=local(mb["old_logprobs"]), advantages=local(mb["advantages"]),
                 values=values.float() if with_values else None,
                 old_values=local(mb.get("old_values")), returns=local(mb.get("returns")),
                 kl_logprobs=lp_kl, ref_logprobs=local(mb.get("ref_logprobs")), policy=not value_only,
-                rollout_weights=local(mb.get("rollout_weights")))
+                rollout_weights=local(mb.get("rollout_weights")),
+                sequence_tokens=shard.sequence_tokens(mask))
 
         def fn(output, mb):
             if dims.cp > 1:
@@ -392,7 +476,7 @@ class SeparateCritic(CriticRole):
 
         def loss_fn(values, mb):
             if dims.cp > 1:  # this CP rank's positions, gathered to [B, R] on every CP rank
-                v = gather_response(values.float(), P_len, batch.response_mask.shape[1], dims)
+                v = CPShard(mb, dims, *mb_response_columns(mb, batch)).gather(values.float())
                 return torch.zeros((), device=v.device), {"values": v}
             p = mb.get("prompt_length", P_len)
             v = response_values(values, p, mb["input_ids"].shape[1] - p)
@@ -418,11 +502,10 @@ class SeparateCritic(CriticRole):
         def fn(values, mb):
             m = mb["response_mask"]
             if dims.cp > 1:
-                ids = mb["input_ids"]
-                index, valid = cp_response_index(ids.shape[1], P_len, m.shape[1], dims, ids.device)
-                return P.critic_loss(objective, values.float(), shard_response(mb["old_values"], index, valid),
-                                     shard_response(mb["returns"], index, valid),
-                                     shard_response(m.bool(), index, valid), n_tokens, n_seqs)
+                shard = CPShard(mb, dims, mb.get("prompt_length", P_len), m.shape[1])
+                return P.critic_loss(objective, values.float(), shard.local(mb["old_values"]),
+                                     shard.local(mb["returns"]), shard.local(m.bool()), n_tokens, n_seqs,
+                                     sequence_tokens=shard.sequence_tokens(m))
             return P.critic_loss(objective, response_values(values, mb.get("prompt_length", P_len), m.shape[1]),
                                  mb["old_values"], mb["returns"], m, n_tokens, n_seqs)
 

@@ -97,6 +97,40 @@ def test_aggregation_errors_name_the_mode_and_the_missing_count():
         aggregate_loss(LOSS, LOSS_MASK)
 
 
+def test_seq_mean_token_mean_of_sequence_shards_with_their_whole_counts():
+    """Context parallelism: each row's tokens are split over shards (columns {0, 2} and
+    {1}); with ``sequence_tokens`` (each token's whole row count ``n_b``) the shards'
+    losses add up to the whole rows' hand value ``((1 + 2) / 2 + 3 / 1) / 4``; with the
+    shard's own count (None) they do not."""
+    shards = [torch.tensor([0, 2]), torch.tensor([1])]
+    whole = LOSS_MASK.sum(1, keepdim=True).expand_as(LOSS_MASK)  # n_b per token: 2, 1
+    kw = dict(global_sequences=4)
+    total = sum(aggregate_loss(LOSS[:, c], LOSS_MASK[:, c], "seq-mean-token-mean",
+                               sequence_tokens=whole[:, c], **kw) for c in shards)
+    close(total, HAND["seq-mean-token-mean"])
+    close(aggregate_loss(LOSS[:, shards[1]], LOSS_MASK[:, shards[1]], "seq-mean-token-mean",
+                         sequence_tokens=whole[:, shards[1]], **kw), (2 / 2) / 4)
+    wrong = sum(aggregate_loss(LOSS[:, c], LOSS_MASK[:, c], "seq-mean-token-mean", **kw) for c in shards)
+    close(wrong, (1 / 1 + 2 / 1 + 3 / 1) / 4)  # the shard's own count: row 0 counted twice
+    # the other modes ignore it; a wrong shape is refused
+    close(aggregate_loss(LOSS, LOSS_MASK, "seq-mean-token-sum", sequence_tokens=whole, **kw),
+          HAND["seq-mean-token-sum"])
+    with pytest.raises(ValueError, match="sequence_tokens has shape"):
+        aggregate_loss(LOSS, LOSS_MASK, "seq-mean-token-mean", sequence_tokens=whole[:, :2], **kw)
+
+
+def test_every_loss_passes_sequence_tokens_through():
+    l = torch.where(LOSS_MASK.bool(), LOSS, 0.0)
+    zeros = torch.zeros_like(l)
+    n = torch.full_like(l, 4.0)  # as if every row had 4 tokens in all
+    kw = dict(loss_agg_mode="seq-mean-token-mean", global_sequences=4, sequence_tokens=n)
+    want = (1 + 2 + 3) / 4 / 4
+    close(policy_loss(zeros, zeros, -l, LOSS_MASK, 6, **kw)[0], want)
+    close(value_loss(l.sqrt(), zeros, zeros, LOSS_MASK, 6, clip_range=None, **kw)[0], 0.5 * want)
+    close(entropy_bonus(l, LOSS_MASK, 6, **kw), want)
+    close(kl_loss(l, zeros, LOSS_MASK, 6, estimator="k1", **kw)[0], want)
+
+
 def _uneven_batch(seed=0, batch=8, length=7):
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([1, 7, 3, 5, 2, 7, 4, 6])[:batch]  # uneven on purpose
