@@ -12,7 +12,8 @@ each final answer (the last policy turn) with the reward functions' checker
 Printed (one JSON line each): ``heldout`` before and after (accuracy, tool-call rate =
 episodes with at least one evaluated call, malformed rate, turns per episode, truncated
 rate, the first episodes' texts and every wrong one's ``[prompt, answer, text]``), and every
-PPO step's metrics (``episode/*``, reward, KL).
+PPO step's metrics (every scalar the step returns: ``episode/*``, reward, KL, entropy,
+advantages, the critic's).
 
     PYTHONPATH=. python benchmarks/tool_task_eval.py --checker nemo_rlhf.tasks.calc:TASK.score \
         exp_manager.init_from=<sft checkpoint> data.train_file=... data.val_file=... \
@@ -82,10 +83,7 @@ def main(argv=None) -> int:
     for _ in range(cfg.trainer.max_steps):
         m = trainer.train_step()
         trainer.step += 1  # as the training loop does (nemo_rlhf.trainers.loop.fit): prompts and seeds follow it
-        print(json.dumps({"step": {k: float(v) for k, v in m.items()
-                                   if isinstance(v, (int, float)) and (k.startswith(("episode/", "rollout/reward",
-                                                                                    "reward", "kl", "train/kl"))
-                                                                       or "kl" in k)}}), flush=True)
+        print(json.dumps({"step": {k: float(v) for k, v in m.items() if isinstance(v, (int, float))}}), flush=True)
     print(json.dumps({"heldout": "after", **heldout_episodes(trainer, checker)}), flush=True)
     return 0
 
