@@ -37,7 +37,8 @@ the project's own entry point run as a subprocess and skipped when its output ex
    accuracy does not); ``kl.target`` scaled by the task's response length
    (:func:`kl_target_for_task`; the default task keeps its config's) and the profile's
    ``kl.type`` (:attr:`ModelProfile.kl_type`: ``pi`` for the tiny model). A tool task
-   (``Task.env``): every evaluation runs episodes, no RM (``--reward checker`` only, #51);
+   (``Task.env``): every evaluation runs episodes, no RM (``--reward checker`` only, #51),
+   and the profile's ``optim.lr`` for it (:func:`_tool_task_lr_choice`);
 6. the before / after table, the verdict (:func:`launchers.gates.ppo_verdict`) and
    ``<out>/summary.json``. Every default picked for the task is printed with its reason
    (:func:`picked`; ``summary.json``'s ``defaults``).
