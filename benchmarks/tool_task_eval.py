@@ -12,13 +12,16 @@ each final answer (the last policy turn) with the reward functions' checker
 Printed (one JSON line each): ``heldout`` before and after (accuracy, tool-call rate =
 episodes with at least one evaluated call, malformed rate, turns per episode, truncated
 rate, the first episodes' texts and every wrong one's ``[prompt, answer, text]``), and every
-PPO step's metrics (``episode/*``, reward, KL).
+PPO step's metrics (every scalar the step returns: ``episode/*``, reward, KL, entropy,
+advantages, the critic's).
 
     PYTHONPATH=. python benchmarks/tool_task_eval.py --checker nemo_rlhf.tasks.calc:TASK.score \
         exp_manager.init_from=<sft checkpoint> data.train_file=... data.val_file=... \
         data.tokenizer_dir=... env.name=digit_calculator ... trainer.max_steps=10
 
-One process, one rank (``exp_manager.exp_dir`` gets the run's checkpoints).
+One process, one rank (``exp_manager.exp_dir`` gets the run's checkpoints). ``--show-batch N``
+prints the first step's batch token by token instead (:func:`first_batch_tokens`) and trains
+nothing.
 """
 
 from __future__ import annotations
@@ -63,9 +66,49 @@ def heldout_episodes(trainer, checker) -> dict:
             "wrong": [[p["prompt"], p.get("answer"), t] for p, t, s in zip(problems, text, scores) if s <= 0.5]}
 
 
+def first_batch_tokens(trainer, n_rows: int) -> dict:
+    """The first PPO step's batch, token by token, for the first ``n_rows`` episodes and the
+    first two the checker scored wrong: each token after the prompt with its loss mask, the
+    behaviour, old and reference log-probs, the token reward, the critic's value, the
+    advantage (as the update reads it: whitened for ``gae``) and the return. The trainer's own
+    step 1-5 (prompts, episodes, scores, forwards, :meth:`compute_advantages`); nothing is
+    trained. What docs/tasks.md, "Why PPO does not fix the copy errors", checked by hand."""
+    from nemo_rlhf.algorithms import ppo as P
+
+    cfg, tok = trainer.cfg, trainer.rollout_source.tok
+    idx = trainer.sample_prompts()
+    batch = trainer.rollout(idx)
+    scores, _ = trainer.score(idx, batch)
+    fwd = trainer.compute_old_and_reference(batch)
+    adv, metrics = trainer.compute_advantages(batch, scores, fwd)
+    beta = trainer.kl_ctl.value if cfg.kl.in_reward else 0.0  # the token rewards, as step_advantages builds them
+    rewards, _ = P.compute_token_rewards(fwd.kl_logprobs, fwd.ref_logprobs, scores, batch.response_mask, beta,
+                                         kl_estimator=cfg.kl.estimator, kl_clamp=cfg.kl.clamp, ended=batch.ended,
+                                         missing_eos_penalty=cfg.ppo.missing_eos_penalty)
+    P_len, wrong = batch.prompt_length, [i for i, s in enumerate(scores.tolist()) if s <= 0.5]
+    rows = []
+    for i in list(range(min(n_rows, len(scores)))) + wrong[:2]:
+        n = int(batch.response_lengths[i])
+        col = lambda t: [round(float(x), 4) for x in t[i, :n].tolist()]  # noqa: E731
+        rows.append({"row": i, "score": float(scores[i]), "prompt": tok.decode(batch.input_ids[i, :P_len].tolist(),
+                                                                                skip_special_tokens=False),
+                     "tokens": [tok.decode([t], skip_special_tokens=False) for t in batch.input_ids[i, P_len:P_len + n]],
+                     "loss_mask": [int(x) for x in batch.response_mask[i, :n].tolist()],
+                     "behaviour_logprob": col(batch.logprobs), "old_logprob": col(fwd.old_logprobs),
+                     "ref_logprob": col(fwd.ref_logprobs), "token_reward": col(rewards),
+                     "value": col(fwd.values) if fwd.values is not None else None,
+                     "advantage": col(adv.advantages), "return": col(adv.returns)})
+    return {"right": sum(s > 0.5 for s in scores.tolist()), "of": len(scores), "kl_coef": beta,
+            "estimator": cfg.ppo.advantage_estimator, "whitened": cfg.ppo.normalize_advantages,
+            "metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, "rows": rows}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checker", required=True, help="reward function spec (package.module:attr)")
+    ap.add_argument("--show-batch", type=int, default=0, metavar="N",
+                    help="print the first PPO step's batch token by token (N episodes and two wrong ones), "
+                         "then stop without training")
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of conf/ppo_tiny.yaml")
     a = ap.parse_args(argv)
     from hydra import compose, initialize_config_dir
@@ -78,14 +121,14 @@ def main(argv=None) -> int:
         cfg = OmegaConf.to_object(compose("ppo_tiny", overrides=a.overrides))
     trainer = build(cfg)
     checker = get_reward_function(a.checker)
+    if a.show_batch:
+        print(json.dumps({"first_batch": first_batch_tokens(trainer, a.show_batch)}), flush=True)
+        return 0
     print(json.dumps({"heldout": "before", **heldout_episodes(trainer, checker)}), flush=True)
     for _ in range(cfg.trainer.max_steps):
         m = trainer.train_step()
         trainer.step += 1  # as the training loop does (nemo_rlhf.trainers.loop.fit): prompts and seeds follow it
-        print(json.dumps({"step": {k: float(v) for k, v in m.items()
-                                   if isinstance(v, (int, float)) and (k.startswith(("episode/", "rollout/reward",
-                                                                                    "reward", "kl", "train/kl"))
-                                                                       or "kl" in k)}}), flush=True)
+        print(json.dumps({"step": {k: float(v) for k, v in m.items() if isinstance(v, (int, float))}}), flush=True)
     print(json.dumps({"heldout": "after", **heldout_episodes(trainer, checker)}), flush=True)
     return 0
 

@@ -64,7 +64,7 @@ def test_sft_on_tool_demonstrations_makes_the_tiny_model_use_the_calculator(tmp_
 
     _run([py, "-m", "nemo_rlhf.train_sft", *profile.sft_overrides(A, tmp_path / "sft", ckpt, sft_data, 200, tok,
                                                                    profile)], REPO)
-    out = _run([py, str(REPO / "benchmarks" / "tool_task_eval.py"), "--checker", "nemo_rlhf.tasks.calc:TASK.score",
+    cmd_args = ["--checker", "nemo_rlhf.tasks.calc:TASK.score",
                 f"exp_manager.init_from={tmp_path / 'sft' / 'checkpoints' / 'step_200'}",
                 f"data.train_file={data / 'ppo_prompts.jsonl'}", f"data.val_file={data / 'eval64.jsonl'}",
                 f"data.tokenizer_dir={tok}", "data.max_seq_length=64", "rollout.max_new_tokens=8",
@@ -72,11 +72,44 @@ def test_sft_on_tool_demonstrations_makes_the_tiny_model_use_the_calculator(tmp_
                 "reward.functions=[{name: 'nemo_rlhf.tasks.calc:TASK.score'}]",
                 f"exp_manager.exp_dir={tmp_path / 'ppo'}", "exp_manager.resume=none", "trainer.val_check_interval=0",
                 "trainer.sample_table_every=0", "exp_manager.save_interval=0", "trainer.seed=1",
-                "trainer.max_steps=0"], REPO)
+                "trainer.max_steps=0"]
+    out = _run([py, str(REPO / "benchmarks" / "tool_task_eval.py"), *cmd_args], REPO)
     before = [json.loads(x) for x in out.splitlines() if x.startswith('{"heldout": "before"')][0]
     assert before["n"] == 64
     assert before["tool_call_rate"] >= 0.9, before
     assert before["accuracy"] >= 0.4, before
+
+    # the first PPO step's batch token by token (--show-batch; docs/tasks.md, "Why PPO does not
+    # fix the copy errors"), checked against docs/multi-turn.md's layout by hand: an episode is
+    # call, EOS, the tool's "<product>=", answer, EOS; the mask holes exactly at the tool's tokens;
+    # at step 1 (no update yet) the old log-probs are the behaviour ones and the reference's, so the
+    # KL and its reward are 0 and the one token reward is the score on the final EOS; the critic
+    # starts at 0, so GAE's return is score * lam^(policy tokens after t): the observation skipped
+    lam = 0.95  # ppo.lam (conf/ppo.yaml's schema default)
+    shown = _run([py, str(REPO / "benchmarks" / "tool_task_eval.py"), "--show-batch", "2",
+                  *[x for x in cmd_args if x != "trainer.max_steps=0"]], REPO)
+    batch = json.loads([x for x in shown.splitlines() if x.startswith('{"first_batch"')][0])["first_batch"]
+    assert batch["estimator"] == "gae" and not any(x.startswith('{"heldout"') for x in shown.splitlines())
+    checked = 0
+    for r in batch["rows"]:
+        call, _, rest = "".join(r["tokens"]).partition("<eos>")
+        if r["score"] != 1.0 or call != r["prompt"].replace("<bos>", ""):
+            continue  # the hand check below is for a right episode with a well-formed call
+        product = rest.split("=", 1)[0]
+        n_call, n_obs = len(call) + 1, len(product) + 1
+        assert r["tokens"] == [*call, "<eos>", *product, "=", *product, "<eos>"], r["tokens"]
+        assert r["loss_mask"] == [1] * n_call + [0] * n_obs + [1] * (len(product) + 1)
+        policy = [t for t, m in enumerate(r["loss_mask"]) if m]
+        for t in policy:
+            assert abs(r["old_logprob"][t] - r["behaviour_logprob"][t]) < 1e-4
+            assert abs(r["ref_logprob"][t] - r["old_logprob"][t]) < 1e-6
+        assert r["token_reward"] == [0.0] * (len(r["tokens"]) - 1) + [1.0]
+        assert r["value"] == [0.0] * len(r["tokens"])
+        for k, t in enumerate(policy):
+            assert abs(r["return"][t] - lam ** (len(policy) - 1 - k)) < 1e-4, (t, r["return"])
+        assert all(r["advantage"][t] == 0.0 and r["return"][t] == 0.0 for t in range(n_call, n_call + n_obs))
+        checked += 1
+    assert checked >= 1, batch["rows"]
 
 
 TASK_MODULE = """
@@ -119,6 +152,10 @@ def test_the_recipe_runs_the_tool_task_through_sft_and_ppo_with_episodes(tmp_pat
     assert 0.0 < s["rm_sample_accuracy"] and not (out / "rm").exists()  # sampled episodes, no RM
     cfg = (out / "ppo" / "checkpoints" / "step_1" / "config.yaml").read_text()
     assert "name: digit_calculator" in cfg
+    # a tool task's PPO job gets the tiny profile's optim.lr (docs/tasks.md, "Why PPO does not fix
+    # the copy errors"), recorded with its reason
+    from omegaconf import OmegaConf
+    assert OmegaConf.create(cfg).optim.lr == 1e-5 and s["defaults"]["optim.lr"]["value"] == 1e-5
     rows = [json.loads(x) for x in (out / "ppo" / "eval_samples" / "step_000000.jsonl").read_text().splitlines()]
     assert len(rows) == 16 and all(r["turns"] in (1, 2) and r["episode"].endswith(r["response"]) for r in rows)
     assert all(r["correct"] == float(calc_answer(r["response"]) == r["extras"]["answer"]) for r in rows)

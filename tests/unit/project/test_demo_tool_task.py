@@ -78,3 +78,33 @@ def test_task_calc_is_the_calc_tool_task_on_the_tiny_model(tmp_path, monkeypatch
     assert ppo["config"] == "ppo_tiny" and "env.name='digit_calculator'" in ppo["args"]
     with pytest.raises(SystemExit, match="--reward rm is not supported on a tool task yet"):
         demo.main(["--task", "calc", "--out", str(tmp_path / "out2")])
+
+
+def test_a_tool_task_on_the_tiny_model_gets_the_profiles_tool_task_lr_with_its_reason(tmp_path, monkeypatch,
+                                                                                     capsys):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_argv(tmp_path, monkeypatch, "TOOL")) == 0
+    (ppo,) = fake.ppo
+    assert [x for x in ppo["args"] if x.startswith("optim.lr=")] == ["optim.lr=1e-05"]
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["defaults"]["optim.lr"]["value"] == 1e-05
+    reason = s["defaults"]["optim.lr"]["reason"]
+    assert "not conf/ppo_tiny.yaml's 0.0001" in reason and "Why PPO does not fix the copy errors" in reason
+    assert f"default: optim.lr = 1e-05 ({reason})" in capsys.readouterr().out
+
+
+def test_a_task_without_env_keeps_the_configs_lr(tmp_path, monkeypatch):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_argv(tmp_path, monkeypatch, "TASK")) == 0
+    (ppo,) = fake.ppo
+    assert not any(x.startswith("optim.lr=") for x in ppo["args"])
+    assert "optim.lr" not in json.loads((tmp_path / "out" / "summary.json").read_text())["defaults"]
+
+
+def test_the_users_lr_on_a_tool_task_wins(tmp_path, monkeypatch):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main(_argv(tmp_path, monkeypatch, "TOOL") + ["optim.lr=3e-5"]) == 0
+    (ppo,) = fake.ppo
+    assert [x for x in ppo["args"] if x.startswith("optim.lr=")] == ["optim.lr=3e-5"]
+    d = json.loads((tmp_path / "out" / "summary.json").read_text())["defaults"]["optim.lr"]
+    assert d == {"value": "3e-5", "reason": "your override"}
