@@ -119,7 +119,8 @@ def test_the_loop_stops_at_the_minimum(tmp_path, monkeypatch):
 
 
 def test_the_loop_stops_at_the_prompt_budget(tmp_path, monkeypatch, capsys):
-    """A budget of 10 held-out prompts: round 1 gets 7 (26 wanted), then no more."""
+    """A budget of 10 held-out prompts: round 1 gets 7 (26 wanted), then no more; the RM gate's
+    refusal (10 pairs < 20; --force goes on) names the budget first."""
     fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
     assert demo.main(_argv(tmp_path, monkeypatch, "--rm-heldout-max-prompts", "10")) == 0
     assert _heldout_sample_seeds(fake) == [2, 1001]
@@ -129,6 +130,9 @@ def test_the_loop_stops_at_the_prompt_budget(tmp_path, monkeypatch, capsys):
         in capsys.readouterr().out
     settings = json.loads((tmp_path / "out" / "rm_data" / "settings.json").read_text())
     assert settings["rm_heldout_max_prompts"] == 10  # a rerun with another budget is refused
+    remedies = _summary(tmp_path)["rm_gate"]["remedies"]  # 10 pairs < 20: the gate names the budget
+    assert "more new held-out RM prompts: --rm-heldout-max-prompts (now 10), --rm-heldout-sample-rounds (now 3)" \
+        in remedies[0]
 
 
 def test_the_loop_stops_at_its_round_cap(tmp_path, monkeypatch, capsys):
