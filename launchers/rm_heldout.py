@@ -152,19 +152,22 @@ def size_heldout_prompts(a, task, rm_data: Path, data: Path, rows: list[dict],
             break
         r = len(rounds) + 1
         n = round_size(count, wanted, prompts, a.rm_val_prompts, budget - prompts)
-        problems, got = new_problems(task, used, n, seed=1000 + r)
-        if not problems:
-            stopped, reason = "no_new_problems", _no_problems(task, got, data)
-            break
+        file = rm_data / f"val_prompts_new{r}.jsonl"
+        if file.exists():  # a rerun: the round's prompts as it drew them (its samples are reused too)
+            problems = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+            got = _sources(task, problems)
+        else:
+            problems, got = new_problems(task, used, n, seed=1000 + r)
+            if not problems:
+                stopped, reason = "no_new_problems", _no_problems(task, got, data)
+                break
+            _write(file, problems)
         used.update(p["prompt"] for p in problems)
         print(f"{count} natural held-out RM pairs, fewer than --rm-min-heldout-pairs {wanted}: sampling "
               f"{len(problems)} new held-out RM prompts ({got['from_train']} unused Task.train problems, "
               f"{got['generated']} from Task.generate; round {r} of at most --rm-heldout-sample-rounds "
               f"{max_rounds}, {prompts + len(problems)} of at most --rm-heldout-max-prompts {budget} "
               f"held-out prompts)", flush=True)
-        file = rm_data / f"val_prompts_new{r}.jsonl"
-        if not file.exists():  # a rerun keeps the prompts it sampled (its samples are reused too)
-            _write(file, problems)
         new = sample(file, rm_data / f"samples_val_new{r}", 1000 + r)
         rows = rows + new
         count, prompts = count_pairs(rows), prompts + len(problems)
@@ -184,6 +187,14 @@ def size_heldout_prompts(a, task, rm_data: Path, data: Path, rows: list[dict],
     combined = rm_data / "samples_val_all.jsonl"
     _write(combined, rows)
     return combined, record
+
+
+def _sources(task, problems: list[dict]) -> dict:
+    """:func:`new_problems`'s counts for prompt rows drawn before (a rerun's round file)."""
+    train = {task.prompt_row(p)["prompt"] for p in task.train}
+    k = sum(p["prompt"] in train for p in problems)
+    return {"from_train": k, "generated": len(problems) - k, "generator": task.generate is not None,
+            "generator_tries": 0}
 
 
 def _no_problems(task, got: dict, data: Path) -> str:

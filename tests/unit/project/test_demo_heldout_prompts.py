@@ -107,6 +107,22 @@ def test_new_heldout_prompts_are_distinct_unused_and_never_training_prompts(tmp_
         in text
 
 
+def test_a_rerun_reuses_the_rounds_prompts_and_samples(tmp_path, monkeypatch):
+    """A rerun in the same --out (every stage skipped when its output exists) samples nothing
+    again and records the round's prompts as drawn, even where it would now draw another count
+    (25 wanted: 1.5 x 22 = 33 prompts, but the file holds round 1's 26)."""
+    FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _argv(tmp_path, monkeypatch, "--rm-heldout-max-prompts", "100")
+    assert demo.main(argv) == 0
+    first = _summary(tmp_path)["rm_heldout_sizing"]
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    assert demo.main([*argv, "--rm-min-heldout-pairs", "25"]) == 0
+    assert _heldout_sample_seeds(fake) == []
+    again = _summary(tmp_path)["rm_heldout_sizing"]
+    assert again["rounds"] == first["rounds"] and (again["new_prompts"], again["new_from_train"]) == (26, 7)
+    assert (again["natural_heldout_pairs"], again["stopped"]) == (29, "enough")
+
+
 def test_the_loop_stops_at_the_minimum(tmp_path, monkeypatch):
     """7 wanted, 3 of 3 prompts: round 1 asks for max(3, 1.5 x 4 x 3 / 3) = 6 prompts, 9 pairs:
     no round 2 (the cap is 5, the budget 100)."""
