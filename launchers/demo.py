@@ -275,7 +275,11 @@ def main(argv=None) -> int:
                              "is not measured well enough to train against (launchers/gates.py)")
     recipe.add_argument("--rm-heldout-sample-rounds", type=int, default=3,
                         help="while the natural held-out pairs are fewer than --rm-min-heldout-pairs, sample "
-                             "the held-out RM prompts again, at most this many more rounds (0: never)")
+                             "new held-out RM prompts (unused Task.train problems, then Task.generate's), at "
+                             "most this many more rounds (0: never; launchers/rm_heldout.py)")
+    recipe.add_argument("--rm-heldout-max-prompts", type=int, default=None,
+                        help="the budget of those rounds: held-out RM prompts in all, the first "
+                             "--rm-val-prompts included (default: 8 x --rm-val-prompts)")
     recipe.add_argument("--rm-more-rounds", type=int, default=2,
                         help="while the RM gate would refuse the RM, continue it for as many steps again, "
                              "at most this many rounds, stopping when a round does not raise its held-out "

@@ -292,6 +292,10 @@ def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom
         remedies.append(f"more SFT first, so that more sampled answers are right and more prompts give a "
                         f"right-vs-wrong pair: {now('--sft-steps', 'sft_steps')}, "
                         f"{now('--sft-rows', 'sft_rows')} or {now('--sft-more-rounds', 'sft_more_rounds')}")
+    if n < min_pairs:  # the held-out sizing loop stopped short (launchers/rm_heldout.py: its budget, rounds, problems)
+        remedies.append(f"more new held-out RM prompts: {now('--rm-heldout-max-prompts', 'rm_heldout_max_prompts')}, "
+                        f"{now('--rm-heldout-sample-rounds', 'rm_heldout_sample_rounds')}; a task whose train problems "
+                        f"are used up needs Task.generate (summary.json's rm_heldout_sizing says why it stopped)")
     remedies.append(f"more samples per prompt or more prompts: {now('--rm-samples-per-prompt', 'rm_samples_per_prompt')}, "
                     f"{now('--rm-prompts', 'rm_prompts')} (training pairs), "
                     f"{now('--rm-val-prompts', 'rm_val_prompts')} (natural held-out pairs)")

@@ -21,9 +21,9 @@ the project's own entry point run as a subprocess and skipped when its output ex
    (``--sft-override KEY=VALUE``: Hydra overrides of that SFT job, after the profile's),
    then the RM data from the SFT model; a task without demonstrations is refused, naming
    ``Task.demonstrate``. The sizing loops, each with a cap: SFT continues while its greedy
-   exact match on the held-out RM prompts improves (``--sft-more-rounds``); the held-out RM
-   prompts are sampled again while their natural pairs are too few
-   (``--rm-heldout-sample-rounds``); an RM the gate would refuse continues while its
+   exact match on the held-out RM prompts improves (``--sft-more-rounds``); new held-out RM
+   prompts are sampled while their natural pairs are too few (:mod:`launchers.rm_heldout`:
+   ``--rm-heldout-max-prompts``, ``--rm-heldout-sample-rounds``); an RM the gate would refuse continues while its
    held-out pair accuracy improves (``--rm-more-rounds``);
 4. the RM, started from the policy (the imported or the SFT model), and the RM gate
    (:func:`launchers.gates.rm_gate`): PPO starts only against an RM whose natural held-out
@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import launchers.gates as gates
+import launchers.rm_heldout as rm_heldout
 import launchers.stages as stages
 import launchers.summary as summary
 from launchers.stages import REPO
@@ -402,7 +403,7 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
         None), the policy's RM training samples, pair counts by file, the SFT rounds of
         :func:`_sft_until_it_stops_improving`)``.
     """
-    from nemo_rlhf.tasks.task import count_right
+    from nemo_rlhf.tasks.task import build_preference_pairs, count_right
 
     rm_data, logs = out / "rm_data", out / "logs"
     policy, sft, probe_acc = ckpt, None, None
@@ -429,7 +430,10 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
     if task.env is None:  # a tool task trains no RM (run_recipe): no held-out pairs
         samples_val = _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
                               logs / "rm_samples.log")
-        val_file = _enough_heldout_pairs(a, policy, data, rm_data, samples_val, stage_args, logs)
+        val_file, a.rm_heldout_sizing = rm_heldout.size_heldout_prompts(
+            a, task, rm_data, data, samples_val,
+            lambda prompts, stem, seed: _sample(a, policy, prompts, stem, seed, stage_args, logs / "rm_samples.log"),
+            lambda rows: len(build_preference_pairs(rows, max_pairs_per_prompt=4)))
     if count_right(samples_train) == 0:
         raise SystemExit(f"task {task.name!r}: after SFT ({a.sft_steps} steps on {a.sft_rows} demonstrations) "
                          f"the model still got 0 of {len(samples_train)} sampled answers right; raise "
@@ -493,39 +497,6 @@ def _train_rm_until_it_stops_improving(a, rm, accuracy, out: Path, rm_data: Path
             break
         best, best_acc = stages.latest_checkpoint(exp), acc
     return best, best_acc, rounds
-
-
-def _enough_heldout_pairs(a, policy, data: Path, rm_data: Path, rows: list[dict], stage_args: list,
-                          logs: Path) -> Path:
-    """The RM data's held-out sizing loop: while the natural held-out pairs (distinct right vs
-    wrong answers of one prompt, up to 4 a prompt: :func:`nemo_rlhf.tasks.task.build_preference_pairs`)
-    of the held-out RM prompts' samples ``rows`` are fewer than ``a.rm_min_heldout_pairs`` (the
-    RM gate's minimum), sample the same prompts again (``a.rm_samples_per_prompt`` answers,
-    seed ``1000 + round``, ``<rm_data>/samples_val_extra<round>.jsonl``), at most
-    ``a.rm_heldout_sample_rounds`` rounds (the cap). Returns the samples file the held-out
-    pairs are built from: ``samples_val.jsonl`` when the first draw was enough (no round ran),
-    else ``samples_val_all.jsonl`` (every round's rows)."""
-    from nemo_rlhf.tasks.task import build_preference_pairs
-
-    first = rm_data / "samples_val.jsonl"
-    count = len(build_preference_pairs(rows, max_pairs_per_prompt=4))
-    rounds = 0
-    while count < a.rm_min_heldout_pairs and rounds < a.rm_heldout_sample_rounds:
-        rounds += 1
-        print(f"{count} natural held-out RM pairs, fewer than --rm-min-heldout-pairs {a.rm_min_heldout_pairs}: "
-              f"sampling the held-out RM prompts again (round {rounds} of at most "
-              f"--rm-heldout-sample-rounds {a.rm_heldout_sample_rounds})", flush=True)
-        rows = rows + _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / f"samples_val_extra{rounds}",
-                              1000 + rounds, stage_args, logs / "rm_samples.log")
-        count = len(build_preference_pairs(rows, max_pairs_per_prompt=4))
-    if rounds == 0:
-        return first
-    if count < a.rm_min_heldout_pairs:
-        print(f"after {rounds} more rounds: {count} natural held-out RM pairs (the cap, "
-              f"--rm-heldout-sample-rounds, reached)", flush=True)
-    combined = rm_data / "samples_val_all.jsonl"
-    stages.write_atomic(combined, "".join(json.dumps(r) + "\n" for r in rows))
-    return combined
 
 
 def _rm_auc_on_heldout_samples(a, policy, rm, data: Path, rm_data: Path, stage_args: list, logs: Path) -> dict:
@@ -594,7 +565,11 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     if not default:  # (the default's settings file predates these keys: it stays as it was)
         settings.update({"task": task.name, "model": profile.name, "rm_val_prompts": a.rm_val_prompts,
                          "sft_steps": a.sft_steps, "sft_rows": a.sft_rows})
+    if getattr(a, "rm_heldout_max_prompts", None) is None:
+        a.rm_heldout_max_prompts, why = rm_heldout.default_max_prompts(a.rm_val_prompts)
+        picked(a, "rm_heldout_max_prompts", a.rm_heldout_max_prompts, why)
     sizing = {"rm_heldout_sample_rounds": a.rm_heldout_sample_rounds, "rm_more_rounds": a.rm_more_rounds,
+              "rm_heldout_max_prompts": a.rm_heldout_max_prompts,
               "sft_more_rounds": a.sft_more_rounds,  # the sizing loops' caps: recorded since issue 53
               "sft_override": list(a.sft_overrides)}  # the SFT model is the RM data's policy
     stages.check_stage_settings(rm_data / "settings.json", {**settings, **sizing}, added=tuple(sizing))

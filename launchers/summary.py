@@ -22,7 +22,8 @@ def refused(a, out: Path, data: Path, sft, gate: "gates.GateResult", pair_counts
     of it: PPO's step-0 evaluation never ran) and its rounds (``sft_rounds``: still rising at
     the cap says more SFT may help)."""
     summary = {"rm_gate": gate.fields, "rm_pairs": pair_counts, "ppo": "not started (RM gate)",
-               "exit_status": gates.RM_GATE_EXIT, "defaults": a.defaults}
+               "exit_status": gates.RM_GATE_EXIT, "defaults": a.defaults,
+               "rm_heldout_sizing": getattr(a, "rm_heldout_sizing", None)}
     if sft is not None:
         ev = stages.evaluate_checkpoint(Path(sft), data, out / "sft_eval.json", logs / "eval.log", *stage_args,
                                         "num_examples=0")
@@ -71,7 +72,8 @@ def report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_
             "baseline_format_compliance": baseline.get(fmt), "ppo_format_compliance": final.get(fmt)}),
         "baseline_mean_response_length": baseline.get("mean_response_length"),
         "ppo_mean_response_length": final.get("mean_response_length"),
-        "rm_pairs": pair_counts, "rm_heldout_pair_accuracy": rm_acc,
+        "rm_pairs": pair_counts, "rm_heldout_sizing": getattr(a, "rm_heldout_sizing", None),
+        "rm_heldout_pair_accuracy": rm_acc,
         "rm_heldout_same_form_accuracy": rm_same_form, **kl,
         "heldout_accuracy_by_step": stages.metric_by_step(ppo_exp, "eval/accuracy"),
         "kl_mean_by_step": stages.metric_by_step(ppo_exp, "kl_mean"),

@@ -36,6 +36,12 @@ the task's own batch method ``<module>:<attribute>.score`` (:meth:`Task.score`),
 the ``--task`` path. The task's module must therefore be importable by those processes:
 from the working directory or ``PYTHONPATH`` (the recipe passes its own ``sys.path`` on).
 
+* ``generate(rng) -> problem`` (optional): one new problem of the task's kind, drawn with
+  ``rng`` (a ``random.Random``). The recipe's held-out RM sizing loop
+  (``launchers/rm_heldout.py``) takes new held-out RM prompts from the ``train`` problems no
+  prompt file uses, then from this; problems whose prompt any prompt file already holds are
+  skipped, so a generator may repeat itself. Without it a task with a fixed dataset stops
+  growing its held-out RM prompts when ``train`` is used up (the recipe says so).
 * ``env`` (optional): an environment (an ``env.name``) PPO's rollouts run, e.g. a tool the
   policy calls (``digit_calculator``, :mod:`nemo_rlhf.tasks.calc`); the recipe passes it
   and ``env_overrides`` to the PPO stage and to every ``nemo_rlhf.evaluate`` of the
@@ -68,6 +74,7 @@ Problem = Mapping[str, Any]
 Checker = Callable[[str, str, Mapping[str, Any]], Union[bool, float]]
 AnswerEdit = Callable[[str, str, Mapping[str, Any], bool, random.Random], Optional[str]]
 Demonstrator = Callable[[str, Mapping[str, Any]], Union[str, list]]
+Generator = Callable[[random.Random], Problem]
 
 PROMPT_FILES = ("eval.jsonl", "rm_val_prompts.jsonl", "rm_prompts.jsonl", "ppo_prompts.jsonl")
 """The prompt files :func:`write_prompt_files` writes, in the order the problems fill them."""
@@ -92,6 +99,9 @@ class Task:
     demonstrate: Optional[Demonstrator] = None
     """``(prompt, extras) -> str | [{"kind", "text"}]``: a right response (or, with an
     environment, the episode's segments), for SFT when the model cannot do the task."""
+    generate: Optional[Generator] = None
+    """``(rng: random.Random) -> problem``: one new problem (a dict of the template's fields),
+    for more held-out RM prompts than ``train`` has left (module docstring)."""
     checker_name: Optional[str] = None
     """``module:function`` or a built-in short name the stages name (None: ``<task>.score``)."""
     extra_checkers: tuple = ()
@@ -116,7 +126,7 @@ class Task:
             if not callable(getattr(self, key)):
                 raise TypeError(f"Task {self.name!r}: Task.{key} must be callable, got "
                                 f"{type(getattr(self, key)).__name__}")
-        for key in ("edit_answer", "demonstrate"):
+        for key in ("edit_answer", "demonstrate", "generate"):
             value = getattr(self, key)
             if value is not None and not callable(value):
                 raise TypeError(f"Task {self.name!r}: Task.{key} must be callable or None, got "

@@ -79,6 +79,7 @@ def test_prompt_files_split_train_in_order_and_refuse_too_few_problems_naming_th
     ({"heldout": ["cat"]}, "Task.heldout[0] is a str, not a dict"),
     ({"check": "exact"}, "Task.check must be callable"),
     ({"demonstrate": 3}, "Task.demonstrate must be callable or None"),
+    ({"generate": "words"}, "Task.generate must be callable or None"),
     ({"name": ""}, "Task.name=''"),
 ])
 def test_a_bad_task_is_refused_naming_the_field(kw, needle):
@@ -202,3 +203,9 @@ def test_the_example_task_of_docs_tasks_md_builds_and_its_rules_hold(tmp_path, m
     assert len(pairs) > 60 and {p["edit"] for p in pairs} == {"wrong_answer", "right_answer"}
     assert all(task.right(p["prompt"], p["chosen"], {"answer": p["answer"]})
                and not task.right(p["prompt"], p["rejected"], {"answer": p["answer"]}) for p in pairs)
+    import random  # its generator (more held-out RM prompts, launchers/rm_heldout.py): new problems, right answers
+    rng = random.Random(0)
+    made = [task.prompt_row(task.generate(rng)) for _ in range(100)]
+    assert len({r["prompt"] for r in made}) > 95
+    assert all(task.right(r["prompt"], r["answer"], r) and not task.right(r["prompt"], r["word"], r)
+               for r in made if r["word"] != r["answer"])
