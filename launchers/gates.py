@@ -44,6 +44,10 @@ AUC_FLAT = 0.02
 """A change of the reward's right-vs-wrong AUC (first to last evaluation) smaller than this
 is called flat."""
 
+REWARD_WINDOW = 10
+"""Steps averaged at each end of the run for the verdict's rollout-reward first / last
+(one step's mean over 32-64 rollouts is noisy)."""
+
 
 def wilson_interval(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     """The Wilson score interval of ``k`` successes in ``n`` trials (Wilson 1927):
@@ -362,7 +366,8 @@ def heldout_correct(exp: Path, step: int):
 
 
 def ppo_verdict(before, after, kl: dict, auc_by_step: dict, *, before_accuracy=None,
-                after_accuracy=None) -> dict:
+                after_accuracy=None, reward_by_step: dict | None = None,
+                reward_is_checker: bool = False) -> dict:
     """The verdict after PPO.
 
     Args:
@@ -371,6 +376,11 @@ def ppo_verdict(before, after, kl: dict, auc_by_step: dict, *, before_accuracy=N
             ``after_accuracy`` give the point values).
         kl: :func:`launchers.stages.kl_summary`.
         auc_by_step: ``{step: eval/reward_auc}``.
+        reward_by_step: ``{step: reward_raw_mean}``, the mean raw score of the step's
+            rollouts (None or empty: not reported).
+        reward_is_checker: the reward is the task's checker (``--reward checker``): its AUC
+            against the checker's labels is 1 by construction, so the AUC trend is ``n/a``
+            and the line says why.
 
     Returns the ``summary.json`` ``verdict`` fields: ``gain`` (``"gain"``: the interval lies
     above 0; ``"loss"``: below; ``"no measurable change"``; ``"unmeasured"``: no paired
@@ -379,8 +389,11 @@ def ppo_verdict(before, after, kl: dict, auc_by_step: dict, *, before_accuracy=N
     ``kl_target``, ``kl_band`` (multiples of the target), ``kl_to_target``, ``kl_position``
     (``below`` / ``in`` / ``above`` the band, or ``n/a`` without a target), ``reward_auc_first``,
     ``reward_auc_last`` (and their steps), ``reward_auc_change``, ``reward_auc_trend``
-    (``rising`` / ``flat`` / ``falling``, flat within :data:`AUC_FLAT`, or ``n/a``), and
-    ``line``: the printed verdict.
+    (``rising`` / ``flat`` / ``falling``, flat within :data:`AUC_FLAT`, or ``n/a``),
+    ``rollout_reward_first`` / ``rollout_reward_last`` (the mean of ``reward_by_step`` over
+    the first and the last :data:`REWARD_WINDOW` steps, at most half the steps each;
+    ``rollout_reward_window``: that count; None without rewards), and ``line``: the printed
+    verdict.
     """
     v: dict = {"gain_interval": "newcombe-paired-wilson (Newcombe 1998, method 10)"}
     paired = before is not None and after is not None and len(before) == len(after) and \
@@ -400,7 +413,10 @@ def ppo_verdict(before, after, kl: dict, auc_by_step: dict, *, before_accuracy=N
     v.update(final_kl_mean=final, kl_target=target, kl_band=list(KL_BAND), kl_to_target=ratio,
              kl_position="n/a" if ratio is None else "below" if ratio < KL_BAND[0]
              else "above" if ratio > KL_BAND[1] else "in")
-    if auc_by_step:
+    if auc_by_step and reward_is_checker:
+        v.update(reward_auc_first=None, reward_auc_last=None, reward_auc_change=None,
+                 reward_auc_trend="n/a: the reward is the checker")
+    elif auc_by_step:
         first, last = min(auc_by_step), max(auc_by_step)
         change = auc_by_step[last] - auc_by_step[first]
         v.update(reward_auc_first=auc_by_step[first], reward_auc_first_step=first,
@@ -409,6 +425,14 @@ def ppo_verdict(before, after, kl: dict, auc_by_step: dict, *, before_accuracy=N
                  else "rising" if change > 0 else "falling")
     else:
         v.update(reward_auc_first=None, reward_auc_last=None, reward_auc_change=None, reward_auc_trend="n/a")
+    steps = sorted(reward_by_step or {})
+    window = min(REWARD_WINDOW, len(steps) // 2) or len(steps)
+    if steps:
+        mean = lambda ks: sum(reward_by_step[k] for k in ks) / len(ks)  # noqa: E731
+        v.update(rollout_reward_first=mean(steps[:window]), rollout_reward_last=mean(steps[-window:]),
+                 rollout_reward_window=window)
+    else:
+        v.update(rollout_reward_first=None, rollout_reward_last=None, rollout_reward_window=None)
     if v["gain_points"] is None:
         gain_text = "held-out gain n/a"
     elif v["gain_ci95_points"] is not None:
@@ -422,9 +446,13 @@ def ppo_verdict(before, after, kl: dict, auc_by_step: dict, *, before_accuracy=N
         f"final kl_mean {final:.2f}" + (f" = {ratio:.2f}x kl.target {target:g}, {v['kl_position']} the band "
                                         f"{KL_BAND[0]:g}-{KL_BAND[1]:g}x" if ratio is not None else " (no target)"))
     auc_text = "reward AUC n/a" if not auc_by_step else (
+        "reward AUC n/a (the reward is the checker: 1.00 by construction)" if reward_is_checker else
         f"reward's right-vs-wrong AUC {v['reward_auc_first']:.2f} -> {v['reward_auc_last']:.2f} "
         f"({v['reward_auc_trend']})")
-    v["line"] = f"verdict: {v['gain']}: {gain_text}; {kl_text}; {auc_text}"
+    reward_text = "" if not steps else (
+        f"; rollout reward {v['rollout_reward_first']:.3f} -> {v['rollout_reward_last']:.3f} "
+        f"(mean of the first / last {window} steps)")
+    v["line"] = f"verdict: {v['gain']}: {gain_text}; {kl_text}; {auc_text}{reward_text}"
     return v
 
 

@@ -86,7 +86,8 @@ def report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_
     }
     summary["verdict"] = gates.ppo_verdict(
         gates.heldout_correct(ppo_exp, 0), None if ppo_step is None else gates.heldout_correct(ppo_exp, ppo_step),
-        kl, summary["reward_auc_by_step"], before_accuracy=baseline["accuracy"], after_accuracy=final["accuracy"])
+        kl, summary["reward_auc_by_step"], before_accuracy=baseline["accuracy"], after_accuracy=final["accuracy"],
+        reward_by_step=stages.metric_by_step(ppo_exp, "reward_raw_mean"), reward_is_checker=a.reward == "checker")
     summary["rm_gate"] = gate
     if sft is not None:
         summary["sft_heldout"] = gates.sft_heldout(baseline["accuracy"], baseline.get("num_responses") or n_heldout)
@@ -123,7 +124,8 @@ def report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_
               f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong answer, same "
               f"wording): {'n/a' if rm_same_form is None else f'{100 * rm_same_form:.1f}%'}")
     print(f"final kl_mean (nats/seq)    : {stages.kl_line(kl)}")
-    stages.print_reward_auc(summary["reward_auc_by_step"])
+    if a.reward != "checker":  # the checker's own AUC is 1 by construction
+        stages.print_reward_auc(summary["reward_auc_by_step"])
     stages.print_rounds(rounds)
     if sft is not None:
         print(summary["sft_heldout"]["line"])

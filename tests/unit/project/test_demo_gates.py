@@ -180,6 +180,19 @@ def test_the_verdict_states_the_gain_with_its_paired_interval_the_kl_band_and_th
     v = gates.ppo_verdict(gates.heldout_correct(exp, 0), gates.heldout_correct(exp, 10),
                           {**kl, "final_kl_mean": 6.3}, {0: 0.70, 10: 0.71})
     assert (v["gain"], v["kl_position"], v["reward_auc_trend"]) == ("no measurable change", "in", "flat")
+    # the reward is the checker (--reward checker): its AUC is 1 by construction, not a trend;
+    # the rollout reward's first / last 10 steps are averaged (at most half the steps each)
+    rewards = {k: 0.4 + 0.01 * k for k in range(1, 25)}  # steps 1-10: 0.455; 15-24: 0.595
+    v = gates.ppo_verdict(gates.heldout_correct(exp, 0), gates.heldout_correct(exp, 10), kl, {0: 1.0, 10: 1.0},
+                          reward_by_step=rewards, reward_is_checker=True)
+    assert (v["reward_auc_first"], v["reward_auc_trend"]) == (None, "n/a: the reward is the checker")
+    assert (v["rollout_reward_first"], v["rollout_reward_last"], v["rollout_reward_window"]) == (
+        pytest.approx(0.455), pytest.approx(0.595), 10)
+    assert v["line"].endswith("reward AUC n/a (the reward is the checker: 1.00 by construction); "
+                              "rollout reward 0.455 -> 0.595 (mean of the first / last 10 steps)")
+    v = gates.ppo_verdict(None, None, {}, {}, before_accuracy=0.25, after_accuracy=0.5,
+                          reward_by_step={1: 0.2, 2: 0.3, 3: 0.7})  # 3 steps: one at each end
+    assert (v["rollout_reward_first"], v["rollout_reward_last"], v["rollout_reward_window"]) == (0.2, 0.7, 1)
     # no per-problem rows: the point gain, no interval
     v = gates.ppo_verdict(None, None, {}, {}, before_accuracy=0.25, after_accuracy=0.5)
     assert (v["gain"], v["gain_points"], v["gain_ci95_points"], v["kl_position"], v["reward_auc_trend"]) == (
@@ -200,6 +213,8 @@ def test_the_verdict_and_the_defaults_are_in_summary_json(tmp_path, monkeypatch,
         with (ppo_exp / "metrics.jsonl").open("a") as f:
             f.write(json.dumps({"step": 0, "eval/reward_auc": 0.6}) + "\n")
             f.write(json.dumps({"step": max_steps, "eval/reward_auc": 0.8}) + "\n")
+            for step in range(1, max_steps + 1):  # the trainer's rollout reward, one row a step
+                f.write(json.dumps({"step": step, "reward_raw_mean": 0.5}) + "\n")
 
     monkeypatch.setattr(stages, "ppo_stage", ppo_stage)
     assert demo.main(_custom(tmp_path, monkeypatch)) == 0
@@ -207,8 +222,9 @@ def test_the_verdict_and_the_defaults_are_in_summary_json(tmp_path, monkeypatch,
     v = s["verdict"]
     for key in ("gain", "gain_points", "gain_ci95_points", "gain_interval", "heldout_problems", "final_kl_mean",
                 "kl_target", "kl_band", "kl_position", "reward_auc_first", "reward_auc_last", "reward_auc_trend",
-                "line"):
+                "rollout_reward_first", "rollout_reward_last", "rollout_reward_window", "line"):
         assert key in v, key
+    assert (v["rollout_reward_first"], v["rollout_reward_last"]) == (0.5, 0.5)
     assert (v["gain_points"], v["heldout_problems"], v["reward_auc_trend"]) == (50.0, 4, "rising")
     assert v["gain"] == "no measurable change"  # 4 problems: the interval is wide
     assert (v["final_kl_mean"], v["kl_target"], v["kl_position"]) == (6.3012, 6.0, "in")
