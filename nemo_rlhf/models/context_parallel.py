@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
-from nemo_rlhf.models.logprobs import ResponseLogprobs
-from nemo_rlhf.models.vocab_parallel import chunked_linear_logprobs, vocab_parallel_logprobs
+from nemo_rlhf.models.logprobs import ResponseLogprobs, fused_logprobs_of_positions
+from nemo_rlhf.models.vocab_parallel import vocab_parallel_logprobs
 
 
 def cp_positions(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -416,28 +416,10 @@ def cp_fused_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, cp_requ
         float32 in this rank's position order (0 where not selected), as
         :func:`cp_token_logprobs` returns them.
     """
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
     s, B, H = hidden_states.shape
-    req, select = cp_request.request, cp_request.select
     h = hidden_states.transpose(0, 1).reshape(B * s, H)
-    tp_size, tp_rank = tp_group.size(), tp_group.rank()
-    if tp_size > 1:
-        h = copy_to_tensor_model_parallel_region(h, group=tp_group)
-    h, targets = h.index_select(0, select), cp_request.targets.reshape(B * s).index_select(0, select)
-
-    def full(t: torch.Tensor) -> torch.Tensor:  # [n] selected -> [B, s], 0 elsewhere
-        return t.new_zeros(B * s).index_copy(0, select, t).view(B, s)
-
-    logprobs, entropy = {}, None
-    for i, t in enumerate(req.temperatures):
-        lp, ent = chunked_linear_logprobs(
-            h, weight, targets, tp_group if tp_size > 1 else None, tp_rank, t, req.vocab_size,
-            compute_entropy=req.compute_entropy and i == 0, chunk_size=req.chunk_size)
-        logprobs[float(t)] = full(lp)
-        if i == 0:
-            entropy = full(ent)
-    return ResponseLogprobs(logprobs=logprobs, entropy=entropy)
+    return fused_logprobs_of_positions(h, weight, cp_request.targets.reshape(B * s), (B, s), cp_request.request,
+                                       tp_group, cp_request.select)
 
 
 def pad_to_cp_multiple(t: torch.Tensor, cp: int, value: int = 0) -> torch.Tensor:

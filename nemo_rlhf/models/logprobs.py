@@ -199,25 +199,50 @@ def fused_response_logprobs(hidden_states: torch.Tensor, weight: torch.Tensor, i
     Raises:
         ValueError: ``prompt_length`` outside ``[1, seq]``.
     """
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
     S, B, H = hidden_states.shape
     P = request.prompt_length
     if not 1 <= P <= S:
         raise ValueError(f"LogprobRequest.prompt_length={P} outside [1, {S}]")
     R = S - P
     h = response_slice(hidden_states.transpose(0, 1), P, R).reshape(B * R, H)
+    return fused_logprobs_of_positions(h, weight, input_ids[:, P:].reshape(B * R), (B, R), request,
+                                       tp_group, select)
+
+
+def fused_logprobs_of_positions(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                                shape: tuple[int, int], request, tp_group,
+                                select: Optional[torch.Tensor] = None) -> ResponseLogprobs:
+    """The fused, chunked output layer's log-probs (and entropy) of flat positions: the one
+    body of :func:`fused_response_logprobs` and the context-parallel
+    :func:`nemo_rlhf.models.context_parallel.cp_fused_logprobs`.
+
+    Args:
+        h: ``[rows * cols, hidden]`` hidden states of the positions, row-major.
+        weight: ``[padded_vocab/tp, hidden]`` the output layer's weight.
+        targets: ``[rows * cols]`` int64 next-token ids.
+        shape: ``(rows, cols)`` of the result.
+        request: the temperatures, vocabulary size, entropy flag and chunk size
+            (:class:`LogprobRequest`).
+        tp_group: the output layer's TP group (``h``'s gradient is summed over it).
+        select: optional ``[n]`` int64 flat indices: only these positions go through the
+            output layer; the others are 0 in the result. None: every position.
+
+    Returns:
+        :class:`ResponseLogprobs` with ``[rows, cols]`` float32 tensors.
+    """
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    rows, cols = shape
     tp_size, tp_rank = tp_group.size(), tp_group.rank()
     if tp_size > 1:
         h = copy_to_tensor_model_parallel_region(h, group=tp_group)
-    targets = input_ids[:, P:].reshape(B * R)
     if select is not None:
         h, targets = h.index_select(0, select), targets.index_select(0, select)
 
-    def full(t: torch.Tensor) -> torch.Tensor:  # [n] selected -> [B, R], 0 elsewhere
+    def full(t: torch.Tensor) -> torch.Tensor:  # [n] selected -> [rows, cols], 0 elsewhere
         if select is None:
-            return t.view(B, R)
-        return t.new_zeros(B * R).index_copy(0, select, t).view(B, R)
+            return t.view(rows, cols)
+        return t.new_zeros(rows * cols).index_copy(0, select, t).view(rows, cols)
 
     logprobs, entropy = {}, None
     for i, t in enumerate(request.temperatures):

@@ -68,28 +68,14 @@ class JobCollectives:
     def dp_reduce_stats(self, stats: dict) -> dict:
         """Token statistics (``merge_token_stats``' partial sums / maxima / minima) reduced
         over DP, each by its own op (:func:`~nemo_rlhf.algorithms.ppo.stat_reduce_op`)."""
-        if self.dims.dp == 1:
-            return stats
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        for k in sorted(stats):
-            t = stats[k].clone()
-            dist.all_reduce(t, op=ops[stat_reduce_op(k)], group=self.dims.dp_group)
-            stats[k] = t
-        return stats
+        return _reduce_stats(stats, self.dims.dp, self.dims.dp_group)
 
     def cp_reduce_stats(self, stats: dict) -> dict:
         """Token statistics of one CP rank's positions reduced over the context-parallel
         group, each by its own op (as :meth:`dp_reduce_stats`): the training losses' under
         ``parallel.context_parallel_size`` > 1. Only for statistics computed on a CP shard:
         the ``[B, R]`` tensors of the forward-only passes are whole on every CP rank."""
-        if self.dims.cp == 1:
-            return stats
-        ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        for k in sorted(stats):
-            t = stats[k].clone()
-            dist.all_reduce(t, op=ops[stat_reduce_op(k)], group=self.dims.cp_group)
-            stats[k] = t
-        return stats
+        return _reduce_stats(stats, self.dims.cp, self.dims.cp_group)
 
     def whiten_reduce(self, s, sq, n):
         """The whitening's ``(sum, sum of squares, count)`` over DP (one all-reduce)."""
@@ -153,6 +139,20 @@ class JobCollectives:
             raise failure
         src = next(i for i, m in enumerate(infos) if m is not None)
         raise error(f"{what} failed on rank {src} (stopping every rank): {infos[src]}")
+
+
+def _reduce_stats(stats: dict, size: int, group) -> dict:
+    """``stats`` (scalar tensors named as :func:`~nemo_rlhf.algorithms.ppo.stat_reduce_op`
+    reads them) all-reduced over ``group`` of ``size`` ranks, each by its own op, in sorted
+    key order (the same on every rank); ``stats`` itself when ``size == 1``."""
+    if size == 1:
+        return stats
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    for k in sorted(stats):
+        t = stats[k].clone()
+        dist.all_reduce(t, op=ops[stat_reduce_op(k)], group=group)
+        stats[k] = t
+    return stats
 
 
 def bcast_text(message: Optional[str]) -> Optional[str]:
