@@ -34,6 +34,15 @@ filtered distribution's (the true behaviour policy), the megatron engine the unf
 Either way the trainer recomputes the old log-probs with the training engine, and
 ``ppo.rollout_is_cap`` / ``ppo.rollout_mask_threshold`` correct for the difference.
 
+Context parallelism (``parallel.context_parallel_size`` > 1): CP replicates the weights,
+so the CP ranks of one DP rank are replicas of one rollout. Every rank still builds its
+engine (building is collective over the whole job), but only CP rank 0's engines are used:
+they alone refit (one TP all-gather and one load per replica, not one per CP rank) and
+generate, and their rows are broadcast over the CP group (one host tensor), so every CP
+rank ends with the same :class:`RolloutBatch`, as the megatron engine's CP broadcast gives.
+The other CP ranks' engines keep their dummy weights and are never called (on CUDA with
+sleep mode they sleep from the start); their KV-cache reservation is the cost.
+
 Refused (``ValueError`` naming the key): ``parallel.pipeline_model_parallel_size > 1`` (the
 refit gathers TP shards only), a ``rollout.vllm.tensor_parallel_size`` that does not divide
 the training TP size, a model the HF mapping cannot express (see
@@ -133,6 +142,34 @@ def _forget_moe_kernels(model) -> int:
     return n
 
 
+def _pack_rows(ids: list[list[int]], lps: list[list[float]], ended: list[bool], R: int) -> torch.Tensor:
+    """Rows as one host float64 ``[B, 2R + 2]`` tensor to share over a process group: per
+    row its ``n <= R`` token ids (exact in float64), their log-probs, ``n`` and the stop flag
+    (1.0 / 0.0); the rest zero. :func:`_unpack_rows` reads it back."""
+    B = len(ids)
+    packed = torch.zeros(B, 2 * R + 2, dtype=torch.float64, device="cpu")
+    for r in range(B):
+        n = len(ids[r])
+        if n or ended[r]:
+            # host rows of a host tensor (shared over gloo)
+            packed[r, :n] = torch.tensor(ids[r], dtype=torch.float64, device="cpu")
+            packed[r, R:R + n] = torch.tensor(lps[r], dtype=torch.float64, device="cpu")
+            packed[r, 2 * R] = n
+            packed[r, 2 * R + 1] = float(ended[r])
+    return packed
+
+
+def _unpack_rows(packed: torch.Tensor, R: int):
+    """``(ids, log-probs, ended)`` lists of a :func:`_pack_rows` tensor."""
+    ids, lps, ended = [], [], []
+    for row in packed:
+        n = int(row[2 * R])
+        ids.append([int(x) for x in row[:n].tolist()])
+        lps.append(row[R:R + n].tolist())
+        ended.append(bool(row[2 * R + 1]))
+    return ids, lps, ended
+
+
 class VLLMRolloutEngine:
     """A vLLM engine in this process, refit from the actor's weights in memory.
 
@@ -183,6 +220,7 @@ class VLLMRolloutEngine:
         self.cfg, self.dims, self.model_cfg = cfg, dims, model_cfg
         self.eos_token_id, self.pad_token_id, self.decode_fn = eos_token_id, pad_token_id, decode_fn
         self.vtp = vcfg.tensor_parallel_size
+        self.cp, self.cp_rank = getattr(dims, "cp", 1), getattr(dims, "cp_rank", 0)
         self.cuda = dims.device.type == "cuda"
         self.moe = model_cfg.num_moe_experts is not None
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
@@ -234,7 +272,13 @@ class VLLMRolloutEngine:
     def refit(self, model, weights_version: int) -> bool:
         """Load the actor's current weights into the engine unless ``weights_version`` is
         the one loaded last. Collective over the TP group (its all-gather). Returns
-        whether weights were loaded."""
+        whether weights were loaded.
+
+        Under context parallelism only CP rank 0 loads (its engines are the ones that
+        generate, :meth:`generate`); on the other CP ranks this gathers nothing, loads
+        nothing and returns False (their ``refits`` stay 0)."""
+        if self.cp_rank != 0:
+            return False
         if weights_version == self.loaded_version:
             self.skipped_refits += 1
             return False
@@ -268,7 +312,7 @@ class VLLMRolloutEngine:
             self._asleep = True
 
     def _wake(self) -> None:
-        if self._asleep:
+        if self._asleep and self.cp_rank == 0:  # (CP rank > 0: never used, left asleep)
             self.llm.wake_up()
             self._asleep = False
 
@@ -306,10 +350,14 @@ class VLLMRolloutEngine:
     def _generate_rows(self, prompts, cfg: RolloutConfig, call_index: int,
                        max_tokens: Optional[list[int]] = None,
                        engine_of_row: Optional[list[int]] = None):
-        """Every row's response ids, log-probs and stop flag (the same on every TP rank).
-        ``max_tokens``: each row's own bound (each <= ``cfg.max_new_tokens``; None: that).
-        ``engine_of_row``: which of the DP group's ``tp / vllm_tp`` engines generates each
-        row (None: each engine a contiguous share of the rows)."""
+        """Every row's response ids, log-probs and stop flag (the same on every TP and CP
+        rank). ``max_tokens``: each row's own bound (each <= ``cfg.max_new_tokens``; None:
+        that). ``engine_of_row``: which of the DP group's ``tp / vllm_tp`` engines generates
+        each row (None: each engine a contiguous share of the rows). Under context
+        parallelism CP rank 0's engines generate and the rows are broadcast over the CP
+        group (the other CP ranks' engines are not called)."""
+        if self.cp > 1 and self.cp_rank != 0:
+            return self._receive_rows(len(prompts), cfg.max_new_tokens)
         B = len(prompts)
         n_engines = self.dims.tp // self.vtp
         engine = self.dims.tp_rank // self.vtp
@@ -339,32 +387,28 @@ class VLLMRolloutEngine:
         if n_engines > 1:
             ids, lps, ended = self._share_rows(ids, lps, ended, cfg.max_new_tokens,
                                                contribute=self.dims.tp_rank % self.vtp == 0)
+        if self.cp > 1:  # CP rank 0 holds every row now: to the other CP ranks
+            packed = _pack_rows(ids, lps, ended, cfg.max_new_tokens)
+            # host metadata: CPU tensors go through gloo (the backend map of every group)
+            dist.broadcast(packed, group=self.dims.cp_group, group_src=0)
         return ids, lps, ended
+
+    def _receive_rows(self, B: int, R: int):
+        """A CP rank > 0's rows: CP rank 0's broadcast (:meth:`_generate_rows`)."""
+        packed = torch.zeros(B, 2 * R + 2, dtype=torch.float64, device="cpu")
+        # host metadata: CPU tensors go through gloo (the backend map of every group)
+        dist.broadcast(packed, group=self.dims.cp_group, group_src=0)
+        return _unpack_rows(packed, R)
 
     def _share_rows(self, ids, lps, ended, R: int, contribute: bool):
         """Merge the engines' rows over the TP group: one all-reduce (sum) of a host float64
-        ``[B, 2R + 2]`` tensor (ids, log-probs, length, stop flag), each row written by the
-        first rank of the engine that generated it and zero elsewhere."""
-        B = len(ids)
-        packed = torch.zeros(B, 2 * R + 2, dtype=torch.float64, device="cpu")
-        if contribute:
-            for r in range(B):
-                n = len(ids[r])
-                if n or ended[r]:
-                    # host rows of the host tensor shared below
-                    packed[r, :n] = torch.tensor(ids[r], dtype=torch.float64, device="cpu")
-                    packed[r, R:R + n] = torch.tensor(lps[r], dtype=torch.float64, device="cpu")
-                    packed[r, 2 * R] = n
-                    packed[r, 2 * R + 1] = float(ended[r])
+        ``[B, 2R + 2]`` tensor (:func:`_pack_rows`), each row written by the first rank of
+        the engine that generated it and zero elsewhere."""
+        packed = (_pack_rows(ids, lps, ended, R) if contribute
+                  else torch.zeros(len(ids), 2 * R + 2, dtype=torch.float64, device="cpu"))
         # host metadata: CPU tensors go through gloo (the backend map of every group)
         dist.all_reduce(packed, group=self.dims.tp_group)
-        ids, lps, ended = [], [], []
-        for row in packed:
-            n = int(row[2 * R])
-            ids.append([int(x) for x in row[:n].tolist()])
-            lps.append(row[R:R + n].tolist())
-            ended.append(bool(row[2 * R + 1]))
-        return ids, lps, ended
+        return _unpack_rows(packed, R)
 
     def _batch(self, prompts, ids, lps, ended) -> RolloutBatch:
         prompt_ids, prompt_mask, _ = left_pad(prompts, self.pad_token_id)
@@ -393,7 +437,13 @@ class VLLMRolloutEngine:
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """vLLM's log-probs (temperature 1) of each sequence's tokens 1.. given the tokens
-        before them (for checks against the training engine); ``len(seq) - 1`` per row."""
+        before them (for checks against the training engine); ``len(seq) - 1`` per row.
+
+        Raises:
+            RuntimeError: on a CP rank > 0 (its engine holds no refit weights)."""
+        if self.cp_rank != 0:
+            raise RuntimeError("VLLMRolloutEngine.prompt_logprobs under parallel.context_parallel_size > 1: "
+                               "only CP rank 0's engine is refit; call it there")
         self._wake()
         try:
             params = self._sampling_params(max_tokens=1, temperature=0.0, prompt_logprobs=0,

@@ -20,6 +20,8 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     assert typed_job("ppo_tiny", CP + ["ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"])
     assert typed_job("ppo_tiny", CP + ["critic.mode=separate"]).critic.mode == "separate"
     assert typed_job("ppo_tiny", CP + ["model.lora.enabled=true"]).model.lora.enabled
+    # tests/vllm_engine/test_vllm_context_parallel.py: equal to CP=1, refit once per replica
+    assert typed_job("ppo_tiny", CP + ["rollout.engine=vllm"]).rollout.engine == "vllm"
     assert typed_job("ppo_tiny", ["parallel.context_parallel_size=2"]).ppo.logprob_chunk_size == 1024
     # tests/distributed/test_ppo_context_parallel_budget.py: equal to CP=1
     assert typed_job("ppo_tiny", CP + ["ppo.loss_agg_mode=seq-mean-token-mean"]).ppo.loss_agg_mode == \
@@ -31,7 +33,6 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
 
 @pytest.mark.parametrize("overrides, key, value, ok", [
     (["model.num_moe_experts=4"], "model.num_moe_experts", "4", "null"),
-    (["rollout.engine=vllm"], "rollout.engine", "vllm", "megatron"),
     (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.mode", "async", "sync"),
     (["rollout.use_kv_cache=false"], "rollout.use_kv_cache", "false", "true"),
     (["env.name=digit_calculator"], "env.name", "digit_calculator", "null"),

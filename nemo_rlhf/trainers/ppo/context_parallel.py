@@ -4,7 +4,9 @@ Wired (docs/parallelism.md): a dense model (TP, PP and DP free, LoRA or not), ev
 mode (the value head on the actor's backbone, a separate critic, none), every
 ``ppo.loss_agg_mode``, padded micro-batches by rows or by a token budget
 (``ppo.max_tokens_per_micro_batch``), packed ones (``ppo.sequence_packing``), the logits or
-the fused output layer (``ppo.logprob_chunk_size``), the megatron engine's KV-cache rollout, single-turn.
+the fused output layer (``ppo.logprob_chunk_size``), the megatron engine's KV-cache rollout and the vLLM engine's
+(``rollout.engine=vllm``: CP rank 0's engines refit and generate, the rows broadcast over
+CP; :mod:`nemo_rlhf.rollout.vllm_engine`), synchronous (``rollout.mode=sync``), single-turn.
 Everything else is refused here, before any process group exists, by the key and the value
 that works.
 """
@@ -28,7 +30,6 @@ def check_context_parallel(cfg) -> None:
     p, r, par = cfg.ppo, cfg.rollout, cfg.parallel
     unwired = (  # (key, value, refused, the value that works)
         ("model.num_moe_experts", cfg.model.num_moe_experts, bool(cfg.model.num_moe_experts), "null"),
-        ("rollout.engine", r.engine, r.engine != "megatron", "megatron"),
         ("rollout.mode", r.mode, r.mode != "sync", "sync"),
         ("rollout.use_kv_cache", r.use_kv_cache, not r.use_kv_cache, True),
         ("env.name", cfg.env.name, cfg.env.name is not None, "null"),
@@ -38,8 +39,8 @@ def check_context_parallel(cfg) -> None:
             raise ValueError(
                 f"parallel.context_parallel_size={cp} with {key}={_show(value)}: not wired for context "
                 f"parallelism yet; set {key}={_show(ok)} (wired: a dense model, every critic mode, "
-                f"micro-batches by rows, by a token budget or packed, the megatron KV-cache rollout, "
-                f"single-turn; "
+                f"micro-batches by rows, by a token budget or packed, the megatron KV-cache or the vLLM "
+                f"rollout, synchronous, single-turn; "
                 f"docs/parallelism.md)")
 
 
