@@ -22,6 +22,9 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     assert typed_job("ppo_tiny", CP + ["model.lora.enabled=true"]).model.lora.enabled
     # tests/vllm_engine/test_vllm_context_parallel.py: equal to CP=1, refit once per replica
     assert typed_job("ppo_tiny", CP + ["rollout.engine=vllm"]).rollout.engine == "vllm"
+    # tests/e2e/test_async_rollout.py: equal to CP=1 (rollout workers, max_staleness=1)
+    assert typed_job("ppo_tiny", CP + ["rollout.mode=async", "rollout.max_staleness=1",
+                                       "ppo.rollout_is_cap=2.0"]).rollout.mode == "async"
     assert typed_job("ppo_tiny", ["parallel.context_parallel_size=2"]).ppo.logprob_chunk_size == 1024
     # tests/distributed/test_ppo_context_parallel_budget.py: equal to CP=1
     assert typed_job("ppo_tiny", CP + ["ppo.loss_agg_mode=seq-mean-token-mean"]).ppo.loss_agg_mode == \
@@ -33,8 +36,9 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
 
 @pytest.mark.parametrize("overrides, key, value, ok", [
     (["model.num_moe_experts=4"], "model.num_moe_experts", "4", "null"),
-    (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.mode", "async", "sync"),
     (["rollout.use_kv_cache=false"], "rollout.use_kv_cache", "false", "true"),
+    (["rollout.engine=vllm", "rollout.mode=async", "rollout.max_staleness=0"], "rollout.engine",
+     "vllm with rollout.mode=async", r"megatron \(or rollout.mode=sync\)"),
     (["env.name=digit_calculator"], "env.name", "digit_calculator", "null"),
 ])
 def test_ppo_config_refuses_what_is_not_wired_naming_the_key(overrides, key, value, ok):

@@ -13,9 +13,11 @@ local source; per PPO step ``s``:
   :class:`~nemo_rlhf.rollout.staleness.StalenessSchedule` it shares with the controller),
   waits for step ``s``'s items and broadcasts them (host objects); each rank moves its own
   DP rank's samples to ``dims.device``.
-* :meth:`RemoteRolloutSource.after_update` (every rank of DP rank 0): the actor's full
-  weights gathered over TP (LoRA merged, value head left out), copied and handed to the
-  controller as version ``s``.
+* :meth:`RemoteRolloutSource.after_update` (every TP rank of DP rank 0 and CP rank 0): the
+  actor's full weights gathered over TP (LoRA merged, value head left out), copied and
+  handed to the controller as version ``s``. Under context parallelism the CP ranks hold
+  the same weights (CP does not shard them), so only CP rank 0 gathers: once per version,
+  not once per CP rank; the CP ranks of a DP rank take the same item (its ``dp_rank``).
 * the trainer recomputes old log-probs and values with its current weights (version
   ``s - 1``); the samples' own log-probs (the behaviour policy's) feed
   ``ppo.rollout_is_cap`` / ``ppo.rollout_mask_threshold``: the decoupled PPO objective of
@@ -210,8 +212,9 @@ class RemoteRolloutSource:
     # --- per step ----------------------------------------------------------------------------
     def _publish(self, version: int) -> None:
         """The actor's weights after ``version`` steps to the controller (collective over the
-        TP group of DP rank 0; the other DP ranks do nothing)."""
-        if self.dims.dp_rank != 0:
+        TP group of DP rank 0 and CP rank 0; the other DP and CP ranks do nothing: CP
+        replicates the weights)."""
+        if self.dims.dp_rank != 0 or getattr(self.dims, "cp_rank", 0) != 0:
             return
         tensors = full_weights(self.actor.model, self.dims, self.lora_scale)
         if self.controller is not None:

@@ -6,7 +6,11 @@ mode (the value head on the actor's backbone, a separate critic, none), every
 (``ppo.max_tokens_per_micro_batch``), packed ones (``ppo.sequence_packing``), the logits or
 the fused output layer (``ppo.logprob_chunk_size``), the megatron engine's KV-cache rollout and the vLLM engine's
 (``rollout.engine=vllm``: CP rank 0's engines refit and generate, the rows broadcast over
-CP; :mod:`nemo_rlhf.rollout.vllm_engine`), synchronous (``rollout.mode=sync``), single-turn.
+CP; :mod:`nemo_rlhf.rollout.vllm_engine`), synchronous or with rollout workers
+(``rollout.mode=async`` with the megatron engine on the workers: the CP ranks of a DP rank
+take its item, CP rank 0 publishes the weights; :mod:`nemo_rlhf.trainers.ppo.async_rollout`),
+single-turn. (Async with vLLM workers is refused: the workers do not see CP, but that
+combination has no test.)
 Everything else is refused here, before any process group exists, by the key and the value
 that works.
 """
@@ -30,7 +34,8 @@ def check_context_parallel(cfg) -> None:
     p, r, par = cfg.ppo, cfg.rollout, cfg.parallel
     unwired = (  # (key, value, refused, the value that works)
         ("model.num_moe_experts", cfg.model.num_moe_experts, bool(cfg.model.num_moe_experts), "null"),
-        ("rollout.mode", r.mode, r.mode != "sync", "sync"),
+        ("rollout.engine", "vllm with rollout.mode=async", r.engine == "vllm" and r.mode == "async",
+         "megatron (or rollout.mode=sync)"),
         ("rollout.use_kv_cache", r.use_kv_cache, not r.use_kv_cache, True),
         ("env.name", cfg.env.name, cfg.env.name is not None, "null"),
     )
@@ -40,7 +45,7 @@ def check_context_parallel(cfg) -> None:
                 f"parallel.context_parallel_size={cp} with {key}={_show(value)}: not wired for context "
                 f"parallelism yet; set {key}={_show(ok)} (wired: a dense model, every critic mode, "
                 f"micro-batches by rows, by a token budget or packed, the megatron KV-cache or the vLLM "
-                f"rollout, synchronous, single-turn; "
+                f"rollout, synchronous or async (megatron workers), single-turn; "
                 f"docs/parallelism.md)")
 
 

@@ -151,6 +151,28 @@ def test_the_remote_source_answers_the_same_calls_with_the_versions_the_schedule
     assert greedy.input_ids.tolist() == [[9, 9]] and decode.closed
 
 
+@pytest.mark.parametrize("tp_rank, cp_rank, dp_rank, gathers", [(1, 0, 0, True), (0, 1, 0, False), (1, 1, 0, False),
+                                                           (0, 0, 1, False)])
+def test_only_cp_rank_0_of_dp_rank_0_gathers_the_weights_for_the_workers(tmp_path, monkeypatch, tp_rank, cp_rank,
+                                                                          dp_rank, gathers):
+    """Under context parallelism the CP ranks hold the same weights: the weights of a
+    version are gathered (over TP) by CP rank 0 of DP rank 0 only, once per version (#52).
+    Ranks other than global rank 0 hold no controller, so nothing is sent from here."""
+    calls = []
+    monkeypatch.setattr(async_rollout, "full_weights", lambda model, dims, scale: calls.append(model) or {})
+    actor = SimpleNamespace(model=0, weights_version=0)
+    dims = SimpleNamespace(dp=2, dp_rank=dp_rank, rank=1 + tp_rank + 2 * cp_rank, world_size=8, tp=2, pp=1, cp=2,
+                           tp_rank=tp_rank, cp_rank=cp_rank, device=torch.device("cpu"))
+    source = RemoteRolloutSource(_remote_cfg(tmp_path, 0, 2), dims, actor, ENCODED,
+                                 ResumableSampler(PROMPTS, seed=3, shuffle=True),
+                                 SimpleNamespace(raise_together=_raise_together), Timers(), RecordingEngine())
+    assert source.controller is None
+    source.begin(0)  # publishes version 0
+    actor.model = 1
+    source.after_update(1)
+    assert calls == ([0, 1] if gathers else [])
+
+
 def _build_cfg(mode: str):
     model = SimpleNamespace(vocab_size=11, max_position_embeddings=32, lora=SimpleNamespace(enabled=False))
     return SimpleNamespace(rollout=RolloutConfig(mode=mode, max_staleness=0, num_workers=1), model=model,
