@@ -7,8 +7,8 @@ end with CP rank 0's rollout (its broadcast).
 One spawn per layout: CP=1 builds the model, saves it as the common start and runs its
 two steps; CP=2 starts from that checkpoint. Sampled rollouts (T=1): vLLM's per-row seeds
 come from the DP rank, which the CP ranks share, so CP=2 draws CP=1's tokens. The second
-step's rollout is generated after an optimizer step, so it checks the refit of updated
-weights (a stale or a per-CP-rank engine would give other tokens or other counts).
+step's rollout is generated after an optimizer step, from the refit updated weights (the
+refit counts and ``loaded_version`` check that it happened on CP rank 0 only).
 """
 
 from __future__ import annotations
@@ -98,8 +98,6 @@ def test_every_cp_rank_gets_cp1s_rollout(results):
             assert torch.equal(got["logprobs"], cp[0]["batches"][step]["logprobs"])  # CP rank 0's, broadcast
             torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=TOL, rtol=0)
         assert want["response_mask"].sum() > 8  # sampled responses, not all one token
-    # the update moved the policy: the second rollout is of refit weights, not the first's
-    assert not torch.equal(ref["batches"][0]["input_ids"], ref["batches"][1]["input_ids"])
 
 
 @pytest.mark.parametrize("step", [0, 1])
@@ -114,6 +112,10 @@ def test_the_compared_metrics_are_not_vacuous(results):
     first, second = results[0]["metrics"]
     assert first["value_loss"] > 0 and first["entropy"] > 0 and first["grad_norm"] > 0
     assert second["kl_loss"] > 0  # the first step's actor is the reference
+    # both steps' rollouts come from the actor's current weights (the second's refit after
+    # the update, lr 1e-2): vLLM's log-probs are the training forward's (the vLLM suite's 1e-4)
+    for ref_or_cp in (results[0], results[1][0]):
+        assert all(m["rollout_train_logprob_diff_max"] < 1e-4 for m in ref_or_cp["metrics"])
 
 
 def test_the_refit_sends_the_weights_once_per_replica(results):
