@@ -52,11 +52,31 @@ def test_ppo_config_refuses_what_is_not_wired_for_moe_naming_the_key(overrides, 
         typed_job("ppo_tiny", CP + MOE + overrides)
 
 
+ENV = ["env.name=digit_calculator"]
+
+
+def test_ppo_config_accepts_multiturn_episodes_under_cp():
+    # tests/distributed/test_ppo_multiturn_parallel.py: CP=2 equals one rank
+    assert typed_job("ppo_tiny", CP + ENV).env.name == "digit_calculator"
+
+
+@pytest.mark.parametrize("overrides, key, value, ok", [
+    (ENV + ["parallel.tensor_model_parallel_size=2"], "parallel.tensor_model_parallel_size", "2", "1"),
+    (ENV + ["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size", "2", "1"),
+    (ENV + MOE, "env.name", "digit_calculator", "null"),
+])
+def test_ppo_config_refuses_multiturn_episodes_where_not_wired(overrides, key, value, ok):
+    what = "model.num_moe_experts=4" if key == "env.name" else "env.name=digit_calculator"
+    with pytest.raises(ValueError, match=rf"parallel\.context_parallel_size=2 with {what} and {key}={value}: "
+                                         rf"not wired for context parallelism yet; set {key}={ok} "
+                                         rf"\(wired: a dense model, every critic mode.*multi-turn episodes"):
+        typed_job("ppo_tiny", CP + overrides)
+
+
 @pytest.mark.parametrize("overrides, key, value, ok", [
     (["rollout.engine=vllm"], "rollout.engine", "vllm", "megatron"),
     (["rollout.mode=async", "rollout.max_staleness=0"], "rollout.mode", "async", "sync"),
     (["rollout.use_kv_cache=false"], "rollout.use_kv_cache", "false", "true"),
-    (["env.name=digit_calculator"], "env.name", "digit_calculator", "null"),
 ])
 def test_ppo_config_refuses_what_is_not_wired_naming_the_key(overrides, key, value, ok):
     base = CP
