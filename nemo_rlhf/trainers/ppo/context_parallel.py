@@ -5,11 +5,21 @@ mode (the value head on the actor's backbone, a separate critic, none), every
 ``ppo.loss_agg_mode``, padded micro-batches by rows or by a token budget
 (``ppo.max_tokens_per_micro_batch``), packed ones (``ppo.sequence_packing``), the logits or
 the fused output layer (``ppo.logprob_chunk_size``), the megatron engine's KV-cache rollout, single-turn.
+Multi-turn episodes (``env.name``) of a dense model at TP = PP = 1.
+A mixture-of-experts model (``model.num_moe_experts``) at TP = PP = 1, expert parallelism
+free (EP within the CP group: megatron carves the expert groups from DP x CP), with the
+load-balancing loss (``model.moe_aux_loss_coeff``) and routing replay
+(``moe.routing_replay``), without the router z-loss.
 Everything else is refused here, before any process group exists, by the key and the value
 that works.
 """
 
 from __future__ import annotations
+
+_WIRED = ("a dense model, every critic mode, micro-batches by rows, by a token budget or packed, "
+          "the megatron KV-cache rollout, single-turn; a MoE model at TP = PP = 1, expert "
+          "parallelism, routing replay and the aux loss free, no z-loss; multi-turn episodes "
+          "(env.name) of a dense model at TP = PP = 1")
 
 
 def check_context_parallel(cfg) -> None:
@@ -25,22 +35,27 @@ def check_context_parallel(cfg) -> None:
     cp = cfg.parallel.context_parallel_size
     if cp == 1:
         return
-    p, r, par = cfg.ppo, cfg.rollout, cfg.parallel
+    r, par, m = cfg.rollout, cfg.parallel, cfg.model
+    moe, env = bool(m.num_moe_experts), cfg.env.name is not None
+    # MoE and multi-turn episodes are wired at TP = PP = 1 (and not together)
+    only = f"model.num_moe_experts={m.num_moe_experts}" if moe else f"env.name={cfg.env.name}"
     unwired = (  # (key, value, refused, the value that works)
-        ("model.num_moe_experts", cfg.model.num_moe_experts, bool(cfg.model.num_moe_experts), "null"),
+        ("parallel.tensor_model_parallel_size", par.tensor_model_parallel_size,
+         (moe or env) and par.tensor_model_parallel_size > 1, 1),
+        ("parallel.pipeline_model_parallel_size", par.pipeline_model_parallel_size,
+         (moe or env) and par.pipeline_model_parallel_size > 1, 1),
+        ("model.moe_z_loss_coeff", m.moe_z_loss_coeff, moe and bool(m.moe_z_loss_coeff), 0.0),
         ("rollout.engine", r.engine, r.engine != "megatron", "megatron"),
         ("rollout.mode", r.mode, r.mode != "sync", "sync"),
         ("rollout.use_kv_cache", r.use_kv_cache, not r.use_kv_cache, True),
-        ("env.name", cfg.env.name, cfg.env.name is not None, "null"),
+        ("env.name", cfg.env.name, moe and env, "null"),
     )
     for key, value, refused, ok in unwired:
         if refused:
+            what = f"{only} and {key}" if key.startswith("parallel.") or key == "env.name" else key
             raise ValueError(
-                f"parallel.context_parallel_size={cp} with {key}={_show(value)}: not wired for context "
-                f"parallelism yet; set {key}={_show(ok)} (wired: a dense model, every critic mode, "
-                f"micro-batches by rows, by a token budget or packed, the megatron KV-cache rollout, "
-                f"single-turn; "
-                f"docs/parallelism.md)")
+                f"parallel.context_parallel_size={cp} with {what}={_show(value)}: not wired for context "
+                f"parallelism yet; set {key}={_show(ok)} (wired: {_WIRED}; docs/parallelism.md)")
 
 
 def _show(value) -> str:
