@@ -43,7 +43,9 @@ class ParallelConfig:
     ``model.num_moe_experts / EP`` of them). An expert-parallel group is made of ranks of
     different data-parallel replicas (the same TP and PP position), so EP must divide the
     data-parallel size; the expert weights are then data-parallel over the remaining
-    ``DP / EP`` ranks (megatron's expert-data-parallel group). 1 for a dense model."""
+    ``DP / EP`` ranks (megatron's expert-data-parallel group). Under context parallelism
+    megatron carves the expert groups from the ``DP x CP`` ranks (EP must divide that; at
+    DP = 1, CP = EP = 2 the expert group is the CP group). 1 for a dense model."""
     context_parallel_size: int = 1
     """Ranks a sequence is split across (megatron CP, load-balanced: CP rank ``r`` holds
     chunks ``r`` and ``2 CP - 1 - r`` of ``2 CP``; sequence lengths must be divisible by
@@ -118,7 +120,7 @@ def validate_parallel_layout(
     Raises:
         ValueError: naming the offending key (``parallel.tensor_model_parallel_size``,
             ``parallel.pipeline_model_parallel_size``, ``parallel.expert_model_parallel_size``,
-            ``parallel.context_parallel_size`` (also refused with a MoE model),
+            ``parallel.context_parallel_size``,
             ``model.num_layers``, ...), its value and the values that would work.
     """
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -166,22 +168,19 @@ def validate_parallel_layout(
             f"pipeline_model_parallel_size={pp}: tp*pp*cp={tp * pp * cp} does not divide the world "
             f"size {world_size}; valid context_parallel_size values for this TP and PP: {valid}"
         )
-    if cp > 1 and num_moe_experts is not None:
-        raise ValueError(
-            f"parallel.context_parallel_size={cp} with a mixture-of-experts model "
-            f"(model.num_moe_experts={num_moe_experts}): CP is built and tested for dense models "
-            f"only; set parallel.context_parallel_size=1")
     dp = world_size // (tp * pp * cp)
-    _validate_expert_parallel(parallel.expert_model_parallel_size, dp, tp, pp, num_moe_experts)
+    _validate_expert_parallel(parallel.expert_model_parallel_size, dp, tp, pp, num_moe_experts, cp)
     return dp
 
 
-def _validate_expert_parallel(ep: int, dp: int, tp: int, pp: int, num_moe_experts: int | None) -> None:
+def _validate_expert_parallel(ep: int, dp: int, tp: int, pp: int, num_moe_experts: int | None,
+                              cp: int = 1) -> None:
     """megatron's rules for ``parallel.expert_model_parallel_size``: a MoE model, EP
-    dividing the data-parallel size (its expert groups, of EP x expert TP (= TP) ranks per
-    pipeline stage, tile the world: megatron's ``initialize_model_parallel`` requires
-    ``world_size % (TP x EP x PP) == 0``) and the experts (``num_moe_experts % EP == 0``,
-    megatron's ``MoELayer``)."""
+    dividing the data-parallel x context-parallel size (its expert groups, of EP x expert TP
+    (= TP) ranks per pipeline stage, tile the world: megatron's ``initialize_model_parallel``
+    requires ``world_size % (TP x EP x PP) == 0`` and carves the expert groups from the
+    ``DP x CP`` ranks of a TP x PP position, CP ranks included) and the experts
+    (``num_moe_experts % EP == 0``, megatron's ``MoELayer``)."""
     if ep == 1:
         return
     if num_moe_experts is None:
@@ -189,14 +188,16 @@ def _validate_expert_parallel(ep: int, dp: int, tp: int, pp: int, num_moe_expert
             f"parallel.expert_model_parallel_size={ep} on a dense model (model.num_moe_experts is "
             f"null): expert parallelism splits a mixture-of-experts layer's experts; set "
             f"parallel.expert_model_parallel_size=1")
-    valid = [d for d in _divisors(dp) if num_moe_experts % d == 0]
-    if dp % ep:
+    ranks = dp * cp
+    valid = [d for d in _divisors(ranks) if num_moe_experts % d == 0]
+    if ranks % ep:
+        with_cp = f" x context_parallel_size={cp}" if cp > 1 else ""
         raise ValueError(
-            f"parallel.expert_model_parallel_size={ep} must divide the data-parallel size {dp} "
-            f"(world size {dp * tp * pp} / (tensor_model_parallel_size={tp} x "
+            f"parallel.expert_model_parallel_size={ep} must divide the data-parallel size {dp}"
+            f"{with_cp} (world size {ranks * tp * pp} / (tensor_model_parallel_size={tp} x "
             f"pipeline_model_parallel_size={pp})): megatron builds each expert-parallel group from "
-            f"ranks of different data-parallel replicas; valid values for this layout and "
-            f"model.num_moe_experts={num_moe_experts}: {valid}")
+            f"ranks of different data-parallel (or context-parallel) ranks; valid values for this "
+            f"layout and model.num_moe_experts={num_moe_experts}: {valid}")
     if num_moe_experts % ep:
         raise ValueError(
             f"model.num_moe_experts={num_moe_experts} is not divisible by "

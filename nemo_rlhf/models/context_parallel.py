@@ -432,6 +432,33 @@ def pad_to_cp_multiple(t: torch.Tensor, cp: int, value: int = 0) -> torch.Tensor
     return torch.cat([t, t.new_full((t.shape[0], extra), value)], dim=1)
 
 
+def cp_routes(routes: torch.Tensor, seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
+    """A MoE micro-batch's routing-replay routes (``moe.routing_replay``) cut to this CP
+    rank's positions, exactly as its ``input_ids`` are (:func:`cp_positions`).
+
+    Args:
+        routes: ``[B, S0, L, k]`` int64 expert ids of the micro-batch's columns
+            (:class:`~nemo_rlhf.models.routing_replay.RoutingReplay`), ``S0 <= seq_len``: the
+            columns before the CP padding (:func:`pad_to_cp_multiple`).
+        seq_len: ``S``, the padded ``input_ids``' columns (a multiple of ``2 cp``).
+        cp / cp_rank: the CP size and this rank.
+
+    Returns:
+        ``[B, S / cp, L, k]``: the padding columns ``-1`` (the router's own choice; padded
+        positions are masked out of the loss and the router's counts).
+
+    Raises:
+        ValueError: ``S0 > seq_len``; ``seq_len`` not divisible by ``2 cp``.
+    """
+    extra = seq_len - routes.shape[1]
+    if extra < 0:
+        raise ValueError(f"routing replay under parallel.context_parallel_size={cp}: the routes "
+                         f"cover {routes.shape[1]} columns, the micro-batch {seq_len}")
+    if extra:
+        routes = torch.cat([routes, routes.new_full((routes.shape[0], extra, *routes.shape[2:]), -1)], dim=1)
+    return routes.index_select(1, cp_positions(seq_len, cp, cp_rank, routes.device))
+
+
 def refuse_context_parallel(parallel, job: str) -> None:
     """Refuse ``parallel.context_parallel_size`` > 1 in a job it is not wired into (the SFT
     and RM trainers, the RM server, evaluate: their micro-batches do not shard sequences

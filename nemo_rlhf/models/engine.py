@@ -159,17 +159,22 @@ def _cp_forward(model, input_ids, attention_mask, cp: int, packed, logprob_reque
         cp_packed_inputs, cp_packed_layout, rope_at_positions)
 
     rank = ps.get_context_parallel_rank()
+    moe = bool(getattr(unwrap(model).config, "num_moe_experts", None))
     if packed is not None:  # megatron's THD layout, nemo_rlhf.models.cp_packing
         layout = cp_packed_layout(packed, cp, rank)
         if logprob_request is not None:
             kwargs["logprob_request"] = CPLogprobRequest(logprob_request, layout.targets,
                                                          layout.predicts.reshape(-1).nonzero().squeeze(1))
+        if moe:  # the MoE padding mask of this rank's packed positions (as at CP=1)
+            kwargs["padding_mask"] = (packed.segment_ids == 0).gather(1, layout.positions)
         ids, position_ids, mask = cp_packed_inputs(packed, layout)
         with rope_at_positions(unwrap(model), position_ids):
             return model(ids, position_ids, mask, **kwargs)
     if logprob_request is not None:  # the fused output layer on this rank's positions
         kwargs["logprob_request"] = cp_logprob_request(logprob_request, input_ids, cp, rank)
     pos = cp_positions(input_ids.shape[1], cp, rank, input_ids.device)
+    if moe:  # the MoE padding mask of this rank's positions (as at CP=1)
+        kwargs["padding_mask"] = (~attention_mask.bool()).index_select(1, pos)
     return model(input_ids.index_select(1, pos), position_ids_for(attention_mask).index_select(1, pos),
                  causal_padding_mask(attention_mask).index_select(2, pos), **kwargs)
 
@@ -223,7 +228,9 @@ def forward_backward(
             is not replayed (its output is discarded, its loss multiplied by 0). Not with
             packed micro-batches, nor with ``model.recompute_granularity=full`` (the
             backward's recompute re-runs the routers after the replay is removed; the PPO
-            config refuses both).
+            config refuses both). Under context parallelism the routes are padded (``-1``)
+            to the ids' columns and cut to this CP rank's positions like the ids
+            (:func:`~nemo_rlhf.models.context_parallel.cp_routes`).
 
     Returns:
         On the last pipeline stage, one stats dict per micro-batch; elsewhere ``[]``.
@@ -256,6 +263,13 @@ def forward_backward(
                                  + ("is packed (moe.routing_replay with ppo.sequence_packing)" if "packed" in mb
                                     else "has no 'routes'"))
     cfg = unwrap(model).config
+    cp = getattr(cfg, "context_parallel_size", 1) or 1
+    if cp > 1:
+        from megatron.core import parallel_state as ps
+
+        cp_rank = ps.get_context_parallel_rank()
+    else:
+        cp_rank = 0
     user_coeffs = (getattr(cfg, "moe_aux_loss_coeff", 0.0), getattr(cfg, "moe_z_loss_coeff", None))
     weighted = router_loss_coefficients(cfg, forward_only, routed_tokens)
     if weighted is not None:
@@ -277,8 +291,14 @@ def forward_backward(
             request = replace(request, prompt_length=mb["prompt_length"])
         if weighted is not None:  # this micro-batch's router losses (a filler's: none)
             cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff = (0.0, None) if index >= real else weighted
-        replay = (RoutingReplay(stage, "replay", mb["routes"]) if replay_routes and index < real
-                  else nullcontext())  # (a filler routes by its own choice: its output is dropped)
+        replay = nullcontext()  # (a filler routes by its own choice: its output is dropped)
+        if replay_routes and index < real:
+            routes = mb["routes"]
+            if cp > 1:  # this CP rank's positions of the routes, as of the ids (model_forward)
+                from nemo_rlhf.models.context_parallel import cp_routes  # lazy: megatron stays out of the CLI
+
+                routes = cp_routes(routes, mb["input_ids"].shape[1], cp, cp_rank)
+            replay = RoutingReplay(stage, "replay", routes)
         with filler_forward(index >= real), replay:  # a filler's routed tokens are not counted
             out = model_forward(stage, mb["input_ids"], mb["attention_mask"], with_values, request,
                                 packed=mb.get("packed"))
@@ -329,6 +349,16 @@ def router_loss_coefficients(cfg, forward_only: bool, routed_tokens) -> Optional
     ``T_mb / routed_tokens``, a token-weighted mean over the step whatever the micro-batch
     and DP sizes. The losses are linear in their coefficient and megatron logs
     ``loss / coeff``, so the logged values stay unscaled.
+
+    Under context parallelism the same coefficients give CP = 1's gradient (checked by
+    ``tests/distributed/test_ppo_context_parallel_moe.py``): megatron's load-balancing loss
+    (``TopKRouter._apply_aux_loss``) takes the tokens per expert and the token count over
+    the router's TP x CP group and the probabilities of this rank's positions, so the CP
+    ranks' losses sum to the whole micro-batch's, and it attaches each one times the
+    micro-batch's whole token count (``get_tokens_per_expert_and_token_count`` all-reduces
+    the local counts in place, so its "local" count is the group's too); the gradients summed
+    over CP are CP = 1's. The z-loss is not (megatron divides its coefficient by the TP x CP
+    size and logs each rank's own token mean): refused under CP by the PPO config.
 
     Args:
         cfg: the model's megatron ``TransformerConfig`` (its MoE coefficients are the

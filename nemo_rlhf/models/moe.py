@@ -187,7 +187,8 @@ class RouterLoad:
                     setattr(self, attr, float(tracker[name]["values"].sum()))
             clear_aux_losses_tracker()
 
-    def stage_sums(self, dp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    def stage_sums(self, dp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                   cp_sum: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """``[6]`` float64 to be summed over the pipeline stages (:func:`router_load_metrics`):
         per layer ``max_e / mean_e`` and ``min_e / mean_e`` of its tokens per expert, summed
         over this stage's layers; the layer count; the aux-loss and z-loss sums; the router
@@ -199,9 +200,18 @@ class RouterLoad:
                 calls it together. The tokens per expert are summed over DP *before* the
                 ratios, so the metrics are the whole batch's whatever the DP size (a mean of
                 per-rank ratios would change with it). None: this rank's counts alone.
+            cp_sum: sums a tensor over the context-parallel group (in place, returning it;
+                :meth:`~nemo_rlhf.trainers.collectives.JobCollectives.cp_sum`), called
+                before ``dp_sum``: a CP rank routes only its positions of every sequence, so
+                the tokens per expert and megatron's aux losses (each CP rank's the
+                share of its positions, taken with the whole sequences' counts:
+                ``TopKRouter._apply_aux_loss``) are summed over CP; the router calls are
+                not (every CP rank makes the same calls). None: no CP.
         """
         losses = [self.aux_loss_sum, self.z_loss_sum, float(self.calls)]
         packed = torch.cat([self.counts.flatten(), self.counts.new_tensor(losses)])
+        if cp_sum is not None:
+            packed = torch.cat([cp_sum(packed[:-1].clone()), packed[-1:]])
         if dp_sum is not None:
             packed = dp_sum(packed)
         c = packed[:-3].view_as(self.counts)

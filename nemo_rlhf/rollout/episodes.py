@@ -65,7 +65,10 @@ rank that samples (TP rank 0 of the last stage) also steps the environments; eac
 outcomes (result, time, observation ids) are broadcast to the group as pickled host
 objects (gloo), so an environment with a time budget or side effects runs once and every
 rank appends the same ids. The other ranks' environment instances are reset but never
-stepped. Each DP rank runs its own episodes. Expert parallelism: as :func:`generate`, a
+stepped. Each DP rank runs its own episodes. Context parallelism
+(``parallel.context_parallel_size`` > 1, TP = PP = 1): every CP rank decodes the whole
+episodes (the incremental path, as :func:`generate` under CP); CP rank 0 samples and steps
+the environments, its choices and outcomes broadcast over the CP group. Expert parallelism: as :func:`generate`, a
 rank whose rows are done keeps stepping until its expert-exchange group is done.
 
 Not covered (an error naming it): ``rollout.min_new_tokens`` > 0 (its suppression is per
@@ -200,16 +203,21 @@ def _turn_cap(row: _Row, cfg: RolloutConfig, limits: EnvLimits) -> int:
 
 
 def _leader(dims) -> bool:
-    """The rank that samples (TP rank 0 of the last stage) also steps the environments."""
-    return dims.is_last_stage and dims.tp_rank == 0
+    """The rank that samples (TP rank 0 and CP rank 0 of the last stage) also steps the
+    environments."""
+    return dims.is_last_stage and dims.tp_rank == 0 and getattr(dims, "cp_rank", 0) == 0
 
 
 def _share_objects(dims, objs: list) -> list:
-    """``objs`` from the leader to every rank of its model-parallel group (host objects,
-    pickled: gloo; the same route as ``generate``'s token broadcast)."""
-    if dims.tp * dims.pp == 1:
+    """``objs`` from the leader to every rank of its model-parallel group and its CP group
+    (host objects, pickled: gloo; the same route as ``generate``'s token broadcast: the
+    CP group, then TP, then the pipeline)."""
+    cp = getattr(dims, "cp", 1)
+    if dims.tp * dims.pp * cp == 1:
         return objs
     box = [objs]
+    if dims.is_last_stage and cp > 1:
+        dist.broadcast_object_list(box, group=dims.cp_group, group_src=0, device=torch.device("cpu"))
     if dims.is_last_stage and dims.tp > 1:
         dist.broadcast_object_list(box, group=dims.tp_group, group_src=0, device=torch.device("cpu"))
     if dims.pp > 1:

@@ -54,6 +54,14 @@ class JobCollectives:
             dist.all_reduce(t, group=self.dims.dp_group)
         return t
 
+    def cp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the context-parallel group, in place (its own device):
+        quantities of which each CP rank holds its positions' share (the MoE router
+        metrics)."""
+        if self.dims.cp > 1:
+            dist.all_reduce(t, group=self.dims.cp_group)
+        return t
+
     def pp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the pipeline stages, in place (its own device): per-stage sums
         of every layer (the MoE router metrics)."""

@@ -1,5 +1,7 @@
 """A multi-turn PPO step (#51: ``env.name``, the two-turn environment whose first turn is
-answered like a tool call) at DP=2, TP=2 and PP=2 on 2 gloo ranks equals one rank's.
+answered like a tool call) at DP=2, TP=2, PP=2 and CP=2 (#52: every CP rank decodes the
+whole episodes, CP rank 0 samples and steps the environment; the policy mask with the
+environment's hole is sharded with the sequence) on 2 gloo ranks equals one rank's.
 
 Every layout starts from the one-rank run's initial weights (``exp_manager.init_from``): a
 random initialisation depends on PP (docs/models.md), so a fresh PP=2 model is another
@@ -30,7 +32,8 @@ COMMON = ("env.name=tests.ppo_helpers:two_turn_env", "env.max_total_tokens=64",
           "reward.functions=[{name: env}]", "ppo.num_rollout_samples=8", "ppo.global_batch_size=8",
           "ppo.micro_batch_size=2", "ppo.forward_micro_batch_size=2", "ppo.ppo_epochs=1",
           "ppo.shuffle=false", "optim.lr=1e-3")
-LAYOUTS = {"dp2": (1, 1, "greedy"), "tp2": (2, 1, "sample"), "pp2": (1, 2, "sample")}
+LAYOUTS = {"dp2": (1, 1, "greedy"), "tp2": (2, 1, "sample"), "pp2": (1, 2, "sample"), "cp2": (1, 1, "sample")}
+CP = {"cp2": 2}  # parallel.context_parallel_size (1 elsewhere)
 MODE = {"greedy": ("rollout.greedy=true",), "sample": ()}
 
 
@@ -46,7 +49,7 @@ def _step(trainer) -> dict:
         rows.append({"ids": batch.input_ids[b][real].tolist(),
                      "policy": policy[batch.attention_mask[b, P:].bool()].tolist(),
                      "logprobs": batch.logprobs[b][policy].tolist()})
-    return {"metrics": metrics, "rows": rows}
+    return {"metrics": metrics, "rows": rows, "cp": trainer.dims.cp}
 
 
 def _reference(rank: int, tmp: str):
@@ -66,16 +69,30 @@ def _reference(rank: int, tmp: str):
 
 def _layouts(rank: int, tmp: str):
     from nemo_rlhf.train_ppo import build
+    from tests.ppo_helpers import TwoTurnEnv
 
     tmp = Path(tmp)
     data = make_demo_data(tmp / "data")
     out = {}
-    for name, (tp, pp, mode) in LAYOUTS.items():
-        cfg = compose_ppo(data, tmp / name, *COMMON, *MODE[mode],
-                          f"exp_manager.init_from={tmp}/init/step_0",
-                          f"parallel.tensor_model_parallel_size={tp}",
-                          f"parallel.pipeline_model_parallel_size={pp}")
-        out[name] = _step(build(cfg))
+    step, steps = TwoTurnEnv.step, [0]
+
+    def counted(self, *args):  # this rank's environment steps
+        steps[0] += 1
+        return step(self, *args)
+
+    TwoTurnEnv.step = counted
+    try:
+        for name, (tp, pp, mode) in LAYOUTS.items():
+            cfg = compose_ppo(data, tmp / name, *COMMON, *MODE[mode],
+                              f"exp_manager.init_from={tmp}/init/step_0",
+                              f"parallel.tensor_model_parallel_size={tp}",
+                              f"parallel.pipeline_model_parallel_size={pp}",
+                              f"parallel.context_parallel_size={CP.get(name, 1)}")
+            steps[0] = 0
+            out[name] = _step(build(cfg))
+            out[name]["env_steps"] = steps[0]
+    finally:
+        TwoTurnEnv.step = step
     return out
 
 
@@ -105,8 +122,11 @@ def test_multiturn_first_step_equals_one_rank(results, layout):
     for i, (g, w) in enumerate(zip(rows, want["rows"])):
         assert g["ids"] == w["ids"] and g["policy"] == w["policy"], f"{layout} row {i}"
         assert g["logprobs"] == pytest.approx(w["logprobs"], abs=TOL), f"{layout} row {i}"
-    if layout != "dp2":  # every rank of the model-parallel group holds the same episodes
+    if layout != "dp2":  # every rank of the model-parallel (or CP) group holds the same episodes
         assert par[1][layout]["rows"] == got["rows"]
+    assert [r[layout]["cp"] for r in par] == [CP.get(layout, 1)] * 2
+    if layout == "cp2":  # CP rank 0 alone steps the environments (a tool runs once)
+        assert par[0][layout]["env_steps"] > 0 and par[1][layout]["env_steps"] == 0
 
 
 def test_sampled_episodes_are_not_the_greedy_ones(results):

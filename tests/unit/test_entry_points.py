@@ -4,7 +4,6 @@ with ``+`` that the schema does not have fails at once, naming it."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("module,schema", [("nemo_rlhf.train_ppo", "PPOTrainerConfig"),
                                            ("nemo_rlhf.train_sft", "SupervisedTrainerConfig"),
                                            ("nemo_rlhf.train_rm", "SupervisedTrainerConfig")])
-def test_plus_added_unknown_key_fails_naming_it(module, schema, tmp_path):
-    res = subprocess.run([sys.executable, "-m", module, "+trainer.no_such_key=1",
+def test_plus_added_unknown_key_fails_naming_it(module, schema, tmp_path, entry_point_python):
+    res = subprocess.run([entry_point_python, "-m", module, "+trainer.no_such_key=1",
                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode != 0

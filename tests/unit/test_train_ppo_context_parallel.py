@@ -32,14 +32,71 @@ def test_ppo_config_accepts_cp_on_the_wired_path():
     assert typed_job("ppo_tiny", CP + ["ppo.max_tokens_per_micro_batch=64"]).ppo.max_tokens_per_micro_batch == 64
     assert typed_job("ppo_tiny", CP + ["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"]
                      ).ppo.sequence_packing
+    # tests/distributed/test_ppo_context_parallel_moe.py: a MoE model at CP=2 and CP=2 x EP=2
+    moe = CP + ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32"]
+    cfg = typed_job("ppo_tiny", moe + ["model.moe_aux_loss_coeff=0.1", "moe.routing_replay=true",
+                                       "parallel.expert_model_parallel_size=2"])
+    assert cfg.model.num_moe_experts == 4 and cfg.moe.routing_replay
+    assert typed_job("ppo_tiny", moe + ["ppo.max_tokens_per_micro_batch=64", "ppo.sequence_packing=true"]
+                     ).ppo.sequence_packing
+
+
+MOE = ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32"]
 
 
 @pytest.mark.parametrize("overrides, key, value, ok", [
-    (["model.num_moe_experts=4"], "model.num_moe_experts", "4", "null"),
+    (["parallel.tensor_model_parallel_size=2"], "parallel.tensor_model_parallel_size", "2", "1"),
+    (["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size", "2", "1"),
+    (["model.moe_z_loss_coeff=0.01"], "model.moe_z_loss_coeff", "0.01", "0.0"),
+])
+def test_ppo_config_refuses_what_is_not_wired_for_moe_naming_the_key(overrides, key, value, ok):
+    what = f"model.num_moe_experts=4 and {key}" if key.startswith("parallel.") else key
+    with pytest.raises(ValueError, match=rf"parallel\.context_parallel_size=2 with {what}={value}: not wired "
+                                         rf"for context parallelism yet; set {key}={ok} \(wired: a dense model, "
+                                         rf"every critic mode.*a MoE model at TP = PP = 1"):
+        typed_job("ppo_tiny", CP + MOE + overrides)
+
+
+ENV = ["env.name=digit_calculator"]
+
+
+def test_ppo_config_accepts_multiturn_episodes_under_cp():
+    # tests/distributed/test_ppo_multiturn_parallel.py: CP=2 equals one rank
+    assert typed_job("ppo_tiny", CP + ENV).env.name == "digit_calculator"
+
+
+@pytest.mark.parametrize("overrides, key, value, ok", [
+    (ENV + ["parallel.tensor_model_parallel_size=2"], "parallel.tensor_model_parallel_size", "2", "1"),
+    (ENV + ["parallel.pipeline_model_parallel_size=2"], "parallel.pipeline_model_parallel_size", "2", "1"),
+    (ENV + MOE, "env.name", "digit_calculator", "null"),
+])
+def test_ppo_config_refuses_multiturn_episodes_where_not_wired(overrides, key, value, ok):
+    what = "model.num_moe_experts=4" if key == "env.name" else "env.name=digit_calculator"
+    with pytest.raises(ValueError, match=rf"parallel\.context_parallel_size=2 with {what} and {key}={value}: "
+                                         rf"not wired for context parallelism yet; set {key}={ok} "
+                                         rf"\(wired: a dense model, every critic mode.*multi-turn episodes"):
+        typed_job("ppo_tiny", CP + overrides)
+
+
+ASYNC = ["rollout.mode=async", "rollout.max_staleness=0"]
+
+
+@pytest.mark.parametrize("overrides, what, key, value, ok", [
+    (["rollout.engine=vllm"] + ASYNC, "rollout.mode=async", "rollout.engine", "vllm", "megatron"),
+    (["rollout.engine=vllm"] + MOE, "model.num_moe_experts=4", "rollout.engine", "vllm", "megatron"),
+    (["rollout.engine=vllm"] + ENV, "env.name=digit_calculator", "rollout.engine", "vllm", "megatron"),
+    (ASYNC + MOE, "model.num_moe_experts=4", "rollout.mode", "async", "sync"),
+    (ASYNC + ENV, "env.name=digit_calculator", "rollout.mode", "async", "sync"),
+])
+def test_ppo_config_refuses_vllm_and_async_beyond_a_dense_single_turn_model(overrides, what, key, value, ok):
+    with pytest.raises(ValueError, match=rf"parallel\.context_parallel_size=2 with {what} and {key}={value}: "
+                                         rf"not wired for context parallelism yet; set {key}={ok} "
+                                         rf"\(wired: a dense model, every critic mode.*vLLM rollout \(sync\)"):
+        typed_job("ppo_tiny", CP + overrides)
+
+
+@pytest.mark.parametrize("overrides, key, value, ok", [
     (["rollout.use_kv_cache=false"], "rollout.use_kv_cache", "false", "true"),
-    (["rollout.engine=vllm", "rollout.mode=async", "rollout.max_staleness=0"], "rollout.engine",
-     "vllm with rollout.mode=async", r"megatron \(or rollout.mode=sync\)"),
-    (["env.name=digit_calculator"], "env.name", "digit_calculator", "null"),
 ])
 def test_ppo_config_refuses_what_is_not_wired_naming_the_key(overrides, key, value, ok):
     base = CP

@@ -2,14 +2,18 @@
 refit in memory from the weights the trainer sends, at ``max_staleness=0``, gives the
 synchronous vLLM run's metrics step for step (same seeds: vLLM's per-row seeds come from
 the DP rank and the step, which the worker takes from each item). Real processes: the
-trainer and the worker with this environment's interpreter."""
+trainer and the worker, each ``python -m`` forked from a server of this environment's
+interpreter that has imported torch, the trainer and the worker once
+(``tests/fork_python.py``, :func:`forked_python`), not a fresh interpreter each (about
+12 s of CPU per process here); vLLM is imported by each process itself."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from tests.ppo_helpers import end_session, make_demo_data, read_metrics, start_in_session
+import pytest
+
+from tests.ppo_helpers import end_session, make_demo_data, read_metrics, session_env, start_in_session
 
 REPO = Path(__file__).resolve().parents[2]
 # vLLM's CPU attention has no kernel for head dim 16 (the tiny preset's 64 / 4 heads)
@@ -39,15 +43,29 @@ def _metrics(exp: Path) -> dict[int, dict]:
     return read_metrics(exp, ENGINE_OWN)
 
 
-def test_a_vllm_worker_on_policy_gives_the_synchronous_vllm_runs_metrics(tmp_path):
+@pytest.fixture
+def forked_python(tmp_path):
+    """The shim of a :class:`~tests.fork_python.PythonForkServer` with
+    :func:`~tests.ppo_helpers.start_in_session`'s environment (a job whose start-up
+    environment differs runs in the real interpreter): ``[shim, "-m", MODULE, ...]`` in
+    place of ``[sys.executable, "-m", MODULE, ...]``."""
+    from tests.fork_python import PythonForkServer
+
+    with PythonForkServer(session_env(), tmp_path / "fork_python",
+                          preload=("torch", "nemo_rlhf.train_ppo", "nemo_rlhf.rollout_worker")) as server:
+        yield server.shim
+
+
+def test_a_vllm_worker_on_policy_gives_the_synchronous_vllm_runs_metrics(tmp_path, forked_python):
+    python = forked_python
     data = make_demo_data(tmp_path / "data")
     sync = tmp_path / "sync"
-    code = _wait(_run([sys.executable, "-m", "nemo_rlhf.train_ppo", *_overrides(data, sync)], tmp_path / "sync.log"))
+    code = _wait(_run([python, "-m", "nemo_rlhf.train_ppo", *_overrides(data, sync)], tmp_path / "sync.log"))
     assert code == 0, (tmp_path / "sync.log").read_text()[-3000:]
     exp = tmp_path / "async"
     ov = _overrides(data, exp, "rollout.mode=async", "rollout.max_staleness=0", "rollout.worker_timeout_s=60")
-    worker = _run([sys.executable, "-m", "nemo_rlhf.rollout_worker", "--worker-index", "0", *ov], tmp_path / "w.log")
-    trainer = _run([sys.executable, "-m", "nemo_rlhf.train_ppo", *ov], tmp_path / "t.log")
+    worker = _run([python, "-m", "nemo_rlhf.rollout_worker", "--worker-index", "0", *ov], tmp_path / "w.log")
+    trainer = _run([python, "-m", "nemo_rlhf.train_ppo", *ov], tmp_path / "t.log")
     t_code, w_code = _wait(trainer), _wait(worker, 60)
     assert t_code == 0, (tmp_path / "t.log").read_text()[-3000:]
     assert w_code == 0, (tmp_path / "w.log").read_text()[-3000:]

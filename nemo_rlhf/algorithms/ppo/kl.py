@@ -221,6 +221,7 @@ def pi_kl_coef(
     error_clip: float,
     max_factor: float,
     min_coef: float,
+    max_coef: float = math.inf,
 ) -> Tuple[float, float]:
     """One step of the proportional-integral KL-coefficient rule, in log space.
 
@@ -230,7 +231,7 @@ def pi_kl_coef(
 
         e_t       = clip(log(max(KL_t, tiny) / target), -error_clip, error_clip)
         step_t    = clip(kp * (e_t - e_t-1) + ki * e_t, -log(max_factor), log(max_factor))
-        beta_t+1  = max(min_coef, beta_t * exp(step_t))
+        beta_t+1  = min(max_coef, max(min_coef, beta_t * exp(step_t)))
 
     ``ki * e_t`` is the integral action (beta is the running product: KL 1.5x the target
     for three steps at ``ki = 0.3`` multiplies beta by ``1.5^0.9``); ``kp * (e_t - e_t-1)``
@@ -267,6 +268,14 @@ def pi_kl_coef(
         error_clip: bound of ``|e|``, > 0 (2.0: KL from 0.14x to 7.4x the target is seen).
         max_factor: the most beta changes in one step, as a factor, > 1.
         min_coef: the floor of beta, >= 0 (0: none, though a beta that reaches 0 stays there).
+        max_coef: the ceiling of beta, >= ``min_coef`` (default: none). A clamp on the state
+            like the floor: while KL stays above its target whatever beta does (a policy
+            that diverges for reasons the penalty cannot hold, e.g. too large a learning
+            rate), the integral action multiplies beta by up to ``max_factor`` every step
+            without end (``kl_coef`` 3.9e16 was seen on the precedence task at lr 1e-3, #53),
+            and once KL is back under its target beta needs ``log(beta / beta_needed) /
+            log(max_factor)`` steps to come down (28 from 3.9e16 to 0.05 at a factor of 4).
+            The ceiling bounds that climb down.
 
     Returns:
         ``(new_beta, e_t)``.
@@ -284,14 +293,14 @@ def pi_kl_coef(
     if not math.isfinite(current_kl):
         raise ValueError(f"current_kl must be finite, got {current_kl}")
     check_pi_settings({"target": target, "kp": kp, "ki": ki, "error_clip": error_clip,
-                       "max_factor": max_factor, "min_coef": min_coef})
+                       "max_factor": max_factor, "min_coef": min_coef, "max_coef": max_coef})
     ratio = current_kl / target
     error = math.log(ratio) if ratio > math.exp(-error_clip) else -error_clip
     error = min(max(error, -error_clip), error_clip)
     delta = 0.0 if prev_error is None else error - float(prev_error)
     bound = math.log(max_factor)
     step = min(max(kp * delta + ki * error, -bound), bound)
-    return max(float(min_coef), float(beta) * math.exp(step)), error
+    return min(float(max_coef), max(float(min_coef), float(beta) * math.exp(step))), error
 
 
 #: the pi controller's ranges, ``name -> (test, rule)``: the only place they are written
@@ -305,6 +314,7 @@ PI_RANGES: Dict[str, Tuple[Callable[[float], bool], str]] = {
     "error_clip": (lambda v: v > 0, "> 0"),
     "max_factor": (lambda v: v > 1, "> 1"),
     "min_coef": (lambda v: v >= 0, ">= 0"),
+    "max_coef": (lambda v: v > 0, "> 0"),
 }
 
 
@@ -320,7 +330,9 @@ def check_pi_settings(settings: Dict[str, float], keys: Optional[Dict[str, str]]
 
     Raises:
         ValueError: ``"<key>=<value>: must be finite<where>"`` or ``"<key>=<value>: must be
-            <rule><where>"`` for the first bad setting; a name outside :data:`PI_RANGES`.
+            <rule><where>"`` for the first bad setting; a ``min_coef`` or ``init_kl_coef``
+            above ``max_coef`` (``math.inf`` is allowed there: no ceiling); a name outside
+            :data:`PI_RANGES`.
     """
     unknown = sorted(set(settings) - set(PI_RANGES))
     if unknown:
@@ -331,10 +343,16 @@ def check_pi_settings(settings: Dict[str, float], keys: Optional[Dict[str, str]]
             continue
         value = float(settings[name])
         key = keys.get(name, name)
-        if not math.isfinite(value):
+        if not math.isfinite(value) and not (name == "max_coef" and value == math.inf):
             raise ValueError(f"{key}={value}: must be finite{where}")
         if not ok(value):
             raise ValueError(f"{key}={value}: must be {rule}{where}")
+    ceiling = settings.get("max_coef")
+    if ceiling is not None:  # the ceiling is above the floor and the start
+        for name in ("min_coef", "init_kl_coef"):
+            if name in settings and float(settings[name]) > float(ceiling):
+                raise ValueError(f"{keys.get(name, name)}={float(settings[name])}: must be <= "
+                                 f"{keys.get('max_coef', 'max_coef')}={float(ceiling)}{where}")
 
 
 class PIKLController:
@@ -348,6 +366,8 @@ class PIKLController:
         max_factor: the most ``beta`` changes in one step, as a factor, > 1.
         min_coef: floor of ``beta``, >= 0 (default ``PI_DEFAULTS["min_coef"]``: see
             :func:`pi_kl_coef`; give ``init_kl_coef`` for the one-sided rule of old).
+        max_coef: ceiling of ``beta``, >= ``min_coef`` and ``init_kl_coef`` (default
+            ``PI_DEFAULTS["max_coef"]``; ``math.inf``: none).
 
     Raises:
         ValueError: naming the argument, for any value outside its range
@@ -355,11 +375,14 @@ class PIKLController:
     """
 
     def __init__(self, init_kl_coef: float, target: float, kp: float, ki: float, error_clip: float,
-                 max_factor: float, min_coef: Optional[float] = None) -> None:
+                 max_factor: float, min_coef: Optional[float] = None,
+                 max_coef: Optional[float] = None) -> None:
         min_coef = PI_DEFAULTS["min_coef"] if min_coef is None else min_coef
+        max_coef = PI_DEFAULTS["max_coef"] if max_coef is None else max_coef
         check_pi_settings({"init_kl_coef": init_kl_coef, "target": target, "kp": kp, "ki": ki,
-                           "error_clip": error_clip, "max_factor": max_factor, "min_coef": min_coef})
-        self.value, self.min_coef = float(init_kl_coef), float(min_coef)
+                           "error_clip": error_clip, "max_factor": max_factor, "min_coef": min_coef,
+                           "max_coef": max_coef})
+        self.value, self.min_coef, self.max_coef = float(init_kl_coef), float(min_coef), float(max_coef)
         self.target, self.kp, self.ki = float(target), float(kp), float(ki)
         self.error_clip, self.max_factor = float(error_clip), float(max_factor)
         self.prev_error: Optional[float] = None
@@ -375,7 +398,7 @@ class PIKLController:
             raise ValueError(f"n_steps must be >= 0, got {n_steps}")
         self.value, self.prev_error = pi_kl_coef(self.value, current_kl, self.prev_error, self.target,
                                                  self.kp, self.ki, self.error_clip, self.max_factor,
-                                                 self.min_coef)
+                                                 self.min_coef, self.max_coef)
 
     def state_dict(self) -> Dict[str, Optional[float]]:
         return {"value": self.value, "prev_error": self.prev_error, "target": self.target}
@@ -394,7 +417,7 @@ class PIKLController:
     def __repr__(self) -> str:
         return (f"PIKLController(value={self.value!r}, target={self.target!r}, kp={self.kp!r}, "
                 f"ki={self.ki!r}, error_clip={self.error_clip!r}, max_factor={self.max_factor!r}, "
-                f"min_coef={self.min_coef!r})")
+                f"min_coef={self.min_coef!r}, max_coef={self.max_coef!r})")
 
 
 KLController = Union[FixedKLController, AdaptiveKLController, PIKLController]
@@ -412,7 +435,11 @@ KL_CONTROLLERS: Dict[str, Type] = {
 #: rule is multiplicative), and at ``max_factor`` 4 it climbs back from the floor to 0.05 in 3
 #: steps and to 1.0 in 5; at the default target of 6 nats the floor's penalty, 0.006 a
 #: sequence, is small against a reward of scale 1, so the floor itself holds no KL.
-PI_DEFAULTS = {"kp": 1.5, "ki": 0.3, "error_clip": 2.0, "max_factor": 4.0, "min_coef": 1e-3}
+#: ``max_coef`` 10: at 10 one nat of KL costs ten times a reward of scale 1, so the penalty
+#: already outweighs any reward; above it beta holds KL no better, and from 10 it comes back
+#: down to 0.05 in 4 steps at ``max_factor`` 4.
+PI_DEFAULTS = {"kp": 1.5, "ki": 0.3, "error_clip": 2.0, "max_factor": 4.0, "min_coef": 1e-3,
+               "max_coef": 10.0}
 
 
 def build_kl_controller(
@@ -430,7 +457,7 @@ def build_kl_controller(
         target: required for ``"adaptive"`` and ``"pi"``; ignored for ``"fixed"``.
         horizon: required for ``"adaptive"``; ignored otherwise (so a config that always
             carries them can be passed through unchanged).
-        pi: ``"pi"``'s ``kp``, ``ki``, ``error_clip``, ``max_factor``, ``min_coef`` (any left out
+        pi: ``"pi"``'s ``kp``, ``ki``, ``error_clip``, ``max_factor``, ``min_coef``, ``max_coef`` (any left out
             or None: :data:`PI_DEFAULTS`).
 
     Raises:

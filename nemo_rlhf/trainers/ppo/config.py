@@ -278,6 +278,10 @@ class KLConfig:
     so the multiplicative rule can raise it again; ``nemo_rlhf.algorithms.ppo.kl.pi_kl_coef``
     says what it bounds). Set it to ``init_kl_coef`` for a beta that only rises from its start
     (``conf/ppo_smollm2.yaml`` does: its tables were measured so)."""
+    pi_max_coef: float = PI_DEFAULTS["max_coef"]
+    """Pi: the highest beta, >= ``pi_min_coef`` and ``init_kl_coef`` (10: one nat of KL then costs
+    ten times a reward of scale 1; a ceiling bounds how many steps beta needs to come back down
+    after a run whose KL the penalty could not hold; ``nemo_rlhf.algorithms.ppo.kl.pi_kl_coef``)."""
     estimator: str = "k1"
     """``k1``, ``k2`` or ``k3``."""
     clamp: Optional[float] = None

@@ -316,7 +316,8 @@ class PPOTrainer:
                         self.collectives.cp_reduce_stats(P.merge_token_stats(res))))
         out = update_metrics(all_stats, norms, critic_norms)
         if load.active:
-            out.update(router_load_metrics(self.collectives.pp_sum(load.stage_sums(self.collectives.dp_sum))))
+            sums = load.stage_sums(self.collectives.dp_sum, self.collectives.cp_sum)
+            out.update(router_load_metrics(self.collectives.pp_sum(sums)))
         out["skipped_updates"] = skipped
         out["lr"] = self.optimizer.lr
         out.update(correction)

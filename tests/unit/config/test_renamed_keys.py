@@ -6,7 +6,6 @@ what they became)."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 from hydra.core.global_hydra import GlobalHydra
@@ -61,8 +60,8 @@ def test_the_slurm_launcher_refuses_a_renamed_key_naming_the_new_one():
         compose_job("rm", ["trainer.save_interval=100"])
 
 
-def test_the_sft_entry_point_refuses_a_renamed_key_naming_the_new_one(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "nemo_rlhf.train_sft", "trainer.save_interval=100",
+def test_the_sft_entry_point_refuses_a_renamed_key_naming_the_new_one(tmp_path, entry_point_python):
+    res = subprocess.run([entry_point_python, "-m", "nemo_rlhf.train_sft", "trainer.save_interval=100",
                           f"exp_manager.exp_dir={tmp_path}"], cwd=CONF_DIR.parent, capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 1
@@ -93,11 +92,11 @@ def test_a_renamed_ppo_knob_is_refused_on_the_command_line_and_in_a_config(old, 
     assert not hasattr(getattr(cfg, section), leaf)
 
 
-def test_the_ppo_entry_point_refuses_a_renamed_knob_set_in_a_yaml_file(tmp_path):
+def test_the_ppo_entry_point_refuses_a_renamed_knob_set_in_a_yaml_file(tmp_path, entry_point_python):
     """A user's own config file (``--config-dir``) with an old key: refused naming the new
     one, not a bare "key not in struct"."""
     (tmp_path / "mine.yaml").write_text("defaults:\n  - ppo_tiny\n  - _self_\nppo:\n  gae_lambda: 0.9\n")
-    res = subprocess.run([sys.executable, "-m", "nemo_rlhf.train_ppo", "--config-dir", str(tmp_path),
+    res = subprocess.run([entry_point_python, "-m", "nemo_rlhf.train_ppo", "--config-dir", str(tmp_path),
                           "--config-name", "mine", f"exp_manager.exp_dir={tmp_path}/exp"],
                          cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=120)
     assert res.returncode != 0

@@ -33,7 +33,16 @@ def test_cp_must_divide_what_tp_and_pp_leave_naming_the_values_that_work():
                                  world_size=4)
 
 
-def test_cp_on_a_moe_model_is_refused():
-    with pytest.raises(ValueError, match=r"parallel\.context_parallel_size=2 with a mixture-of-experts model "
-                                         r"\(model\.num_moe_experts=4\).*set parallel\.context_parallel_size=1"):
-        validate_parallel_layout(ParallelConfig(context_parallel_size=2), world_size=2, num_moe_experts=4)
+def test_cp_on_a_moe_model_takes_expert_parallel_ranks_from_dp_and_cp():
+    """megatron carves the expert groups from the DP x CP ranks of a TP x PP position: at
+    world 2, CP=2 (DP=1) EP=2 is the CP group; EP must divide DP x CP."""
+    assert validate_parallel_layout(ParallelConfig(context_parallel_size=2), world_size=2, num_moe_experts=4) == 1
+    assert validate_parallel_layout(ParallelConfig(context_parallel_size=2, expert_model_parallel_size=2),
+                                    world_size=2, num_moe_experts=4) == 1
+    assert validate_parallel_layout(ParallelConfig(context_parallel_size=2, expert_model_parallel_size=4),
+                                    world_size=4, num_moe_experts=4) == 2
+    with pytest.raises(ValueError, match=r"parallel\.expert_model_parallel_size=4 must divide the data-parallel "
+                                         r"size 1 x context_parallel_size=2 .*valid values for this layout and "
+                                         r"model\.num_moe_experts=4: \[1, 2\]"):
+        validate_parallel_layout(ParallelConfig(context_parallel_size=2, expert_model_parallel_size=4),
+                                 world_size=2, num_moe_experts=4)

@@ -10,7 +10,7 @@ import torch
 
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.models.context_parallel import (cp_fused_logprobs, cp_logprob_request, cp_next_token_targets,
-                                               cp_positions, cp_response_index, cp_token_logprobs,
+                                               cp_positions, cp_response_index, cp_routes, cp_token_logprobs,
                                                gather_response, pad_to_cp_multiple, refuse_context_parallel,
                                                shard_response, shard_sequence)
 
@@ -134,3 +134,15 @@ def test_fused_cp_logprobs_equal_the_logits_path_on_the_selected_positions():
             torch.testing.assert_close(out.entropy[:, keep], ent[:, keep], atol=1e-5, rtol=0)
         got, _ = cp_token_logprobs(out, ids, dims, t)  # the fused output read back as is
         assert got is out.logprobs[t]
+
+
+def test_routes_are_padded_with_minus_one_and_cut_like_the_ids():
+    # [B=1, S0=6, L=1, k=1]: expert = column; padded to 8 columns, CP=2: rank 0 holds 0, 1, 6, 7
+    # and rank 1 holds 2-5 (columns 6 and 7 are the padding: -1, the router's own choice)
+    routes = torch.arange(6).view(1, 6, 1, 1)
+    assert cp_routes(routes, 8, 2, 0).flatten().tolist() == [0, 1, -1, -1]
+    assert cp_routes(routes, 8, 2, 1).flatten().tolist() == [2, 3, 4, 5]
+    assert cp_routes(routes, 6, 1, 0).flatten().tolist() == list(range(6))
+    with pytest.raises(ValueError, match=r"routing replay under parallel\.context_parallel_size=2: the routes "
+                                         r"cover 6 columns, the micro-batch 4"):
+        cp_routes(routes, 4, 2, 0)

@@ -37,6 +37,11 @@ def test_router_load_metrics_of_a_worked_example():
     m = router_load_metrics(load.stage_sums(dp_sum=lambda t: t.add_(other)))
     assert m == {"moe/tokens_per_expert_max_over_mean": 1.25, "moe/tokens_per_expert_min_over_mean": 0.75,
                  "moe/aux_loss": 4.0 / 12}
+    # under CP the other CP rank routed its positions: counts and aux losses are summed over
+    # CP, the router calls are not (both CP ranks made the same 6 calls)
+    m = router_load_metrics(load.stage_sums(cp_sum=lambda t: t.add_(other[:-1])))
+    assert m == {"moe/tokens_per_expert_max_over_mean": 1.25, "moe/tokens_per_expert_min_over_mean": 0.75,
+                 "moe/aux_loss": 4.0 / 6}
     load.z_loss_sum = 6.0  # the z-loss: its own mean over the calls
     assert router_load_metrics(load.stage_sums())["moe/z_loss"] == 1.0
 

@@ -264,6 +264,59 @@ def test_pi_beta_falls_below_its_start_down_to_the_default_floor():
     assert held.value == 0.05
 
 
+def test_pi_beta_stops_at_its_ceiling_and_comes_back_down_in_a_few_steps():
+    """The default ceiling is PI_DEFAULTS' 10 (#53: at lr 1e-3 on the precedence task KL stayed
+    above its target whatever beta did, and beta grew x4 a step to 3.9e16). KL 7.4x the
+    target or more (the error clipped at 2), no proportional kick after the first step: each
+    step is 0.3 * 2 = 0.6 -> x1.8221 (below log 4). From 0.05: 0.091106, 0.166006, ...;
+    the 9th step would reach 0.05 * exp(5.4) = 11.07: held at 10. Then KL at 0 (error -2):
+    the first step is 1.5 * (-2 - 2) + 0.3 * -2 = -6.6, bounded at -log 4: 2.5; then x0.5488
+    a step: 1.372, 0.7530, ... Without the ceiling beta would have kept growing x1.82 a step
+    and needed log(beta / 0.05) / log 4 steps to come down."""
+    from nemo_rlhf.algorithms.ppo import pi_kl_coef
+    from nemo_rlhf.algorithms.ppo.kl import PI_DEFAULTS
+
+    assert PI_DEFAULTS["max_coef"] == 10.0
+    ctl = build_kl_controller("pi", 0.05, target=6.0)
+    assert ctl.max_coef == 10.0
+    up = []
+    for _ in range(12):
+        ctl.update(600.0, n_steps=32)
+        up.append(ctl.value)
+    assert up[:8] == pytest.approx([0.05 * math.exp(0.6 * k) for k in range(1, 9)], rel=1e-12)
+    assert up[8:] == [10.0] * 4
+    ctl.update(0.0, n_steps=32)
+    assert ctl.value == pytest.approx(2.5, rel=1e-12)
+    ctl.update(0.0, n_steps=32)
+    assert ctl.value == pytest.approx(2.5 * math.exp(-0.6), rel=1e-12)
+    # the same KL with no ceiling: the 40 steps multiply beta by exp(24)
+    free = build_kl_controller("pi", 0.05, target=6.0, pi={"max_coef": math.inf})
+    for _ in range(40):
+        free.update(600.0, n_steps=32)
+    assert free.value == pytest.approx(0.05 * math.exp(0.6 * 40), rel=1e-9)
+    # the bare rule: the ceiling clips the step's result, as the floor does
+    beta, e = pi_kl_coef(8.0, 600.0, 2.0, target=6.0, kp=1.5, ki=0.3, error_clip=2.0, max_factor=4.0,
+                         min_coef=1e-3, max_coef=10.0)
+    assert (beta, e) == (10.0, 2.0)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"max_coef": 0.0}, "max_coef=0.0: must be > 0"),
+    ({"max_coef": float("nan")}, "max_coef=nan: must be finite"),
+    ({"max_coef": 0.01}, "init_kl_coef=0.1: must be <= max_coef=0.01"),
+    ({"max_coef": 0.5, "min_coef": 0.6, "init_kl_coef": 0.55}, "min_coef=0.6: must be <= max_coef=0.5"),
+])
+def test_pi_ceiling_is_checked_against_the_floor_and_the_start(kwargs, needle):
+    from nemo_rlhf.algorithms.ppo import PIKLController
+
+    args = {"init_kl_coef": 0.1, "target": 6.0, "kp": 1.0, "ki": 0.3, "error_clip": 2.0, "max_factor": 2.0,
+            **kwargs}
+    with pytest.raises(ValueError) as err:
+        PIKLController(**args)
+    assert needle in str(err.value)
+    assert PIKLController(0.1, 6.0, 1.0, 0.3, 2.0, 2.0, max_coef=math.inf).max_coef == math.inf
+
+
 @pytest.mark.parametrize("kwargs, name", [
     ({"init_kl_coef": 0.0}, "init_kl_coef"), ({"target": 0.0}, "target"), ({"kp": -1.0}, "kp"),
     ({"ki": float("nan")}, "ki"), ({"error_clip": 0.0}, "error_clip"), ({"max_factor": 1.0}, "max_factor"),

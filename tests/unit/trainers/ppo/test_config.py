@@ -70,6 +70,8 @@ def test_async_settings_that_cannot_work_are_refused_naming_the_keys(overrides, 
     (["kl.type=pi", "kl.init_kl_coef=0"], "kl.init_kl_coef=0.0: must be > 0 with kl.type=pi"),
     (["kl.type=pi", "kl.pi_min_coef=-0.5"], "kl.pi_min_coef=-0.5: must be >= 0 with kl.type=pi"),
     (["kl.type=pi", "kl.pi_max_factor=1"], "kl.pi_max_factor=1.0: must be > 1 with kl.type=pi"),
+    (["kl.type=pi", "kl.pi_max_coef=0.01"], "kl.init_kl_coef=0.05: must be <= kl.pi_max_coef=0.01 with kl.type=pi"),
+    (["kl.type=pi", "kl.pi_max_coef=-1"], "kl.pi_max_coef=-1.0: must be > 0 with kl.type=pi"),
 ])
 def test_bad_kl_controller_settings_are_refused_naming_the_key(overrides, needle):
     with pytest.raises(ValueError) as err:
