@@ -215,6 +215,12 @@ def test_value_loss_worked_numbers(test_device):
     loss, stats = value_loss(t([[1.1]]), t([[1.0]]), t([[2.0]]), t([[1]]), 1, clip_range=0.2)
     close(loss, 0.405)
     assert finalize_token_stats(stats)["value_clip_fraction"] == 0.0
+    # Inside the range, where V_old + (V - V_old) rounds to one fp32 step from V and the
+    # "clipped" term comes out larger by that step: not a clip (it was counted as one)
+    v, v_old, ret = -0.011422981508076191, 0.037389613687992096, -0.013237196952104568
+    assert (t([[v_old]]) + (t([[v]]) - t([[v_old]])) - t([[ret]])) ** 2 > (t([[v]]) - t([[ret]])) ** 2
+    _, stats = value_loss(t([[v]]), t([[v_old]]), t([[ret]]), t([[1]]), 1, clip_range=0.2)
+    assert finalize_token_stats(stats)["value_clip_fraction"] == 0.0
     # No clipping: 0.5 * (1.5 - 2)^2 = 0.125.
     loss, _ = value_loss(t([[1.5]]), t([[1.0]]), t([[2.0]]), t([[1]]), 1, clip_range=None)
     close(loss, 0.125)
