@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,7 @@ def test_task_max_seq_length_replaces_the_profiles_in_every_job(tmp_path, monkey
     (tmp_path / "pkg_upper_task.py").write_text(TASK_MODULE.replace('demonstrate=lambda p, ex: ex["answer"])',
                                                                     'demonstrate=lambda p, ex: ex["answer"], '
                                                                     'max_seq_length=80)'))
+    monkeypatch.delitem(sys.modules, "pkg_upper_task", raising=False)  # an earlier test imported the plain one
     fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0 if ckpt.endswith("/model/checkpoints/step_0") else 0.5)
     assert demo.main(argv) == 0
     out = capsys.readouterr().out
