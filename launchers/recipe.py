@@ -49,6 +49,7 @@ response budget, sequence length, prompt formatting, and how its RM and SFT jobs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -535,6 +536,10 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
         picked(a, "max_new_tokens", profile.max_new_tokens, f"the {profile.name} profile's response budget "
                                                             f"(the task sets no Task.max_new_tokens)")
     picked(a, "ppo_config", profile.ppo_config, f"the {profile.name} model profile's PPO config")
+    if task.max_seq_length is not None and task.max_seq_length != profile.max_seq_length:
+        picked(a, "max_seq_length", task.max_seq_length, f"Task.max_seq_length, not the {profile.name} profile's "
+                                                          f"{profile.max_seq_length} (data.max_seq_length of SFT, RM, PPO)")
+        profile = dataclasses.replace(profile, max_seq_length=task.max_seq_length)
     checkers = [f"checker={checker}",
                 *([f"extra_checkers=[{','.join(task.extra_checkers)}]"] if task.extra_checkers else []),
                 f"precision={a.precision}", *env_overrides(task)]  # a tool task: every evaluation runs episodes

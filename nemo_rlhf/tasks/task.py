@@ -108,6 +108,11 @@ class Task:
     """Reward functions (as ``checker_name``) reported beside the checker (e.g. ``just_the_number``)."""
     max_new_tokens: Optional[int] = None
     """Response budget in tokens (None: the model profile's, ``launchers/recipe.py``)."""
+    max_seq_length: Optional[int] = None
+    """``data.max_seq_length`` (tokens, prompt and response or whole episode) of the recipe's
+    SFT, RM and PPO jobs (None: the model profile's, ``launchers/recipe.py``): a tool task's
+    episode (prompt with the tool's definition, call, tool output, answer) can be longer than
+    the profile's single-turn length."""
     edit_labels: tuple = ("wrong_answer", "right_answer")
     """The ``edit`` field of an edit pair: right made wrong, wrong made right."""
     env: Optional[str] = None
@@ -150,6 +155,9 @@ class Task:
                 self.prompt_row(p, f"Task.{key}[{i}]")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"Task {self.name!r}: Task.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if self.max_seq_length is not None and self.max_seq_length < 2:
+            raise ValueError(f"Task {self.name!r}: Task.max_seq_length={self.max_seq_length}: must be >= 2 "
+                             f"(or None: the model profile's)")
         if len(self.edit_labels) != 2:
             raise ValueError(f"Task {self.name!r}: Task.edit_labels={self.edit_labels!r}: two names")
 

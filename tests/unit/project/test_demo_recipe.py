@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -222,6 +223,26 @@ def test_a_custom_tasks_ppo_arguments_compose_into_the_ppo_job(tmp_path, monkeyp
     assert cfg.trainer.eval_checker == "pkg_upper_task:TASK.score" and cfg.trainer.eval_extra_checkers == []
     assert [f.name for f in cfg.reward.functions] == ["pkg_upper_task:TASK.score"]
     assert (cfg.data.max_seq_length, cfg.rollout.max_new_tokens, cfg.guards.gold_window) == (64, 8, 1)
+
+
+def test_task_max_seq_length_replaces_the_profiles_in_every_job(tmp_path, monkeypatch, capsys):
+    """``Task.max_seq_length`` (a tool task's episode is longer than the profile's single-turn
+    length) is the ``data.max_seq_length`` of the SFT, RM and PPO jobs, printed as a pick."""
+    from tests.conf_helpers import typed_job
+
+    argv = _custom(tmp_path, monkeypatch)  # (writes the module: the task with max_seq_length replaces it)
+    (tmp_path / "pkg_upper_task.py").write_text(TASK_MODULE.replace('demonstrate=lambda p, ex: ex["answer"])',
+                                                                    'demonstrate=lambda p, ex: ex["answer"], '
+                                                                    'max_seq_length=80)'))
+    monkeypatch.delitem(sys.modules, "pkg_upper_task", raising=False)  # an earlier test imported the plain one
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.0 if ckpt.endswith("/model/checkpoints/step_0") else 0.5)
+    assert demo.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "default: max_seq_length = 80 (Task.max_seq_length, not the tiny profile's 64" in out
+    jobs = [c for c in fake.cmds if "nemo_rlhf.train_sft" in c or "nemo_rlhf.train_rm" in c]
+    assert len(jobs) == 2 and all("data.max_seq_length=80" in c and "data.max_seq_length=64" not in c for c in jobs)
+    (ppo,) = fake.ppo
+    assert typed_job(ppo["config"], ppo["args"]).data.max_seq_length == 80
 
 
 def test_relative_out_and_data_resolve_against_the_working_directory(tmp_path, monkeypatch):
