@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import math
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -72,21 +74,67 @@ class StageTimes:
         return text
 
 
+TERMINATED_EXIT_CODE = 143
+"""The demo's exit code when a SIGTERM stopped it during a stage (128 + 15, as a shell reports it)."""
+
+
+class _SigtermToStage:
+    """While entered (main thread only): SIGTERM to this process is forwarded to the running
+    stage (:attr:`proc`), which stops its own way (a trainer saves), and :attr:`received` is
+    set; without it the default action killed the demo alone and left the stage running. A
+    SIGTERM that comes before the stage's process exists is forwarded once it does."""
+
+    def __init__(self) -> None:
+        self.proc: Optional[subprocess.Popen] = None
+        self.received = False
+        self._previous = None
+
+    def __enter__(self) -> "_SigtermToStage":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+        self.forward()
+
+    def forward(self) -> None:
+        """Send SIGTERM to the stage if it runs and one was received."""
+        if self.received and self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
 def run_stage(cmd: list[str], log: Path) -> None:
     """Run a stage in the working directory (as the PPO stage runs: a relative path in an
     override means what it means to the user), tee its output to ``log``; raise with the
-    log's tail on failure."""
+    log's tail on failure. A SIGTERM to the demo meanwhile is passed to the stage; once the
+    stage has exited, the demo exits with :data:`TERMINATED_EXIT_CODE` and says so (a rerun
+    of the same command skips the finished stages and resumes).
+
+    Raises:
+        SystemExit: the stage failed (its exit code and ``log`` named), or
+            :data:`TERMINATED_EXIT_CODE` after a SIGTERM.
+    """
     note_process()
     print(f"$ {' '.join(cmd)}", flush=True)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "a") as f:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1)
-        for line in proc.stdout:
+    with open(log, "a") as f, _SigtermToStage() as sigterm:
+        sigterm.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, bufsize=1)
+        sigterm.forward()  # a SIGTERM that came before the process existed
+        for line in sigterm.proc.stdout:
             f.write(line)
             if "Warning" not in line and "warnings.warn" not in line:
                 sys.stdout.write(line)
-        code = proc.wait()
+        code = sigterm.proc.wait()
+    if sigterm.received:
+        print(f"SIGTERM: passed to the stage, which exited {code}: {' '.join(cmd)}\nsee {log}; "
+              f"the same command resumes (finished stages are skipped)", file=sys.stderr, flush=True)
+        raise SystemExit(TERMINATED_EXIT_CODE)
     if code != 0:
         raise SystemExit(f"stage failed (exit {code}): {' '.join(cmd)}\nsee {log}")
 
