@@ -40,9 +40,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="package", autouse=True)
 def _spawned_ranks():
-    """The ranks of these tests start vLLM engines: they are spawned fresh, as before the
-    harness forked ranks from a preloaded forkserver (not validated with vLLM; the vLLM
-    environment's suite is short)."""
+    """The ranks of these tests start vLLM engines: they are spawned fresh, not forked from
+    the harness's preloaded forkserver. A forked rank ends with ``os._exit``, so vLLM's CPU
+    shared-memory communicator (vLLM TP > 1) never unlinks its ``/dev/shm`` segments, whose
+    name has no per-job part: the next run of the suite on the same machine then fails at
+    set-up with 'create shm in SHMManager failed. errno: 17' (seen with 48342a1, reverted)."""
     import tests.distributed.harness as harness
 
     saved, harness.START_METHOD = harness.START_METHOD, "spawn"
