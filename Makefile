@@ -38,10 +38,16 @@ vllm-env: $(VSTAMP)
 demo: $(STAMP)
 	$(BIN)/python -m launchers.demo $(ARGS)
 
-# The main suite (its 30 slowest tests listed at the end), then the vLLM engine's tests in their environment (they use the SmolLM2
-# checkpoint the main suite's tests/real set up).
+# The main suite in two runs, then the vLLM engine's tests in their environment (they use the
+# SmolLM2 checkpoint the main suite's tests/real set up). tests/unit is single-process (one
+# core: 713 s of CPU in 686 s wall, 103%) and runs on UNIT_WORKERS pytest-xdist workers, a
+# file per worker at a time (module fixtures stay in one process); the rest (multi-rank gloo
+# worlds, e2e jobs, the Slurm cluster) already keeps both cores busy and runs serially, its 30
+# slowest tests listed at the end.
+UNIT_WORKERS ?= 2
 test: $(STAMP) $(VSTAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/vllm_engine $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(UNIT_WORKERS) --dist loadfile --durations=10 tests/unit $(UNIT_PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/vllm_engine --ignore=tests/unit $(PYTEST_ARGS)
 	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/vllm_engine $(VLLM_PYTEST_ARGS)
 
 # The prepared GPU check (benchmarks/gpu_check.py): on a CUDA machine, with that machine's
