@@ -31,7 +31,11 @@ and the checker scores each episode's final answer (its last policy turn), as PP
 and held-out evaluation do. The result gains ``episode`` (``turns_mean``,
 ``tool_calls_mean``, ``tool_call_rate``, ``malformed_call_rate``), ``mean_response_length``
 counts policy tokens, and each sample row (and example) gains ``episode`` (the text after
-the prompt, the tool's output included) and ``turns``. Not with ``reference`` (refused).
+the prompt, the tool's output included), ``turns`` and ``messages`` (the conversation as
+``{"role", "content"}`` messages, the prompt's user message first: what an RM's
+conversation pairs are made of). With ``rm_checkpoint`` the RM reads each episode as PPO's
+served RM does (``rm_input``: the whole conversation by default). Not with ``reference``
+(refused).
 
 One checkpoint writes one JSON: ``accuracy`` (mean checker score), ``mean_response_length``
 (generated tokens, EOS included, as in ``RolloutBatch.response_lengths``), ``repetition``

@@ -13,7 +13,7 @@ from nemo_rlhf.data.templates import check_template
 from nemo_rlhf.distributed.parallel import ParallelConfig
 from nemo_rlhf.envs.config import EnvConfig
 from nemo_rlhf.models.config import PRECISIONS
-from nemo_rlhf.reward.functions import check_reward_function_spec
+from nemo_rlhf.reward.functions import RM_INPUTS, check_reward_function_spec
 
 
 @dataclass
@@ -35,7 +35,16 @@ class EvalConfig:
     """Evaluate every complete ``step_<N>`` under the ``checkpoint`` root, in step order."""
     rm_checkpoint: Optional[str] = None
     """Reward-model checkpoint folder (or root: its newest); scores every response in process
-    with the RM's own chat template and system prompt: ``rm_reward``, per-sample ``rm_score``."""
+    with the RM's own chat template and system prompt: ``rm_reward``, per-sample ``rm_score``.
+    With ``env.name`` it reads each episode as ``rm_input`` says."""
+    rm_input: str = "conversation"
+    """What the RM reads of a multi-turn episode (``env.name`` set), as PPO's
+    ``reward.rm_input`` (:data:`~nemo_rlhf.reward.functions.RM_INPUTS`): ``conversation``
+    (the whole episode, as PPO's served RM reads it: the trajectory's own ids when the RM
+    checkpoint has the policy's tokenizer, chat template and system prompt, else the
+    episode's messages rendered with the RM's chat template) or ``final_answer`` (the last
+    policy turn alone, as a single-turn response). Single-turn rows: the (prompt, response)
+    texts either way."""
     reference: Optional[str] = None
     """Reference (initial policy) checkpoint folder (or root: its newest): ``kl_to_reference``."""
     forward_micro_batch_size: int = 8
@@ -107,6 +116,7 @@ class EvalConfig:
         for key in ("rm_checkpoint", "reference"):
             if getattr(self, key) == "":
                 raise ValueError(f"{key}='': give a checkpoint folder or null")
+        check_choice("rm_input", self.rm_input, RM_INPUTS)
         if self.env.enabled and self.reference:
             raise ValueError(f"reference={self.reference!r} with env.name={self.env.name!r}: the KL to a "
                              f"reference is not measured on episodes yet; drop reference or env.name")

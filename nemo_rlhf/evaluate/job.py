@@ -29,10 +29,11 @@ from nemo_rlhf.metrics.steps_table import markdown_table, plot_metrics, require_
 from nemo_rlhf.models.actor_critic import build_model
 from nemo_rlhf.models.config import ModelConfig, agree_on_precision
 from nemo_rlhf.models.moe import refuse_expert_parallel
-from nemo_rlhf.reward.functions import get_reward_function
+from nemo_rlhf.reward.functions import CONVERSATION_EXTRA, get_reward_function, rm_items
 from nemo_rlhf.rollout import RolloutConfig, generate
 from nemo_rlhf.trainers.common import setup_run
-from nemo_rlhf.trainers.ppo.episode_source import episode_texts, run_episode_batch
+from nemo_rlhf.trainers.ppo.episode_source import episode_extras, episode_texts, run_episode_batch
+from nemo_rlhf.trainers.ppo.scoring import policy_rendering, rm_reads_trajectory_ids
 
 
 def steps_report_paths(out: str | Path) -> tuple[Path, Path]:
@@ -49,8 +50,10 @@ def _episode_results(cfg: EvalConfig, data_cfg: DataConfig, dims, model, tok, gr
     through the PPO trainer's :func:`run_episode_batch` (its encoders, limits and seeds:
     ``call`` is the call index); per row ``((index, sample), final answer, policy tokens,
     not truncated, repetition of the policy tokens, None, {"episode", "turns",
-    "tool_calls", "malformed"})``. The final answer is the last policy turn decoded, EOS
-    dropped (what the checker scores, as in PPO)."""
+    "tool_calls", "malformed", "conversation"})``. The final answer is the last policy turn
+    decoded, EOS dropped (what the checker scores, as in PPO); ``conversation`` is what PPO's
+    reward sources get of the episode (:func:`episode_extras`: its messages, the
+    trajectory's prompt and response ids)."""
     episode_cfg = SimpleNamespace(env=cfg.env, data=data_cfg,
                                   model=SimpleNamespace(vocab_size=tok.vocab_size, max_position_embeddings=limit))
     problems = [{"prompt": s.prompt, **s.extras} for *_, s in group]
@@ -62,7 +65,8 @@ def _episode_results(cfg: EvalConfig, data_cfg: DataConfig, dims, model, tok, gr
         tr, last = ep.trajectory, (ep.infos[-1] if ep.infos else {})
         out.append(((i, k), final, tr.policy_tokens, not tr.truncated, rep, None,
                     {"episode": text, "turns": tr.turns, "tool_calls": int(last.get("tool_calls", 0)),
-                     "malformed": int(last.get("malformed_calls", 0) > 0)}))
+                     "malformed": int(last.get("malformed_calls", 0) > 0),
+                     "conversation": episode_extras(ep)[CONVERSATION_EXTRA]}))
     return out
 
 
@@ -146,7 +150,12 @@ def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, r
     scores = checker(*args)
     extra_scores = {name: fn(*args) for name, fn in extra_checkers.items()}
     kls = share_from_last_stage([r[5] for r in results], dims) if reference is not None else None
-    rm_out = rm_scores(rm, dims, args[0], args[1], "rm_checkpoint") if rm is not None else None
+    rm_out = None
+    if rm is not None:  # episodes: read as PPO's served RM reads them (reward.rm_input)
+        items = None if not cfg.env.enabled else rm_items(
+            *args[:2], [{CONVERSATION_EXTRA: r[6]["conversation"]} for r in results], cfg.rm_input,
+            rm_reads_trajectory_ids(policy_rendering(tok, data_cfg), rm.metadata()))
+        rm_out = rm_scores(rm, dims, args[0], args[1], "rm_checkpoint", items)
     n = len(results)
     measured = {}
     if rm is not None:
@@ -180,7 +189,8 @@ def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, r
         "time_s": time.perf_counter() - start,
         "examples": [{"prompt": samples[i].prompt, "response": r, "correct": scores[j], **samples[i].extras,
                       **({"rm_score": rm_out[j]} if rm is not None else {}),
-                      **({"episode": ep["episode"], "turns": ep["turns"]} if ep is not None else {})}
+                      **({"episode": ep["episode"], "turns": ep["turns"],
+                          "messages": ep["conversation"]["messages"]} if ep is not None else {})}
                      for j, ((i, _), r, *_, ep) in enumerate(results[:cfg.num_examples])],
     }
     sample_rows = []
@@ -188,7 +198,8 @@ def evaluate_checkpoint(cfg: EvalConfig, path: Path, dims, precision: str, rm, r
         for j, ((i, k), r, length, ended, _rep, _kl, ep) in enumerate(results):
             sample_rows.append(sample_row(
                 samples[i].prompt, r, scores[j], length, samples[i].extras, sample=k, ended=ended,
-                **({"episode": ep["episode"], "turns": ep["turns"]} if ep is not None else {}),
+                **({"episode": ep["episode"], "turns": ep["turns"],
+                    "messages": ep["conversation"]["messages"]} if ep is not None else {}),
                 **{name: v[j] for name, v in extra_scores.items()},
                 **({"rm_score": float(rm_out[j])} if rm is not None else {}),
                 **({"kl_to_reference": float(kls[j])} if reference is not None else {})))

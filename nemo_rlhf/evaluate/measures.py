@@ -85,8 +85,9 @@ def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
     return torch.where(response_mask.bool(), kl, torch.zeros((), dtype=kl.dtype, device=kl.device)).sum(-1)
 
 
-def rm_scores(scorer, dims, prompts: list[str], responses: list[str], where: str) -> list[float]:
-    """Raw RM scores of (prompt, response) text pairs, on every rank.
+def rm_scores(scorer, dims, prompts: list[str], responses: list[str], where: str,
+              items: Optional[list[dict]] = None) -> list[float]:
+    """Raw RM scores of (prompt, response) text pairs, or of ``items``, on every rank.
 
     Text items exactly as :meth:`RewardModelScorer.score_batch` lays them out (the RM
     checkpoint's chat template and system prompt, response + EOS), scored by
@@ -97,6 +98,9 @@ def rm_scores(scorer, dims, prompts: list[str], responses: list[str], where: str
         scorer: a :class:`~nemo_rlhf.reward.rm_scorer.RewardModelScorer` built on every rank.
         prompts, responses: ``[N]`` raw prompts and decoded responses (EOS excluded).
         where: the config key named in errors (``rm_checkpoint``).
+        items: ``[N]`` wire items (:func:`~nemo_rlhf.reward.functions.rm_items`: ``{"prompt",
+            "response"}``, ``{"prompt_ids", "response_ids"}`` or ``{"messages"}``) scored
+            instead of the text pairs (multi-turn episodes read whole); None: the text pairs.
 
     Returns:
         ``[N]`` floats.
@@ -106,8 +110,9 @@ def rm_scores(scorer, dims, prompts: list[str], responses: list[str], where: str
             untokenisable), raised on every rank before any forward.
     """
     try:
-        seqs = [scorer.encode(ScoreItem(prompt=p, response=r), j)
-                for j, (p, r) in enumerate(zip(prompts, responses))]
+        if items is None:
+            items = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
+        seqs = [scorer.encode(ScoreItem(**item), j) for j, item in enumerate(items)]
     except ValueError as exc:
         raise ValueError(f"{where}: the reward model refuses a response: {exc}") from None
     n = len(seqs)

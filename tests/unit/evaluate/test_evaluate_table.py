@@ -256,3 +256,61 @@ def test_samples_out_has_the_schema_of_the_trainers_eval_samples(step2_vs_step1,
     assert trained["extras"] == {"answer": "7"}
     for key in SAMPLE_ROW_KEYS:
         assert type(trained[key]) is type(rows[0][key]), key
+
+
+def test_episodes_are_scored_whole_by_the_rm_as_ppos_served_rm_reads_them(ckpts, tmp_path):
+    """``env.name`` with ``rm_checkpoint`` (#51): each two-turn episode's ``rm_score`` is the
+    RM's score of its whole conversation (the prompt's user message, the first turn, the
+    environment's observation, the final turn; the RM's ChatML and system prompt render it),
+    as PPO's served RM reads it (``reward.rm_input=conversation``), not of the final answer
+    alone; ``rm_input=final_answer`` gives the final answer's score; the rows carry the
+    messages."""
+    from nemo_rlhf.reward.batching import ScoreItem
+    from nemo_rlhf.reward.rm_scorer import RMScorerConfig, RewardModelScorer
+    from nemo_rlhf.envs.config import EnvConfig
+    from tests.ppo_helpers import TwoTurnEnv
+
+    env = EnvConfig(name="tests.ppo_helpers:two_turn_env", max_turns=2, max_total_tokens=64)
+    rm = _long_rm(ckpts, tmp_path / "rm")  # the fixture's RM, 512 positions: ChatML conversations in characters
+    got = {}
+    for rm_input in ("conversation", "final_answer"):
+        out = tmp_path / rm_input / "eval.json"
+        res = _evaluate(ckpts, out, rm_checkpoint=str(rm), rm_input=rm_input, env=env,
+                        samples_out=str(out.parent / "samples.jsonl"))
+        got[rm_input] = (res, _rows(out.parent / "samples.jsonl"))
+    res, rows = got["conversation"]
+    assert len(rows) == len(PROMPTS) and res["episode"]["turns_mean"] == 2.0
+    for r in rows:
+        (user, first, obs, final) = r["messages"]
+        assert user == {"role": "user", "content": r["prompt"]} and obs["content"] == TwoTurnEnv.OBSERVATION
+        assert first["role"] == final["role"] == "assistant" and final["content"] == r["response"]
+    assert res["examples"][0]["messages"] == rows[0]["messages"]
+    with single_rank(seed=0) as dims:
+        scorer = RewardModelScorer(RMScorerConfig(checkpoint=str(rm)), dims)
+        whole = scorer.score_batch([ScoreItem(messages=r["messages"]) for r in rows])
+        final = scorer.score_batch([ScoreItem(prompt=r["prompt"], response=r["response"]) for r in rows])
+    assert [r["rm_score"] for r in rows] == pytest.approx(whole, abs=1e-5)
+    assert res["rm_reward"] == pytest.approx(sum(whole) / len(whole), abs=1e-6)
+    assert max(abs(a - b) for a, b in zip(whole, final)) > 1e-3  # the first turn and the observation count
+    res_final, rows_final = got["final_answer"]
+    assert [r["response"] for r in rows_final] == [r["response"] for r in rows]  # the same episodes
+    assert [r["rm_score"] for r in rows_final] == pytest.approx(final, abs=1e-5)
+
+
+def _long_rm(ck, root: Path) -> Path:
+    """A tiny RM checkpoint like the fixture's (ChatML, :data:`RM_SYSTEM`) with 512 positions:
+    a character tokenizer spells a two-turn conversation's ChatML out in over 128 tokens."""
+    from nemo_rlhf.checkpoint import save_checkpoint
+    from nemo_rlhf.data.tokenizer import Tokenizer
+    from nemo_rlhf.models.actor_critic import build_model
+    from nemo_rlhf.models.config import load_model_preset
+
+    tok_dir = ck["tmp"] / "tokenizer"
+    cfg = load_model_preset("tiny", vocab_size=Tokenizer(tok_dir).vocab_size, value_head_init_std=0.5,
+                            max_position_embeddings=512)
+    config = {"model": asdict(cfg), "trainer": {"precision": "32"},
+              "data": {"tokenizer_dir": str(tok_dir), "chat_template": "chatml", "system_prompt": RM_SYSTEM}}
+    with single_rank(seed=3) as dims:
+        save_checkpoint(root / "checkpoints", 4, build_model(cfg, dims, "32", kind="reward", seed=5), None,
+                        {"step": 4}, config, dims)
+    return root / "checkpoints"
