@@ -307,15 +307,21 @@ def build_preference_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int
         ``[{"prompt", "chosen", "rejected", "answer"}]``: each a distinct correct response
         against a distinct incorrect one of the same prompt (identical texts are merged
         first; ``answer``: the row's, None without one). Prompts whose samples are all
-        correct or all wrong give no pair.
+        correct or all wrong give no pair. Rows of multi-turn episodes (a ``messages``
+        list, as ``nemo_rlhf.evaluate`` writes with ``env.name``) give pairs of whole
+        conversations, ``{"chosen": [messages], "rejected": [messages], "answer"}`` (no
+        ``prompt``: the messages hold it; docs/data-formats.md, "Whole conversations"),
+        identical conversations merged; the right/wrong verdict is still the row's
+        ``correct`` (the checker on the final answer).
     """
     by_prompt: dict[str, dict] = {}
     for row in samples:
         entry = by_prompt.setdefault(row["prompt"], {"good": [], "bad": [],
                                                      "answer": row_extras(row).get("answer")})
         bucket = entry["good"] if float(row["correct"]) > 0.5 else entry["bad"]
-        if row["response"] not in bucket:
-            bucket.append(row["response"])
+        item = _pair_side(row)
+        if item not in bucket:
+            bucket.append(item)
     rng = random.Random(seed)
     pairs = []
     for prompt, entry in by_prompt.items():
@@ -325,8 +331,16 @@ def build_preference_pairs(samples: Sequence[Mapping], max_pairs_per_prompt: int
         n = min(max_pairs_per_prompt, len(good) * len(bad))
         combos = [(g, b) for b in bad for g in good][:n] if good and bad else []
         for g, b in combos:
-            pairs.append({"prompt": prompt, "chosen": g, "rejected": b, "answer": entry["answer"]})
+            pairs.append({**({} if isinstance(g, list) else {"prompt": prompt}), "chosen": g, "rejected": b,
+                          "answer": entry["answer"]})
     return pairs
+
+
+def _pair_side(row: Mapping):
+    """What a sample row puts on one side of a pair: its ``messages`` (a copy) when it is a
+    multi-turn episode's, else its ``response`` text."""
+    messages = row.get("messages")
+    return [dict(m) for m in messages] if isinstance(messages, list) else row["response"]
 
 
 def edit_pairs(task: Task, samples: Sequence[Mapping], per_prompt: int = 1, seed: int = 0) -> list[dict]:
@@ -344,7 +358,10 @@ def edit_pairs(task: Task, samples: Sequence[Mapping], per_prompt: int = 1, seed
     Returns:
         ``[{"prompt", "chosen", "rejected", ("answer",) "edit"}]``: ``answer`` when the row
         has one (as a string); ``edit`` is ``task.edit_labels[0]`` (right made wrong) or
-        ``[1]`` (wrong made right).
+        ``[1]`` (wrong made right). A multi-turn episode's row (``messages``): the final
+        answer is edited (the row's ``response``, the last assistant message) and the pair
+        is two whole conversations that differ only there, without ``prompt``
+        (:func:`build_preference_pairs`).
 
     Raises:
         ValueError: a task without ``edit_answer``.
@@ -370,8 +387,15 @@ def edit_pairs(task: Task, samples: Sequence[Mapping], per_prompt: int = 1, seed
             edited = task.edit_answer(prompt, text, extras, right, rng)
             if edited is None or edited == text or task.right(prompt, edited, extras) == right:
                 continue
+            side = _pair_side(row)
+            if isinstance(side, list):  # the conversation, its final answer edited
+                if side[-1] != {"role": "assistant", "content": text}:
+                    raise ValueError(f"edit_pairs: a sample row of {prompt!r} whose messages do not end with "
+                                     f"its response as the assistant's message: {side[-1]!r}")
+                text, edited = side, side[:-1] + [{"role": "assistant", "content": edited}]
             chosen, rejected = (text, edited) if right else (edited, text)
-            pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected,
+            pairs.append({**({} if isinstance(side, list) else {"prompt": prompt}),
+                          "chosen": chosen, "rejected": rejected,
                           **({"answer": str(extras["answer"])} if "answer" in extras else {}),
                           "edit": task.edit_labels[0] if right else task.edit_labels[1]})
             made += 1

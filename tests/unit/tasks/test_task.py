@@ -129,6 +129,45 @@ def test_edit_pairs_keep_only_edits_the_checker_flips():
     assert count_right(rows) == 1
 
 
+def _episode_row(prompt: str, calls: str, tool: str, final: str, correct: float) -> dict:
+    """A sample row of a two-turn episode, as nemo_rlhf.evaluate writes it with env.name."""
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": calls},
+                {"role": "tool", "content": tool}, {"role": "assistant", "content": final}]
+    return sample_row(prompt, final, correct, 3, {"answer": "CAT"}, messages=messages, turns=2)
+
+
+def test_episode_rows_give_pairs_of_whole_conversations_that_the_rm_loader_reads(tmp_path):
+    """Rows with ``messages`` (#51): natural pairs compare the two conversations (a right
+    final answer read off the tool against a wrong one; identical conversations merged, the
+    verdict the row's ``correct``), edit pairs differ only in the final answer; neither has
+    ``prompt`` (the row format of docs/data-formats.md, "Whole conversations"), and the
+    preference loader reads them as conversation pairs whose shared prefix is the first
+    turn and the tool's output."""
+    from nemo_rlhf.data.jsonl import CONVERSATION_FIELDS, read_jsonl
+
+    task = _upper()
+    rows = [_episode_row("Upper: cat ->", "call(upper, cat)", "CAT", "CAT", 1.0),
+            _episode_row("Upper: cat ->", "call(upper, cat)", "CAT", "CAT", 1.0),  # the same episode again
+            _episode_row("Upper: cat ->", "call(upper, cat)", "CAT", "CAX", 0.0),
+            _episode_row("Upper: cat ->", "cat", "cat", "cat", 0.0)]
+    natural = build_preference_pairs(rows, max_pairs_per_prompt=4)
+    assert len(natural) == 2 and all(set(p) == {"chosen", "rejected", "answer"} for p in natural)
+    assert all(p["chosen"] == rows[0]["messages"] and p["answer"] == "CAT" for p in natural)
+    assert sorted(p["rejected"][-1]["content"] for p in natural) == ["CAX", "cat"]
+    edits = edit_pairs(task, rows, per_prompt=5, seed=0)
+    got = {(p["chosen"][-1]["content"], p["rejected"][-1]["content"], p["edit"]) for p in edits}
+    assert got == {("CAT", "CAZ", "wrong_answer"), ("CAT", "CAX", "right_answer"), ("CAT", "cat", "right_answer")}
+    for p in edits:
+        assert "prompt" not in p and p["chosen"][:-1] == p["rejected"][:-1]  # only the final answer differs
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in natural + edits))
+    loaded, _, report = read_jsonl(path, "preference")
+    assert len(loaded) == 5 and report.invalid == 0 and all(r[CONVERSATION_FIELDS[0]][2]["role"] == "tool" for r in loaded)
+    bad = [dict(rows[2], messages=rows[2]["messages"][:-1] + [{"role": "assistant", "content": "other"}])]
+    with pytest.raises(ValueError, match="whose messages do not end with its response"):
+        edit_pairs(task, bad)
+
+
 def test_demonstrations_are_checked_and_a_task_without_them_is_named():
     rows = [{"prompt": "Upper: cat ->", "word": "cat", "answer": "CAT"}]
     assert demonstration_rows(_upper(), rows) == [{"prompt": "Upper: cat ->", "response": "CAT"}]
