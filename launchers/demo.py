@@ -10,8 +10,9 @@ model gets no sampled answer right, the recipe does SFT on the task's demonstrat
 
 ``--task calc`` (#51): the recipe on the tool task :data:`nemo_rlhf.tasks.calc.TASK` (two-digit
 multiplication with a calculator the policy calls, ``env.name=digit_calculator``) with the
-tiny model unless ``--model`` says otherwise; it needs ``--reward checker`` (no RM on a tool
-task yet). Its samples, SFT gate and held-out evaluations run episodes with the calculator
+tiny model unless ``--model`` says otherwise; with ``--reward rm|both`` its RM is trained on
+pairs of whole conversations (the policy's episodes), with ``--reward checker`` none is.
+Its samples, SFT gate and held-out evaluations run episodes with the calculator
 (docs/tasks.md, "A tool task").
 
 ``--task smollm2`` (the default): SmolLM2-135M-Instruct, set up offline from its PyPI

@@ -187,18 +187,18 @@ class GateResult:
     fields: dict = field(default_factory=dict)
 
 
-def refuse_rm_on_tool_task(task, reward: str) -> None:
-    """Refuse ``--reward rm|both`` on a task with an environment (``Task.env``, #51), before
-    any stage: the RM would be trained on pairs of final answers, not on whole conversations.
+def refuse_rm_on_tool_task(task, reward: str, refresh_rounds: int = 0) -> None:
+    """Refuse, before any stage, what the recipe cannot do on a task with an environment
+    (``Task.env``, #51): ``--refresh-rounds`` (its disagreement pairs are single-turn texts).
+    ``--reward rm|both`` is allowed: the RM is trained on pairs of whole conversations.
 
     Raises:
-        SystemExit: naming the task, the flag and ``--reward checker``.
+        SystemExit: naming the task, the flag and what to use instead.
     """
-    if task.env is not None and reward != "checker":
-        raise SystemExit(f"task {task.name!r} (Task.env={task.env!r}): --reward {reward} is not supported on "
-                         f"a tool task yet: the RM would be trained on pairs of final answers, not on whole "
-                         f"conversations (the tool's output unseen); run it with --reward checker "
-                         f"(docs/tasks.md, 'A tool task')")
+    if task.env is not None and refresh_rounds:
+        raise SystemExit(f"task {task.name!r} (Task.env={task.env!r}): --refresh-rounds {refresh_rounds} is not "
+                         f"supported on a tool task yet: a refresh round's disagreement pairs are single-turn "
+                         f"texts, not whole conversations; run it with --refresh-rounds 0")
 
 
 def rm_gate(accuracy, natural_pairs: int, min_pairs: int, *, reward: str, custom_task: bool,

@@ -37,8 +37,11 @@ the project's own entry point run as a subprocess and skipped when its output ex
    accuracy does not); ``kl.target`` scaled by the task's response length
    (:func:`kl_target_for_task`; the default task keeps its config's) and the profile's
    ``kl.type`` (:attr:`ModelProfile.kl_type`: ``pi`` for the tiny model). A tool task
-   (``Task.env``): every evaluation runs episodes, no RM (``--reward checker`` only, #51),
-   and the profile's ``optim.lr`` for it (:func:`_tool_task_lr_choice`);
+   (``Task.env``, #51): every evaluation runs episodes; with ``--reward rm|both`` the RM is
+   trained on pairs of whole conversations (the policy's sampled episodes, the checker on
+   their final answers: :func:`nemo_rlhf.tasks.task.build_preference_pairs`) and reads
+   PPO's episodes whole, with ``--reward checker`` no RM is trained; the profile's
+   ``optim.lr`` for it (:func:`_tool_task_lr_choice`);
 6. the before / after table, the verdict (:func:`launchers.gates.ppo_verdict`) and
    ``<out>/summary.json``. Every default picked for the task is printed with its reason
    (:func:`picked`; ``summary.json``'s ``defaults``).
@@ -392,6 +395,13 @@ def _sft_until_it_stops_improving(a, profile: ModelProfile, out: Path, data: Pat
     return best, rounds
 
 
+def trains_rm(task, a) -> bool:
+    """Whether the recipe trains an RM: always, but on a tool task (``Task.env``) with
+    ``--reward checker``, where nothing would read it (the RM of a tool task is trained on
+    pairs of whole conversations, #51)."""
+    return task.env is None or a.reward != "checker"
+
+
 def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, ckpt, tok, stage_args: list,
                         clock: "stages.StageTimes") -> tuple:
     """Stage 3 (module docstring): the policy the RM data comes from (the model, or the SFT
@@ -428,7 +438,7 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
         clock.start()
     samples_train = _sample(a, policy, data / "rm_prompts.jsonl", rm_data / "samples_train", 1, stage_args,
                             logs / "rm_samples.log")
-    if task.env is None:  # a tool task trains no RM (run_recipe): no held-out pairs
+    if trains_rm(task, a):  # not a tool task against the checker (run_recipe): its held-out pairs
         samples_val = _sample(a, policy, data / "rm_val_prompts.jsonl", rm_data / "samples_val", 2, stage_args,
                               logs / "rm_samples.log")
         val_file, a.rm_heldout_sizing = rm_heldout.size_heldout_prompts(
@@ -444,7 +454,7 @@ def _policy_and_rm_data(a, task, profile: ModelProfile, out: Path, data: Path, c
         print(f"after SFT: {k} of {n} sampled answers to the RM prompts right ({100 * k / n:.1f}%, 95% Wilson "
               f"interval {gates.pct_interval(*gates.wilson_interval(k, n))}; T={a.rm_temperature}); its "
               f"greedy held-out exact match is PPO's step-0 evaluation", flush=True)
-    if task.env is not None:
+    if not trains_rm(task, a):
         clock.stop("rm_samples")
         return policy, sft, probe_acc, samples_train, {"train": 0, "val": 0, "val_same_form": 0}, sft_rounds
     edits = a.rm_edit_pairs if task.edit_answer is not None else 0
@@ -543,7 +553,7 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     checkers = [f"checker={checker}",
                 *([f"extra_checkers=[{','.join(task.extra_checkers)}]"] if task.extra_checkers else []),
                 f"precision={a.precision}", *env_overrides(task)]  # a tool task: every evaluation runs episodes
-    gates.refuse_rm_on_tool_task(task, a.reward)
+    gates.refuse_rm_on_tool_task(task, a.reward, a.refresh_rounds)
 
     clock.start()
     model = prepare_model(profile, out, a.model_seed)
@@ -584,10 +594,10 @@ def run_recipe(a, task, checker: str, profile: ModelProfile) -> int:
     right = count_right(samples_train)
 
     rm_exp = out / "rm"
-    if task.env is not None:  # (#51) a tool task: no RM stage (its pairs would be final answers, not conversations)
+    if not trains_rm(task, a):  # (#51) a tool task against the checker: no RM stage
         rm = train_rm = None
-        gate = gates.GateResult(True, "a tool task (Task.env): no RM is trained; PPO's reward is the checker",
-                                {"applies": False, "skipped": "tool task: --reward checker"})
+        gate = gates.GateResult(True, "a tool task (Task.env) with --reward checker: no RM is trained; PPO's "
+                                "reward is the checker", {"applies": False, "skipped": "tool task: --reward checker"})
     else:
         clock.start()
 

@@ -117,8 +117,8 @@ def report(a, task, profile, out, ppo_exp, rm_exp, rm, policy, ckpt, sft, probe_
                              f"mean length {ev['mean_response_length']:.1f} tokens"
                              if ev.get("mean_response_length") is not None else None, stages.episode_note(ev)) if n]
         print(f"  {name:<{width}} : {100 * ev['accuracy']:5.1f}% ({'; '.join(notes)})")
-    if task.env is not None:
-        print("RM                          : none (a tool task: PPO's reward is the checker)")
+    if rm is None:
+        print("RM                          : none (a tool task with --reward checker: PPO's reward is the checker)")
     else:
         print(f"RM held-out pair accuracy   : {'n/a' if rm_acc is None else f'{100 * rm_acc:.1f}%'} "
               f"({pair_counts['train']} training pairs); same-form pairs (right vs wrong answer, same "

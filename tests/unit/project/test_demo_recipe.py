@@ -67,6 +67,11 @@ class FakeStages:
                     answer = str(extras["answer"])
                     wrong = str(int(answer) + 1) if answer.isdigit() else answer.lower()
                     more = {"rm_score": self.rm_score(ok, k)} if "rm_checkpoint" in args else {}
+                    if "env.name" in args:  # episodes (#51): as the evaluator writes them, with their messages
+                        more.update(turns=2, messages=[
+                            {"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": "call"},
+                            {"role": "tool", "content": "result"},
+                            {"role": "assistant", "content": answer if ok else wrong}])
                     out.append(sample_row(row["prompt"], answer if ok else wrong, float(ok), 2, extras, sample=k,
                                           **more))
             Path(args["samples_out"]).write_text("".join(json.dumps(r) + "\n" for r in out))

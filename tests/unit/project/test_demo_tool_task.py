@@ -2,7 +2,8 @@
 faked as in test_demo_recipe.py: the PPO stage and every ``nemo_rlhf.evaluate`` stage get
 ``env.name`` and ``Task.env_overrides`` (the samples, the SFT gate and the held-out
 evaluations run episodes); a task without one gets no ``env.*`` argument; a tool task trains
-no RM and is refused with ``--reward rm|both`` before any stage, naming ``--reward checker``."""
+no RM with ``--reward checker`` and, with ``--reward rm|both``, one on pairs of whole
+conversations; ``--refresh-rounds`` is refused on a tool task before any stage."""
 
 from __future__ import annotations
 
@@ -56,14 +57,38 @@ def test_a_tool_task_whose_sft_model_gets_nothing_right_names_the_sft_flags(tmp_
 
 
 @pytest.mark.parametrize("reward", ["rm", "both"])
-def test_a_tool_task_with_an_rm_reward_is_refused_before_any_stage_naming_reward_checker(tmp_path, monkeypatch,
-                                                                                         reward):
+def test_a_tool_task_with_an_rm_reward_trains_the_rm_on_whole_conversations(tmp_path, monkeypatch, reward):
+    """``--reward rm|both`` on a tool task: the RM's training, held-out and same-form pairs
+    are pairs of whole conversations (the episodes' messages, no ``prompt``), the AUC gate's
+    evaluation runs episodes scored by the RM, and PPO is served that RM."""
     fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
     argv = _argv(tmp_path, monkeypatch, "TOOL")
     argv[argv.index("--reward") + 1] = reward
-    with pytest.raises(SystemExit, match=rf"--reward {reward} is not supported on a tool task yet.*"
-                                         r"whole conversations.*--reward checker"):
-        demo.main(argv)
+    assert demo.main(argv) == 0
+    assert "nemo_rlhf.train_rm" in fake.modules()
+    rm_data = tmp_path / "out" / "rm_data"
+    for name in ("preference_train", "preference_val", "same_form_val"):
+        pairs = [json.loads(x) for x in (rm_data / f"{name}.jsonl").read_text().splitlines()]
+        assert pairs, name
+        for p in pairs:
+            assert "prompt" not in p and [m["role"] for m in p["chosen"]] == ["user", "assistant", "tool", "assistant"]
+            assert p["chosen"][0] == p["rejected"][0] and p["chosen"][-1] != p["rejected"][-1]
+    (auc,) = [c for c in fake.cmds if any(x.startswith("rm_checkpoint=") for x in c)]
+    assert "env.name='digit_calculator'" in auc
+    (ppo,) = fake.ppo
+    assert ppo["rm"] != "None" and "env.name='digit_calculator'" in ppo["args"]
+    assert ("reward.rm_weight=0" in ppo["args"]) is False
+    s = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert s["rm_gate"]["applies"] is True and s["rm_heldout_pair_accuracy"] == 0.9
+
+
+def test_a_tool_task_with_refresh_rounds_is_refused_before_any_stage(tmp_path, monkeypatch):
+    fake = FakeStages(monkeypatch, right=lambda ckpt: 0.5)
+    argv = _argv(tmp_path, monkeypatch, "TOOL")
+    argv[argv.index("--reward") + 1] = "rm"
+    with pytest.raises(SystemExit, match=r"--refresh-rounds 1 is not supported on a tool task yet.*"
+                                         r"single-turn texts.*--refresh-rounds 0"):
+        demo.main([*argv, "--refresh-rounds", "1"])
     assert fake.cmds == [] and fake.ppo == []
 
 
@@ -76,8 +101,6 @@ def test_task_calc_is_the_calc_tool_task_on_the_tiny_model(tmp_path, monkeypatch
     assert s["defaults"]["model"]["value"] == "tiny"
     (ppo,) = fake.ppo
     assert ppo["config"] == "ppo_tiny" and "env.name='digit_calculator'" in ppo["args"]
-    with pytest.raises(SystemExit, match="--reward rm is not supported on a tool task yet"):
-        demo.main(["--task", "calc", "--out", str(tmp_path / "out2")])
 
 
 def test_a_tool_task_on_the_tiny_model_gets_the_profiles_tool_task_lr_with_its_reason(tmp_path, monkeypatch,
