@@ -63,7 +63,7 @@ def _summary(eps) -> list[dict]:
              "segments": [(s.kind, s.start, s.end) for s in e.trajectory.segments],
              "prompt": e.trajectory.prompt_ids, "turns": e.trajectory.turns,
              "truncated": e.trajectory.truncated, "stop_reason": e.stop_reason,
-             "rewards": e.turn_rewards} for e in eps]
+             "rewards": e.turn_rewards, "messages": e.messages} for e in eps]
 
 
 def _worker(rank: int, tp: int) -> dict:
@@ -187,6 +187,12 @@ def test_vllm_episode_loss_mask_has_holes_exactly_at_the_observations(res):
                 assert e["ids"][start:end] == encode(f"o{turn}:{problem}#" * turn)
             expect += [1 if kind == "policy" else 0] * (end - start)
         assert e["mask"] == expect
+        # Episode.messages on the vLLM engine: the prompt, each policy turn decoded, each observation
+        assert e["messages"][0] == {"role": "user", "content": f"Q{problem}:" + "abcdefghij" * 15}
+        assert [m["role"] for m in e["messages"][1:]] == ["assistant", "user"] * (done_after - 1) + ["assistant"]
+        for k, (kind, start, end) in enumerate(e["segments"]):
+            text = decode(e["ids"][start:end]) if kind == "policy" else f"o{k // 2 + 1}:{problem}#" * (k // 2 + 1)
+            assert e["messages"][k + 1]["content"] == text, (k, kind)
         assert all(lp < 0 for lp, m in zip(e["lps"], e["mask"]) if m)
         assert all(lp == 0 for lp, m in zip(e["lps"], e["mask"]) if not m)
 
