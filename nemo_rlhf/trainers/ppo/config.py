@@ -570,7 +570,11 @@ class PPOConfig:
         """``env.name``: what multi-turn rollouts support so far; the ``env`` reward
         function needs an environment; ``env.turn_rewards=per_turn`` needs one too, a
         per-token estimator (not ``EstimatorTraits.outcome_only``) and no ``env`` reward
-        function (it would count the environment's reward twice)."""
+        function (it would count the environment's reward twice). With
+        ``ppo.old_logprobs_from_rollout`` the episodes' behaviour log-probs are the old
+        log-probs (megatron or vLLM engine, as single-turn: :meth:`_check_rollout_logprobs`),
+        but the old values cannot come from the rollout: a critic that needs them must be
+        ``critic.mode=separate`` (its own forward)."""
         names = [f.name for f in self.reward.functions]
         checkers = [("trainer.eval_checker", self.trainer.eval_checker)] + [
             (f"trainer.eval_extra_checkers[{i}]", c) for i, c in enumerate(self.trainer.eval_extra_checkers)]
@@ -600,12 +604,20 @@ class PPOConfig:
                                  "environment's rewards already sit at the end of their turns, the 'env' "
                                  "function would count them again: remove it from reward.functions (or "
                                  "use env.turn_rewards=sum)")
-        unsupported = [(key, value, ok) for key, value, ok in (  # rollout.engine: megatron or vllm
-            ("ppo.old_logprobs_from_rollout", self.ppo.old_logprobs_from_rollout, False),
-            ("rollout.min_new_tokens", self.rollout.min_new_tokens, 0)) if value != ok]
-        for key, value, ok in unsupported:
-            raise ValueError(f"env.name={self.env.name!r} with {key}={value}: multi-turn episodes are "
-                             f"not supported there yet; set {key}={ok} (or env.name=null)")
+        if self.ppo.old_logprobs_from_rollout and self.critic.mode != "separate" \
+                and estimator_traits(self.ppo.advantage_estimator).needs_values:
+            # the episode decode records each policy token's log-prob, not the value head's
+            # output (the single-turn decode's with_values): nothing to take the old values from
+            raise ValueError(f"env.name={self.env.name!r} with ppo.old_logprobs_from_rollout=true and "
+                             f"critic.mode={self.critic.mode} (a value head on the actor's backbone, "
+                             f"ppo.advantage_estimator={self.ppo.advantage_estimator}): the episode "
+                             f"rollout records the behaviour log-probs but not the old values: set "
+                             f"critic.mode=separate, a critic-free ppo.advantage_estimator (grpo, rloo, "
+                             f"reinforce_plus_plus) or ppo.old_logprobs_from_rollout=false")
+        if self.rollout.min_new_tokens != 0:
+            raise ValueError(f"env.name={self.env.name!r} with rollout.min_new_tokens="
+                             f"{self.rollout.min_new_tokens}: multi-turn episodes are not supported "
+                             f"there yet; set rollout.min_new_tokens=0 (or env.name=null)")
 
     def _check_async(self) -> None:
         """``rollout.mode=async``: the trainer recomputes the old log-probs, and off-policy
