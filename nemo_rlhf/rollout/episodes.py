@@ -71,8 +71,13 @@ episodes (the incremental path, as :func:`generate` under CP); CP rank 0 samples
 the environments, its choices and outcomes broadcast over the CP group. Expert parallelism: as :func:`generate`, a
 rank whose rows are done keeps stepping until its expert-exchange group is done.
 
-Not covered (an error naming it): ``rollout.min_new_tokens`` > 0 (its suppression is per
-turn and per row).
+**``rollout.min_new_tokens`` is per policy turn**: EOS and the ``rollout.stop_token_ids``
+cannot be sampled before a turn has that many tokens, and a ``rollout.stop_strings`` string
+does not end it before then (as :func:`generate`'s rule for one response: each turn is the
+policy's response to what it read); the behaviour log-probs are the policy's own, before the
+suppression. A turn cut at its cap (``rollout.max_new_tokens`` or ``env.max_total_tokens``)
+ends there even when shorter. The recompute path gives each turn's :func:`generate` the
+same ``min_new_tokens`` (at most that call's ``max_new_tokens``).
 """
 
 from __future__ import annotations
@@ -166,9 +171,6 @@ def _check_args(dims, envs, problems, cfg: RolloutConfig, limits: EnvLimits, max
     if cfg.max_new_tokens < 1:
         raise ValueError(f"rollout.max_new_tokens={cfg.max_new_tokens}: a policy turn needs at "
                          f"least one token; set rollout.max_new_tokens >= 1")
-    if cfg.min_new_tokens:
-        raise ValueError(f"rollout.min_new_tokens={cfg.min_new_tokens}: not supported by "
-                         f"multi-turn episodes yet; set rollout.min_new_tokens=0")
     if decode_fn is None:
         raise ValueError("run_episodes: decode_fn (token ids -> str) is required: the "
                          "environment reads each turn's text")
@@ -329,8 +331,8 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
         envs: one :class:`Environment` instance per episode.
         problems: ``envs[i].reset(problems[i])`` starts episode ``i``.
         cfg: sampling and per-turn stopping (``max_new_tokens`` per turn, ``stop_token_ids``
-            and ``stop_strings`` end a turn, e.g. at ``</tool_call>``; ``min_new_tokens``
-            must be 0).
+            and ``stop_strings`` end a turn, e.g. at ``</tool_call>``, not before
+            ``min_new_tokens`` tokens of the turn).
         limits: per-episode limits (config section ``env``).
         encode_prompt: first observation text -> prompt ids (the chat template applied).
         encode_observation: an observation text -> its ids, tokenised alone (the template's
@@ -466,9 +468,14 @@ def _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed, stop_ids,
     Returns the step's ``[B, 1]`` ids (host) and 1."""
     B = len(rows)
     if _leader(dims):
+        early = None  # rows within rollout.min_new_tokens of their turn: no stop id (per turn)
+        if cfg.min_new_tokens:
+            early = torch.tensor([not r.done and not r.pending and len(r.turn_ids) < cfg.min_new_tokens
+                                  for r in rows], dtype=torch.bool, device=logits_BV.device)
         tokens, lp = choose_tokens(
             logits_BV, vocab_size=vocab_size, greedy=cfg.greedy, temperature=cfg.temperature,
-            top_k=cfg.top_k, top_p=cfg.top_p, generator=generator)
+            top_k=cfg.top_k, top_p=cfg.top_p, generator=generator,
+            suppress_ids=stop_ids if early is not None else None, suppress_rows=early)
         packed[0] = tokens.to(torch.float64)
         packed[1] = lp.to(torch.float64)
         packed[2] = torch.isin(tokens, stop_ids).to(torch.float64)
@@ -486,8 +493,8 @@ def _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed, stop_ids,
         step[b, 0] = tok
         r.turn_ids.append(tok)
         r.turn_lps.append(float(host[1, b]))
-        stopped = bool(host[2, b])
-        if not stopped and cfg.stop_strings:
+        stopped = bool(host[2, b])  # never within min_new_tokens: suppressed above
+        if not stopped and cfg.stop_strings and len(r.turn_ids) > cfg.min_new_tokens:
             text = decode_fn(list(r.turn_ids))
             stopped = any(x in text for x in cfg.stop_strings)
         if stopped or len(r.turn_ids) >= _turn_cap(r, cfg, limits):
@@ -525,7 +532,8 @@ def _run_recompute(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: En
         outs = {}
         for g, ks in enumerate(groups):
             batch = generate(model, dims, [live[k][1].traj.token_ids for k in ks],
-                             replace(cfg, max_new_tokens=max(caps[k] for k in ks)),
+                             replace(cfg, max_new_tokens=max(caps[k] for k in ks),
+                                     min_new_tokens=min(cfg.min_new_tokens, max(caps[k] for k in ks))),
                              eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                              vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                              decode_fn=decode_fn,

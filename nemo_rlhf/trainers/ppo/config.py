@@ -574,7 +574,8 @@ class PPOConfig:
         ``ppo.old_logprobs_from_rollout`` the episodes' behaviour log-probs are the old
         log-probs (megatron or vLLM engine, as single-turn: :meth:`_check_rollout_logprobs`),
         but the old values cannot come from the rollout: a critic that needs them must be
-        ``critic.mode=separate`` (its own forward)."""
+        ``critic.mode=separate`` (its own forward). ``rollout.min_new_tokens`` holds per
+        policy turn on the megatron engine; the vLLM engine's episodes refuse it."""
         names = [f.name for f in self.reward.functions]
         checkers = [("trainer.eval_checker", self.trainer.eval_checker)] + [
             (f"trainer.eval_extra_checkers[{i}]", c) for i, c in enumerate(self.trainer.eval_extra_checkers)]
@@ -614,10 +615,12 @@ class PPOConfig:
                              f"rollout records the behaviour log-probs but not the old values: set "
                              f"critic.mode=separate, a critic-free ppo.advantage_estimator (grpo, rloo, "
                              f"reinforce_plus_plus) or ppo.old_logprobs_from_rollout=false")
-        if self.rollout.min_new_tokens != 0:
+        if self.rollout.min_new_tokens != 0 and self.rollout.engine == "vllm":
+            # per policy turn on the megatron engine (nemo_rlhf.rollout.episodes)
             raise ValueError(f"env.name={self.env.name!r} with rollout.min_new_tokens="
-                             f"{self.rollout.min_new_tokens}: multi-turn episodes are not supported "
-                             f"there yet; set rollout.min_new_tokens=0 (or env.name=null)")
+                             f"{self.rollout.min_new_tokens} and rollout.engine=vllm: the vLLM engine's "
+                             f"episodes do not apply a per-turn minimum yet (the megatron engine's do); "
+                             f"set rollout.min_new_tokens=0 or rollout.engine=megatron")
 
     def _check_async(self) -> None:
         """``rollout.mode=async``: the trainer recomputes the old log-probs, and off-policy

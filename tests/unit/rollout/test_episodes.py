@@ -248,6 +248,41 @@ def test_stop_token_ends_a_turn(models, dims):
     assert out[0].trajectory.token_ids[out[0].trajectory.prompt_length:] == turn[:first + 1]
 
 
+def _turns(ep) -> list[list[int]]:
+    tr = ep.trajectory
+    return [tr.token_ids[s.start:s.end] for s in tr.segments if s.kind == POLICY]
+
+
+@pytest.mark.parametrize("stop_by", ["id", "string"])
+def test_min_new_tokens_holds_for_every_policy_turn(models, dims, stop_by):
+    """``rollout.min_new_tokens`` per turn: a stop id / stop string that ends turns after 1-2
+    tokens ends none before 3; the kept cache equals each turn's :func:`generate` (recompute),
+    whose min_new_tokens is single-turn's; the log-probs are the policy's own (unsuppressed)."""
+    m = models["rope"]
+    free = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, greedy=True, max_new_tokens=6)
+    first = [t for ep in free for t in _turns(ep)]
+    stop = first[0][1]  # turn 1 of episode 0 would end at its 2nd token
+    kw = dict(stop_token_ids=[stop]) if stop_by == "id" else dict(stop_strings=[decode([stop])])
+    short = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, greedy=True, max_new_tokens=6, **kw)
+    assert min(len(t) for ep in short for t in _turns(ep)) < 3  # the stop does end turns early
+    kept = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, greedy=True, max_new_tokens=6, min_new_tokens=3, **kw)
+    again = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, greedy=True, max_new_tokens=6, min_new_tokens=3,
+                 recompute=True, **kw)
+    assert [e.trajectory.turns for e in kept] == [1, 3, 2, 3]
+    for a, b in zip(kept, again):
+        assert all(len(t) >= 3 for t in _turns(a)), _turns(a)
+        if stop_by == "id":
+            assert all(stop not in t[:3] for t in _turns(a))
+        assert a.trajectory.token_ids == b.trajectory.token_ids
+        assert a.trajectory.segments == b.trajectory.segments and a.stop_reason == b.stop_reason
+        torch.testing.assert_close(torch.tensor(a.trajectory.logprobs), torch.tensor(b.trajectory.logprobs),
+                                   atol=1e-5, rtol=0)
+    assert any(stop in t for ep in kept for t in _turns(ep))  # turns still end at the stop after 3
+    padded, train_lp = _train_logprobs(m, dims, kept, 1.0)
+    diff = (train_lp - padded.logprobs)[padded.response_mask].abs().max()
+    assert diff < 1e-5, float(diff)
+
+
 # --------------------------------------------------------------------- a tool call
 
 
@@ -291,8 +326,6 @@ def test_bad_arguments_are_refused_naming_the_key(models, dims):
         _run(m, dims, [ScriptedEnv(1)], max_new_tokens=0)
     with pytest.raises(ValueError, match=r"rollout.stop_token_ids\[1\]=100"):
         _run(m, dims, [ScriptedEnv(1)], stop_token_ids=[5, VOCAB])
-    with pytest.raises(ValueError, match="rollout.min_new_tokens=2"):
-        _run(m, dims, [ScriptedEnv(1)], min_new_tokens=2)
     env = ScriptedEnv(1)
     with pytest.raises(ValueError, match="one instance per episode"):
         _run(m, dims, [env, env])
