@@ -91,6 +91,7 @@ import torch.distributed as dist
 
 from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.envs.base import EnvLimits, Environment, StepResult
+from nemo_rlhf.models.actor_critic import ActorCriticModel
 from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for, unwrap
 from nemo_rlhf.models.moe import all_done_in_group, expert_exchange_group
 from nemo_rlhf.rollout.config import RolloutConfig
@@ -138,6 +139,12 @@ class Episode:
     turn decoded, as env.step read it>}`` and per appended observation ``{"role":
     env.observation_role, "content": <its text, before env.observation_template>}``. The
     same on every rank of a model-parallel group."""
+    values: Optional[List[float]] = None
+    """With ``run_episodes(..., with_values=True)``, on the last pipeline stage: the
+    actor-critic's value of the state before each token after the prompt (``len(trajectory)
+    - prompt_length`` floats; the value head on the decode's final hidden state of the
+    previous column, as :func:`generate`'s ``with_values``), 0 on the environment's tokens.
+    None otherwise (not carried by the async transport)."""
 
 
 class _Row:
@@ -321,7 +328,7 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
                  encode_observation: EncodeFn, decode_fn: DecodeFn, eos_token_id: int,
                  pad_token_id: int, vocab_size: int, max_sequence_length: int,
                  call_index: Optional[int] = None,
-                 recompute_prefix: bool = False) -> List[Episode]:
+                 recompute_prefix: bool = False, with_values: bool = False) -> List[Episode]:
     """Run one DP rank's episodes to the end (see the module docstring).
 
     Args:
@@ -342,6 +349,9 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
         call_index: mixes into the sampler seed (None: a per-process counter).
         recompute_prefix: recompute the whole prefix each turn (one :func:`generate` per
             turn) instead of keeping the KV cache: the reference path.
+        with_values: also record the actor-critic's values of the policy tokens
+            (:attr:`Episode.values`, last pipeline stage; the old values of
+            ``ppo.old_logprobs_from_rollout``). Kept-cache path only.
 
     Returns:
         ``len(envs)`` :class:`Episode` s in order, the same on every rank of the
@@ -353,8 +363,13 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
             model-parallel ranks given different problems.
         PrefixMismatch / AssertionError: a turn's model input is not the trajectory
             extended (a bug: the engine only appends).
+        ValueError: ``with_values`` with ``recompute_prefix`` or a model without a value head.
     """
     _check_args(dims, envs, problems, cfg, limits, max_sequence_length, decode_fn)
+    if with_values and (recompute_prefix or not isinstance(unwrap(model), ActorCriticModel)
+                        or type(unwrap(model)).head_name != "value_head"):
+        raise ValueError("run_episodes(with_values=True): the values come from an actor-critic's value "
+                         "head on the kept-cache path (recompute_prefix=False)")
     for name, tok in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
         if not 0 <= tok < vocab_size:
             raise ValueError(f"run_episodes: {name}={tok} is outside the vocabulary [0, {vocab_size})")
@@ -375,7 +390,7 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
     try:
         with torch.no_grad(), cpu_compat.suspended():
             _run_cached(core, dims, rows, cfg, limits, encode_observation, decode_fn,
-                        eos_token_id, pad_token_id, vocab_size, call_index)
+                        eos_token_id, pad_token_id, vocab_size, call_index, with_values)
     finally:
         core.train(was_training)
         if not dims.is_first_stage:
@@ -397,7 +412,7 @@ def _step_mask(key_pad_BL: Optional[torch.Tensor], c0: int, s: int, dev) -> Opti
 
 def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLimits,
                 encode_observation, decode_fn, eos_token_id, pad_token_id, vocab_size,
-                call_index) -> None:
+                call_index, with_values: bool = False) -> None:
     dev = dims.device
     B = len(rows)
     prompt_ids, prompt_mask, prompt_lengths = left_pad([r.traj.prompt_ids for r in rows],
@@ -422,6 +437,13 @@ def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLi
     packed = torch.zeros(3, B, dtype=torch.float64, device=dev)
     runner = _StageRunner(model, dims, B, True, L)
     ep_group = expert_exchange_group(model)
+    values = None  # [B, L-P]: the value of the state before each column from P (policy tokens)
+    if with_values and dims.is_last_stage:
+        if runner.stage is None:
+            raise RuntimeError("run_episodes(with_values=True): this model stage does not take the "
+                               "incremental decode path (IncrementalStage.for_model), which computes the values")
+        runner.stage.value_head = model.value_head
+        values = torch.zeros(B, L - P, dtype=torch.float32, device=dev)
 
     for i, r in enumerate(rows):  # turn 1's input is the prompt
         _check_turn_input(r, i, r.traj.token_ids)
@@ -448,6 +470,9 @@ def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLi
             step_ids = chunk
             _start_turns(rows, seq, starts, col + s)
         else:
+            if values is not None:  # the last call ended at column col - 1: its state chooses col
+                rows_B = torch.tensor(policy, dtype=torch.bool, device=dev)
+                values[:, col - P] = torch.where(rows_B, runner.stage.last_values.float(), 0.0)
             step_ids, s = _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed,
                                        stop_ids, generator, encode_observation, decode_fn,
                                        pad_token_id, vocab_size)
@@ -460,6 +485,10 @@ def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLi
         pos = (torch.arange(col, col + s, device=dev).unsqueeze(0) + offset_B1).clamp(0, max_pos)
         logits_BV = runner(step_ids.to(dev), pos, _step_mask(key_pad, col, s, dev))
         col += s
+    if values is not None:  # every row's tokens sit from column P: to_padded_batch's columns
+        host = values.cpu()
+        for b, r in enumerate(rows):
+            r.episode.values = host[b, :len(r.traj) - r.traj.prompt_length].tolist()
 
 
 def _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed, stop_ids, generator,

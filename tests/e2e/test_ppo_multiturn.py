@@ -4,6 +4,7 @@ train on them; ``env.name`` null keeps the single-turn source. One rank, the tin
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import traceback
@@ -57,10 +58,13 @@ def _worker(rank: int, tmp: str):
     return out
 
 
-# ppo.old_logprobs_from_rollout with episodes: a critic with its own forward (the episode decode
-# records no values); lr 1e-3 so that the second mini-batch's ratios move off 1 (clipped)
+# ppo.old_logprobs_from_rollout with episodes, with the value head on the actor's backbone (the
+# old values from the episode decode too) and with a separate critic (its own forward); lr 1e-3
+# so that the second mini-batch's ratios move off 1 (clipped); a random value head (it starts at 0:
+# every old value 0, in or out of its column)
 OLD_LP = ("env.name=tests.ppo_helpers:two_turn_env", "env.max_total_tokens=64", "reward.functions=[{name: env}]",
-          "critic.mode=separate", "optim.lr=1e-3")
+          "optim.lr=1e-3", "model.value_head_init_std=0.05")
+OLD_LP_CRITICS = ("shared", "separate")
 
 
 def _old_logprobs_runs(data: Path, tmp: Path) -> dict:
@@ -70,8 +74,10 @@ def _old_logprobs_runs(data: Path, tmp: Path) -> dict:
     from nemo_rlhf.train_ppo import build
 
     out = {}
-    for name, extra in (("recompute", ()), ("from_rollout", ("ppo.old_logprobs_from_rollout=true",))):
-        trainer = build(compose_ppo(data, tmp / f"old_lp_{name}", *OLD_LP, *extra))
+    for critic, (name, extra) in itertools.product(OLD_LP_CRITICS, (
+            ("recompute", ()), ("from_rollout", ("ppo.old_logprobs_from_rollout=true",)))):
+        trainer = build(compose_ppo(data, tmp / f"old_lp_{critic}_{name}", *OLD_LP, f"critic.mode={critic}",
+                                    *extra))
         seen, forward = {}, trainer.compute_old_and_reference
 
         def capture(batch, forward=forward, seen=seen):
@@ -84,7 +90,7 @@ def _old_logprobs_runs(data: Path, tmp: Path) -> dict:
             return fwd
 
         trainer.compute_old_and_reference = capture
-        out[name] = {"metrics": trainer.train_step(), **seen}
+        out[(critic, name)] = {"metrics": trainer.train_step(), **seen}
     return out
 
 
@@ -151,13 +157,16 @@ def test_the_heldout_evaluation_runs_episodes_with_the_environment(results):
     assert m["eval/reward"] == pytest.approx(sum(r["score"] for r in samples) / len(samples))
 
 
-def test_old_logprobs_from_the_episodes_train_like_the_recomputed_ones(results):
+@pytest.mark.parametrize("critic", OLD_LP_CRITICS)
+def test_old_logprobs_from_the_episodes_train_like_the_recomputed_ones(results, critic):
     """``ppo.old_logprobs_from_rollout=true`` on episodes (#51): the megatron engine's behaviour
-    log-probs (0 on the environment's tokens) give the first step's metrics of the trainer's
-    forward-only pass (which has the environment tokens' own log-probs there) within 1e-5:
-    every reducer reads the loss mask, and the policy tokens' log-probs sit in their columns."""
+    log-probs (0 on the environment's tokens) and, with the value head on the actor's
+    backbone, its values give the first step's metrics of the trainer's forward-only pass
+    (which has the environment tokens' own log-probs there) within 1e-5: every reducer reads
+    the loss mask, and the policy tokens' log-probs and values sit in their columns."""
     runs = results["old_logprobs"]
     assert "error" not in runs, runs.get("error")
+    runs = {name: runs[(critic, name)] for name in ("recompute", "from_rollout")}
     got, want = runs["from_rollout"]["metrics"], runs["recompute"]["metrics"]
     # the comparison is not vacuous: the recomputed old log-probs are far from the rollout's 0
     # on the environment's tokens, the ratios moved and were clipped, the critic trained
@@ -169,7 +178,8 @@ def test_old_logprobs_from_the_episodes_train_like_the_recomputed_ones(results):
     assert got["rollout_train_logprob_diff_max"] == 0.0 < want["rollout_train_logprob_diff_max"] < 1e-5
     compared = [k for k in got if not k.startswith("timing/") and not k.endswith("_per_s")]
     for key in ("policy_loss", "kl_mean", "clip_fraction", "entropy", "approx_kl", "value_loss",
-                "advantages_mean", "returns_mean", "grad_norm", "critic_grad_norm", "reward_mean"):
+                "advantages_mean", "returns_mean", "explained_variance", "grad_norm", "reward_mean"):
         assert key in compared, key
+    assert ("critic_grad_norm" in compared) == (critic == "separate")
     for key in compared:
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-5), key

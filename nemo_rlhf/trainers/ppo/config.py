@@ -573,9 +573,10 @@ class PPOConfig:
         function (it would count the environment's reward twice). With
         ``ppo.old_logprobs_from_rollout`` the episodes' behaviour log-probs are the old
         log-probs (megatron or vLLM engine, as single-turn: :meth:`_check_rollout_logprobs`),
-        but the old values cannot come from the rollout: a critic that needs them must be
-        ``critic.mode=separate`` (its own forward). ``rollout.min_new_tokens`` holds per
-        policy turn on the megatron engine; the vLLM engine's episodes refuse it."""
+        and with a value head on the actor's backbone the old values the megatron decode's
+        (the vLLM engine has none: refused when the engine is built, as single-turn).
+        ``rollout.min_new_tokens`` holds per policy turn on the megatron engine; the vLLM
+        engine's episodes refuse it."""
         names = [f.name for f in self.reward.functions]
         checkers = [("trainer.eval_checker", self.trainer.eval_checker)] + [
             (f"trainer.eval_extra_checkers[{i}]", c) for i, c in enumerate(self.trainer.eval_extra_checkers)]
@@ -605,16 +606,6 @@ class PPOConfig:
                                  "environment's rewards already sit at the end of their turns, the 'env' "
                                  "function would count them again: remove it from reward.functions (or "
                                  "use env.turn_rewards=sum)")
-        if self.ppo.old_logprobs_from_rollout and self.critic.mode != "separate" \
-                and estimator_traits(self.ppo.advantage_estimator).needs_values:
-            # the episode decode records each policy token's log-prob, not the value head's
-            # output (the single-turn decode's with_values): nothing to take the old values from
-            raise ValueError(f"env.name={self.env.name!r} with ppo.old_logprobs_from_rollout=true and "
-                             f"critic.mode={self.critic.mode} (a value head on the actor's backbone, "
-                             f"ppo.advantage_estimator={self.ppo.advantage_estimator}): the episode "
-                             f"rollout records the behaviour log-probs but not the old values: set "
-                             f"critic.mode=separate, a critic-free ppo.advantage_estimator (grpo, rloo, "
-                             f"reinforce_plus_plus) or ppo.old_logprobs_from_rollout=false")
         if self.rollout.min_new_tokens != 0 and self.rollout.engine == "vllm":
             # per policy turn on the megatron engine (nemo_rlhf.rollout.episodes)
             raise ValueError(f"env.name={self.env.name!r} with rollout.min_new_tokens="

@@ -83,7 +83,8 @@ def models(dims):
     return {name: _build(dims, **kw) for name, kw in MODELS.items()}
 
 
-def _run(model, dims, envs, problems=None, limits=None, recompute=False, call_index=0, **cfg):
+def _run(model, dims, envs, problems=None, limits=None, recompute=False, call_index=0, with_values=False,
+         **cfg):
     cfg.setdefault("max_new_tokens", 5)
     problems = list(range(len(envs))) if problems is None else problems
     return run_episodes(model, dims, envs, problems, RolloutConfig(**cfg),
@@ -91,7 +92,7 @@ def _run(model, dims, envs, problems=None, limits=None, recompute=False, call_in
                         encode_prompt=encode, encode_observation=encode, decode_fn=decode,
                         eos_token_id=EOS, pad_token_id=PAD, vocab_size=VOCAB,
                         max_sequence_length=MAX_SEQ, call_index=call_index,
-                        recompute_prefix=recompute)
+                        recompute_prefix=recompute, with_values=with_values)
 
 
 def _mixed_envs():
@@ -156,6 +157,48 @@ def test_behaviour_logprobs_equal_the_training_forward(models, dims, name, sampl
     assert diff < 1e-5, float(diff)
     generated = padded.input_ids[:, padded.prompt_length:][mask]
     assert len(set(generated.tolist())) >= 6, "degenerate model output: the test would be weak"
+
+
+@pytest.mark.parametrize("sampling", [dict(greedy=True), dict(temperature=0.7, seed=3)])
+def test_values_equal_the_training_forwards_on_the_policy_tokens(models, dims, sampling):
+    """``with_values`` (the old values of ``ppo.old_logprobs_from_rollout``): the value head on
+    the kept cache's decode equals the training forward's values (``response_values``) on
+    every policy token within 1e-5; 0 on the environment's tokens; the same episodes as
+    without it."""
+    m = models["rope"]
+    saved = {k: v.clone() for k, v in m.value_head.state_dict().items()}
+    try:
+        with torch.no_grad():  # the head starts at 0: every value would be 0
+            for p in m.value_head.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        _check_values(m, dims, sampling)
+    finally:
+        m.value_head.load_state_dict(saved)
+
+
+def _check_values(m, dims, sampling):
+    from nemo_rlhf.models.logprobs import response_values
+
+    eps = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, with_values=True, **sampling)
+    plain = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, **sampling)
+    assert [e.trajectory.token_ids for e in eps] == [e.trajectory.token_ids for e in plain]
+    assert all(e.values is None for e in plain)
+    padded = to_padded_batch([e.trajectory for e in eps], PAD)
+    with torch.no_grad():
+        _, train_v = model_forward(m, padded.input_ids, padded.attention_mask)
+    R = padded.response_mask.shape[1]
+    train_v = response_values(train_v.float(), padded.prompt_length, R)
+    got = torch.zeros(len(eps), R)
+    for b, e in enumerate(eps):
+        assert len(e.values) == len(e.trajectory) - e.trajectory.prompt_length
+        got[b, :len(e.values)] = torch.tensor(e.values)
+    mask = padded.response_mask
+    assert int(mask.sum()) > 20 and float(train_v[mask].abs().min()) > 0
+    diff = (got - train_v)[mask].abs().max()
+    assert diff < 1e-5, float(diff)
+    assert not got[~mask].any()  # environment tokens and padding
+    with pytest.raises(ValueError, match="kept-cache path"):
+        _run(m, dims, [ScriptedEnv(1)], with_values=True, recompute=True)
 
 
 def test_kv_cache_kept_equals_recomputing_the_prefix_greedy(models, dims):

@@ -199,16 +199,7 @@ def test_async_refuses_pipeline_and_expert_parallel_trainers_naming_the_key():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    # the episodes' log-probs are taken (#51), but their decode records no values for a value
-    # head on the actor's backbone
-    (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "kl.temperature=sampling"],
-     "env.name='calculator' with ppo.old_logprobs_from_rollout=true and critic.mode=shared (a value head "
-     "on the actor's backbone, ppo.advantage_estimator=gae): the episode rollout records the behaviour "
-     "log-probs but not the old values: set critic.mode=separate, a critic-free ppo.advantage_estimator "
-     "(grpo, rloo, reinforce_plus_plus) or ppo.old_logprobs_from_rollout=false"),
-    (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "critic.mode=shared_detached"],
-     "with ppo.old_logprobs_from_rollout=true and critic.mode=shared_detached"),
-    # the single-turn checks of the rollout's log-probs hold for episodes too
+    # the single-turn checks of the rollout's log-probs hold for episodes too (#51)
     (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "critic.mode=separate",
       "rollout.temperature=0.7", "kl.temperature=unscaled"], "set kl.temperature=sampling"),
     (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "critic.mode=separate",
@@ -278,12 +269,15 @@ def test_routing_replay_is_off_by_default():
     assert typed_job("ppo", ["model.num_moe_experts=4"]).moe.routing_replay is False
 
 
-def test_env_takes_the_old_logprobs_from_either_engines_episodes_without_values_from_the_rollout():
+def test_env_takes_the_old_logprobs_from_either_engines_episodes():
     """``ppo.old_logprobs_from_rollout`` with ``env.name`` (#51): the episodes' behaviour
-    log-probs (megatron or vLLM engine) with a critic that computes its own values, or none."""
+    log-probs (megatron or vLLM engine) with a critic that computes its own values, or none;
+    with a value head on the actor's backbone (the megatron decode's values; the vLLM engine
+    refuses it when it is built, as single-turn)."""
     for engine in ("megatron", "vllm"):
         for extra in (["critic.mode=separate"], ["ppo.advantage_estimator=reinforce_plus_plus"],
-                      ["ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"]):
+                      ["ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"],
+                      ["critic.mode=shared"], ["critic.mode=shared_detached"]):
             cfg = typed_job("ppo", ["env.name=calculator", "ppo.old_logprobs_from_rollout=true",
                                     f"rollout.engine={engine}", *extra])
             assert cfg.env.enabled and cfg.ppo.old_logprobs_from_rollout and cfg.rollout.engine == engine
