@@ -41,7 +41,9 @@ class RolloutConfig:
     max_new_tokens: int = 32
     """Most tokens generated per prompt (the response length bound R); >= 0."""
     min_new_tokens: int = 0
-    """EOS and stop tokens are suppressed until a response has this many tokens."""
+    """EOS and stop tokens are suppressed until a response has this many tokens (and a
+    ``stop_strings`` string does not end it before). Multi-turn episodes (``env.name``): per
+    policy turn, on the megatron engine only (the vLLM engine's episodes refuse it)."""
     temperature: float = 1.0
     """Logits are divided by it before sampling and before the recorded log-prob; > 0."""
     top_k: int = 0

@@ -71,8 +71,13 @@ episodes (the incremental path, as :func:`generate` under CP); CP rank 0 samples
 the environments, its choices and outcomes broadcast over the CP group. Expert parallelism: as :func:`generate`, a
 rank whose rows are done keeps stepping until its expert-exchange group is done.
 
-Not covered (an error naming it): ``rollout.min_new_tokens`` > 0 (its suppression is per
-turn and per row).
+**``rollout.min_new_tokens`` is per policy turn**: EOS and the ``rollout.stop_token_ids``
+cannot be sampled before a turn has that many tokens, and a ``rollout.stop_strings`` string
+does not end it before then (as :func:`generate`'s rule for one response: each turn is the
+policy's response to what it read); the behaviour log-probs are the policy's own, before the
+suppression. A turn cut at its cap (``rollout.max_new_tokens`` or ``env.max_total_tokens``)
+ends there even when shorter. The recompute path gives each turn's :func:`generate` the
+same ``min_new_tokens`` (at most that call's ``max_new_tokens``).
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ import torch.distributed as dist
 
 from nemo_rlhf.distributed import cpu_compat
 from nemo_rlhf.envs.base import EnvLimits, Environment, StepResult
+from nemo_rlhf.models.actor_critic import ActorCriticModel
 from nemo_rlhf.models.engine import causal_padding_mask, position_ids_for, unwrap
 from nemo_rlhf.models.moe import all_done_in_group, expert_exchange_group
 from nemo_rlhf.rollout.config import RolloutConfig
@@ -133,6 +139,12 @@ class Episode:
     turn decoded, as env.step read it>}`` and per appended observation ``{"role":
     env.observation_role, "content": <its text, before env.observation_template>}``. The
     same on every rank of a model-parallel group."""
+    values: Optional[List[float]] = None
+    """With ``run_episodes(..., with_values=True)``, on the last pipeline stage: the
+    actor-critic's value of the state before each token after the prompt (``len(trajectory)
+    - prompt_length`` floats; the value head on the decode's final hidden state of the
+    previous column, as :func:`generate`'s ``with_values``), 0 on the environment's tokens.
+    None otherwise (not carried by the async transport)."""
 
 
 class _Row:
@@ -166,9 +178,6 @@ def _check_args(dims, envs, problems, cfg: RolloutConfig, limits: EnvLimits, max
     if cfg.max_new_tokens < 1:
         raise ValueError(f"rollout.max_new_tokens={cfg.max_new_tokens}: a policy turn needs at "
                          f"least one token; set rollout.max_new_tokens >= 1")
-    if cfg.min_new_tokens:
-        raise ValueError(f"rollout.min_new_tokens={cfg.min_new_tokens}: not supported by "
-                         f"multi-turn episodes yet; set rollout.min_new_tokens=0")
     if decode_fn is None:
         raise ValueError("run_episodes: decode_fn (token ids -> str) is required: the "
                          "environment reads each turn's text")
@@ -319,7 +328,7 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
                  encode_observation: EncodeFn, decode_fn: DecodeFn, eos_token_id: int,
                  pad_token_id: int, vocab_size: int, max_sequence_length: int,
                  call_index: Optional[int] = None,
-                 recompute_prefix: bool = False) -> List[Episode]:
+                 recompute_prefix: bool = False, with_values: bool = False) -> List[Episode]:
     """Run one DP rank's episodes to the end (see the module docstring).
 
     Args:
@@ -329,8 +338,8 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
         envs: one :class:`Environment` instance per episode.
         problems: ``envs[i].reset(problems[i])`` starts episode ``i``.
         cfg: sampling and per-turn stopping (``max_new_tokens`` per turn, ``stop_token_ids``
-            and ``stop_strings`` end a turn, e.g. at ``</tool_call>``; ``min_new_tokens``
-            must be 0).
+            and ``stop_strings`` end a turn, e.g. at ``</tool_call>``, not before
+            ``min_new_tokens`` tokens of the turn).
         limits: per-episode limits (config section ``env``).
         encode_prompt: first observation text -> prompt ids (the chat template applied).
         encode_observation: an observation text -> its ids, tokenised alone (the template's
@@ -340,6 +349,9 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
         call_index: mixes into the sampler seed (None: a per-process counter).
         recompute_prefix: recompute the whole prefix each turn (one :func:`generate` per
             turn) instead of keeping the KV cache: the reference path.
+        with_values: also record the actor-critic's values of the policy tokens
+            (:attr:`Episode.values`, last pipeline stage; the old values of
+            ``ppo.old_logprobs_from_rollout``). Kept-cache path only.
 
     Returns:
         ``len(envs)`` :class:`Episode` s in order, the same on every rank of the
@@ -351,8 +363,13 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
             model-parallel ranks given different problems.
         PrefixMismatch / AssertionError: a turn's model input is not the trajectory
             extended (a bug: the engine only appends).
+        ValueError: ``with_values`` with ``recompute_prefix`` or a model without a value head.
     """
     _check_args(dims, envs, problems, cfg, limits, max_sequence_length, decode_fn)
+    if with_values and (recompute_prefix or not isinstance(unwrap(model), ActorCriticModel)
+                        or type(unwrap(model)).head_name != "value_head"):
+        raise ValueError("run_episodes(with_values=True): the values come from an actor-critic's value "
+                         "head on the kept-cache path (recompute_prefix=False)")
     for name, tok in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
         if not 0 <= tok < vocab_size:
             raise ValueError(f"run_episodes: {name}={tok} is outside the vocabulary [0, {vocab_size})")
@@ -373,7 +390,7 @@ def run_episodes(model, dims, envs: Sequence[Environment], problems: Sequence[An
     try:
         with torch.no_grad(), cpu_compat.suspended():
             _run_cached(core, dims, rows, cfg, limits, encode_observation, decode_fn,
-                        eos_token_id, pad_token_id, vocab_size, call_index)
+                        eos_token_id, pad_token_id, vocab_size, call_index, with_values)
     finally:
         core.train(was_training)
         if not dims.is_first_stage:
@@ -395,7 +412,7 @@ def _step_mask(key_pad_BL: Optional[torch.Tensor], c0: int, s: int, dev) -> Opti
 
 def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLimits,
                 encode_observation, decode_fn, eos_token_id, pad_token_id, vocab_size,
-                call_index) -> None:
+                call_index, with_values: bool = False) -> None:
     dev = dims.device
     B = len(rows)
     prompt_ids, prompt_mask, prompt_lengths = left_pad([r.traj.prompt_ids for r in rows],
@@ -420,6 +437,13 @@ def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLi
     packed = torch.zeros(3, B, dtype=torch.float64, device=dev)
     runner = _StageRunner(model, dims, B, True, L)
     ep_group = expert_exchange_group(model)
+    values = None  # [B, L-P]: the value of the state before each column from P (policy tokens)
+    if with_values and dims.is_last_stage:
+        if runner.stage is None:
+            raise RuntimeError("run_episodes(with_values=True): this model stage does not take the "
+                               "incremental decode path (IncrementalStage.for_model), which computes the values")
+        runner.stage.value_head = model.value_head
+        values = torch.zeros(B, L - P, dtype=torch.float32, device=dev)
 
     for i, r in enumerate(rows):  # turn 1's input is the prompt
         _check_turn_input(r, i, r.traj.token_ids)
@@ -446,6 +470,9 @@ def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLi
             step_ids = chunk
             _start_turns(rows, seq, starts, col + s)
         else:
+            if values is not None:  # the last call ended at column col - 1: its state chooses col
+                rows_B = torch.tensor(policy, dtype=torch.bool, device=dev)
+                values[:, col - P] = torch.where(rows_B, runner.stage.last_values.float(), 0.0)
             step_ids, s = _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed,
                                        stop_ids, generator, encode_observation, decode_fn,
                                        pad_token_id, vocab_size)
@@ -458,6 +485,10 @@ def _run_cached(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: EnvLi
         pos = (torch.arange(col, col + s, device=dev).unsqueeze(0) + offset_B1).clamp(0, max_pos)
         logits_BV = runner(step_ids.to(dev), pos, _step_mask(key_pad, col, s, dev))
         col += s
+    if values is not None:  # every row's tokens sit from column P: to_padded_batch's columns
+        host = values.cpu()
+        for b, r in enumerate(rows):
+            r.episode.values = host[b, :len(r.traj) - r.traj.prompt_length].tolist()
 
 
 def _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed, stop_ids, generator,
@@ -466,9 +497,14 @@ def _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed, stop_ids,
     Returns the step's ``[B, 1]`` ids (host) and 1."""
     B = len(rows)
     if _leader(dims):
+        early = None  # rows within rollout.min_new_tokens of their turn: no stop id (per turn)
+        if cfg.min_new_tokens:
+            early = torch.tensor([not r.done and not r.pending and len(r.turn_ids) < cfg.min_new_tokens
+                                  for r in rows], dtype=torch.bool, device=logits_BV.device)
         tokens, lp = choose_tokens(
             logits_BV, vocab_size=vocab_size, greedy=cfg.greedy, temperature=cfg.temperature,
-            top_k=cfg.top_k, top_p=cfg.top_p, generator=generator)
+            top_k=cfg.top_k, top_p=cfg.top_p, generator=generator,
+            suppress_ids=stop_ids if early is not None else None, suppress_rows=early)
         packed[0] = tokens.to(torch.float64)
         packed[1] = lp.to(torch.float64)
         packed[2] = torch.isin(tokens, stop_ids).to(torch.float64)
@@ -486,8 +522,8 @@ def _policy_step(rows, logits_BV, seq, col, dims, cfg, limits, packed, stop_ids,
         step[b, 0] = tok
         r.turn_ids.append(tok)
         r.turn_lps.append(float(host[1, b]))
-        stopped = bool(host[2, b])
-        if not stopped and cfg.stop_strings:
+        stopped = bool(host[2, b])  # never within min_new_tokens: suppressed above
+        if not stopped and cfg.stop_strings and len(r.turn_ids) > cfg.min_new_tokens:
             text = decode_fn(list(r.turn_ids))
             stopped = any(x in text for x in cfg.stop_strings)
         if stopped or len(r.turn_ids) >= _turn_cap(r, cfg, limits):
@@ -525,7 +561,8 @@ def _run_recompute(model, dims, rows: List[_Row], cfg: RolloutConfig, limits: En
         outs = {}
         for g, ks in enumerate(groups):
             batch = generate(model, dims, [live[k][1].traj.token_ids for k in ks],
-                             replace(cfg, max_new_tokens=max(caps[k] for k in ks)),
+                             replace(cfg, max_new_tokens=max(caps[k] for k in ks),
+                                     min_new_tokens=min(cfg.min_new_tokens, max(caps[k] for k in ks))),
                              eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                              vocab_size=vocab_size, max_sequence_length=max_sequence_length,
                              decode_fn=decode_fn,

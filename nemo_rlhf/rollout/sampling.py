@@ -181,6 +181,22 @@ def _draw_full(scores_BV: torch.Tensor, u_B: torch.Tensor) -> torch.Tensor:
     return (blk_B1 * _BLOCK + j_B1).squeeze(-1)
 
 
+def _suppresses(suppress_ids: Optional[torch.Tensor], suppress_rows: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`choose_tokens` suppresses any id in any row."""
+    if suppress_ids is None or not suppress_ids.numel():
+        return False
+    return suppress_rows is None or bool(suppress_rows.any())
+
+
+def _suppress_(scores_BV: torch.Tensor, suppress_ids: torch.Tensor, suppress_rows: Optional[torch.Tensor]) -> None:
+    """``scores_BV[rows, suppress_ids] = -inf`` in place (every row when ``suppress_rows`` is None)."""
+    if suppress_rows is None:
+        scores_BV[:, suppress_ids] = NEG_INF
+    else:
+        rows = suppress_rows.to(scores_BV.device).nonzero().squeeze(-1)
+        scores_BV[rows.unsqueeze(-1), suppress_ids.to(scores_BV.device).unsqueeze(0)] = NEG_INF
+
+
 def choose_tokens(
     logits_BV: torch.Tensor,
     *,
@@ -191,6 +207,7 @@ def choose_tokens(
     top_p: float = 1.0,
     suppress_ids: Optional[torch.Tensor] = None,
     generator: Optional[torch.Generator] = None,
+    suppress_rows: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row and its log-prob.
 
@@ -203,6 +220,9 @@ def choose_tokens(
             stop ids), or None.
         generator: the sampler's generator (required unless greedy), on any device: the
             uniforms are drawn on its device and moved to the logits'.
+        suppress_rows: ``[batch]`` bool, the rows ``suppress_ids`` applies to (multi-turn
+            episodes: the rows still within ``rollout.min_new_tokens`` of their turn);
+            None: every row. The other rows choose as without ``suppress_ids``.
 
     Returns:
         ``(tokens [batch] int64, logprobs [batch] float32)`` where ``logprobs`` is
@@ -216,9 +236,9 @@ def choose_tokens(
     lse_B = torch.logsumexp(z_BV, dim=-1)
     if greedy:
         scores_BV = z_BV
-        if suppress_ids is not None and suppress_ids.numel():
+        if _suppresses(suppress_ids, suppress_rows):
             scores_BV = z_BV.clone()
-            scores_BV[:, suppress_ids] = NEG_INF
+            _suppress_(scores_BV, suppress_ids, suppress_rows)
         # max() returns the first maximal index, as argmax does, and on CPU takes ~0.4x
         # of argmax's time at vocab 49152
         tokens_B = scores_BV.max(dim=-1).indices
@@ -230,11 +250,11 @@ def choose_tokens(
         # moved to the logits' (a host generator works too, at one small copy per step).
         u_B = torch.rand(z_BV.shape[0], generator=generator, dtype=torch.float64,
                          device=generator.device).to(z_BV.device)
-        suppress = suppress_ids is not None and bool(suppress_ids.numel())
+        suppress = _suppresses(suppress_ids, suppress_rows)
         filtered = suppress or 0 < top_k < z_BV.shape[-1] or top_p < 1.0
         scores_BV = z_BV.clone() if filtered else z_BV
         if suppress:
-            scores_BV[:, suppress_ids] = NEG_INF
+            _suppress_(scores_BV, suppress_ids, suppress_rows)
         top_k_top_p_filter(scores_BV, top_k, 1.0)
         if top_p < 1.0:
             idx_Bk, removed_Bk = _nucleus(scores_BV, top_p)

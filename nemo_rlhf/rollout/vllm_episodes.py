@@ -44,7 +44,9 @@ finds its prefix in that engine's cache. TP rank 0 steps the environments and br
 the outcomes (``_finish_turns``). Tested at training TP=1 and TP=2 with vLLM TP=1
 (``tests/vllm_engine/test_vllm_episodes.py``).
 
-Not covered (an error naming it): ``rollout.min_new_tokens`` > 0; no ``recompute`` path
+Not covered (an error naming it): ``rollout.min_new_tokens`` > 0 (per turn on the megatron
+engine, :mod:`~nemo_rlhf.rollout.episodes`; here it would need vLLM's ``min_tokens`` capped
+at each turn's ``max_tokens`` and the per-token stop-string rule from it, untested); no ``recompute`` path
 (vLLM's cache is its own business).
 """
 
@@ -85,7 +87,7 @@ def run_episodes_vllm(engine, model, envs: Sequence[Environment], problems: Sequ
         envs: one :class:`Environment` instance per episode.
         problems: ``envs[i].reset(problems[i])`` starts episode ``i``.
         cfg: sampling and per-turn stopping, as :func:`~nemo_rlhf.rollout.episodes.run_episodes`
-            (``min_new_tokens`` must be 0).
+            (``min_new_tokens`` must be 0: raises ValueError naming it).
         limits: per-episode limits (config section ``env``).
         encode_prompt: first observation text -> prompt ids (the chat template applied).
         encode_observation: an observation text -> its ids, tokenised alone.
@@ -105,6 +107,10 @@ def run_episodes_vllm(engine, model, envs: Sequence[Environment], problems: Sequ
     mcfg = engine.model_cfg
     vocab_size, max_seq = mcfg.vocab_size, mcfg.max_position_embeddings
     _check_args(engine.dims, envs, problems, cfg, limits, max_seq, decode_fn)
+    if cfg.min_new_tokens:
+        raise ValueError(f"rollout.min_new_tokens={cfg.min_new_tokens} with rollout.engine=vllm: the "
+                         f"vLLM engine's episodes do not apply it per turn yet (the megatron engine's do); "
+                         f"set rollout.min_new_tokens=0 or rollout.engine=megatron")
     for k, tok in enumerate(cfg.stop_token_ids):
         if tok >= vocab_size:
             raise ValueError(f"rollout.stop_token_ids[{k}]={tok} is outside the vocabulary "

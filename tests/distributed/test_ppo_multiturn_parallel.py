@@ -9,7 +9,9 @@ model. TP=2 and PP=2 sample (temperature 1): the rank that samples (TP rank 0 of
 stage) draws from the same generator, seeded by ``(rollout.seed, dp_rank, call)``, over the
 same logits, so the episodes are one rank's token for token. DP=2 rolls out greedily: DP
 ranks sample from different seeds by design (``nemo_rlhf/rollout/generate.py``), so
-sampled DP=2 episodes are not one rank's. One spawn for the three layouts, as
+sampled DP=2 episodes are not one rank's. ``pp2_from_rollout``: PP=2 with
+``ppo.old_logprobs_from_rollout=true`` (the last stage's episode decode gives the old
+log-probs and values) against one rank's recomputed ones. One spawn for the layouts, as
 ``test_ppo_parallel.py`` does.
 """
 
@@ -32,8 +34,11 @@ COMMON = ("env.name=tests.ppo_helpers:two_turn_env", "env.max_total_tokens=64",
           "reward.functions=[{name: env}]", "ppo.num_rollout_samples=8", "ppo.global_batch_size=8",
           "ppo.micro_batch_size=2", "ppo.forward_micro_batch_size=2", "ppo.ppo_epochs=1",
           "ppo.shuffle=false", "optim.lr=1e-3")
-LAYOUTS = {"dp2": (1, 1, "greedy"), "tp2": (2, 1, "sample"), "pp2": (1, 2, "sample"), "cp2": (1, 1, "sample")}
+LAYOUTS = {"dp2": (1, 1, "greedy"), "tp2": (2, 1, "sample"), "pp2": (1, 2, "sample"), "cp2": (1, 1, "sample"),
+           "pp2_from_rollout": (1, 2, "sample")}
 CP = {"cp2": 2}  # parallel.context_parallel_size (1 elsewhere)
+# the old log-probs and values of the last stage's episode decode, against one rank's recomputed ones
+EXTRA = {"pp2_from_rollout": ("ppo.old_logprobs_from_rollout=true",)}
 MODE = {"greedy": ("rollout.greedy=true",), "sample": ()}
 
 
@@ -49,7 +54,8 @@ def _step(trainer) -> dict:
         rows.append({"ids": batch.input_ids[b][real].tolist(),
                      "policy": policy[batch.attention_mask[b, P:].bool()].tolist(),
                      "logprobs": batch.logprobs[b][policy].tolist()})
-    return {"metrics": metrics, "rows": rows, "cp": trainer.dims.cp}
+    return {"metrics": metrics, "rows": rows, "cp": trainer.dims.cp,
+            "recomputed": "timing/old_logprobs_values_s" in metrics}
 
 
 def _reference(rank: int, tmp: str):
@@ -87,7 +93,7 @@ def _layouts(rank: int, tmp: str):
                               f"exp_manager.init_from={tmp}/init/step_0",
                               f"parallel.tensor_model_parallel_size={tp}",
                               f"parallel.pipeline_model_parallel_size={pp}",
-                              f"parallel.context_parallel_size={CP.get(name, 1)}")
+                              f"parallel.context_parallel_size={CP.get(name, 1)}", *EXTRA.get(name, ()))
             steps[0] = 0
             out[name] = _step(build(cfg))
             out[name]["env_steps"] = steps[0]
@@ -125,6 +131,7 @@ def test_multiturn_first_step_equals_one_rank(results, layout):
     if layout != "dp2":  # every rank of the model-parallel (or CP) group holds the same episodes
         assert par[1][layout]["rows"] == got["rows"]
     assert [r[layout]["cp"] for r in par] == [CP.get(layout, 1)] * 2
+    assert got["recomputed"] == (layout not in EXTRA)  # pp2_from_rollout: no forward-only pass of the actor
     if layout == "cp2":  # CP rank 0 alone steps the environments (a tool runs once)
         assert par[0][layout]["env_steps"] > 0 and par[1][layout]["env_steps"] == 0
 

@@ -4,11 +4,14 @@ train on them; ``env.name`` null keeps the single-turn source. One rank, the tin
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import traceback
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.distributed.harness import run_ranks
 from tests.ppo_helpers import TwoTurnEnv, compose_ppo, make_demo_data
@@ -48,6 +51,46 @@ def _worker(rank: int, tmp: str):
     samples = Path(cfg.exp_manager.exp_dir) / "eval_samples" / f"step_{trainer.step:06d}.jsonl"
     out["samples"] = [json.loads(line) for line in samples.read_text().splitlines()]
     out["obs_text"] = trainer.tok.decode(obs_ids)
+    try:  # a failure here fails its own test, not the fixture of every test of the module
+        out["old_logprobs"] = _old_logprobs_runs(data, tmp)
+    except Exception:  # noqa: BLE001
+        out["old_logprobs"] = {"error": traceback.format_exc()}
+    return out
+
+
+# ppo.old_logprobs_from_rollout with episodes, with the value head on the actor's backbone (the
+# old values from the episode decode too) and with a separate critic (its own forward); lr 1e-3
+# so that the second mini-batch's ratios move off 1 (clipped); a random value head (it starts at 0:
+# every old value 0, in or out of its column)
+OLD_LP = ("env.name=tests.ppo_helpers:two_turn_env", "env.max_total_tokens=64", "reward.functions=[{name: env}]",
+          "optim.lr=1e-3", "model.value_head_init_std=0.05")
+OLD_LP_CRITICS = ("shared", "separate")
+
+
+def _old_logprobs_runs(data: Path, tmp: Path) -> dict:
+    """The first PPO step on episodes with the old log-probs recomputed and taken from the
+    rollout (each build re-seeds everything: the same episodes), with what the old log-probs
+    were on the environment's tokens."""
+    from nemo_rlhf.train_ppo import build
+
+    out = {}
+    for critic, (name, extra) in itertools.product(OLD_LP_CRITICS, (
+            ("recompute", ()), ("from_rollout", ("ppo.old_logprobs_from_rollout=true",)))):
+        trainer = build(compose_ppo(data, tmp / f"old_lp_{critic}_{name}", *OLD_LP, f"critic.mode={critic}",
+                                    *extra))
+        seen, forward = {}, trainer.compute_old_and_reference
+
+        def capture(batch, forward=forward, seen=seen):
+            fwd = forward(batch)
+            env = torch.zeros_like(batch.response_mask)  # the environment's tokens: holes before the extent
+            for b, n in enumerate(batch.response_lengths.tolist()):
+                env[b, :n] = ~batch.response_mask[b, :n]
+            seen["env_old_abs_max"] = float(fwd.old_logprobs[env].abs().max())
+            seen["env_tokens"] = int(env.sum())
+            return fwd
+
+        trainer.compute_old_and_reference = capture
+        out[(critic, name)] = {"metrics": trainer.train_step(), **seen}
     return out
 
 
@@ -112,3 +155,31 @@ def test_the_heldout_evaluation_runs_episodes_with_the_environment(results):
         assert row["score"] in (1.0, 0.25)
         assert row["episode"].endswith(row["response"]) and len(row["response"]) < len(row["episode"])
     assert m["eval/reward"] == pytest.approx(sum(r["score"] for r in samples) / len(samples))
+
+
+@pytest.mark.parametrize("critic", OLD_LP_CRITICS)
+def test_old_logprobs_from_the_episodes_train_like_the_recomputed_ones(results, critic):
+    """``ppo.old_logprobs_from_rollout=true`` on episodes (#51): the megatron engine's behaviour
+    log-probs (0 on the environment's tokens) and, with the value head on the actor's
+    backbone, its values give the first step's metrics of the trainer's forward-only pass
+    (which has the environment tokens' own log-probs there) within 1e-5: every reducer reads
+    the loss mask, and the policy tokens' log-probs and values sit in their columns."""
+    runs = results["old_logprobs"]
+    assert "error" not in runs, runs.get("error")
+    runs = {name: runs[(critic, name)] for name in ("recompute", "from_rollout")}
+    got, want = runs["from_rollout"]["metrics"], runs["recompute"]["metrics"]
+    # the comparison is not vacuous: the recomputed old log-probs are far from the rollout's 0
+    # on the environment's tokens, the ratios moved and were clipped, the critic trained
+    assert runs["recompute"]["env_tokens"] > 0 and runs["recompute"]["env_old_abs_max"] > 0.1
+    assert runs["from_rollout"]["env_old_abs_max"] == 0.0
+    assert want["clip_fraction"] > 0 and want["value_loss"] > 0 and want["episode/turns_mean"] == 2.0
+    # no forward-only pass of the actor; the rollout's log-probs are the old ones
+    assert set(want) - set(got) == {"timing/old_logprobs_values_s"} and set(got) <= set(want)
+    assert got["rollout_train_logprob_diff_max"] == 0.0 < want["rollout_train_logprob_diff_max"] < 1e-5
+    compared = [k for k in got if not k.startswith("timing/") and not k.endswith("_per_s")]
+    for key in ("policy_loss", "kl_mean", "clip_fraction", "entropy", "approx_kl", "value_loss",
+                "advantages_mean", "returns_mean", "explained_variance", "grad_norm", "reward_mean"):
+        assert key in compared, key
+    assert ("critic_grad_norm" in compared) == (critic == "separate")
+    for key in compared:
+        assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-5), key

@@ -570,7 +570,13 @@ class PPOConfig:
         """``env.name``: what multi-turn rollouts support so far; the ``env`` reward
         function needs an environment; ``env.turn_rewards=per_turn`` needs one too, a
         per-token estimator (not ``EstimatorTraits.outcome_only``) and no ``env`` reward
-        function (it would count the environment's reward twice)."""
+        function (it would count the environment's reward twice). With
+        ``ppo.old_logprobs_from_rollout`` the episodes' behaviour log-probs are the old
+        log-probs (megatron or vLLM engine, as single-turn: :meth:`_check_rollout_logprobs`),
+        and with a value head on the actor's backbone the old values the megatron decode's
+        (the vLLM engine has none: refused when the engine is built, as single-turn).
+        ``rollout.min_new_tokens`` holds per policy turn on the megatron engine; the vLLM
+        engine's episodes refuse it."""
         names = [f.name for f in self.reward.functions]
         checkers = [("trainer.eval_checker", self.trainer.eval_checker)] + [
             (f"trainer.eval_extra_checkers[{i}]", c) for i, c in enumerate(self.trainer.eval_extra_checkers)]
@@ -600,12 +606,12 @@ class PPOConfig:
                                  "environment's rewards already sit at the end of their turns, the 'env' "
                                  "function would count them again: remove it from reward.functions (or "
                                  "use env.turn_rewards=sum)")
-        unsupported = [(key, value, ok) for key, value, ok in (  # rollout.engine: megatron or vllm
-            ("ppo.old_logprobs_from_rollout", self.ppo.old_logprobs_from_rollout, False),
-            ("rollout.min_new_tokens", self.rollout.min_new_tokens, 0)) if value != ok]
-        for key, value, ok in unsupported:
-            raise ValueError(f"env.name={self.env.name!r} with {key}={value}: multi-turn episodes are "
-                             f"not supported there yet; set {key}={ok} (or env.name=null)")
+        if self.rollout.min_new_tokens != 0 and self.rollout.engine == "vllm":
+            # per policy turn on the megatron engine (nemo_rlhf.rollout.episodes)
+            raise ValueError(f"env.name={self.env.name!r} with rollout.min_new_tokens="
+                             f"{self.rollout.min_new_tokens} and rollout.engine=vllm: the vLLM engine's "
+                             f"episodes do not apply a per-turn minimum yet (the megatron engine's do); "
+                             f"set rollout.min_new_tokens=0 or rollout.engine=megatron")
 
     def _check_async(self) -> None:
         """``rollout.mode=async``: the trainer recomputes the old log-probs, and off-policy

@@ -92,7 +92,8 @@ def episode_metrics_from_sums(sums: list[float]) -> dict[str, float]:
 
 
 def run_episode_batch(cfg, dims, model, tokenizer, problems: list[dict], rollout_cfg, *, call_index: int,
-                      factory=None, vllm_engine=None, weights_version: Optional[int] = None) -> EpisodeRolloutBatch:
+                      factory=None, vllm_engine=None, weights_version: Optional[int] = None,
+                      with_values: bool = False) -> EpisodeRolloutBatch:
     """One episode per problem (``{"prompt": text, **extras}``; a fresh environment each,
     from ``factory`` or :func:`~nemo_rlhf.envs.config.get_env_factory` of ``cfg.env``), laid
     out by :func:`~nemo_rlhf.rollout.trajectory.to_padded_batch` on ``dims.device`` as an
@@ -112,9 +113,14 @@ def run_episode_batch(cfg, dims, model, tokenizer, problems: list[dict], rollout
         vllm_engine: run on this vLLM engine (:func:`run_episodes_vllm`) rather than
             megatron's decode (:func:`run_episodes`).
         weights_version: the model's weights version (the vLLM engine refits when it moved).
+        with_values: the batch's ``values`` (``[B, R]`` float32, last pipeline stage) are the
+            actor-critic's values from the megatron decode (:attr:`Episode.values`: 0 on the
+            environment's tokens and the padding): the old values of
+            ``ppo.old_logprobs_from_rollout`` with a value head on the actor's backbone.
 
     Raises:
-        as :func:`~nemo_rlhf.envs.config.get_env_factory` (a bad ``env.name``).
+        as :func:`~nemo_rlhf.envs.config.get_env_factory` (a bad ``env.name``);
+        ValueError: ``with_values`` with ``vllm_engine``.
     """
     factory = factory or get_env_factory(cfg.env)
     envs = [factory(cfg.env) for _ in problems]
@@ -124,19 +130,29 @@ def run_episode_batch(cfg, dims, model, tokenizer, problems: list[dict], rollout
               decode_fn=tokenizer.decode, call_index=call_index)
     limits = cfg.env.limits()
     if vllm_engine is not None:
+        if with_values:
+            raise ValueError("run_episode_batch(with_values=True): the values come from the megatron "
+                             "engine's decode (rollout.engine=megatron)")
         episodes = run_episodes_vllm(vllm_engine, model, envs, problems, rollout_cfg, limits,
                                      weights_version=weights_version, **io)
     else:
         episodes = run_episodes(model, dims, envs, problems, rollout_cfg, limits, eos_token_id=tokenizer.eos_id,
                                 pad_token_id=tokenizer.pad_id, vocab_size=cfg.model.vocab_size,
-                                max_sequence_length=cfg.model.max_position_embeddings, **io)
+                                max_sequence_length=cfg.model.max_position_embeddings,
+                                with_values=with_values, **io)
     padded = to_padded_batch([ep.trajectory for ep in episodes], tokenizer.pad_id, device=dims.device)
     P = padded.prompt_length
+    values = None
+    if with_values and dims.is_last_stage:  # in to_padded_batch's columns, as the log-probs
+        values = torch.zeros(padded.logprobs.shape, dtype=torch.float32)
+        for b, ep in enumerate(episodes):
+            values[b, :len(ep.values)] = torch.tensor(ep.values, dtype=torch.float32)
+        values = values.to(dims.device)
     return EpisodeRolloutBatch(
         input_ids=padded.input_ids, attention_mask=padded.attention_mask, prompt_length=P,
         response_ids=padded.input_ids[:, P:].clone(), response_mask=padded.response_mask,
         response_lengths=padded.response_lengths, ended=~padded.truncated, truncated=padded.truncated,
-        logprobs=padded.logprobs, vocab_size=cfg.model.vocab_size, episodes=episodes)
+        logprobs=padded.logprobs, values=values, vocab_size=cfg.model.vocab_size, episodes=episodes)
 
 
 def episode_texts(batch: EpisodeRolloutBatch, tokenizer) -> list[str]:
@@ -162,13 +178,17 @@ class EpisodeRolloutSource:
             held-out evaluation's, :meth:`generate_episodes`) run on it.
         collectives: :class:`~nemo_rlhf.trainers.collectives.JobCollectives` (the metrics'
             DP sum).
+        with_values: the training rollout's batches carry the actor-critic's values from the
+            megatron decode (``ppo.old_logprobs_from_rollout`` with a value head on the
+            actor's backbone; :func:`run_episode_batch`).
 
     Raises:
         as :func:`~nemo_rlhf.envs.config.get_env_factory` (a bad ``env.name``).
     """
 
-    def __init__(self, cfg, dims, actor, tokenizer, prompts: list, engine, collectives):
+    def __init__(self, cfg, dims, actor, tokenizer, prompts: list, engine, collectives, with_values: bool = False):
         self.cfg, self.dims, self.actor, self.tok = cfg, dims, actor, tokenizer
+        self.with_values = with_values
         self.prompts, self.engine, self.collectives = prompts, engine, collectives
         self.factory = get_env_factory(cfg.env)
         self._metrics: dict[str, float] = {}
@@ -184,19 +204,20 @@ class EpisodeRolloutSource:
     def rollout(self, step: int, prompt_indices: list[int]) -> EpisodeRolloutBatch:
         """Run one episode per index (a fresh environment each) and lay them out; the
         episode metrics are summed over DP here (every rank calls it)."""
-        batch = self._run([self.problem(i) for i in prompt_indices], self.cfg.rollout, step - 1)
+        batch = self._run([self.problem(i) for i in prompt_indices], self.cfg.rollout, step - 1,
+                          with_values=self.with_values)
         sums = torch.tensor(episode_metric_sums(batch.episodes), dtype=torch.float64, device=self.dims.device)
         self._metrics = episode_metrics_from_sums(self.collectives.dp_sum(sums).tolist())
         return batch
 
-    def _run(self, problems: list[dict], cfg, call_index: int) -> EpisodeRolloutBatch:
+    def _run(self, problems: list[dict], cfg, call_index: int, with_values: bool = False) -> EpisodeRolloutBatch:
         """One episode per problem (a fresh environment each) with the decoding settings
         ``cfg`` (a ``RolloutConfig``), laid out as an :class:`EpisodeRolloutBatch`
         (:func:`run_episode_batch`)."""
         vllm = self.engine if self.cfg.rollout.engine == "vllm" else None
         return run_episode_batch(self.cfg, self.dims, self.actor.model, self.tok, problems, cfg,
                                  call_index=call_index, factory=self.factory, vllm_engine=vllm,
-                                 weights_version=self.actor.weights_version)
+                                 weights_version=self.actor.weights_version, with_values=with_values)
 
     def after_update(self, step: int) -> None:
         pass

@@ -152,7 +152,8 @@ def build_rollout_source(cfg, dims, actor, tokenizer, encoded: list, sampler, co
         if prompts is None:
             raise ValueError(f"env.name={cfg.env.name!r}: build_rollout_source needs the prompt rows "
                              f"(prompts=) to start the episodes")
-        return EpisodeRolloutSource(cfg, dims, actor, tokenizer, prompts, engine, collectives)
+        return EpisodeRolloutSource(cfg, dims, actor, tokenizer, prompts, engine, collectives,
+                                    with_values=with_values)
     return LocalRolloutSource(engine, cfg.rollout, actor, encoded)
 
 

@@ -83,7 +83,8 @@ def models(dims):
     return {name: _build(dims, **kw) for name, kw in MODELS.items()}
 
 
-def _run(model, dims, envs, problems=None, limits=None, recompute=False, call_index=0, **cfg):
+def _run(model, dims, envs, problems=None, limits=None, recompute=False, call_index=0, with_values=False,
+         **cfg):
     cfg.setdefault("max_new_tokens", 5)
     problems = list(range(len(envs))) if problems is None else problems
     return run_episodes(model, dims, envs, problems, RolloutConfig(**cfg),
@@ -91,7 +92,7 @@ def _run(model, dims, envs, problems=None, limits=None, recompute=False, call_in
                         encode_prompt=encode, encode_observation=encode, decode_fn=decode,
                         eos_token_id=EOS, pad_token_id=PAD, vocab_size=VOCAB,
                         max_sequence_length=MAX_SEQ, call_index=call_index,
-                        recompute_prefix=recompute)
+                        recompute_prefix=recompute, with_values=with_values)
 
 
 def _mixed_envs():
@@ -156,6 +157,48 @@ def test_behaviour_logprobs_equal_the_training_forward(models, dims, name, sampl
     assert diff < 1e-5, float(diff)
     generated = padded.input_ids[:, padded.prompt_length:][mask]
     assert len(set(generated.tolist())) >= 6, "degenerate model output: the test would be weak"
+
+
+@pytest.mark.parametrize("sampling", [dict(greedy=True), dict(temperature=0.7, seed=3)])
+def test_values_equal_the_training_forwards_on_the_policy_tokens(models, dims, sampling):
+    """``with_values`` (the old values of ``ppo.old_logprobs_from_rollout``): the value head on
+    the kept cache's decode equals the training forward's values (``response_values``) on
+    every policy token within 1e-5; 0 on the environment's tokens; the same episodes as
+    without it."""
+    m = models["rope"]
+    saved = {k: v.clone() for k, v in m.value_head.state_dict().items()}
+    try:
+        with torch.no_grad():  # the head starts at 0: every value would be 0
+            for p in m.value_head.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+        _check_values(m, dims, sampling)
+    finally:
+        m.value_head.load_state_dict(saved)
+
+
+def _check_values(m, dims, sampling):
+    from nemo_rlhf.models.logprobs import response_values
+
+    eps = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, with_values=True, **sampling)
+    plain = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, **sampling)
+    assert [e.trajectory.token_ids for e in eps] == [e.trajectory.token_ids for e in plain]
+    assert all(e.values is None for e in plain)
+    padded = to_padded_batch([e.trajectory for e in eps], PAD)
+    with torch.no_grad():
+        _, train_v = model_forward(m, padded.input_ids, padded.attention_mask)
+    R = padded.response_mask.shape[1]
+    train_v = response_values(train_v.float(), padded.prompt_length, R)
+    got = torch.zeros(len(eps), R)
+    for b, e in enumerate(eps):
+        assert len(e.values) == len(e.trajectory) - e.trajectory.prompt_length
+        got[b, :len(e.values)] = torch.tensor(e.values)
+    mask = padded.response_mask
+    assert int(mask.sum()) > 20 and float(train_v[mask].abs().min()) > 0
+    diff = (got - train_v)[mask].abs().max()
+    assert diff < 1e-5, float(diff)
+    assert not got[~mask].any()  # environment tokens and padding
+    with pytest.raises(ValueError, match="kept-cache path"):
+        _run(m, dims, [ScriptedEnv(1)], with_values=True, recompute=True)
 
 
 def test_kv_cache_kept_equals_recomputing_the_prefix_greedy(models, dims):
@@ -248,6 +291,41 @@ def test_stop_token_ends_a_turn(models, dims):
     assert out[0].trajectory.token_ids[out[0].trajectory.prompt_length:] == turn[:first + 1]
 
 
+def _turns(ep) -> list[list[int]]:
+    tr = ep.trajectory
+    return [tr.token_ids[s.start:s.end] for s in tr.segments if s.kind == POLICY]
+
+
+@pytest.mark.parametrize("stop_by", ["id", "string"])
+def test_min_new_tokens_holds_for_every_policy_turn(models, dims, stop_by):
+    """``rollout.min_new_tokens`` per turn: a stop id / stop string that ends turns after 1-2
+    tokens ends none before 3; the kept cache equals each turn's :func:`generate` (recompute),
+    whose min_new_tokens is single-turn's; the log-probs are the policy's own (unsuppressed)."""
+    m = models["rope"]
+    free = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, greedy=True, max_new_tokens=6)
+    first = [t for ep in free for t in _turns(ep)]
+    stop = first[0][1]  # turn 1 of episode 0 would end at its 2nd token
+    kw = dict(stop_token_ids=[stop]) if stop_by == "id" else dict(stop_strings=[decode([stop])])
+    short = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, greedy=True, max_new_tokens=6, **kw)
+    assert min(len(t) for ep in short for t in _turns(ep)) < 3  # the stop does end turns early
+    kept = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, greedy=True, max_new_tokens=6, min_new_tokens=3, **kw)
+    again = _run(m, dims, _mixed_envs(), MIXED_PROBLEMS, greedy=True, max_new_tokens=6, min_new_tokens=3,
+                 recompute=True, **kw)
+    assert [e.trajectory.turns for e in kept] == [1, 3, 2, 3]
+    for a, b in zip(kept, again):
+        assert all(len(t) >= 3 for t in _turns(a)), _turns(a)
+        if stop_by == "id":
+            assert all(stop not in t[:3] for t in _turns(a))
+        assert a.trajectory.token_ids == b.trajectory.token_ids
+        assert a.trajectory.segments == b.trajectory.segments and a.stop_reason == b.stop_reason
+        torch.testing.assert_close(torch.tensor(a.trajectory.logprobs), torch.tensor(b.trajectory.logprobs),
+                                   atol=1e-5, rtol=0)
+    assert any(stop in t for ep in kept for t in _turns(ep))  # turns still end at the stop after 3
+    padded, train_lp = _train_logprobs(m, dims, kept, 1.0)
+    diff = (train_lp - padded.logprobs)[padded.response_mask].abs().max()
+    assert diff < 1e-5, float(diff)
+
+
 # --------------------------------------------------------------------- a tool call
 
 
@@ -291,8 +369,6 @@ def test_bad_arguments_are_refused_naming_the_key(models, dims):
         _run(m, dims, [ScriptedEnv(1)], max_new_tokens=0)
     with pytest.raises(ValueError, match=r"rollout.stop_token_ids\[1\]=100"):
         _run(m, dims, [ScriptedEnv(1)], stop_token_ids=[5, VOCAB])
-    with pytest.raises(ValueError, match="rollout.min_new_tokens=2"):
-        _run(m, dims, [ScriptedEnv(1)], min_new_tokens=2)
     env = ScriptedEnv(1)
     with pytest.raises(ValueError, match="one instance per episode"):
         _run(m, dims, [env, env])

@@ -122,6 +122,31 @@ def test_suppressed_ids_are_never_chosen_greedy_or_sampled(test_device):
 
 
 @pytest.mark.device
+@pytest.mark.parametrize("greedy", [True, False])
+def test_suppression_of_some_rows_leaves_the_others_as_without_it(test_device, greedy):
+    """``suppress_rows`` (multi-turn ``rollout.min_new_tokens``, per row): the rows it marks
+    never choose a suppressed id, the others choose exactly as with no suppression; every
+    log-prob is the unsuppressed distribution's."""
+    z = _logits(batch=500, seed=8, device=test_device)
+    suppress = torch.unique(z[:3, :16].argmax(-1))
+    rows = torch.arange(500, device=test_device) % 2 == 0
+    kw = {} if greedy else {"temperature": 0.8, "top_p": 0.9}
+    gen = (lambda: None) if greedy else (lambda: torch.Generator().manual_seed(0))
+    free, free_lp = choose_tokens(z, vocab_size=16, greedy=greedy, generator=gen(), **kw)
+    tok, lp = choose_tokens(z, vocab_size=16, greedy=greedy, suppress_ids=suppress, suppress_rows=rows,
+                            generator=gen(), **kw)
+    assert not torch.isin(tok[rows], suppress).any()
+    assert torch.isin(free[rows], suppress).any()  # the suppression changed something
+    assert torch.equal(tok[~rows], free[~rows]) and torch.equal(lp[~rows], free_lp[~rows])
+    t = 1.0 if greedy else 0.8
+    own = torch.log_softmax(z[:, :16].float() / t, -1).gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lp, own, atol=1e-6, rtol=0)
+    none, _ = choose_tokens(z, vocab_size=16, greedy=greedy, suppress_ids=suppress, generator=gen(),
+                            suppress_rows=torch.zeros_like(rows), **kw)
+    assert torch.equal(none, free)
+
+
+@pytest.mark.device
 def test_same_generator_seed_same_tokens(test_device):
     z = _logits(batch=64, seed=9, device=test_device)
     a, _ = choose_tokens(z, vocab_size=16, greedy=False, generator=torch.Generator().manual_seed(3))

@@ -199,9 +199,14 @@ def test_async_refuses_pipeline_and_expert_parallel_trainers_naming_the_key():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "kl.temperature=sampling"],
-     "with ppo.old_logprobs_from_rollout=True: multi-turn episodes are not supported there yet"),
-    (["env.name=calculator", "rollout.min_new_tokens=2"], "with rollout.min_new_tokens=2"),
+    # the single-turn checks of the rollout's log-probs hold for episodes too (#51)
+    (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "critic.mode=separate",
+      "rollout.temperature=0.7", "kl.temperature=unscaled"], "set kl.temperature=sampling"),
+    (["env.name=calculator", "ppo.old_logprobs_from_rollout=true", "critic.mode=separate",
+      "rollout.engine=vllm", "rollout.top_p=0.9"], "set rollout.top_k=0 and rollout.top_p=1.0"),
+    (["env.name=calculator", "rollout.min_new_tokens=2", "rollout.engine=vllm"],
+     "with rollout.min_new_tokens=2 and rollout.engine=vllm: the vLLM engine's episodes do not apply a "
+     "per-turn minimum yet (the megatron engine's do); set rollout.min_new_tokens=0 or rollout.engine=megatron"),
     (["env.name=calc"], "env.name='calc': valid choices are null (single-turn), ['calculator', 'digit_calculator'] (built-in) "
      "or a 'package.module:function' factory path"),
     (["env.tool_call_format=json"], "env.tool_call_format='json': valid choices are ['hermes', 'llama3']"),
@@ -262,6 +267,26 @@ def test_routing_replay_is_accepted_on_a_moe_model_with_the_megatron_engine():
 
 def test_routing_replay_is_off_by_default():
     assert typed_job("ppo", ["model.num_moe_experts=4"]).moe.routing_replay is False
+
+
+def test_env_takes_the_old_logprobs_from_either_engines_episodes():
+    """``ppo.old_logprobs_from_rollout`` with ``env.name`` (#51): the episodes' behaviour
+    log-probs (megatron or vLLM engine) with a critic that computes its own values, or none;
+    with a value head on the actor's backbone (the megatron decode's values; the vLLM engine
+    refuses it when it is built, as single-turn)."""
+    for engine in ("megatron", "vllm"):
+        for extra in (["critic.mode=separate"], ["ppo.advantage_estimator=reinforce_plus_plus"],
+                      ["ppo.advantage_estimator=grpo", "rollout.n_samples_per_prompt=2"],
+                      ["critic.mode=shared"], ["critic.mode=shared_detached"]):
+            cfg = typed_job("ppo", ["env.name=calculator", "ppo.old_logprobs_from_rollout=true",
+                                    f"rollout.engine={engine}", *extra])
+            assert cfg.env.enabled and cfg.ppo.old_logprobs_from_rollout and cfg.rollout.engine == engine
+
+
+def test_env_takes_a_per_turn_min_new_tokens_on_the_megatron_engine():
+    for mode in (["rollout.mode=sync"], ["rollout.mode=async", "ppo.rollout_is_cap=2.0"]):
+        cfg = typed_job("ppo", ["env.name=calculator", "rollout.min_new_tokens=2", *mode])
+        assert cfg.env.enabled and cfg.rollout.min_new_tokens == 2
 
 
 def test_env_runs_on_either_engine_in_sync_and_async_mode():
