@@ -144,7 +144,7 @@ def run_episode_batch(cfg, dims, model, tokenizer, problems: list[dict], rollout
     P = padded.prompt_length
     values = None
     if with_values and dims.is_last_stage:  # in to_padded_batch's columns, as the log-probs
-        values = torch.zeros(padded.logprobs.shape, dtype=torch.float32)
+        values = torch.zeros(padded.logprobs.shape, dtype=torch.float32)  # host: filled from lists, moved below
         for b, ep in enumerate(episodes):
             values[b, :len(ep.values)] = torch.tensor(ep.values, dtype=torch.float32)
         values = values.to(dims.device)

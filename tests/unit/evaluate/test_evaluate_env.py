@@ -39,3 +39,8 @@ def test_episode_summary_by_hand():
            {"turns": 3, "tool_calls": 2, "malformed": 0}, {"turns": 2, "tool_calls": 1, "malformed": 0}]
     assert episode_summary(eps) == {"turns_mean": 2.0, "tool_calls_mean": 1.0, "tool_call_rate": 0.75,
                                     "malformed_call_rate": 0.25}
+
+
+def test_an_unknown_rm_input_is_refused_naming_the_key_and_the_choices():
+    with pytest.raises(ValueError, match=r"rm_input.*'whole'.*conversation.*final_answer"):
+        EvalConfig(checkpoint="/x", data="/d", out="/o", checker="env", rm_input="whole")
