@@ -54,6 +54,12 @@ class JobCollectives:
             dist.all_reduce(t, group=self.dims.dp_group)
         return t
 
+    def dp_max(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` element-wise maximum over the DP group, in place (its own device)."""
+        if self.dims.dp > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
+        return t
+
     def cp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` summed over the context-parallel group, in place (its own device):
         quantities of which each CP rank holds its positions' share (the MoE router

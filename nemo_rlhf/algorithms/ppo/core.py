@@ -42,6 +42,7 @@ __all__ = [
     "last_valid_index",
     "masked_mean",
     "masked_sum",
+    "masked_spread",
     "masked_var",
     "masked_whiten",
 ]
@@ -261,3 +262,41 @@ def masked_whiten(
     if not shift_mean:
         whitened = whitened + mean
     return _select(m, whitened)
+
+
+def masked_spread(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    reduce_max_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
+    """``max(x) - min(x)`` over the valid elements of ``x``: 0 exactly when they are all
+    equal (no rounding: no variance is formed), 0 when no element is valid.
+
+    The maximum and the negated minimum pass through ``reduce_max_fn`` (one call, a ``[2]``
+    fp32 tensor reduced by MAX) so a trainer can take them over data-parallel ranks; a rank
+    with no valid element contributes ``-inf`` and does not move the result. Every rank
+    must call it. PPO uses it to tell a rollout whose sequence rewards all agree (nothing
+    for the policy to learn from the reward) from one whose rewards vary.
+
+    Args:
+        x: ``[batch]`` (any shape) float; e.g. each sequence's task reward.
+        mask: same shape as ``x``, bool or 0/1.
+        reduce_max_fn: optional ``[2] fp32 -> [2] fp32`` element-wise MAX-reducer.
+
+    Returns:
+        0-d fp32 tensor on ``x``'s device, ``>= 0``.
+
+    Raises:
+        ValueError: if the shapes differ.
+    """
+    x32 = _fp32(x, "x")
+    _check_same_shape(x32, "x", mask=mask)
+    m = _bool_mask(mask, "mask")
+    neg_inf = torch.full((1,), float("-inf"), dtype=torch.float32, device=x32.device)
+    hi = torch.cat([torch.where(m, x32, neg_inf).flatten(), neg_inf]).max()
+    lo_neg = torch.cat([torch.where(m, -x32, neg_inf).flatten(), neg_inf]).max()
+    both = torch.stack([hi, lo_neg])
+    if reduce_max_fn is not None:
+        both = reduce_max_fn(both)
+    spread = both[0] + both[1]
+    return torch.where(torch.isfinite(spread), spread, torch.zeros_like(spread))

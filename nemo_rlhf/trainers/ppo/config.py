@@ -132,7 +132,18 @@ class PPOAlgoConfig:
     refused) (``AdvantageConfig.lam_policy_alpha``)."""
     normalize_advantages: bool = True
     """Whiten ``gae`` advantages over valid tokens (statistics all-reduced over DP); the
-    critic-free estimators normalise by their own rule and are not whitened again."""
+    critic-free estimators normalise by their own rule and are not whitened again. A
+    rollout whose kept sequences all got the same task reward is not whitened unless
+    ``ppo.whiten_constant_rewards`` (metric ``advantages_whitened``)."""
+    whiten_constant_rewards: bool = False
+    """With ``ppo.normalize_advantages``: whiten also a rollout in which every kept sequence
+    got the same task reward (its score, plus ``ppo.missing_eos_penalty`` and per-turn
+    environment rewards; the KL penalty is not part of it), over all DP ranks. Default
+    false: such a step's GAE advantages are left raw, the value head's errors and the
+    discounted KL penalty, because whitening would give them unit variance and push the
+    policy by a signal no reward is behind (one run on the SmolLM2 calculator, every one
+    of its 64 first episodes right: whitened, the tool call broke; unwhitened, it held;
+    docs/tasks.md). The step logs ``advantages_whitened`` (1 whitened, 0 left raw)."""
     advantage_estimator: str = AdvantageConfig.estimator
     """``gae`` (with the critic), or critic-free: ``grpo`` (group-normalised outcome, Shao
     et al. 2024), ``rloo`` (leave-one-out baseline, Ahmadian et al. 2024),

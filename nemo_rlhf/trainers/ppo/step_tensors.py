@@ -41,7 +41,12 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
         ``reward_mean/std``, ``response_length``, ``advantages_mean``, ``returns_mean/std``,
         each over every DP rank's kept rows; ``kl_coef``, the beta applied to the token
         rewards (the controller's value; 0 with ``kl.in_reward=false``) and, when the loss
-        has a KL term, ``kl_loss_coef`` (``kl.loss_coef``, the weight applied to it). With
+        has a KL term, ``kl_loss_coef`` (``kl.loss_coef``, the weight applied to it). Where
+        ``ppo.normalize_advantages`` whitens (``gae``), ``advantages_whitened``: 1, or 0 on
+        a rollout whose kept sequences all got the same task reward (score, missing-EOS
+        penalty, per-turn rewards; the spread over DP by :func:`~nemo_rlhf.algorithms.ppo.
+        masked_spread`), whose advantages are left raw unless
+        ``ppo.whiten_constant_rewards``. With
         a critic: ``critic/value_error_pos_<lo>-<hi>``, the mean ``|V - R|`` of the
         critic's old values against the returns (its targets) over the kept tokens of each
         log2 response-position bucket (:mod:`~nemo_rlhf.algorithms.ppo.critic_metrics`).
@@ -53,8 +58,10 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
         fwd.kl_logprobs, fwd.ref_logprobs, torch.where(keep, scores, 0.0), mask, beta,
         kl_estimator=c.kl.estimator, kl_clamp=c.kl.clamp, ended=batch.ended,
         missing_eos_penalty=c.ppo.missing_eos_penalty)
+    turn_rewards = None
     if c.env.turn_rewards == "per_turn" and is_episode_batch(batch):  # each turn's reward at its end
-        rewards = rewards + P.turn_reward_tensor(batch.turn_reward_placements(), mask)
+        turn_rewards = P.turn_reward_tensor(batch.turn_reward_placements(), mask)
+        rewards = rewards + turn_rewards
     full_mask, mask = mask, mask & keep[:, None]  # from here on: the rows that train
     group_ids = P.group_ids_from_samples(mask.shape[0], c.rollout.n_samples_per_prompt, device=mask.device)
     adv, ret = P.compute_advantages(  # group estimators: whole groups left out, see step_scores
@@ -63,8 +70,20 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
     adv, ret = torch.where(mask, adv, 0.0), torch.where(mask, ret, 0.0)
     scores = torch.where(keep, scores, 0.0)
     raw_adv = adv
+    whitened = None
     if c.ppo.normalize_advantages and advantage_cfg.traits.batch_whitening:
-        adv = P.masked_whiten(adv, mask, reduce_fn=collectives.whiten_reduce)
+        adv_w = P.masked_whiten(adv, mask, reduce_fn=collectives.whiten_reduce)
+        if c.ppo.whiten_constant_rewards:
+            adv, whitened = adv_w, True
+        else:  # a rollout whose sequences all got the same task reward keeps raw advantages
+            task_reward = scores.float()
+            if c.ppo.missing_eos_penalty is not None:
+                task_reward = task_reward + torch.where(batch.ended, float(c.ppo.missing_eos_penalty), 0.0)
+            if turn_rewards is not None:
+                task_reward = task_reward + turn_rewards.sum(-1)
+            varies = P.masked_spread(task_reward, keep, reduce_max_fn=collectives.dp_max) > 0
+            adv = torch.where(varies, adv_w, adv)
+            whitened = varies
     seq_kl = torch.where(mask, kl, 0.0).sum(-1)
     ret_masked = torch.where(mask, ret, 0.0)
     named = {
@@ -95,6 +114,8 @@ def step_advantages(cfg, advantage_cfg: P.AdvantageConfig, kl_coef: float, colle
     }
     if c.kl.loss_coef > 0:
         metrics["kl_loss_coef"] = float(c.kl.loss_coef)  # the KL loss term's weight
+    if whitened is not None:  # 0: every kept sequence got the same task reward, not whitened
+        metrics["advantages_whitened"] = float(whitened)
     if fwd.values is not None:
         n = P.POSITION_BUCKETS
         metrics.update(P.value_error_by_position_from_sums(

@@ -22,6 +22,7 @@ from nemo_rlhf.algorithms.ppo import (
     finalize_token_stats,
     last_valid_index,
     masked_mean,
+    masked_spread,
     masked_var,
     masked_whiten,
     merge_token_stats,
@@ -583,3 +584,27 @@ def test_policy_loss_argument_errors():
         policy_loss(*args, clip_eps_high=-0.1)
     with pytest.raises(ValueError, match="shape"):
         policy_loss(t([[0.0, 0.0]]), *args[1:])
+
+
+# masked_spread: max - min over the valid elements, exact, over DP through a MAX reducer.
+def test_masked_spread_is_max_minus_min_of_the_valid_elements():
+    x = torch.tensor([1.0, 4.0, 2.0, 9.0])
+    assert float(masked_spread(x, torch.tensor([1, 1, 1, 0]))) == 3.0  # 9 is masked
+    assert float(masked_spread(x, torch.tensor([True, True, True, True]))) == 8.0
+    assert float(masked_spread(torch.full((4,), 0.7), torch.ones(4, dtype=torch.bool))) == 0.0  # exact
+    assert float(masked_spread(x, torch.tensor([0, 0, 1, 0]))) == 0.0  # one valid element
+    assert float(masked_spread(x, torch.zeros(4, dtype=torch.bool))) == 0.0  # none valid
+    # another rank holds max 5 and min -1: [max, -min] reduced by MAX is [5, 1], spread 6
+    seen = []
+
+    def other_rank(t):
+        seen.append(t.clone())
+        return torch.maximum(t, torch.tensor([5.0, 1.0]))
+
+    assert float(masked_spread(x, torch.tensor([1, 1, 1, 0]), reduce_max_fn=other_rank)) == 6.0
+    torch.testing.assert_close(seen[0], torch.tensor([4.0, -1.0]))  # this rank's max and -min
+    # a rank with no valid element sends [-inf, -inf] and leaves the other rank's spread as it is
+    assert float(masked_spread(x, torch.zeros(4, dtype=torch.bool), reduce_max_fn=other_rank)) == 6.0
+    assert seen[1].tolist() == [float("-inf"), float("-inf")]
+    with pytest.raises(ValueError):
+        masked_spread(x, torch.ones(3, dtype=torch.bool))

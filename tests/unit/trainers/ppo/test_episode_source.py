@@ -248,7 +248,7 @@ def test_each_turns_reward_is_placed_at_the_last_token_of_its_policy_segment(mon
     assert batch.pad_response_to(9, 0).turn_reward_placements() == [[(1, 0.5), (6, 1.0)], []]
 
 
-def _step_returns(monkeypatch, turn_rewards):
+def _step_returns(monkeypatch, turn_rewards, scores=(2.0, 3.0), metrics=False):
     """The returns of ``step_advantages`` on the batch of :func:`_episodes`: no KL (beta 0, equal
     log-probs), V = 0, gamma = lam = 1, so the return of a policy token is the sum of the token
     rewards from it to the row's end (environment tokens skipped)."""
@@ -258,9 +258,10 @@ def _step_returns(monkeypatch, turn_rewards):
                                  "ppo.gamma=1.0", "ppo.lam=1.0"])
     zeros = torch.zeros(2, 7)
     fwd = ForwardResults(old_logprobs=zeros, ref_logprobs=zeros, kl_logprobs=zeros, values=zeros)
-    one_rank = SimpleNamespace(dp_sum_named=lambda sums: sums, whiten_reduce=lambda s, sq, n: (s, sq, n))
-    adv, _ = step_advantages(cfg, cfg.advantage_config(), 0.0, one_rank, batch, torch.tensor([2.0, 3.0]), fwd)
-    return adv.returns.tolist()
+    one_rank = SimpleNamespace(dp_sum_named=lambda sums: sums, whiten_reduce=lambda s, sq, n: (s, sq, n),
+                               dp_max=lambda t: t)
+    adv, m = step_advantages(cfg, cfg.advantage_config(), 0.0, one_rank, batch, torch.tensor(scores), fwd)
+    return m if metrics else adv.returns.tolist()
 
 
 def test_per_turn_rewards_reach_the_returns_at_the_end_of_their_turns(monkeypatch):
@@ -270,6 +271,13 @@ def test_per_turn_rewards_reach_the_returns_at_the_end_of_their_turns(monkeypatc
     # sum (the default): the environment's rewards reach the score only through the `env`
     # reward function (not named here), the score alone on the last policy token
     assert _step_returns(monkeypatch, "sum") == [[2.0, 2.0, 0, 0, 0, 2.0, 2.0], [3.0, 3.0, 0, 0, 0, 0, 0]]
+
+
+def test_per_turn_rewards_count_when_telling_whether_the_rollouts_rewards_vary(monkeypatch):
+    # equal scores 2 and 2: with per_turn, row A's task reward is 2 + 0.5 + 1.0 = 3.5 against
+    # B's 2, so the advantages are whitened; with sum, both rows' task reward is 2: left raw
+    assert _step_returns(monkeypatch, "per_turn", (2.0, 2.0), metrics=True)["advantages_whitened"] == 1.0
+    assert _step_returns(monkeypatch, "sum", (2.0, 2.0), metrics=True)["advantages_whitened"] == 0.0
 
 
 @pytest.mark.parametrize("overrides, needle", [

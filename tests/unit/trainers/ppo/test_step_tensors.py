@@ -11,22 +11,24 @@ from nemo_rlhf.trainers.ppo.step_data import ForwardResults
 from nemo_rlhf.trainers.ppo.step_tensors import step_advantages
 from tests.conf_helpers import typed_job
 
-ONE_RANK = SimpleNamespace(dp_sum_named=lambda sums: sums, whiten_reduce=lambda s, sq, n: (s, sq, n))
+ONE_RANK = SimpleNamespace(dp_sum_named=lambda sums: sums, whiten_reduce=lambda s, sq, n: (s, sq, n),
+                           dp_max=lambda t: t)
 
 
-def _step(overrides, controller_beta: float) -> dict:
+def _step(overrides, controller_beta: float, scores=(1.0, 3.0), ended=(True, True),
+          collectives=ONE_RANK, with_advantages: bool = False):
     """One rollout of 2 samples x 3 response tokens; actor 0.5 nats above the reference on
-    each token (k1 = 0.5, 1.5 nats a sequence); scores 1 and 3."""
+    each token (k1 = 0.5, 1.5 nats a sequence); scores 1 and 3 unless given."""
     cfg = typed_job("ppo_tiny", overrides)
     mask = torch.ones(2, 3, dtype=torch.bool)
-    batch = SimpleNamespace(response_mask=mask, ended=torch.ones(2, dtype=torch.bool),
+    batch = SimpleNamespace(response_mask=mask, ended=torch.tensor(ended),
                             truncated=torch.zeros(2, dtype=torch.bool))
     logp = torch.full((2, 3), -1.0)
     fwd = ForwardResults(old_logprobs=logp, ref_logprobs=logp - 0.5, kl_logprobs=logp,
                          values=torch.zeros(2, 3))
-    _, metrics = step_advantages(cfg, cfg.advantage_config(), controller_beta, ONE_RANK, batch,
-                                 torch.tensor([1.0, 3.0]), fwd)
-    return metrics
+    adv, metrics = step_advantages(cfg, cfg.advantage_config(), controller_beta, collectives,
+                                   batch, torch.tensor(scores), fwd)
+    return (adv, metrics) if with_advantages else metrics
 
 
 def test_without_the_kl_in_the_reward_kl_coef_logs_the_beta_applied_there_zero():
@@ -86,3 +88,53 @@ def test_lam_critic_sets_the_returns_and_lam_policy_alpha_the_advantages():
 def test_bad_lambda_settings_are_refused_naming_the_key(overrides, needle):
     with pytest.raises(ValueError, match=needle):
         typed_job("ppo_tiny", overrides)
+
+
+# A rollout whose sequences all got the same task reward is not whitened (ppo.whiten_constant_
+# rewards=false, the default). Beta 0, V = 0, gamma 1, lam 0.95, both scores 1: the raw GAE
+# advantage of each row is [0.9025, 0.95, 1] (the discounting alone); whitened, the 6 tokens
+# would have mean 0.950833 and unbiased std sqrt(2 * (0.048333^2 + 0.000833^2 + 0.049167^2) / 5)
+# = 0.043608: [-1.108357, -0.019110, 1.127466] a row.
+RAW_ROW = [0.9025, 0.95, 1.0]
+WHITE_ROW = [-1.108357, -0.019110, 1.127466]
+
+
+def test_a_rollout_whose_rewards_all_agree_keeps_its_raw_advantages():
+    adv, m = _step([], 0.0, scores=(1.0, 1.0), with_advantages=True)
+    assert m["advantages_whitened"] == 0.0
+    torch.testing.assert_close(adv.advantages, torch.tensor([RAW_ROW, RAW_ROW]))
+    adv, m = _step(["ppo.whiten_constant_rewards=true"], 0.0, scores=(1.0, 1.0), with_advantages=True)
+    assert m["advantages_whitened"] == 1.0
+    torch.testing.assert_close(adv.advantages, torch.tensor([WHITE_ROW, WHITE_ROW]), atol=1e-5, rtol=0)
+
+
+def test_a_rollout_whose_rewards_vary_is_whitened():
+    adv, m = _step([], 0.0, scores=(1.0, 3.0), with_advantages=True)
+    assert m["advantages_whitened"] == 1.0
+    a = adv.advantages
+    assert float(a.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(a.flatten().std()) == pytest.approx(1.0, abs=1e-4)  # unbiased, as masked_whiten
+
+
+def test_the_missing_eos_penalty_counts_as_task_reward_and_the_kl_does_not():
+    # equal scores, but row 1 did not end: its task reward is 1 - 1 = 0, so the rewards vary
+    m = _step(["ppo.missing_eos_penalty=-1.0"], 0.0, scores=(1.0, 1.0), ended=(True, False))
+    assert m["advantages_whitened"] == 1.0
+    # a KL penalty in the token rewards (beta 0.26) does not make equal scores vary
+    m = _step([], 0.26, scores=(1.0, 1.0))
+    assert m["advantages_whitened"] == 0.0
+
+
+def test_rows_left_out_do_not_count_and_other_dp_ranks_do():
+    # a NaN score leaves row 1 out (reward.invalid_scores=skip): one kept reward, no spread
+    m = _step([], 0.0, scores=(2.0, float("nan")))
+    assert m["advantages_whitened"] == 0.0
+    # this rank's scores agree (1, 1), another DP rank holds a 3: the MAX all-reduce of
+    # [max, -min] sees [3, -1], so the rollout varies and is whitened
+    other_rank_3 = SimpleNamespace(**{**vars(ONE_RANK), "dp_max": lambda t: torch.maximum(t, torch.tensor([3.0, -3.0]))})
+    m = _step([], 0.0, scores=(1.0, 1.0), collectives=other_rank_3)
+    assert m["advantages_whitened"] == 1.0
+
+
+def test_critic_free_and_unwhitened_runs_log_no_whitening_flag():
+    assert "advantages_whitened" not in _step(["ppo.normalize_advantages=false"], 0.0, scores=(1.0, 1.0))
