@@ -38,16 +38,21 @@ vllm-env: $(VSTAMP)
 demo: $(STAMP)
 	$(BIN)/python -m launchers.demo $(ARGS)
 
-# The main suite in two runs, then the vLLM engine's tests in their environment (they use the
-# SmolLM2 checkpoint the main suite's tests/real set up). tests/unit is single-process (one
-# core: 713 s of CPU in 686 s wall, 103%) and runs on UNIT_WORKERS pytest-xdist workers, a
-# file per worker at a time (module fixtures stay in one process); the rest (multi-rank gloo
-# worlds, e2e jobs, the Slurm cluster) already keeps both cores busy and runs serially, its 30
-# slowest tests listed at the end.
+# The main suite in three runs, then the vLLM engine's tests in their environment (they use
+# the SmolLM2 checkpoint the main suite's tests/real set up). Measured on a 2-core AVX2 EPYC:
+# the multi-rank gloo files keep 1.2 of the 2 cores busy, an e2e demo job 1.5, so both
+# tests/unit and the rest run on pytest-xdist workers (UNIT_WORKERS, REST_WORKERS), a file per
+# worker at a time (module fixtures stay in one process). SERIAL_TESTS assert wall-clock
+# limits (a 12 s collective timeout, 5-8 s RM and rollout-worker timeouts, Slurm's time
+# limits and signals) and run alone at the end.
 UNIT_WORKERS ?= 2
+REST_WORKERS ?= 2
+SERIAL_TESTS ?= tests/slurm tests/e2e/test_rank_hang.py tests/e2e/test_async_rollout.py \
+	tests/e2e/test_reward_failure_stops_all_ranks.py tests/e2e/test_ppo_trainer.py
 test: $(STAMP) $(VSTAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(UNIT_WORKERS) --dist loadfile --durations=10 tests/unit $(UNIT_PYTEST_ARGS)
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 --ignore=tests/vllm_engine --ignore=tests/unit $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(REST_WORKERS) --dist loadfile --durations=30 --ignore=tests/vllm_engine --ignore=tests/unit $(addprefix --ignore=,$(SERIAL_TESTS)) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 $(SERIAL_TESTS) $(PYTEST_ARGS)
 	$(VBIN)/python -m pytest -q -p no:cacheprovider tests/vllm_engine $(VLLM_PYTEST_ARGS)
 
 # The prepared GPU check (benchmarks/gpu_check.py): on a CUDA machine, with that machine's
